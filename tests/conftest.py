@@ -1,0 +1,36 @@
+"""Eight simulated CPU devices, set before jax is imported, and the shared small model."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from zero_jax import data  # noqa: E402
+from zero_jax.mesh import make_mesh  # noqa: E402
+from zero_jax.model import GPT, GPTConfig, init_fn, lm_loss  # noqa: E402
+
+N = 8
+
+# Shapes chosen to exercise the rules: vocab 250 and seq 12 do not divide by 8 (embeddings are
+# cut along d_model), fc1's bias (100,) does not divide at all and stays replicated.
+SMALL = GPTConfig(vocab_size=250, d_model=40, n_layers=2, n_heads=4, d_ff=100, seq_len=12)
+
+
+@pytest.fixture(scope="session")
+def mesh():
+    assert len(jax.devices()) == N
+    return make_mesh(N)
+
+
+@pytest.fixture(scope="session")
+def small():
+    """(model, init, loss_fn, batches) of the small GPT on the stdlib corpus."""
+    model = GPT(SMALL)
+    tokens = data.stdlib_corpus(1 << 18) % SMALL.vocab_size
+    batches = [data.batch(tokens, i, 16, SMALL.seq_len, seed=0) for i in range(10)]
+    return model, init_fn(model), lm_loss(model), [np.asarray(b) for b in batches]

@@ -1,0 +1,172 @@
+"""Train a GPT with ZeRO stage 0-3 on every device there is: `python train.py --stage 3`.
+
+With no accelerator the CPU is split into simulated devices (8 unless --devices says
+otherwise), so every shard is its own buffer and every collective really runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit code 2, as for every bad input
+        sys.exit(fail(message))
+
+
+def fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--stage", type=int, help="ZeRO stage 0-3 (default: the config's, 3)")
+    p.add_argument("--config", default="tiny",
+                   help="YAML file, or a name in configs/: tiny, gpt2-124m, gpt-1.3b, gpt-7.5b")
+    p.add_argument("--steps", type=int, help="optimizer steps (default: the config's)")
+    p.add_argument("--seed", type=int, help="seed of initialization and data order")
+    p.add_argument("--devices", type=int, help="devices on the data axis (default: all; "
+                   "8 simulated CPU devices when there is no accelerator)")
+    p.add_argument("--data", help="text file, directory of text files, or .bin of uint16 token "
+                   "ids (default: the Python standard library's sources, as bytes)")
+    p.add_argument("--metrics", help="write one JSON object per step to this file")
+    p.add_argument("--report", help="write the memory/communication report as JSON here")
+    p.add_argument("--dry-run", action="store_true",
+                   help="compile the step on abstract arrays, print the report, train nothing")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set optimizer.name=sgd (repeatable)")
+    return p.parse_args(argv)
+
+
+def simulate_cpu_devices(n: int) -> None:
+    """Ask XLA for ``n`` host devices; only effective before jax is imported, harmless on GPU."""
+    flag = f"--xla_force_host_platform_device_count={n}"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.devices is not None and args.devices < 1:
+        return fail(f"--devices must be at least 1 (got {args.devices})")
+    simulate_cpu_devices(args.devices or 8)
+
+    from zero_jax import config as configs  # jax is imported from here on
+
+    overrides = list(args.set)
+    for flag, key in [("stage", "zero.stage"), ("steps", "train.steps"), ("seed", "train.seed")]:
+        if getattr(args, flag) is not None:
+            overrides.append(f"{key}={getattr(args, flag)}")
+    try:
+        cfg = configs.load(args.config, overrides)
+        run = Run(cfg, args)
+    except (configs.ConfigError, ValueError, FileNotFoundError) as e:
+        return fail(str(e))
+    return run.dry_run() if args.dry_run else run.train()
+
+
+class Run:
+    """One configured run: the mesh, model, optimizer, plan and step it compiles."""
+
+    def __init__(self, cfg: dict, args: argparse.Namespace):
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        from zero_jax import data
+        from zero_jax.mesh import make_mesh
+        from zero_jax.model import GPT, LAYERS, GPTConfig, init_fn, lm_loss
+        from zero_jax.optim import make_optimizer
+        from zero_jax.rules import make_plan
+        from zero_jax.step import make_train_step
+
+        self.cfg, self.args = cfg, args
+        t = cfg["train"]
+        self.mesh = make_mesh(args.devices)
+        n = self.mesh.shape["data"]
+        if t["batch_size"] % n:
+            raise ValueError(f"global batch {t['batch_size']} is not divisible by {n} "
+                             f"data-parallel devices: use --set train.batch_size=<multiple of {n}> "
+                             f"or --devices <divisor of {t['batch_size']}>")
+        self.model_cfg = GPTConfig(**cfg["model"])
+        model = GPT(self.model_cfg)
+        self.tokens = None
+        if not args.dry_run:
+            self.tokens = data.load_tokens(args.data)
+            data.check_tokens(self.tokens, self.model_cfg.vocab_size, self.model_cfg.seq_len,
+                              args.data or "the standard library corpus")
+        self.init = init_fn(model)
+        self.tx, self.schedule = make_optimizer(cfg["optimizer"], t["steps"])
+        key = jax.random.key(t["seed"])
+        self.key = key
+        self.plan = make_plan(jax.eval_shape(self.init, key), self.mesh, cfg["zero"]["stage"],
+                              layers=LAYERS, min_shard_elems=cfg["zero"]["min_shard_elems"])
+        self.step = make_train_step(self.plan, lm_loss(model), self.tx, lr_schedule=self.schedule)
+        self.batch_sharding = NamedSharding(self.mesh, P("data"))
+        self.batch_shape = jax.ShapeDtypeStruct((t["batch_size"], self.model_cfg.seq_len + 1),
+                                                jnp.int32, sharding=self.batch_sharding)
+
+    def report(self, state) -> tuple[dict, object]:
+        from zero_jax import report
+
+        compiled = self.step.lower(state, self.batch_shape).compile()
+        r = report.build(self.plan, state, compiled)
+        print(report.format_table(r))
+        if self.args.report:
+            with open(self.args.report, "w") as f:
+                json.dump(r, f, indent=1)
+        return r, compiled
+
+    def dry_run(self) -> int:
+        from zero_jax.step import abstract_state
+
+        self.report(abstract_state(self.plan, self.tx))
+        return 0
+
+    def train(self) -> int:
+        import jax
+        import numpy as np
+        from tqdm import tqdm
+
+        from zero_jax import data
+        from zero_jax.step import init_state
+
+        t = self.cfg["train"]
+        state = init_state(self.plan, self.init, self.tx, self.key)
+        _, step = self.report(state)
+        tokens_per_step = t["batch_size"] * self.model_cfg.seq_len
+        metrics_file = open(self.args.metrics, "w") if self.args.metrics else None
+        losses, start, first_loss = [], time.perf_counter(), None
+        bar = tqdm(range(t["steps"]), desc=f"stage {self.plan.stage}", unit="step")
+        for i in bar:
+            batch = jax.device_put(
+                data.batch(self.tokens, i, t["batch_size"], self.model_cfg.seq_len, t["seed"]),
+                self.batch_sharding)
+            tick = time.perf_counter()
+            state, m = step(state, batch)
+            m = {k: float(v) for k, v in m.items()}  # waits for the step
+            tps = tokens_per_step / (time.perf_counter() - tick)
+            record = {"step": i + 1, "loss": m["loss"], "grad_norm": m["grad_norm"],
+                      "lr": m["lr"], "tokens_per_s": tps}
+            if metrics_file:
+                metrics_file.write(json.dumps(record) + "\n")
+            first_loss = m["loss"] if first_loss is None else first_loss
+            losses.append(m["loss"])
+            bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tps:,.0f}")
+        if metrics_file:
+            metrics_file.close()
+        elapsed = time.perf_counter() - start
+        last = float(np.mean(losses[-10:]))
+        print(f"done: {t['steps']} steps in {elapsed:.1f} s, loss {first_loss:.3f} -> {last:.3f} "
+              f"(mean of last 10), {t['steps'] * tokens_per_step / elapsed:,.0f} tokens/s")
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Run configuration: YAML files in ``configs/`` over the defaults below, then ``--set`` overrides.
+
+Every key that exists is in ``DEFAULTS``; anything else is a mistake and is refused, as is a
+value whose type does not match the default's.
+"""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512,
+              "seq_len": 64, "remat": True},
+    "optimizer": {"name": "adamw", "lr": 3e-3, "warmup_steps": 20, "b1": 0.9, "b2": 0.95,
+                  "eps": 1e-8, "weight_decay": 0.1, "momentum": 0.0, "clip_norm": 1.0},
+    "train": {"batch_size": 32, "steps": 400, "seed": 0},
+    "zero": {"stage": 3, "min_shard_elems": 0},
+}
+
+OPTIMIZERS = ("adamw", "adam", "sgd")
+
+
+class ConfigError(ValueError):
+    """A configuration the run cannot use; the message says what to change."""
+
+
+def resolve(name: str) -> pathlib.Path:
+    """A config path, or the name of a file in ``configs/`` ("tiny", "gpt2-124m")."""
+    path = pathlib.Path(name)
+    if path.exists():
+        return path
+    shipped = CONFIG_DIR / f"{name.removesuffix('.yaml')}.yaml"
+    if shipped.exists():
+        return shipped
+    names = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+    raise ConfigError(f"config {name} not found: pass a YAML path or one of {names}")
+
+
+def _merge(base: dict, update: dict, where: str = "") -> None:
+    for key, value in update.items():
+        dotted = f"{where}{key}"
+        if key not in base:
+            known = ", ".join(f"{where}{k}" for k in base)
+            raise ConfigError(f"unknown config key {dotted}: known keys are {known}")
+        if isinstance(base[key], dict):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key {dotted} is a section; set its keys, "
+                                  f"e.g. {dotted}.{next(iter(base[key]))}")
+            _merge(base[key], value, dotted + ".")
+        else:
+            base[key] = _check_type(dotted, base[key], value)
+
+
+def _check_type(key: str, default: Any, value: Any) -> Any:
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        raise ConfigError(f"config key {key} must be a {type(default).__name__}, "
+                          f"got {value!r}")
+    return value
+
+
+def parse_override(text: str) -> dict:
+    """``"optimizer.lr=1e-3"`` as the nested dict ``{"optimizer": {"lr": 0.001}}``."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set {text}: write KEY=VALUE, e.g. --set optimizer.name=sgd")
+    value = yaml.safe_load(raw) if raw else ""
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
+
+
+def load(name: str = "tiny", overrides: list[str] = ()) -> dict:
+    """The defaults, updated by the YAML file ``name`` and then by each ``KEY=VALUE``."""
+    config = copy.deepcopy(DEFAULTS)
+    path = resolve(name)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config {path} is not valid YAML: {str(e).splitlines()[0]}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a mapping of sections (model:, train:, ...)")
+    _merge(config, data)
+    for text in overrides:
+        _merge(config, parse_override(text))
+    validate(config)
+    return config
+
+
+def validate(config: dict) -> None:
+    m, o, z = config["model"], config["optimizer"], config["zero"]
+    if o["name"] not in OPTIMIZERS:
+        raise ConfigError(f"optimizer.name {o['name']!r} is not one of {', '.join(OPTIMIZERS)}")
+    if z["stage"] not in (0, 1, 2, 3):
+        raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3 (got {z['stage']})")
+    if m["d_model"] % m["n_heads"]:
+        raise ConfigError(f"model.d_model {m['d_model']} is not divisible by model.n_heads "
+                          f"{m['n_heads']}")
+    for section, key in [("model", "n_layers"), ("model", "seq_len"), ("train", "batch_size"),
+                         ("train", "steps")]:
+        if config[section][key] < 1:
+            raise ConfigError(f"{section}.{key} must be at least 1 (got {config[section][key]})")

@@ -1,0 +1,119 @@
+"""The collectives of a compiled program, read from its HLO text.
+
+For each collective: its kind, how many times it runs per step (loop trip counts multiplied
+in), its payload bytes, its replica-group size, and whether it sits inside a loop (the layer
+scan). Payload follows the ZeRO paper's accounting: the full-size buffer of the operation
+(all-gather output, reduce-scatter input, all-reduce operand), and an all-reduce counts twice
+in ``volume`` because it is a reduce-scatter plus an all-gather.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+
+KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+               "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.*?) ([\w\-]+)\((.*)$")
+_ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16)\[([\d,]*)\]")
+_CALLS = re.compile(r"(?:to_apply|body|condition|calls|branch_computations|called_computations)"
+                    r"=(?:\{([^}]*)\}|(%?[\w.\-]+))")
+_BODY = re.compile(r" while\(.*\bbody=%?([\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
+
+
+@dataclasses.dataclass
+class Collective:
+    kind: str
+    dtype: str
+    bytes: int  # payload of one execution, full-size side
+    group_size: int
+    in_loop: bool
+    count: int  # executions per step
+    computation: str  # the HLO computation it sits in (a loop body, or the entry)
+
+    @property
+    def volume(self) -> int:
+        """Bytes per step in ZeRO's units (an all-reduce = reduce-scatter + all-gather)."""
+        return self.count * self.bytes * (2 if self.kind == "all-reduce" else 1)
+
+
+def _arrays(shape: str) -> list[tuple[str, int]]:
+    return [(dt, DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d))
+            for dt, dims in _ARRAY.findall(shape)]
+
+
+def _group_size(rest: str, default: int) -> int:
+    if m := _GROUPS_IOTA.search(rest):
+        return int(m.group(2))
+    if m := _GROUPS_LIST.search(rest):
+        return len(m.group(1).split(","))
+    return default
+
+
+def collectives(hlo_text: str, n_devices: int) -> list[Collective]:
+    """Every collective instruction in ``hlo_text`` (async ``-start`` forms included)."""
+    bodies: dict[str, list[str]] = collections.defaultdict(list)
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        if m := _COMPUTATION.match(line):
+            current = m.group(1).lstrip("%")
+            if line.startswith("ENTRY"):
+                entry = current
+        elif line.startswith("}"):
+            current = None
+        elif current:
+            bodies[current].append(line)
+
+    # How often each computation runs per step, and whether it runs inside a loop.
+    runs: dict[str, int] = {}
+    looped: dict[str, bool] = {}
+
+    def visit(name: str, times: int, in_loop: bool) -> None:
+        runs[name] = runs.get(name, 0) + times
+        looped[name] = looped.get(name, False) or in_loop
+        for line in bodies.get(name, ()):
+            body = _BODY.search(line)
+            trip = _TRIP.search(line)
+            for listed, single in _CALLS.findall(line):
+                for callee in (c.strip().lstrip("%") for c in (listed or single).split(",")):
+                    if body and callee == body.group(1):
+                        visit(callee, times * (int(trip.group(1)) if trip else 1), True)
+                    elif callee in bodies:
+                        visit(callee, times, in_loop)
+
+    if entry is None:
+        return []
+    visit(entry, 1, False)
+
+    found = []
+    for name, lines in bodies.items():
+        if name not in runs:
+            continue
+        for line in lines:
+            m = _INSTRUCTION.match(line)
+            if not m:
+                continue
+            shape, op, rest = m.groups()
+            kind = op.removesuffix("-start")
+            if kind not in KINDS:
+                continue
+            arrays = _arrays(shape)
+            if op == "all-gather-start" and shape.startswith("(("):
+                arrays = arrays[len(arrays) // 2:]  # ((operands), (results))
+            elif op == "all-gather-start":
+                arrays = arrays[-1:]
+            group = _group_size(rest, n_devices)
+            size = sum(b for _, b in arrays)
+            if kind == "reduce-scatter":
+                size *= group  # the instruction's shape is the scattered result
+            found.append(Collective(kind, arrays[0][0] if arrays else "?", size, group,
+                                    looped[name], runs[name], name))
+    return found

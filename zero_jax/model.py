@@ -1,0 +1,98 @@
+"""The default model: a GPT-2 style decoder, its layers under ``nn.scan`` with remat.
+
+Each layer is wrapped in ``zero_jax.layer`` so that, under a ZeRO-3 step, its parameters are
+gathered inside the scan, one layer at a time, and gathered again by remat in the backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from zero_jax.gather import layer
+
+LAYERS = "^blocks/"  # the plan's ``layers`` pattern for this model
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 512
+    seq_len: int = 64
+    remat: bool = True
+
+    @property
+    def n_params(self) -> int:
+        d, f, L = self.d_model, self.d_ff, self.n_layers
+        per_layer = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+        return self.vocab_size * d + self.seq_len * d + L * per_layer + 2 * d
+
+
+class Block(nn.Module):
+    cfg: GPTConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _) -> tuple[jax.Array, None]:
+        c = self.cfg
+        b, t, d = x.shape
+        dh = d // c.n_heads
+        init = nn.initializers.normal(0.02)
+        out_init = nn.initializers.normal(0.02 / math.sqrt(2 * c.n_layers))
+
+        h = nn.LayerNorm(name="ln1")(x)
+        qkv = nn.Dense(3 * d, kernel_init=init, name="qkv")(h).reshape(b, t, 3, c.n_heads, dh)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        scores = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(dh)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        att = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), v).reshape(b, t, d)
+        x = x + nn.Dense(d, kernel_init=out_init, name="proj")(att)
+
+        h = nn.LayerNorm(name="ln2")(x)
+        h = nn.gelu(nn.Dense(c.d_ff, kernel_init=init, name="fc1")(h))
+        x = x + nn.Dense(d, kernel_init=out_init, name="fc2")(h)
+        return x, None
+
+
+class GPT(nn.Module):
+    cfg: GPTConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        c = self.cfg
+        init = nn.initializers.normal(0.02)
+        wte = self.param("wte", init, (c.vocab_size, c.d_model))
+        wpe = self.param("wpe", init, (c.seq_len, c.d_model))
+        x = wte[tokens] + wpe[: tokens.shape[1]]
+
+        block = layer(Block)
+        if c.remat:
+            block = nn.remat(block, prevent_cse=False)
+        stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                        length=c.n_layers)
+        x, _ = stack(c, name="blocks")(x, None)
+        x = nn.LayerNorm(name="ln_f")(x)
+        return x @ wte.T  # output head tied to the embedding, as GPT-2
+
+
+def lm_loss(model: GPT):
+    """Mean next-token cross-entropy of a ``(batch, seq_len + 1)`` block of token ids."""
+    def loss_fn(params, tokens: jax.Array) -> jax.Array:
+        logits = model.apply({"params": params}, tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    return loss_fn
+
+
+def init_fn(model: GPT):
+    def init(key: jax.Array):
+        tokens = jnp.zeros((1, model.cfg.seq_len), jnp.int32)
+        return model.init(key, tokens)["params"]
+    return init

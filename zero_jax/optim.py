@@ -1,0 +1,25 @@
+"""The optimizer a config asks for: any of these is an ordinary optax transformation."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import optax
+
+
+def make_optimizer(cfg: dict, total_steps: int
+                   ) -> tuple[optax.GradientTransformation, Callable]:
+    """``(tx, lr_schedule)`` from the ``optimizer`` section: warmup then cosine to 10%."""
+    warmup = min(cfg["warmup_steps"], max(total_steps - 1, 0))
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg["lr"], warmup, max(total_steps, warmup + 1), end_value=cfg["lr"] * 0.1)
+    if cfg["name"] == "sgd":
+        tx = optax.sgd(schedule, momentum=cfg["momentum"] or None)
+    elif cfg["name"] == "adam":
+        tx = optax.adam(schedule, cfg["b1"], cfg["b2"], cfg["eps"])
+    else:
+        tx = optax.adamw(schedule, cfg["b1"], cfg["b2"], cfg["eps"],
+                         weight_decay=cfg["weight_decay"])
+    if cfg["clip_norm"] > 0:
+        tx = optax.chain(optax.clip_by_global_norm(cfg["clip_norm"]), tx)
+    return tx, schedule

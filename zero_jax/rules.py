@@ -1,0 +1,171 @@
+"""Where each piece of model state lives, per ZeRO stage.
+
+The whole of ZeRO as placement is the table ``STAGES`` plus one rule that picks, for each
+parameter, the dimension its shards are cut along. Everything else (the train step, the report)
+reads the resulting ``Plan``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, NamedTuple
+
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+PyTree = Any
+
+
+class Stage(NamedTuple):
+    """Which of the three model states are partitioned, and how data moves."""
+
+    shard_opt_state: bool
+    shard_grads: bool
+    shard_params: bool
+    moves: str
+
+
+STAGES: dict[int, Stage] = {
+    0: Stage(False, False, False,
+             "gradients all-reduced; every device runs the full update"),
+    1: Stage(True, False, False,
+             "gradients all-reduced; each device updates its optimizer shard; "
+             "updated parameters all-gathered"),
+    2: Stage(True, True, False,
+             "each layer's gradients reduce-scattered as its backward ends; "
+             "updated parameter shards all-gathered"),
+    3: Stage(True, True, True,
+             "each layer's parameters all-gathered before its forward and again before its "
+             "backward; gradients reduce-scattered per layer; no gather after the update"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """The rules' verdict for one parameter."""
+
+    path: str
+    shape: tuple[int, ...]
+    stacked: bool  # leading dimension is the layer index of a scanned layer stack
+    axis: int | None  # dimension cut over the data axis; None: whole on every device
+    persistent: bool = False  # small: parameter and gradient stay whole, optimizer state is cut
+    reason: str = ""  # why it is not cut everywhere
+
+    @property
+    def per_layer(self) -> int:
+        return math.prod(self.shape[1:] if self.stacked else self.shape)
+
+
+def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
+              min_shard_elems: int) -> Leaf:
+    """Cut the first dimension (after the layer index) that ``n`` divides.
+
+    A leaf with no such dimension stays whole everywhere, optimizer state included. A leaf
+    smaller than ``min_shard_elems`` per layer is "persistent", as DeepSpeed's
+    ``stage3_param_persistence_threshold``: gathering it would cost more in latency than it
+    saves, so its parameter and gradient stay whole while its optimizer state is still cut.
+    """
+    first = 1 if stacked else 0
+    axis = next((a for a in range(first, len(shape)) if n > 1 and shape[a] % n == 0), None)
+    if axis is None:
+        reason = "one device" if n == 1 else f"no dimension divisible by {n}"
+        return Leaf(path, shape, stacked, None, reason=reason)
+    size = math.prod(shape[first:])
+    if size < min_shard_elems:
+        return Leaf(path, shape, stacked, axis, True,
+                    f"persistent: {size} < {min_shard_elems} elements per layer")
+    return Leaf(path, shape, stacked, axis)
+
+
+def path_str(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+                    for k in path)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The placement of params, gradients and optimizer state for one stage on one mesh."""
+
+    stage: int
+    mesh: Mesh
+    axis: str  # the data-parallel mesh axis that shards are cut over
+    leaves: PyTree  # Leaf per parameter, same tree as the params
+    shapes: PyTree  # the parameters as ShapeDtypeStructs
+
+    @property
+    def rule(self) -> Stage:
+        return STAGES[self.stage]
+
+    def _specs(self, sharded: bool, persistent_too: bool) -> PyTree:
+        def spec(leaf: Leaf) -> P:
+            if not sharded or leaf.axis is None or (leaf.persistent and not persistent_too):
+                return P()
+            parts = [None] * len(leaf.shape)
+            parts[leaf.axis] = self.axis
+            return P(*parts)
+        return jax.tree.map(spec, self.leaves, is_leaf=_is_leaf)
+
+    @property
+    def param_specs(self) -> PyTree:
+        return self._specs(self.rule.shard_params, persistent_too=False)
+
+    @property
+    def grad_specs(self) -> PyTree:
+        """The layout gradients leave the backward in (and parameters enter ``shard_map`` in)."""
+        return self._specs(self.rule.shard_grads, persistent_too=False)
+
+    @property
+    def opt_specs(self) -> PyTree:
+        """The layout of optimizer state, and of gradients and parameters during the update."""
+        return self._specs(self.rule.shard_opt_state, persistent_too=True)
+
+    def shardings(self, specs: PyTree) -> PyTree:
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
+                            is_leaf=lambda x: isinstance(x, P))
+
+    def opt_state_specs(self, tx: optax.GradientTransformation) -> PyTree:
+        """Specs for ``tx``'s state: parameter-shaped parts follow ``opt_specs``, scalars replicate."""
+        state_shape = jax.eval_shape(tx.init, self.shapes)
+        return optax.tree_map_params(
+            tx, lambda _, spec: spec, state_shape, self.opt_specs,
+            transform_non_params=lambda _: P(),
+            is_leaf=lambda x: isinstance(x, P))
+
+    @property
+    def replicated(self) -> list[Leaf]:
+        """Leaves whose parameters stay whole on every device (indivisible or persistent)."""
+        return [leaf for leaf in jax.tree.leaves(self.leaves, is_leaf=_is_leaf)
+                if leaf.axis is None or leaf.persistent]
+
+
+def _is_leaf(x) -> bool:
+    return isinstance(x, Leaf)
+
+
+def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data",
+              layers: str | None = None, min_shard_elems: int = 0) -> Plan:
+    """Apply the rules to a parameter tree (arrays or ``jax.ShapeDtypeStruct``s).
+
+    ``layers`` is a regular expression over parameter paths ("blocks/attn/qkv/kernel"); the
+    leaves it matches are stacked layers of a scan (leading dimension = layer), gathered one
+    layer at a time by ``zero_jax.layer``. Unmatched leaves are gathered once per step.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of 0, 1, 2, 3 (got {stage})")
+    n = mesh.shape[axis]
+    pattern = re.compile(layers) if layers else None
+
+    def rule(path, x):
+        name = path_str(path)
+        stacked = bool(pattern and pattern.search(name))
+        return leaf_rule(name, tuple(x.shape), n, stacked, min_shard_elems)
+
+    leaves = jax.tree_util.tree_map_with_path(rule, params_shape)
+    if pattern and not any(leaf.stacked for leaf in jax.tree.leaves(leaves, is_leaf=_is_leaf)):
+        raise ValueError(f"layers={layers!r} matches no parameter path; paths look like "
+                         f"{path_str(jax.tree_util.tree_flatten_with_path(params_shape)[0][0][0])!r}")
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_shape)
+    return Plan(stage, mesh, axis, leaves, shapes)
