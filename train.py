@@ -72,51 +72,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class Run:
-    """One configured run: the mesh, model, optimizer, plan and step it compiles."""
+    """One configured run: data, the experiment it trains, and where its outputs go."""
 
     def __init__(self, cfg: dict, args: argparse.Namespace):
-        import jax
-        import jax.numpy as jnp
-        from jax.sharding import NamedSharding, PartitionSpec as P
-
         from zero_jax import data
+        from zero_jax.experiment import Experiment
         from zero_jax.mesh import make_mesh
-        from zero_jax.model import GPT, LAYERS, GPTConfig, init_fn, lm_loss
-        from zero_jax.optim import make_optimizer
-        from zero_jax.rules import make_plan
-        from zero_jax.step import make_train_step
 
         self.cfg, self.args = cfg, args
-        t = cfg["train"]
-        self.mesh = make_mesh(args.devices)
-        n = self.mesh.shape["data"]
-        if t["batch_size"] % n:
-            raise ValueError(f"global batch {t['batch_size']} is not divisible by {n} "
-                             f"data-parallel devices: use --set train.batch_size=<multiple of {n}> "
-                             f"or --devices <divisor of {t['batch_size']}>")
-        self.model_cfg = GPTConfig(**cfg["model"])
-        model = GPT(self.model_cfg)
+        self.exp = Experiment.build(cfg, make_mesh(args.devices))
         self.tokens = None
         if not args.dry_run:
+            m = self.exp.model
             self.tokens = data.load_tokens(args.data)
-            data.check_tokens(self.tokens, self.model_cfg.vocab_size, self.model_cfg.seq_len,
+            data.check_tokens(self.tokens, m.vocab_size, m.seq_len,
                               args.data or "the standard library corpus")
-        self.init = init_fn(model)
-        self.tx, self.schedule = make_optimizer(cfg["optimizer"], t["steps"])
-        key = jax.random.key(t["seed"])
-        self.key = key
-        self.plan = make_plan(jax.eval_shape(self.init, key), self.mesh, cfg["zero"]["stage"],
-                              layers=LAYERS, min_shard_elems=cfg["zero"]["min_shard_elems"])
-        self.step = make_train_step(self.plan, lm_loss(model), self.tx, lr_schedule=self.schedule)
-        self.batch_sharding = NamedSharding(self.mesh, P("data"))
-        self.batch_shape = jax.ShapeDtypeStruct((t["batch_size"], self.model_cfg.seq_len + 1),
-                                                jnp.int32, sharding=self.batch_sharding)
 
     def report(self, state) -> tuple[dict, object]:
         from zero_jax import report
 
-        compiled = self.step.lower(state, self.batch_shape).compile()
-        r = report.build(self.plan, state, compiled)
+        compiled = self.exp.step.lower(state, self.exp.batch_shape).compile()
+        r = report.build(self.exp.plan, state, compiled)
         print(report.format_table(r))
         if self.args.report:
             with open(self.args.report, "w") as f:
@@ -126,7 +102,7 @@ class Run:
     def dry_run(self) -> int:
         from zero_jax.step import abstract_state
 
-        self.report(abstract_state(self.plan, self.tx))
+        self.report(abstract_state(self.exp.plan, self.exp.tx))
         return 0
 
     def train(self) -> int:
@@ -137,17 +113,18 @@ class Run:
         from zero_jax import data
         from zero_jax.step import init_state
 
-        t = self.cfg["train"]
-        state = init_state(self.plan, self.init, self.tx, self.key)
+        t, exp = self.cfg["train"], self.exp
+        state = init_state(exp.plan, exp.init, exp.tx, jax.random.key(t["seed"]))
         _, step = self.report(state)
-        tokens_per_step = t["batch_size"] * self.model_cfg.seq_len
+        tokens_per_step = exp.tokens_per_step
         metrics_file = open(self.args.metrics, "w") if self.args.metrics else None
         losses, start, first_loss = [], time.perf_counter(), None
-        bar = tqdm(range(t["steps"]), desc=f"stage {self.plan.stage}", unit="step")
+        bar = tqdm(range(t["steps"]), desc=f"stage {exp.plan.stage}", unit="step",
+                   mininterval=0.5)
         for i in bar:
             batch = jax.device_put(
-                data.batch(self.tokens, i, t["batch_size"], self.model_cfg.seq_len, t["seed"]),
-                self.batch_sharding)
+                data.batch(self.tokens, i, t["batch_size"], exp.model.seq_len, t["seed"]),
+                exp.batch_sharding)
             tick = time.perf_counter()
             state, m = step(state, batch)
             m = {k: float(v) for k, v in m.items()}  # waits for the step

@@ -8,7 +8,8 @@ import jax
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zero_jax import init_state, make_grad_fn, make_plan, make_train_step
 from zero_jax.model import LAYERS

@@ -12,8 +12,14 @@ The public API, in the order a training loop uses it::
 from zero_jax.gather import layer
 from zero_jax.mesh import make_mesh
 from zero_jax.rules import STAGES, Plan, make_plan
-from zero_jax.step import (TrainState, abstract_state, init_state, make_grad_fn,
-                           make_train_step, state_specs)
+from zero_jax.step import (
+                           TrainState,
+                           abstract_state,
+                           init_state,
+                           make_grad_fn,
+                           make_train_step,
+                           state_specs,
+)
 
 __all__ = ["STAGES", "Plan", "TrainState", "abstract_state", "init_state", "layer", "make_grad_fn",
            "make_mesh", "make_plan", "make_train_step", "state_specs"]

@@ -59,6 +59,7 @@ def build(plan: Plan, state: PyTree, compiled: Any) -> dict:
         "mesh": dict(mesh.shape),
         "platform": mesh.devices.flat[0].platform,
         "n_params": psi,
+        "param_bytes": psi * item,  # one whole copy of the parameters: the unit Psi in bytes
         "per_device_bytes": {"params": shard_bytes(params), "grads": shard_bytes(grads),
                              "opt_state": shard_bytes(state.opt_state)},
         "zero_formula_bytes": {"params": theory(item, rule.shard_params),
@@ -78,7 +79,7 @@ def build(plan: Plan, state: PyTree, compiled: Any) -> dict:
 
 def format_table(r: dict) -> str:
     """The report as text for a terminal."""
-    psi, item = r["n_params"], r["comm_bytes_theory"] / (3 if r["stage"] == 3 else 2) / r["n_params"]
+    psi, unit = r["n_params"], r["param_bytes"]
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
     lines = [f"ZeRO stage {r['stage']} on {r['platform']} mesh {mesh}, {psi:,} parameters",
              f"  {r['rule']}", "",
@@ -95,7 +96,6 @@ def format_table(r: dict) -> str:
         lines.append(f"  {g['kind']:<16}{g['dtype']:<7}{g['group_size']:>6}"
                      f"{'yes' if g['in_loop'] else 'no':>9}{g['count']:>7}"
                      f"{g['bytes'] / MiB:>10.2f}")
-    unit = psi * item
     lines += ["", f"  communication per step: {r['comm_bytes_per_step'] / MiB:.2f} MiB = "
               f"{r['comm_bytes_per_step'] / unit:.2f} Psi; ZeRO theory "
               f"{r['comm_bytes_theory'] / unit:.0f} Psi = {r['comm_bytes_theory'] / MiB:.2f} MiB"

@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 
 import jax
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 PyTree = Any
 
@@ -81,8 +82,11 @@ def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
 
 
 def path_str(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
-                    for k in path)
+    """"blocks/qkv/kernel" for a key path; NNX's trailing ``.value`` is left out."""
+    parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+    if parts and isinstance(path[-1], jax.tree_util.GetAttrKey) and parts[-1] == "value":
+        parts.pop()
+    return "/".join(parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +131,7 @@ class Plan:
                             is_leaf=lambda x: isinstance(x, P))
 
     def opt_state_specs(self, tx: optax.GradientTransformation) -> PyTree:
-        """Specs for ``tx``'s state: parameter-shaped parts follow ``opt_specs``, scalars replicate."""
+        """Specs of ``tx``'s state: parameter-shaped parts follow ``opt_specs``; scalars stay whole."""
         state_shape = jax.eval_shape(tx.init, self.shapes)
         return optax.tree_map_params(
             tx, lambda _, spec: spec, state_shape, self.opt_specs,

@@ -10,12 +10,14 @@ parameter all-gather of stages 1-2 (shards back to replicated) is left to the pa
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zero_jax.gather import Shard, materialize
 from zero_jax.rules import Leaf, Plan

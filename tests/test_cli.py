@@ -1,0 +1,97 @@
+"""train.py as a user runs it: a short training run, a dry run of a 1.3B model, bad input."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # train.py sets its own
+
+
+def train(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_trains_and_writes_metrics(tmp_path):
+    metrics, report = tmp_path / "m.jsonl", tmp_path / "r.json"
+    run = train("--stage", "2", "--steps", "40", "--metrics", str(metrics),
+                "--report", str(report))
+    assert run.returncode == 0, run.stderr
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    assert set(rows[0]) == {"step", "loss", "grad_norm", "lr", "tokens_per_s"}
+    first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-5:]) / 5
+    assert first > 5.0 and last < first - 1.5  # bytes start near ln(256) = 5.5 and fall
+    assert rows[0]["lr"] == 0.0 and rows[-1]["lr"] > 0  # warmup from zero
+    r = json.loads(report.read_text())
+    assert r["stage"] == 2 and r["mesh"] == {"data": 8}
+    assert "done: 40 steps" in run.stdout
+
+
+def peak_rss_mb(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    """Run train.py in a child that prints its own peak resident memory as its last line."""
+    code = ("import resource, runpy, sys\n"
+            f"sys.argv = ['train.py', *{list(args)!r}]\n"
+            "try:\n    runpy.run_path('train.py', run_name='__main__')\n"
+            "finally:\n"
+            "    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True,
+                         text=True, timeout=300)
+    return run, float(run.stdout.strip().splitlines()[-1])
+
+
+def test_dry_run_of_1_3b_compiles_without_allocating(tmp_path):
+    report = tmp_path / "r.json"
+    run, rss_mb = peak_rss_mb("--dry-run", "--config", "gpt-1.3b", "--stage", "3",
+                              "--report", str(report))
+    assert run.returncode == 0, run.stderr
+    r = json.loads(report.read_text())
+    psi = r["n_params"]
+    assert 1.25e9 < psi < 1.35e9
+    per_device = r["per_device_bytes"]
+    assert per_device["params"] == pytest.approx(4 * psi / 8, rel=0.01)
+    assert per_device["opt_state"] == pytest.approx(8 * psi / 8, rel=0.01)
+    for key in ("argument_bytes", "output_bytes", "temp_bytes"):
+        assert r["compiled"][key] > 0
+    assert {"kind", "count", "bytes", "group_size", "in_loop"} <= set(r["collectives"][0])
+    # One device's share of the model state alone is 1.9 GB, all of it 15.8 GB; the process
+    # never came near either.
+    assert rss_mb < 1500, rss_mb
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--stage", "4"], "ZeRO stage must be 0, 1, 2 or 3"),
+    (["--stage", "x"], "invalid int value"),
+    (["--devices", "0"], "--devices must be at least 1"),
+    (["--devices", "3"], "global batch 32 is not divisible by 3"),
+    (["--set", "model.n_layer=2"], "unknown config key model.n_layer"),
+    (["--set", "optimizer.lr=fast"], "optimizer.lr must be a float"),
+    (["--set", "train.batch_size=12"], "global batch 12 is not divisible by 8"),
+    (["--data", "/no/such/file.txt"], "data file /no/such/file.txt does not exist"),
+    (["--config", "nope"], "config nope not found"),
+])
+def test_bad_input_gives_one_line_and_exit_2(args, message):
+    run = train(*args, "--steps", "1", timeout=120)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_user_data_files(tmp_path):
+    import numpy as np
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    run = train("--data", str(text), "--steps", "3", "--stage", "1")
+    assert run.returncode == 0, run.stderr
+    ids = tmp_path / "tokens.bin"
+    np.arange(5000, dtype=np.uint16).tofile(ids)
+    run = train("--data", str(ids), "--steps", "1")
+    assert run.returncode == 2 and "token id 4999 but model.vocab_size is 256" in run.stderr
+    run = train("--data", str(ids), "--steps", "3", "--set", "model.vocab_size=5000")
+    assert run.returncode == 0, run.stderr

@@ -1,0 +1,41 @@
+"""The HLO reader on text in the forms the GPU backend prints (async pairs, iota groups)."""
+
+from zero_jax.hlo import collectives
+
+GPU_LIKE = """\
+HloModule jit_step, entry_computation_layout={()->()}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  ROOT %s = f32[] add(f32[] %x, f32[] %y)
+}
+
+%body (p: (s32[], bf16[8,64])) -> (s32[], bf16[8,64]) {
+  %ags = (bf16[8,64]{1,0}, bf16[64,64]{1,0}) all-gather-start(bf16[8,64]{1,0} %w), channel_id=3, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true
+  %agd = bf16[64,64]{1,0} all-gather-done(%ags)
+  %rs = f32[16,64]{1,0} reduce-scatter(f32[64,64]{1,0} %g), channel_id=4, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, to_apply=%add
+}
+
+%cond (p: (s32[], bf16[8,64])) -> pred[] {
+  ROOT %lt = pred[] compare(s32[] %i, s32[] %n), direction=LT
+}
+
+ENTRY %main (a: f32[1024]) -> f32[1024] {
+  %w = (s32[], bf16[8,64]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"12"}}
+  %ars = (f32[1024]{0}, f32[10]{0}) all-reduce-start(f32[1024]{0} %a, f32[10]{0} %b), channel_id=1, replica_groups=[1,8]<=[8], to_apply=%add
+  ROOT %ard = f32[1024]{0} all-reduce-done(%ars)
+}
+"""
+
+
+def test_reads_async_collectives_loops_and_groups():
+    found = {c.kind: c for c in collectives(GPU_LIKE, n_devices=8)}
+    assert set(found) == {"all-gather", "reduce-scatter", "all-reduce"}
+    ag, rs, ar = found["all-gather"], found["reduce-scatter"], found["all-reduce"]
+    # all-gather-start's shape is (operand, result): the payload is the gathered result.
+    assert (ag.dtype, ag.bytes, ag.group_size, ag.in_loop, ag.count) == ("bf16", 64 * 64 * 2, 4,
+                                                                        True, 12)
+    # reduce-scatter's shape is its scattered result: the payload is the full input.
+    assert (rs.bytes, rs.group_size, rs.in_loop, rs.count) == (16 * 64 * 4 * 4, 4, True, 12)
+    # A combined all-reduce counts all its operands, twice in ZeRO's volume.
+    assert (ar.bytes, ar.group_size, ar.in_loop, ar.count) == ((1024 + 10) * 4, 8, False, 1)
+    assert ar.volume == 2 * ar.bytes
