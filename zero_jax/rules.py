@@ -131,7 +131,7 @@ class Plan:
                             is_leaf=lambda x: isinstance(x, P))
 
     def opt_state_specs(self, tx: optax.GradientTransformation) -> PyTree:
-        """Specs of ``tx``'s state: parameter-shaped parts follow ``opt_specs``; scalars stay whole."""
+        """The layout of ``tx``'s state: parameter-shaped parts as ``opt_specs``, scalars whole."""
         state_shape = jax.eval_shape(tx.init, self.shapes)
         return optax.tree_map_params(
             tx, lambda _, spec: spec, state_shape, self.opt_specs,
