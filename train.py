@@ -38,6 +38,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--report", help="write the memory/communication report as JSON here")
     p.add_argument("--dry-run", action="store_true",
                    help="compile the step on abstract arrays, print the report, train nothing")
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="save sharded orbax checkpoints here (at the end, and every --save-every)")
+    p.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="also save every N steps (default: only at the end)")
+    p.add_argument("--keep", type=int, default=3, metavar="K", help="keep the last K (default 3)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest complete checkpoint in --checkpoint-dir, on any "
+                   "stage and device count; --steps is the total to reach")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set optimizer.name=sgd (repeatable)")
     return p.parse_args(argv)
@@ -76,11 +84,26 @@ class Run:
 
     def __init__(self, cfg: dict, args: argparse.Namespace):
         from zero_jax import data
+        from zero_jax.checkpoint import Checkpoints, check_compatible
         from zero_jax.experiment import Experiment
         from zero_jax.mesh import make_mesh
 
         self.cfg, self.args = cfg, args
         self.exp = Experiment.build(cfg, make_mesh(args.devices))
+        self.seed = cfg["train"]["seed"]
+        self.ckpts, self.resume_step = None, None
+        if args.resume and not args.checkpoint_dir:
+            raise ValueError("--resume needs --checkpoint-dir DIR")
+        if args.checkpoint_dir and not args.dry_run:
+            self.ckpts = Checkpoints(args.checkpoint_dir, keep=args.keep)
+        if args.resume and not args.dry_run:
+            self.resume_step = self.ckpts.latest_step()
+            if self.resume_step is None:
+                print(f"no checkpoint in {self.ckpts.path}: starting fresh")
+            else:
+                meta = self.ckpts.meta(self.resume_step)
+                check_compatible(meta, cfg)
+                self.seed = meta["data"]["seed"]  # the data order goes on where it stopped
         self.tokens = None
         if not args.dry_run:
             m = self.exp.model
@@ -111,38 +134,71 @@ class Run:
         from tqdm import tqdm
 
         from zero_jax import data
-        from zero_jax.step import init_state
+        from zero_jax.checkpoint import CheckpointError
+        from zero_jax.step import abstract_state, init_state
 
-        t, exp = self.cfg["train"], self.exp
-        state = init_state(exp.plan, exp.init, exp.tx, jax.random.key(t["seed"]))
-        _, step = self.report(state)
-        tokens_per_step = exp.tokens_per_step
-        metrics_file = open(self.args.metrics, "w") if self.args.metrics else None
-        losses, start, first_loss = [], time.perf_counter(), None
-        bar = tqdm(range(t["steps"]), desc=f"stage {exp.plan.stage}", unit="step",
-                   mininterval=0.5)
-        for i in bar:
-            batch = jax.device_put(
-                data.batch(self.tokens, i, t["batch_size"], exp.model.seq_len, t["seed"]),
-                exp.batch_sharding)
+        t, exp, ckpts = self.cfg["train"], self.exp, self.ckpts
+        if self.resume_step is not None:
             tick = time.perf_counter()
-            state, m = step(state, batch)
-            m = {k: float(v) for k, v in m.items()}  # waits for the step
-            tps = tokens_per_step / (time.perf_counter() - tick)
-            record = {"step": i + 1, "loss": m["loss"], "grad_norm": m["grad_norm"],
-                      "lr": m["lr"], "tokens_per_s": tps}
+            state, _ = ckpts.restore(abstract_state(exp.plan, exp.tx), self.resume_step)
+            print(f"resumed from step {self.resume_step} of {ckpts.path} in "
+                  f"{time.perf_counter() - tick:.2f} s")
+        else:
+            state = init_state(exp.plan, exp.init, exp.tx, jax.random.key(self.seed))
+        _, step = self.report(state)
+        first = int(state.step)
+        if first >= t["steps"]:
+            print(f"nothing to do: the checkpoint is at step {first} and --steps is {t['steps']}")
+            return 0
+        metrics_file = open(self.args.metrics, "a" if first else "w") if self.args.metrics else None
+        losses, start = [], time.perf_counter()
+        bar = tqdm(range(first, t["steps"]), desc=f"stage {exp.plan.stage}", unit="step",
+                   mininterval=0.5, initial=first, total=t["steps"])
+        try:
+            for i in bar:
+                batch = jax.device_put(
+                    data.batch(self.tokens, i, t["batch_size"], exp.model.seq_len, self.seed),
+                    exp.batch_sharding)
+                tick = time.perf_counter()
+                state, m = step(state, batch)
+                m = {k: float(v) for k, v in m.items()}  # waits for the step
+                tps = exp.tokens_per_step / (time.perf_counter() - tick)
+                record = {"step": i + 1, "loss": m["loss"], "grad_norm": m["grad_norm"],
+                          "lr": m["lr"], "tokens_per_s": tps}
+                if metrics_file:
+                    metrics_file.write(json.dumps(record) + "\n")
+                losses.append(m["loss"])
+                bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tps:,.0f}")
+                if ckpts:
+                    every = self.args.save_every
+                    if (every and (i + 1) % every == 0) or i + 1 == t["steps"]:
+                        ckpts.save(state, self.checkpoint_meta(i + 1))
+                        bar.write(f"saving checkpoint {i + 1} (training goes on)")
+                    if done := ckpts.poll():
+                        bar.write(str(done))
+            if ckpts and (done := ckpts.finish()):
+                print(done)
+        except CheckpointError as e:
+            bar.close()
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        finally:
             if metrics_file:
-                metrics_file.write(json.dumps(record) + "\n")
-            first_loss = m["loss"] if first_loss is None else first_loss
-            losses.append(m["loss"])
-            bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tps:,.0f}")
-        if metrics_file:
-            metrics_file.close()
+                metrics_file.close()
         elapsed = time.perf_counter() - start
-        last = float(np.mean(losses[-10:]))
-        print(f"done: {t['steps']} steps in {elapsed:.1f} s, loss {first_loss:.3f} -> {last:.3f} "
-              f"(mean of last 10), {t['steps'] * tokens_per_step / elapsed:,.0f} tokens/s")
+        steps = t["steps"] - first
+        print(f"done: steps {first + 1}-{t['steps']} in {elapsed:.1f} s, loss {losses[0]:.3f} -> "
+              f"{float(np.mean(losses[-10:])):.3f} (mean of last 10), "
+              f"{steps * exp.tokens_per_step / elapsed:,.0f} tokens/s")
         return 0
+
+    def checkpoint_meta(self, step: int) -> dict:
+        """What a checkpoint needs besides arrays to resume exactly and to be checked."""
+        plan = self.exp.plan
+        return {"config": self.cfg,
+                "data": {"source": self.args.data, "seed": self.seed, "next_batch": step},
+                "writer": {"stage": plan.stage, "devices": plan.mesh.size,
+                           "platform": plan.mesh.devices.flat[0].platform}}
 
 
 if __name__ == "__main__":

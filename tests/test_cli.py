@@ -30,7 +30,7 @@ def test_trains_and_writes_metrics(tmp_path):
     assert rows[0]["lr"] == 0.0 and rows[-1]["lr"] > 0  # warmup from zero
     r = json.loads(report.read_text())
     assert r["stage"] == 2 and r["mesh"] == {"data": 8}
-    assert "done: 40 steps" in run.stdout
+    assert "done: steps 1-40" in run.stdout
 
 
 def peak_rss_mb(*args: str) -> tuple[subprocess.CompletedProcess, float]:

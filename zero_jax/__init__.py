@@ -7,8 +7,10 @@ The public API, in the order a training loop uses it::
     state = init_state(plan, init_params, tx, key)   # born sharded
     step = make_train_step(plan, loss_fn, tx)        # jitted, state donated
     state, metrics = step(state, batch)
+    ckpts = Checkpoints(directory); ckpts.save(state, meta); ckpts.restore(abstract_state(...))
 """
 
+from zero_jax.checkpoint import Checkpoints
 from zero_jax.gather import layer
 from zero_jax.mesh import make_mesh
 from zero_jax.rules import STAGES, Plan, make_plan
@@ -21,5 +23,5 @@ from zero_jax.step import (
                            state_specs,
 )
 
-__all__ = ["STAGES", "Plan", "TrainState", "abstract_state", "init_state", "layer", "make_grad_fn",
-           "make_mesh", "make_plan", "make_train_step", "state_specs"]
+__all__ = ["STAGES", "Checkpoints", "Plan", "TrainState", "abstract_state", "init_state",
+           "layer", "make_grad_fn", "make_mesh", "make_plan", "make_train_step", "state_specs"]

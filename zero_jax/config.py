@@ -17,7 +17,8 @@ CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 DEFAULTS: dict[str, dict[str, Any]] = {
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512,
               "seq_len": 64, "remat": True},
-    "optimizer": {"name": "adamw", "lr": 3e-3, "warmup_steps": 20, "b1": 0.9, "b2": 0.95,
+    "optimizer": {"name": "adamw", "lr": 3e-3, "warmup_steps": 20, "decay_steps": 0,
+                  "b1": 0.9, "b2": 0.95,
                   "eps": 1e-8, "weight_decay": 0.1, "momentum": 0.0, "clip_norm": 1.0},
     "train": {"batch_size": 32, "steps": 400, "seed": 0},
     "zero": {"stage": 3, "min_shard_elems": 0},

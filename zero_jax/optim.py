@@ -9,10 +9,12 @@ import optax
 
 def make_optimizer(cfg: dict, total_steps: int
                    ) -> tuple[optax.GradientTransformation, Callable]:
-    """``(tx, lr_schedule)`` from the ``optimizer`` section: warmup then cosine to 10%."""
-    warmup = min(cfg["warmup_steps"], max(total_steps - 1, 0))
+    """``(tx, lr_schedule)`` from the ``optimizer`` section: warmup, then cosine down to 10% at
+    ``decay_steps`` (0: at the run's last step)."""
+    total = cfg["decay_steps"] or total_steps
+    warmup = min(cfg["warmup_steps"], max(total - 1, 0))
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg["lr"], warmup, max(total_steps, warmup + 1), end_value=cfg["lr"] * 0.1)
+        0.0, cfg["lr"], warmup, max(total, warmup + 1), end_value=cfg["lr"] * 0.1)
     if cfg["name"] == "sgd":
         tx = optax.sgd(schedule, momentum=cfg["momentum"] or None)
     elif cfg["name"] == "adam":

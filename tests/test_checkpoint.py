@@ -1,0 +1,238 @@
+"""Checkpoints: exact resume, restore onto any stage and device count, export, and failures
+that lose nothing."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zero_jax as zj
+from zero_jax.checkpoint import CheckpointError, Checkpoints
+from zero_jax.model import LAYERS
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
+def train(*args, cwd=ROOT, timeout=300, prefix=None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, *(prefix or []), str(ROOT / "train.py"), *map(str, args)]
+    return subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def losses(path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, open(path))]
+
+
+def listing(directory: pathlib.Path) -> dict:
+    """Every file under ``directory`` with its size and modification time."""
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_resume_is_bit_identical(tmp_path):
+    """10 steps, stop, resume to 20 == 20 uninterrupted steps, loss for loss, on the CPU mesh."""
+    ckpt, split, whole = tmp_path / "ckpt", tmp_path / "split.jsonl", tmp_path / "whole.jsonl"
+    common = ["--stage", "3", "--set", "optimizer.decay_steps=20"]
+    first = train(*common, "--steps", 10, "--save-every", 5, "--checkpoint-dir", ckpt,
+                  "--resume", "--metrics", split)
+    assert first.returncode == 0, first.stderr
+    assert "starting fresh" in first.stdout
+    assert "checkpoint 10:" in first.stdout and "MiB on disk" in first.stdout
+    second = train(*common, "--steps", 20, "--checkpoint-dir", ckpt, "--resume",
+                   "--metrics", split)
+    assert second.returncode == 0, second.stderr
+    assert "resumed from step 10" in second.stdout
+    third = train(*common, "--steps", 20, "--metrics", whole)
+    assert third.returncode == 0, third.stderr
+    assert losses(split) == losses(whole)  # exact float equality, step for step
+    assert [s for s, _ in losses(split)] == list(range(1, 21))
+    assert Checkpoints(ckpt).manager.all_steps() == [5, 10, 20]
+
+
+@pytest.fixture(scope="module")
+def saved(mesh, small, tmp_path_factory):
+    """Per stage, a checkpoint written on 8 devices after 2 AdamW steps, and its values."""
+    _, init, loss_fn, batches = small
+    tx = optax.adamw(1e-2)
+    out = {}
+    for stage in range(4):
+        plan = zj.make_plan(jax.eval_shape(init, jax.random.key(0)), mesh, stage, layers=LAYERS)
+        state = zj.init_state(plan, init, tx, jax.random.key(0))
+        step = zj.make_train_step(plan, loss_fn, tx)
+        for b in batches[:2]:
+            state, _ = step(state, b)
+        ckpts = Checkpoints(tmp_path_factory.mktemp(f"stage{stage}"))
+        ckpts.save(state, {"config": {}})
+        ckpts.finish()
+        out[stage] = (ckpts, jax.device_get(state))
+    return init, tx, out
+
+
+@pytest.mark.parametrize("devices", [4, 2])
+@pytest.mark.parametrize("source", range(4))
+def test_restore_onto_any_stage_and_device_count(source, devices, saved):
+    init, tx, out = saved
+    ckpts, values = out[source]
+    shapes = jax.eval_shape(init, jax.random.key(0))
+    for target in range(4):
+        plan = zj.make_plan(shapes, zj.make_mesh(devices), target, layers=LAYERS)
+        state, _ = ckpts.restore(zj.abstract_state(plan, tx))
+        got = jax.tree.leaves(state)
+        for a, b in zip(got, jax.tree.leaves(values), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b)
+        # Born in the target layout: each device reads only its own shard.
+        specs = jax.tree.leaves(zj.state_specs(plan, tx),
+                                is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        for a, spec in zip(got, specs, strict=True):
+            assert a.sharding.is_equivalent_to(jax.sharding.NamedSharding(plan.mesh, spec),
+                                               a.ndim)
+        assert int(state.step) == 2
+
+
+def test_stage3_on_8_restores_on_one_device(saved):
+    init, tx, out = saved
+    ckpts, values = out[3]
+    plan = zj.make_plan(jax.eval_shape(init, jax.random.key(0)), zj.make_mesh(1), 0,
+                        layers=LAYERS)
+    state, _ = ckpts.restore(zj.abstract_state(plan, tx))
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(values), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_saves_are_sharded_and_async_under_donation(mesh, small, tmp_path):
+    """Each device writes its own shard (the chunks on disk are shard-sized), and training
+    that goes on while the save is in flight (donating the saved buffers) does not leak into
+    it."""
+    _, init, loss_fn, batches = small
+    tx = optax.adamw(1e-2)
+    plan = zj.make_plan(jax.eval_shape(init, jax.random.key(0)), mesh, 3, layers=LAYERS)
+    state = zj.init_state(plan, init, tx, jax.random.key(0))
+    step = zj.make_train_step(plan, loss_fn, tx)
+    state, _ = step(state, batches[0])
+    snapshot = jax.device_get(state)
+    ckpts = Checkpoints(tmp_path)
+    ckpts.save(state, {"config": {}})
+    for b in batches[1:4]:
+        state, _ = step(state, b)  # donates the buffers the save was given
+    stats = ckpts.finish()
+    assert stats.blocked_s <= stats.total_s and stats.size_bytes > 0
+    restored, _ = ckpts.restore(zj.abstract_state(plan, tx))
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(snapshot), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    stored = ckpts.manager.item_metadata(1)["params"].tree
+    kernel = stored["blocks"]["qkv"]["kernel"]
+    assert tuple(kernel.storage.chunk_shape) == plan.shardings(plan.param_specs)["blocks"][
+        "qkv"]["kernel"].shard_shape(kernel.shape)
+
+
+def test_mismatched_restores_name_the_path_and_change_nothing(saved):
+    init, _, out = saved
+    ckpts, _ = out[2]
+    before = listing(ckpts.path)
+    shapes = jax.eval_shape(init, jax.random.key(0))
+    plan = zj.make_plan(shapes, zj.make_mesh(8), 2, layers=LAYERS)
+    with pytest.raises(CheckpointError, match=r"opt_state/0/count is in the checkpoint but not"):
+        ckpts.restore(zj.abstract_state(plan, optax.sgd(0.1)))  # another optimizer
+    deeper = jax.tree.map(lambda s: jax.ShapeDtypeStruct((s.shape[0] + 1, *s.shape[1:]),
+                                                         s.dtype), shapes)
+    plan = zj.make_plan(deeper, zj.make_mesh(8), 2, layers=LAYERS)
+    with pytest.raises(CheckpointError, match=r"params/blocks/\S+ has shape \(2, .*\) in the "
+                                              r"checkpoint but \(3, .*\) here"):
+        ckpts.restore(zj.abstract_state(plan, optax.adamw(1e-2)))
+    assert listing(ckpts.path) == before
+
+
+def test_cli_refuses_contradicting_or_unusable_checkpoints(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert train("--steps", 2, "--checkpoint-dir", ckpt).returncode == 0
+    before = listing(ckpt)
+    cases = [
+        (["--set", "model.d_model=64"], "written for model.d_model=128 but the config says 64"),
+        (["--set", "optimizer.name=sgd"], "holds adamw optimizer state but the config asks"),
+    ]
+    for extra, message in cases:
+        run = train("--steps", 4, "--checkpoint-dir", ckpt, "--resume", *extra)
+        assert run.returncode == 2 and message in run.stderr, run.stderr
+        assert len(run.stderr.strip().splitlines()) == 1
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    run = train("--steps", 1, "--checkpoint-dir", a_file)
+    assert run.returncode == 2 and "is a file" in run.stderr
+    run = train("--steps", 1, "--resume")
+    assert run.returncode == 2 and "--resume needs --checkpoint-dir" in run.stderr
+    run = subprocess.run([sys.executable, "-m", "zero_jax.export", str(tmp_path / "none"),
+                          str(tmp_path / "out")], cwd=ROOT, env=ENV, capture_output=True,
+                         text=True)
+    assert run.returncode == 2 and "does not exist" in run.stderr
+    assert listing(ckpt) == before
+
+
+def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
+    """A save killed half-way is never listed; --resume takes the last complete one."""
+    ckpt = tmp_path / "ckpt"
+    big = ["--set", "model.d_model=512", "--set", "model.d_ff=2048"]  # 150 MB per checkpoint
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *big, "--steps", "1000",
+                             "--save-every", "3", "--checkpoint-dir", str(ckpt)],
+                            cwd=ROOT, env={**ENV, "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for line in proc.stdout:
+        if line.startswith("saving checkpoint 6"):  # 3 is complete, 6 is being written
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    partial = [p.name for p in ckpt.iterdir() if p.name.startswith("6.")]
+    assert partial, sorted(p.name for p in ckpt.iterdir())  # the save really was in flight
+    run = train(*big, "--steps", 4, "--checkpoint-dir", ckpt, "--resume")
+    assert run.returncode == 0, run.stderr
+    assert "resumed from step 3" in run.stdout
+
+
+def test_disk_full_during_save_stops_and_keeps_older_checkpoints(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert train("--steps", 10, "--save-every", 5, "--keep", 2,
+                 "--checkpoint-dir", ckpt).returncode == 0
+    # The kernel refuses to grow any file past 4 KB from here on: writes fail as on a full disk.
+    limit = ("import resource, runpy, signal, sys\n"
+             "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+             "resource.setrlimit(resource.RLIMIT_FSIZE, "
+             "(4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+             "sys.argv = sys.argv[1:]\n"
+             "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    run = train("--steps", 20, "--save-every", 5, "--keep", 2, "--checkpoint-dir", ckpt,
+                "--resume", prefix=["-c", limit])
+    assert run.returncode == 1
+    assert "saving checkpoint 15" in run.stderr and "older checkpoints are kept" in run.stderr
+    ckpts = Checkpoints(ckpt)
+    assert ckpts.manager.all_steps() == [5, 10]  # keep=2 deleted nothing for the failed 15
+    assert ckpts.meta(10)["step"] == 10
+
+
+def test_export_reads_with_plain_orbax_and_generates(tmp_path):
+    assert train("--steps", 30, "--checkpoint-dir", "runs/ckpt", cwd=tmp_path).returncode == 0
+    run = subprocess.run([sys.executable, "-m", "zero_jax.export", "runs/ckpt", "runs/export",
+                          "--dtype", "bf16"], cwd=tmp_path, env=ENV, capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stderr
+    # Loading needs orbax only: a fresh one-device process that never imports zero_jax.
+    check = ("import os, sys, orbax.checkpoint as ocp\n"
+             "p = ocp.StandardCheckpointer().restore(os.path.abspath('runs/export/params'))\n"
+             "assert 'zero_jax' not in sys.modules\n"
+             "print(p['blocks']['qkv']['kernel'].dtype, p['wte'].shape)\n")
+    run = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, env=ENV,
+                         capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.split() == ["bfloat16", "(256,", "128)"], run.stderr
+    snippet = (ROOT / "README.md").read_text().split("<!-- export-example -->\n```python\n")[1]
+    snippet = snippet.split("```")[0]
+    run = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=ENV,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("def ") and len(run.stdout) > 20

@@ -1,0 +1,214 @@
+"""Sharded, asynchronous orbax checkpoints that restore onto any mesh and any stage.
+
+A checkpoint stores arrays by their global shape: every device writes its own shards, and a
+restore reads into whatever shardings the target asks for. So a checkpoint written at stage 3
+on 8 devices restores at stage 1 on 4, or on one device, with no conversion step: the target
+is ``abstract_state(plan, tx)`` of the new run.
+
+Layout of step ``S`` under the directory: ``S/params`` and ``S/opt_state`` (orbax PyTrees of
+plain nested dicts), ``S/meta`` (JSON: step, config, data position, who wrote it). Orbax writes
+into a temporary directory and renames it when complete, so a save killed half-way is never
+listed as a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import time
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from flax import serialization
+
+from zero_jax.step import TrainState
+
+PyTree = Any
+FORMAT = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used as asked; the message says why and what to do."""
+
+
+@dataclasses.dataclass
+class SaveStats:
+    step: int
+    started: float  # perf_counter at the save call
+    blocked_s: float  # how long training waited for the save call
+    total_s: float | None = None  # until the checkpoint was complete on disk
+    size_bytes: int | None = None
+
+    def __str__(self) -> str:
+        return (f"checkpoint {self.step}: {self.size_bytes / 2**20:.1f} MiB on disk, saved in "
+                f"{self.total_s:.2f} s, of which {self.blocked_s:.2f} s blocked training")
+
+
+def _flat(tree: PyTree, prefix: str = "") -> dict[str, Any]:
+    """``{"params/blocks/qkv/kernel": leaf}`` for a tree of nested dicts."""
+    if isinstance(tree, dict):
+        out = {}
+        for key, value in tree.items():
+            out.update(_flat(value, f"{prefix}{key}/"))
+        return out
+    return {prefix.rstrip("/"): tree}
+
+
+def first_mismatch(stored: dict[str, Any], wanted: dict[str, Any]) -> str | None:
+    """The first path whose presence or shape differs between two flat trees, described."""
+    for path in sorted(set(stored) | set(wanted)):
+        if path not in stored:
+            return f"{path} is not in the checkpoint"
+        if path not in wanted:
+            return f"{path} is in the checkpoint but not in the model/optimizer being restored"
+        a, b = tuple(stored[path].shape), tuple(wanted[path].shape)
+        if a != b:
+            return f"{path} has shape {a} in the checkpoint but {b} here"
+    return None
+
+
+class Checkpoints:
+    """The checkpoints of one run directory: save every so often, keep the last ``keep``."""
+
+    def __init__(self, directory: str | os.PathLike, keep: int = 3, create: bool = True):
+        path = pathlib.Path(directory).absolute()
+        if path.exists() and not path.is_dir():
+            raise CheckpointError(f"checkpoint directory {path} is a file: pass a directory")
+        if not path.exists() and not create:
+            raise CheckpointError(f"checkpoint directory {path} does not exist")
+        if path.exists() and not os.access(path, os.R_OK | os.X_OK):
+            raise CheckpointError(f"checkpoint directory {path} is not readable")
+        if keep < 1:
+            raise CheckpointError(f"--keep must be at least 1 (got {keep})")
+        self.path = path
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create,
+                                               enable_async_checkpointing=True,
+                                               cleanup_tmp_directories=True)
+        handlers = {"params": ocp.StandardCheckpointHandler(),
+                    "opt_state": ocp.StandardCheckpointHandler(),
+                    "meta": ocp.JsonCheckpointHandler()}
+        self.manager = ocp.CheckpointManager(path, options=options, item_handlers=handlers)
+        self.pending: SaveStats | None = None
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint; a save that never finished does not count."""
+        return self.manager.latest_step()
+
+    def save(self, state: TrainState, meta: dict) -> SaveStats:
+        """Start writing ``state``; returns once the arrays are copied off the devices, while
+        the files are written in the background. ``meta`` must be JSON."""
+        self.finish()
+        step = int(state.step)
+        start = time.perf_counter()
+        try:
+            self.manager.save(step, args=ocp.args.Composite(
+                params=ocp.args.StandardSave(serialization.to_state_dict(state.params)),
+                opt_state=ocp.args.StandardSave(serialization.to_state_dict(state.opt_state)),
+                meta=ocp.args.JsonSave({"format": FORMAT, "step": step, **meta})))
+        except Exception as e:  # a write that fails before going to the background
+            raise self._failed(step, e) from e
+        self.pending = SaveStats(step, start, time.perf_counter() - start)
+        return self.pending
+
+    def poll(self) -> SaveStats | None:
+        """The stats of the save in flight if it has just completed (cheap; call every step)."""
+        if self.pending and not self.manager.is_saving_in_progress():
+            return self.finish()
+        return None
+
+    def finish(self) -> SaveStats | None:
+        """Wait for the save in flight; raise its error if it failed. Returns its stats."""
+        done, self.pending = self.pending, None
+        try:
+            self.manager.wait_until_finished()
+            self.manager.check_for_errors()
+        except Exception as e:  # orbax reports failed writes as ValueError, OSError, ...
+            raise self._failed(done.step if done else None, e) from e
+        if done:
+            done.total_s = time.perf_counter() - done.started
+            done.size_bytes = sum(f.stat().st_size for f in
+                                  (self.path / str(done.step)).rglob("*") if f.is_file())
+        return done
+
+    def meta(self, step: int | None = None) -> dict:
+        step = self._step(step)
+        return self.manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore())).meta
+
+    def restore(self, target: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
+        """Read step ``step`` (default: the latest) into ``target``'s shapes and shardings.
+
+        ``target`` is a ``TrainState`` of ``jax.ShapeDtypeStruct``s with shardings, e.g.
+        ``abstract_state(plan, tx)`` of any stage on any mesh. Nothing on disk is changed.
+        """
+        step = self._step(step)
+        stored = self.manager.item_metadata(step)
+        for name, tree in (("params", target.params), ("opt_state", target.opt_state)):
+            wanted = _flat({name: serialization.to_state_dict(tree)})
+            have = _flat({name: _tree_of(stored[name])})
+            if problem := first_mismatch(have, wanted):
+                raise CheckpointError(f"checkpoint step {step} in {self.path} does not fit: "
+                                      f"{problem}")
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(serialization.to_state_dict(target.params)),
+            opt_state=ocp.args.StandardRestore(serialization.to_state_dict(target.opt_state)),
+            meta=ocp.args.JsonRestore()))
+        step_array = jax.device_put(jax.numpy.asarray(step, target.step.dtype),
+                                    target.step.sharding)
+        state = TrainState(step_array,
+                           serialization.from_state_dict(target.params, restored.params),
+                           serialization.from_state_dict(target.opt_state, restored.opt_state))
+        return state, restored.meta
+
+    def read_params(self, target: PyTree, step: int | None = None) -> PyTree:
+        """Only the parameters, into ``target`` (shapes, dtypes and shardings)."""
+        step = self._step(step)
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(serialization.to_state_dict(target))))
+        return serialization.from_state_dict(target, restored.params)
+
+    def _failed(self, step: int | None, e: BaseException) -> CheckpointError:
+        which = f" {step}" if step is not None else ""
+        return CheckpointError(f"saving checkpoint{which} in {self.path} failed: "
+                               f"{_first_line(e)}; older checkpoints are kept")
+
+    def close(self) -> None:
+        self.manager.close()
+
+    def _step(self, step: int | None) -> int:
+        steps = self.manager.all_steps()
+        if not steps:
+            raise CheckpointError(f"no complete checkpoint in {self.path}")
+        if step is None:
+            return max(steps)
+        if step not in steps:
+            raise CheckpointError(f"no checkpoint of step {step} in {self.path}; it has "
+                                  f"{', '.join(map(str, sorted(steps)))}")
+        return step
+
+
+def _tree_of(metadata: Any) -> PyTree:
+    tree = getattr(metadata, "tree", metadata)
+    return tree if tree is not None else {}
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[-1] if text else type(e).__name__
+
+
+def check_compatible(meta: dict, config: dict) -> None:
+    """A checkpoint resumes a run only with the same model and the same kind of optimizer."""
+    saved = meta["config"]
+    for key, value in config["model"].items():
+        if saved["model"].get(key) != value:
+            raise CheckpointError(
+                f"the checkpoint was written for model.{key}={saved['model'].get(key)} but the "
+                f"config says {value}: use the checkpoint's config or another --checkpoint-dir")
+    if saved["optimizer"]["name"] != config["optimizer"]["name"]:
+        raise CheckpointError(
+            f"the checkpoint holds {saved['optimizer']['name']} optimizer state but the config "
+            f"asks for {config['optimizer']['name']}: set --set optimizer.name="
+            f"{saved['optimizer']['name']} or start a new --checkpoint-dir")

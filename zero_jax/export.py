@@ -1,0 +1,73 @@
+"""Export a checkpoint's parameters, whole, for plain orbax and Flax to read.
+
+    python -m zero_jax.export CKPT_DIR OUT [--step N] [--dtype bf16]
+
+Writes ``OUT/params`` (a standard orbax PyTree checkpoint of the Flax parameter dict, one
+device's worth, no optimizer state) and ``OUT/config.json`` (the model section of the run's
+config). Reading it needs orbax, not zero_jax::
+
+    params = orbax.checkpoint.StandardCheckpointer().restore(f"{OUT}/params")  # OUT absolute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def export(checkpoint_dir: str, out: str, step: int | None = None, dtype: str = "fp32") -> dict:
+    """Write the consolidated parameters of ``step`` (default: latest); returns the model config."""
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+    from jax.sharding import SingleDeviceSharding
+
+    from zero_jax.checkpoint import CheckpointError, Checkpoints
+    from zero_jax.model import GPT, GPTConfig, init_fn
+
+    if dtype not in DTYPES:
+        raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype})")
+    target = pathlib.Path(out).absolute()
+    if target.exists():
+        raise CheckpointError(f"{target} already exists: pass a new directory to export into")
+    ckpts = Checkpoints(checkpoint_dir, create=False)
+    meta = ckpts.meta(step)
+    model = GPTConfig(**meta["config"]["model"])
+    device = SingleDeviceSharding(jax.devices()[0])
+    shapes = jax.eval_shape(init_fn(GPT(model)), jax.random.key(0))
+    params = ckpts.read_params(
+        jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes),
+        meta["step"])
+    params = jax.tree.map(lambda x: x.astype(jnp.dtype(DTYPES[dtype])), params)
+    target.mkdir(parents=True)
+    saver = ocp.StandardCheckpointer()
+    saver.save(target / "params", params)
+    saver.wait_until_finished()
+    config = {"model": meta["config"]["model"], "dtype": DTYPES[dtype], "step": meta["step"]}
+    (target / "config.json").write_text(json.dumps(config, indent=1))
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("checkpoint_dir")
+    p.add_argument("out")
+    p.add_argument("--step", type=int, help="default: the latest complete checkpoint")
+    p.add_argument("--dtype", default="fp32", help="fp32 (default), bf16 or fp16")
+    args = p.parse_args(argv)
+    from zero_jax.checkpoint import CheckpointError
+    try:
+        config = export(args.checkpoint_dir, args.out, args.step, args.dtype)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported step {config['step']} parameters ({config['dtype']}) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
