@@ -128,7 +128,7 @@ def test_saves_are_sharded_and_async_under_donation(mesh, small, tmp_path):
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(snapshot), strict=True):
         np.testing.assert_array_equal(np.asarray(a), b)
     stored = ckpts.manager.item_metadata(1)["params"].tree
-    kernel = stored["blocks"]["qkv"]["kernel"]
+    kernel = stored["params"]["blocks"]["qkv"]["kernel"]
     assert tuple(kernel.storage.chunk_shape) == plan.shardings(plan.param_specs)["blocks"][
         "qkv"]["kernel"].shard_shape(kernel.shape)
 

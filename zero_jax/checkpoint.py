@@ -5,8 +5,9 @@ restore reads into whatever shardings the target asks for. So a checkpoint writt
 on 8 devices restores at stage 1 on 4, or on one device, with no conversion step: the target
 is ``abstract_state(plan, tx)`` of the new run.
 
-Layout of step ``S`` under the directory: ``S/params`` and ``S/opt_state`` (orbax PyTrees of
-plain nested dicts), ``S/meta`` (JSON: step, config, data position, who wrote it). Orbax writes
+Layout of step ``S`` under the directory: one orbax PyTree of plain nested dicts per field of
+the ``TrainState`` (``S/params``, ``S/opt_state``, and ``S/master``, ``S/loss_scale``,
+``S/skipped``), and ``S/meta`` (JSON: step, config, data position, who wrote it). Orbax writes
 into a temporary directory and renames it when complete, so a save killed half-way is never
 listed as a step.
 """
@@ -27,6 +28,13 @@ from zero_jax.step import TrainState
 
 PyTree = Any
 FORMAT = 1
+ITEMS = TrainState._fields[1:]  # every field but the step, which names the checkpoint
+
+
+def _items(state: TrainState) -> dict[str, PyTree]:
+    """The state's fields that are present, each as a tree of plain dicts under its name."""
+    return {name: {name: serialization.to_state_dict(getattr(state, name))}
+            for name in ITEMS if getattr(state, name) is not None}
 
 
 class CheckpointError(ValueError):
@@ -86,9 +94,8 @@ class Checkpoints:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create,
                                                enable_async_checkpointing=True,
                                                cleanup_tmp_directories=True)
-        handlers = {"params": ocp.StandardCheckpointHandler(),
-                    "opt_state": ocp.StandardCheckpointHandler(),
-                    "meta": ocp.JsonCheckpointHandler()}
+        handlers = {name: ocp.StandardCheckpointHandler() for name in ITEMS}
+        handlers["meta"] = ocp.JsonCheckpointHandler()
         self.manager = ocp.CheckpointManager(path, options=options, item_handlers=handlers)
         self.pending: SaveStats | None = None
 
@@ -103,10 +110,9 @@ class Checkpoints:
         step = int(state.step)
         start = time.perf_counter()
         try:
+            items = {k: ocp.args.StandardSave(v) for k, v in _items(state).items()}
             self.manager.save(step, args=ocp.args.Composite(
-                params=ocp.args.StandardSave(serialization.to_state_dict(state.params)),
-                opt_state=ocp.args.StandardSave(serialization.to_state_dict(state.opt_state)),
-                meta=ocp.args.JsonSave({"format": FORMAT, "step": step, **meta})))
+                meta=ocp.args.JsonSave({"format": FORMAT, "step": step, **meta}), **items))
         except Exception as e:  # a write that fails before going to the background
             raise self._failed(step, e) from e
         self.pending = SaveStats(step, start, time.perf_counter() - start)
@@ -145,29 +151,33 @@ class Checkpoints:
         """
         step = self._step(step)
         stored = self.manager.item_metadata(step)
-        for name, tree in (("params", target.params), ("opt_state", target.opt_state)):
-            wanted = _flat({name: serialization.to_state_dict(tree)})
-            have = _flat({name: _tree_of(stored[name])})
-            if problem := first_mismatch(have, wanted):
+        wanted = _items(target)
+        have = {name for name in ITEMS if (self.path / str(step) / name).exists()}
+        for name in sorted(have ^ set(wanted)):
+            where = "the checkpoint" if name in have else "the state being restored"
+            raise CheckpointError(f"checkpoint step {step} in {self.path} does not fit: {name} "
+                                  f"is only in {where} (a different precision policy?)")
+        for name, tree in wanted.items():
+            if problem := first_mismatch(_flat(_tree_of(stored[name])), _flat(tree)):
                 raise CheckpointError(f"checkpoint step {step} in {self.path} does not fit: "
                                       f"{problem}")
         restored = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(serialization.to_state_dict(target.params)),
-            opt_state=ocp.args.StandardRestore(serialization.to_state_dict(target.opt_state)),
-            meta=ocp.args.JsonRestore()))
+            meta=ocp.args.JsonRestore(),
+            **{k: ocp.args.StandardRestore(v) for k, v in wanted.items()}))
+        fields = {name: serialization.from_state_dict(getattr(target, name),
+                                                      restored[name][name])
+                  for name in wanted}
         step_array = jax.device_put(jax.numpy.asarray(step, target.step.dtype),
                                     target.step.sharding)
-        state = TrainState(step_array,
-                           serialization.from_state_dict(target.params, restored.params),
-                           serialization.from_state_dict(target.opt_state, restored.opt_state))
-        return state, restored.meta
+        return target._replace(step=step_array, **fields), restored.meta
 
     def read_params(self, target: PyTree, step: int | None = None) -> PyTree:
-        """Only the parameters, into ``target`` (shapes, dtypes and shardings)."""
+        """The fp32 parameters alone (the master copy when there is one), into ``target``."""
         step = self._step(step)
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(serialization.to_state_dict(target))))
-        return serialization.from_state_dict(target, restored.params)
+        name = "master" if (self.path / str(step) / "master").exists() else "params"
+        restored = self.manager.restore(step, args=ocp.args.Composite(**{
+            name: ocp.args.StandardRestore({name: serialization.to_state_dict(target)})}))
+        return serialization.from_state_dict(target, restored[name][name])
 
     def _failed(self, step: int | None, e: BaseException) -> CheckpointError:
         which = f" {step}" if step is not None else ""

@@ -1,18 +1,19 @@
-"""Turning a device's parameter shards into whole parameters, inside ``shard_map``.
+"""Making a device's parameter shards whole inside ``shard_map``, and reducing their gradients.
 
-A sharded parameter reaches the model as a ``Shard``: the local piece, the axis it was cut
-along, and, at stage 2 only, the whole replicated copy. ``materialize`` makes the whole array
-right where a layer needs it, and its transpose in the backward pass is the gradient
-reduce-scatter, so each layer's gradient leaves the layer already cut into shards:
+A cut parameter reaches the model as a ``Shard``. ``materialize`` makes the whole array right
+where a layer needs it; its backward is the reduce-scatter of that layer's gradient, in
+``reduce_dtype``, so each layer's gradient leaves the layer already cut into shards:
 
-- stage 3: ``all_gather`` of the shards. Under ``remat`` the backward gathers again, and
-  autodiff transposes the gather into ``psum_scatter`` (a reduce-scatter) per layer.
-- stage 2: the whole copy is already here, so the forward is free; a ``custom_vjp`` makes the
-  backward a ``psum_scatter`` of that layer's gradient.
-- stages 0 and 1: parameters enter ``shard_map`` replicated and no ``Shard`` is made; JAX
-  all-reduces their gradients itself (the transpose of broadcasting an invariant value).
+- stage 3: the forward all-gathers the shards (in the compute dtype). Under ``remat`` the
+  backward runs the forward again, so it gathers again, then reduce-scatters the gradient.
+- stage 2: the whole copy is already on the device, so the forward reads it; the backward
+  reduce-scatters the gradient.
 
-``layer`` wraps a Flax linen layer so this happens per layer inside ``nn.scan``.
+Parameters that are not cut (every parameter at stages 0 and 1; leaves that do not divide or
+are persistent at 2 and 3) are not ``Shard``s: their gradients are summed locally and
+all-reduced once, after the backward (``zero_jax.step``).
+
+``layer`` wraps a Flax linen layer so that this happens per layer inside ``nn.scan``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 PyTree = Any
 
@@ -30,31 +32,57 @@ PyTree = Any
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Shard:
-    """This device's piece of a parameter cut along ``axis`` of mesh axis ``mesh_axis``."""
+    """This device's piece of a parameter, cut along ``axis`` over mesh axis ``mesh_axis``."""
 
-    value: jax.Array
-    whole: jax.Array | None  # stage 2: the replicated copy, used as is in the forward
+    value: jax.Array  # the shard: what the gradient is taken with respect to
+    whole: jax.Array | None  # stage 2: the replicated copy, which the forward reads as is
     axis: int = dataclasses.field(metadata=dict(static=True))
     mesh_axis: str = dataclasses.field(metadata=dict(static=True))
+    reduce_dtype: str = dataclasses.field(metadata=dict(static=True))
 
 
 def is_shard(x) -> bool:
     return isinstance(x, Shard)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _read_whole(shard: jax.Array, whole: jax.Array, axis: int, mesh_axis: str) -> jax.Array:
+def _reduce_scatter(g: jax.Array, like: jax.Array, axis: int, mesh_axis: str,
+                    reduce_dtype: str) -> jax.Array:
+    """Sum ``g`` over devices in ``reduce_dtype``; keep this device's cut, in ``like``'s dtype."""
+    summed = jax.lax.psum_scatter(g.astype(reduce_dtype), mesh_axis, scatter_dimension=axis,
+                                  tiled=True)
+    return summed.astype(like.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gather(shard: jax.Array, axis: int, mesh_axis: str, reduce_dtype: str) -> jax.Array:
+    return jax.lax.all_gather(shard, mesh_axis, axis=axis, tiled=True)
+
+
+def _gather_fwd(shard, axis, mesh_axis, reduce_dtype):
+    return _gather(shard, axis, mesh_axis, reduce_dtype), jnp.zeros((), shard.dtype)
+
+
+def _gather_bwd(axis, mesh_axis, reduce_dtype, like, g):
+    return (_reduce_scatter(g, like, axis, mesh_axis, reduce_dtype),)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _read_whole(shard: jax.Array, whole: jax.Array, axis: int, mesh_axis: str,
+                reduce_dtype: str) -> jax.Array:
     # pcast marks the copy as per-device; without it JAX would all-reduce its gradient before
     # our reduce-scatter and the gradient would come out N times too large.
     return jax.lax.pcast(whole, mesh_axis, to="varying")
 
 
-def _read_whole_fwd(shard, whole, axis, mesh_axis):
-    return _read_whole(shard, whole, axis, mesh_axis), None
+def _read_whole_fwd(shard, whole, axis, mesh_axis, reduce_dtype):
+    return _read_whole(shard, whole, axis, mesh_axis, reduce_dtype), jnp.zeros((), shard.dtype)
 
 
-def _read_whole_bwd(axis, mesh_axis, _, g):
-    return jax.lax.psum_scatter(g, mesh_axis, scatter_dimension=axis, tiled=True), None
+def _read_whole_bwd(axis, mesh_axis, reduce_dtype, like, g):
+    return _reduce_scatter(g, like, axis, mesh_axis, reduce_dtype), None
 
 
 _read_whole.defvjp(_read_whole_fwd, _read_whole_bwd)
@@ -65,8 +93,9 @@ def materialize(x: Any) -> Any:
     if not is_shard(x):
         return x
     if x.whole is None:
-        return jax.lax.all_gather(x.value, x.mesh_axis, axis=x.axis, tiled=True)
-    return _read_whole(x.value, jax.lax.stop_gradient(x.whole), x.axis, x.mesh_axis)
+        return _gather(x.value, x.axis, x.mesh_axis, x.reduce_dtype)
+    return _read_whole(x.value, jax.lax.stop_gradient(x.whole), x.axis, x.mesh_axis,
+                       x.reduce_dtype)
 
 
 def materialize_tree(tree: PyTree) -> PyTree:

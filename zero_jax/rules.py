@@ -17,6 +17,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zero_jax.precision import Precision
+
 PyTree = Any
 
 
@@ -98,6 +100,13 @@ class Plan:
     axis: str  # the data-parallel mesh axis that shards are cut over
     leaves: PyTree  # Leaf per parameter, same tree as the params
     shapes: PyTree  # the parameters as ShapeDtypeStructs
+    precision: Precision = Precision()
+    accum_steps: int = 1  # microbatches per optimizer step
+
+    @property
+    def grad_dtype(self):
+        """Gradients leave the backward in the compute dtype, or in the accumulator's."""
+        return self.precision.accum if self.accum_steps > 1 else self.precision.compute
 
     @property
     def rule(self) -> Stage:
@@ -150,7 +159,8 @@ def _is_leaf(x) -> bool:
 
 
 def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data",
-              layers: str | None = None, min_shard_elems: int = 0) -> Plan:
+              layers: str | None = None, min_shard_elems: int = 0,
+              precision: Precision | None = None, accum_steps: int = 1) -> Plan:
     """Apply the rules to a parameter tree (arrays or ``jax.ShapeDtypeStruct``s).
 
     ``layers`` is a regular expression over parameter paths ("blocks/attn/qkv/kernel"); the
@@ -159,6 +169,8 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of 0, 1, 2, 3 (got {stage})")
+    if accum_steps < 1:
+        raise ValueError(f"accum_steps must be at least 1 (got {accum_steps})")
     n = mesh.shape[axis]
     pattern = re.compile(layers) if layers else None
 
@@ -172,4 +184,4 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
         raise ValueError(f"layers={layers!r} matches no parameter path; paths look like "
                          f"{path_str(jax.tree_util.tree_flatten_with_path(params_shape)[0][0][0])!r}")
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_shape)
-    return Plan(stage, mesh, axis, leaves, shapes)
+    return Plan(stage, mesh, axis, leaves, shapes, precision or Precision(), accum_steps)

@@ -1,11 +1,11 @@
 """The train state and the one jit-compiled train step, built from a ``Plan``.
 
 The step has two halves. The gradient half runs under ``shard_map`` over the data axis, so
-the collectives are exactly the ones ``zero_jax.gather`` writes (XLA's partitioner on CPU
-would neither reduce-scatter nor gather weights by itself). The update half is plain
-jit-with-shardings: optax sees global arrays laid out by the plan, so any transformation,
-global-norm clipping included, computes what it computes on one device, and only the
-parameter all-gather of stages 1-2 (shards back to replicated) is left to the partitioner.
+the collectives are exactly the ones ``zero_jax.gather`` and this module write (XLA's
+partitioner on CPU would neither reduce-scatter nor gather weights by itself). The update half
+is plain jit-with-shardings: optax sees global arrays laid out by the plan, so any
+transformation, global-norm clipping included, computes what it computes on one device, and only
+the parameter all-gather of stages 1-2 (updated shards back to whole) is left to the partitioner.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zero_jax.gather import Shard, materialize
+from zero_jax.precision import LossScale, update_loss_scale
 from zero_jax.rules import Leaf, Plan
 
 PyTree = Any
@@ -27,32 +28,42 @@ LossFn = Callable[[PyTree, PyTree], jax.Array]
 
 
 class TrainState(NamedTuple):
-    step: jax.Array
-    params: PyTree
+    step: jax.Array  # steps taken, skipped ones included: the position in the data
+    params: PyTree  # the compute copy, in the compute dtype, laid out by ``param_specs``
+    master: PyTree | None  # fp32 parameters in the optimizer's layout; None when params are fp32
     opt_state: PyTree
+    loss_scale: LossScale | None  # fp16's dynamic loss scale
+    skipped: jax.Array  # steps whose gradient was not finite, so the update was skipped
 
 
 def state_specs(plan: Plan, tx: optax.GradientTransformation) -> TrainState:
     """Partition specs of the whole train state."""
-    return TrainState(P(), plan.param_specs, plan.opt_state_specs(tx))
+    p = plan.precision
+    scale = None if p.loss_scale is None else LossScale(P(), P(), P())
+    return TrainState(P(), plan.param_specs, plan.opt_specs if p.has_master else None,
+                      plan.opt_state_specs(tx), scale, P())
+
+
+def _new_state(plan: Plan, params: PyTree, tx: optax.GradientTransformation) -> TrainState:
+    p = plan.precision
+    compute = jax.tree.map(lambda x: x.astype(p.compute), params)
+    return TrainState(jnp.zeros((), jnp.int32), compute, params if p.has_master else None,
+                      tx.init(params), p.init_loss_scale(), jnp.zeros((), jnp.int32))
 
 
 def init_state(plan: Plan, init_params: Callable[[jax.Array], PyTree],
                tx: optax.GradientTransformation, key: jax.Array) -> TrainState:
-    """Create the state directly in its sharded layout; no device ever holds more than its part."""
+    """Create the state directly in its sharded layout; no device ever holds more than its part.
+
+    ``init_params(key)`` returns fp32 parameters; the compute copy is cast from them."""
     shardings = plan.shardings(state_specs(plan, tx))
-
-    def init(key):
-        params = init_params(key)
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
-
-    return jax.jit(init, out_shardings=shardings)(key)
+    return jax.jit(lambda key: _new_state(plan, init_params(key), tx),
+                   out_shardings=shardings)(key)
 
 
 def abstract_state(plan: Plan, tx: optax.GradientTransformation) -> TrainState:
     """The state as ``ShapeDtypeStruct``s with shardings: for compiling without allocating."""
-    shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), plan.shapes,
-                        jax.eval_shape(tx.init, plan.shapes))
+    shapes = jax.eval_shape(lambda params: _new_state(plan, params, tx), plan.shapes)
     shardings = plan.shardings(state_specs(plan, tx))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, shardings)
@@ -67,54 +78,89 @@ def _is_leaf(x) -> bool:
 
 
 def make_grad_fn(plan: Plan, loss_fn: LossFn, batch_spec: P | None = None):
-    """``grads(params, batch) -> (loss, grads)``: the data-parallel half of the step.
+    """``grads(params, batch, scale=1.0) -> (loss, grads)``: the data-parallel half of the step.
 
-    Not jitted; takes parameters in the plan's ``param_specs`` layout and returns gradients of
-    the global mean loss in its ``grad_specs`` layout, moved by the stage's collectives.
-    ``loss_fn(params, batch)`` returns the mean loss over the batch it is given; here it sees
-    this device's slice of the global batch (cut along dimension 0) and whole parameters,
-    except the stacked layers declared in the plan, which reach ``zero_jax.layer`` as shards.
+    Not jitted. Takes the compute copy in the plan's ``param_specs`` layout and returns the
+    gradient of the global mean loss, times ``scale``, in the ``grad_specs`` layout and the
+    plan's ``grad_dtype``, moved by the stage's collectives. ``loss_fn(params, batch)`` returns
+    the mean loss over the batch it is given: here, one microbatch of this device's slice of the
+    global batch (cut along dimension 0), with whole parameters, except the stacked layers
+    declared in the plan, which reach ``zero_jax.layer`` as shards.
     """
-    axis, rule = plan.axis, plan.rule
+    axis, rule, prec, k = plan.axis, plan.rule, plan.precision, plan.accum_steps
     n = plan.mesh.shape[axis]
     batch_spec = batch_spec if batch_spec is not None else P(axis)
 
-    def local_grads(params, whole, batch):
-        def local_loss(params):
-            def wrap(leaf: Leaf, p, w=None):
-                if leaf.axis is None or leaf.persistent or not rule.shard_grads:
-                    return p
-                return Shard(p, w, leaf.axis - leaf.stacked, axis)
+    def cut(leaf: Leaf) -> bool:
+        return rule.shard_grads and leaf.axis is not None and not leaf.persistent
 
-            def at_root(leaf: Leaf, x):
-                # Everything but the layer stacks is made whole once, here. A replicated leaf
-                # is marked per-device here too, so that its gradient is all-reduced once even
-                # when it is used twice (a tied embedding).
-                if leaf.stacked:
-                    return x
-                if isinstance(x, Shard):
-                    return materialize(x)
-                return jax.lax.pcast(x, axis, to="varying")
+    def local_grads(params, whole, batch, scale):
+        # A whole parameter is marked per-device before differentiating, so that its gradient
+        # stays local until the one all-reduce after the backward (differentiating the
+        # replicated value itself, JAX would all-reduce it at every use).
+        params = jax.tree.map(lambda leaf, p: p if cut(leaf) else
+                              jax.lax.pcast(p, axis, to="varying"),
+                              plan.leaves, params, is_leaf=_is_leaf)
+
+        def micro_loss(params, micro):
+            def wrap(leaf: Leaf, p, w=None):
+                if cut(leaf):
+                    return Shard(p, w, leaf.axis - leaf.stacked, axis, prec.reduce.name)
+                return p
 
             rest = () if whole is None else (whole,)
             tree = jax.tree.map(wrap, plan.leaves, params, *rest, is_leaf=_is_leaf)
-            tree = jax.tree.map(at_root, plan.leaves, tree, is_leaf=_is_leaf)
-            return loss_fn(tree, batch) / n
+            # Everything but the layer stacks is made whole once, here; the stacks, per layer.
+            tree = jax.tree.map(lambda leaf, x: x if leaf.stacked else materialize(x),
+                                plan.leaves, tree, is_leaf=_is_leaf)
+            if prec.autocast_input:
+                micro = jax.tree.map(
+                    lambda x: x.astype(prec.compute) if jnp.issubdtype(x.dtype, jnp.floating)
+                    else x, micro)
+            loss = loss_fn(tree, micro).astype(jnp.float32)
+            return loss * scale / (n * k), loss / (n * k)
 
-        loss, grads = jax.value_and_grad(local_loss)(params)
+        def micro_grads(micro):
+            grads, loss = jax.grad(micro_loss, has_aux=True)(params, micro)
+            return loss, grads
+
+        if k == 1:
+            loss, grads = micro_grads(batch)
+        else:
+            # Each microbatch's cut gradients are reduce-scattered by its backward and summed
+            # into a 1/N accumulator; whole ones are summed locally and reduced below, once.
+            micros = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+
+            def body(carry, micro):
+                loss, grads = micro_grads(micro)
+                total, acc = carry
+                acc = jax.tree.map(lambda a, g: a + g.astype(prec.accum), acc, grads)
+                return (total + loss, acc), None
+
+            zeros = jax.tree.map(lambda p: jnp.zeros_like(p, prec.accum), params)
+            start = (jax.lax.pcast(jnp.zeros((), jnp.float32), axis, to="varying"), zeros)
+            (loss, grads), _ = jax.lax.scan(body, start, micros)
+
+        def all_reduce(leaf: Leaf, g):
+            if cut(leaf):
+                return g
+            return jax.lax.psum(g.astype(prec.reduce), axis).astype(plan.grad_dtype)
+
+        grads = jax.tree.map(all_reduce, plan.leaves, grads, is_leaf=_is_leaf)
         return jax.lax.psum(loss, axis), grads
 
-    def grads(params: PyTree, batch: PyTree):
+    def grads_fn(params: PyTree, batch: PyTree, scale: jax.Array | float = 1.0):
         # Parameters enter in the layout their gradients leave in. Stage 2 also passes the
         # replicated copy, which the forward reads as is.
         whole = params if rule.shard_grads and not rule.shard_params else None
         return jax.shard_map(
             local_grads, mesh=plan.mesh,
-            in_specs=(plan.grad_specs, None if whole is None else plan.param_specs, batch_spec),
+            in_specs=(plan.grad_specs, None if whole is None else plan.param_specs,
+                      batch_spec, P()),
             out_specs=(P(), plan.grad_specs),
-        )(params, whole, batch)
+        )(params, whole, batch, jnp.asarray(scale, jnp.float32))
 
-    return grads
+    return grads_fn
 
 
 def make_train_step(plan: Plan, loss_fn: LossFn, tx: optax.GradientTransformation,
@@ -122,24 +168,49 @@ def make_train_step(plan: Plan, loss_fn: LossFn, tx: optax.GradientTransformatio
                     lr_schedule: Callable[[jax.Array], jax.Array] | None = None):
     """``step(state, batch) -> (state, metrics)``, jitted with donated state.
 
-    ``loss_fn`` and ``batch_spec`` as for ``make_grad_fn``; ``lr_schedule(step)``, if given,
-    is reported as ``metrics["lr"]``.
+    ``loss_fn`` and ``batch_spec`` as for ``make_grad_fn``; the global batch holds
+    ``plan.accum_steps`` microbatches. Metrics: ``loss``, ``grad_norm``, ``skipped`` (1 when
+    the gradient was not finite and the update was skipped), ``loss_scale`` with fp16 loss
+    scaling, and ``lr`` from ``lr_schedule(optimizer steps taken)`` when given.
     """
     batch_spec = batch_spec if batch_spec is not None else P(plan.axis)
     grad_fn = make_grad_fn(plan, loss_fn, batch_spec)
+    prec = plan.precision
 
     def step(state: TrainState, batch: PyTree):
-        loss, grads = grad_fn(state.params, batch)
-        # The update runs on the optimizer's shards: stage 1 slices its replicated gradient
-        # (no communication), and stages 1-2 all-gather the updated shards into parameters.
-        grads = _constrain(grads, plan, plan.opt_specs)
-        params = _constrain(state.params, plan, plan.opt_specs)
-        updates, opt_state = tx.update(grads, state.opt_state, params)
-        params = _constrain(optax.apply_updates(params, updates), plan, plan.param_specs)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        scale = state.loss_scale.scale if state.loss_scale is not None else 1.0
+        loss, grads = grad_fn(state.params, batch, scale)
+        # The update runs on the optimizer's shards, in fp32: stage 1 slices its whole gradient
+        # (no communication), stages 1-2 all-gather the updated shards into the compute copy.
+        grads = _constrain(jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads),
+                           plan, plan.opt_specs)
+        norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(norm)
+        if not prec.skip_nonfinite and prec.loss_scale is None:
+            finite = jnp.asarray(True)
+        master = state.master if prec.has_master else state.params
+        master = _constrain(master, plan, plan.opt_specs)
+
+        def update(_):
+            updates, opt_state = tx.update(grads, state.opt_state, master)
+            return optax.apply_updates(master, updates), opt_state
+
+        new_master, opt_state = jax.lax.cond(finite, update,
+                                             lambda _: (master, state.opt_state), None)
+        params = _constrain(jax.tree.map(lambda x: x.astype(prec.compute), new_master),
+                            plan, plan.param_specs)
+        loss_scale = state.loss_scale
+        if loss_scale is not None:
+            loss_scale = update_loss_scale(loss_scale, finite, prec.loss_scale)
+        skipped = state.skipped + (~finite).astype(jnp.int32)
+        metrics = {"loss": loss, "grad_norm": norm, "skipped": (~finite).astype(jnp.int32)}
+        if loss_scale is not None:
+            metrics["loss_scale"] = state.loss_scale.scale
         if lr_schedule is not None:
-            metrics["lr"] = lr_schedule(state.step)
-        return TrainState(state.step + 1, params, opt_state), metrics
+            metrics["lr"] = lr_schedule(state.step - state.skipped)
+        new = TrainState(state.step + 1, params, new_master if prec.has_master else None,
+                         opt_state, loss_scale, skipped)
+        return new, metrics
 
     state_shardings = plan.shardings(state_specs(plan, tx))
     replicated = NamedSharding(plan.mesh, P())
