@@ -114,18 +114,26 @@ class Run:
     def report(self, state) -> tuple[dict, object]:
         from zero_jax import report
 
-        compiled = self.exp.step.lower(state, self.exp.batch_shape).compile()
-        r = report.build(self.exp.plan, state, compiled)
+        lowered = self.exp.step.lower(state, self.exp.batch_shape)
+        compiled = lowered.compile()
+        r = report.build(self.exp.plan, state, lowered, compiled)
         print(report.format_table(r))
+        return r, compiled
+
+    def write_report(self, r: dict) -> None:
         if self.args.report:
             with open(self.args.report, "w") as f:
                 json.dump(r, f, indent=1)
-        return r, compiled
 
     def dry_run(self) -> int:
+        from zero_jax import report
         from zero_jax.step import abstract_state
 
-        self.report(abstract_state(self.exp.plan, self.exp.tx))
+        plan = self.exp.plan
+        r, _ = self.report(abstract_state(plan, self.exp.tx))
+        rows = report.stages_table(plan, self.exp.tx)
+        print("\n" + report.format_stages(rows, r["n_params"], plan.mesh.shape[plan.axis]))
+        self.write_report({**r, "stages": rows})
         return 0
 
     def train(self) -> int:
@@ -145,13 +153,14 @@ class Run:
                   f"{time.perf_counter() - tick:.2f} s")
         else:
             state = init_state(exp.plan, exp.init, exp.tx, jax.random.key(self.seed))
-        _, step = self.report(state)
+        r, step = self.report(state)
+        self.write_report(r)
         first = int(state.step)
         if first >= t["steps"]:
             print(f"nothing to do: the checkpoint is at step {first} and --steps is {t['steps']}")
             return 0
         metrics_file = open(self.args.metrics, "a" if first else "w") if self.args.metrics else None
-        losses, start = [], time.perf_counter()
+        losses, start, skipped = [], time.perf_counter(), 0
         bar = tqdm(range(first, t["steps"]), desc=f"stage {exp.plan.stage}", unit="step",
                    mininterval=0.5, initial=first, total=t["steps"])
         try:
@@ -162,9 +171,10 @@ class Run:
                 tick = time.perf_counter()
                 state, m = step(state, batch)
                 m = {k: float(v) for k, v in m.items()}  # waits for the step
+                m["skipped"] = int(m["skipped"])
                 tps = exp.tokens_per_step / (time.perf_counter() - tick)
-                record = {"step": i + 1, "loss": m["loss"], "grad_norm": m["grad_norm"],
-                          "lr": m["lr"], "tokens_per_s": tps}
+                record = {"step": i + 1, **m, "tokens_per_s": tps}
+                skipped += m["skipped"]
                 if metrics_file:
                     metrics_file.write(json.dumps(record) + "\n")
                 losses.append(m["loss"])
@@ -189,7 +199,8 @@ class Run:
         steps = t["steps"] - first
         print(f"done: steps {first + 1}-{t['steps']} in {elapsed:.1f} s, loss {losses[0]:.3f} -> "
               f"{float(np.mean(losses[-10:])):.3f} (mean of last 10), "
-              f"{steps * exp.tokens_per_step / elapsed:,.0f} tokens/s")
+              f"{steps * exp.tokens_per_step / elapsed:,.0f} tokens/s"
+              + (f", {skipped} steps skipped (gradient not finite)" if skipped else ""))
         return 0
 
     def checkpoint_meta(self, step: int) -> dict:

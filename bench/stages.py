@@ -46,12 +46,13 @@ def main() -> None:
         cfg = config.load(args.config, [*args.set, f"zero.stage={stage}"])
         exp = Experiment.build(cfg, mesh)
         state = init_state(exp.plan, exp.init, exp.tx, jax.random.key(0))
-        step = exp.step.lower(state, exp.batch_shape).compile()
+        lowered = exp.step.lower(state, exp.batch_shape)
+        step = lowered.compile()
         t = cfg["train"]
         batches = [jax.device_put(data.batch(tokens, i, t["batch_size"], exp.model.seq_len, 0),
                                   exp.batch_sharding) for i in range(args.steps)]
         runs[stage] = dict(exp=exp, step=step, state=state, batches=batches, times=[],
-                           report=report.build(exp.plan, state, step))
+                           report=report.build(exp.plan, state, lowered, step))
 
     for _ in range(args.rounds + 1):  # the first round warms up and is dropped
         for r in runs.values():

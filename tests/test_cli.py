@@ -24,7 +24,7 @@ def test_trains_and_writes_metrics(tmp_path):
     assert run.returncode == 0, run.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 41))
-    assert set(rows[0]) == {"step", "loss", "grad_norm", "lr", "tokens_per_s"}
+    assert set(rows[0]) == {"step", "loss", "grad_norm", "lr", "skipped", "tokens_per_s"}
     first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-5:]) / 5
     assert first > 5.0 and last < first - 1.5  # bytes start near ln(256) = 5.5 and fall
     assert rows[0]["lr"] == 0.0 and rows[-1]["lr"] > 0  # warmup from zero

@@ -30,17 +30,17 @@ def compile_step(mesh, cfg: GPTConfig, stage: int, state=None):
     else:
         state = abstract_state(plan, tx)
     step = make_train_step(plan, lm_loss(model), tx)
-    compiled = step.lower(state, BATCH).compile()
-    return plan, state, compiled
+    lowered = step.lower(state, BATCH)
+    return plan, state, lowered, lowered.compile()
 
 
 @pytest.fixture(scope="module")
 def stages(mesh):
     out = {}
     for stage in range(4):
-        plan, state, compiled = compile_step(mesh, TINY, stage, state="real")
+        plan, state, lowered, compiled = compile_step(mesh, TINY, stage, state="real")
         out[stage] = dict(plan=plan, state=state, compiled=compiled,
-                          report=report.build(plan, state, compiled),
+                          report=report.build(plan, state, lowered, compiled),
                           collectives=collectives(compiled.as_text(), N))
     return out
 
@@ -171,7 +171,7 @@ def test_stage3_temp_memory_grows_by_a_shard_per_layer(mesh, stages):
     checkpoint = 4 * BATCH.shape[0] // N * TINY.seq_len * TINY.d_model
     growth = {}
     for stage in (0, 3):
-        _, _, compiled = compile_step(mesh, deep, stage)
+        _, _, _, compiled = compile_step(mesh, deep, stage)
         base = stages[stage]["report"]["compiled"]["temp_bytes"]
         growth[stage] = (compiled.memory_analysis().temp_size_in_bytes - base) / 12 - checkpoint
     assert growth[3] <= 1.2 * layer_bytes / N, (growth, layer_bytes)

@@ -20,8 +20,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "optimizer": {"name": "adamw", "lr": 3e-3, "warmup_steps": 20, "decay_steps": 0,
                   "b1": 0.9, "b2": 0.95,
                   "eps": 1e-8, "weight_decay": 0.1, "momentum": 0.0, "clip_norm": 1.0},
-    "train": {"batch_size": 32, "steps": 400, "seed": 0},
+    "train": {"batch_size": 32, "accum_steps": 1, "steps": 400, "seed": 0},
     "zero": {"stage": 3, "min_shard_elems": 0},
+    # auto: bf16 compute on accelerators, fp32 on the CPU mesh; reduce_dtype auto = param_dtype.
+    # fp16 turns on DeepSpeed's dynamic loss scaler, with its defaults below.
+    "precision": {"param_dtype": "auto", "reduce_dtype": "auto", "accum_dtype": "fp32",
+                  "autocast_input": True, "autocast_output": True, "skip_nonfinite": True,
+                  "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+                  "min_loss_scale": 1.0},
 }
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -103,7 +109,12 @@ def load(name: str = "tiny", overrides: list[str] = ()) -> dict:
 
 
 def validate(config: dict) -> None:
-    m, o, z = config["model"], config["optimizer"], config["zero"]
+    m, o, z, p = config["model"], config["optimizer"], config["zero"], config["precision"]
+    for key in ("param_dtype", "reduce_dtype", "accum_dtype"):
+        allowed = ("fp32", "bf16", "fp16") + (("auto",) if key != "accum_dtype" else ())
+        if p[key] not in allowed:
+            raise ConfigError(f"precision.{key} must be one of {', '.join(allowed)} "
+                              f"(got {p[key]!r})")
     if o["name"] not in OPTIMIZERS:
         raise ConfigError(f"optimizer.name {o['name']!r} is not one of {', '.join(OPTIMIZERS)}")
     if z["stage"] not in (0, 1, 2, 3):
@@ -112,6 +123,6 @@ def validate(config: dict) -> None:
         raise ConfigError(f"model.d_model {m['d_model']} is not divisible by model.n_heads "
                           f"{m['n_heads']}")
     for section, key in [("model", "n_layers"), ("model", "seq_len"), ("train", "batch_size"),
-                         ("train", "steps")]:
+                         ("train", "steps"), ("train", "accum_steps")]:
         if config[section][key] < 1:
             raise ConfigError(f"{section}.{key} must be at least 1 (got {config[section][key]})")

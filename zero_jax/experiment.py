@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from zero_jax.model import GPT, LAYERS, GPTConfig, init_fn, lm_loss
 from zero_jax.optim import make_optimizer
+from zero_jax.precision import LossScaleConfig, Precision, default_param_dtype
 from zero_jax.rules import Plan, make_plan
 from zero_jax.step import make_train_step
 
@@ -39,13 +40,20 @@ class Experiment:
             raise ValueError(f"global batch {t['batch_size']} is not divisible by {n} "
                              f"data-parallel devices: use --set train.batch_size=<multiple of "
                              f"{n}> or --devices <divisor of {t['batch_size']}>")
+        if t["batch_size"] // n % t["accum_steps"]:
+            raise ValueError(f"each device's batch of {t['batch_size'] // n} does not split into "
+                             f"{t['accum_steps']} microbatches: make train.batch_size a "
+                             f"multiple of {n * t['accum_steps']}")
+        precision = precision_from(cfg["precision"], mesh.devices.flat[0].platform)
         model_cfg = GPTConfig(**cfg["model"])
         model = GPT(model_cfg)
         init = init_fn(model)
         tx, schedule = make_optimizer(cfg["optimizer"], t["steps"])
         plan = make_plan(jax.eval_shape(init, jax.random.key(0)), mesh, cfg["zero"]["stage"],
-                         layers=LAYERS, min_shard_elems=cfg["zero"]["min_shard_elems"])
-        step = make_train_step(plan, lm_loss(model), tx, lr_schedule=schedule)
+                         layers=LAYERS, min_shard_elems=cfg["zero"]["min_shard_elems"],
+                         precision=precision, accum_steps=t["accum_steps"])
+        loss = lm_loss(model, fp32_logits=precision.autocast_output)
+        step = make_train_step(plan, loss, tx, lr_schedule=schedule)
         return cls(cfg, mesh, model_cfg, init, tx, plan, step)
 
     @property
@@ -60,3 +68,17 @@ class Experiment:
     @property
     def tokens_per_step(self) -> int:
         return self.cfg["train"]["batch_size"] * self.model.seq_len
+
+
+def precision_from(cfg: dict, platform: str) -> Precision:
+    """The ``precision`` config section as a policy for ``platform`` ("cpu", "gpu", "tpu")."""
+    param = default_param_dtype(platform) if cfg["param_dtype"] == "auto" else cfg["param_dtype"]
+    scaler = None
+    if param == "fp16":
+        scaler = LossScaleConfig(cfg["initial_scale_power"], cfg["loss_scale_window"],
+                                 cfg["hysteresis"], cfg["min_loss_scale"])
+    return Precision(param_dtype=param,
+                     reduce_dtype=None if cfg["reduce_dtype"] == "auto" else cfg["reduce_dtype"],
+                     accum_dtype=cfg["accum_dtype"], autocast_input=cfg["autocast_input"],
+                     autocast_output=cfg["autocast_output"],
+                     skip_nonfinite=cfg["skip_nonfinite"], loss_scale=scaler)

@@ -18,7 +18,8 @@ KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
+# A computation's header: at column 0, "[ENTRY ]name[ (signature) -> result] {".
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+)(?: \(.*)? \{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.*?) ([\w\-]+)\((.*)$")
 _ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16)\[([\d,]*)\]")
 _CALLS = re.compile(r"(?:to_apply|body|condition|calls|branch_computations|called_computations)"

@@ -83,10 +83,13 @@ class GPT(nn.Module):
         return x @ wte.T  # output head tied to the embedding, as GPT-2
 
 
-def lm_loss(model: GPT):
-    """Mean next-token cross-entropy of a ``(batch, seq_len + 1)`` block of token ids."""
+def lm_loss(model: GPT, fp32_logits: bool = True):
+    """Mean next-token cross-entropy of a ``(batch, seq_len + 1)`` block of token ids; with
+    ``fp32_logits`` the softmax runs in fp32 whatever the compute dtype."""
     def loss_fn(params, tokens: jax.Array) -> jax.Array:
         logits = model.apply({"params": params}, tokens[:, :-1])
+        if fp32_logits:
+            logits = logits.astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
     return loss_fn
 

@@ -6,10 +6,12 @@ Bytes come from the arrays' own shardings (``sharding.shard_shape``), memory fro
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from zero_jax.hlo import collectives
 from zero_jax.rules import Plan
@@ -28,50 +30,98 @@ def total_bytes(tree: PyTree) -> int:
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def build(plan: Plan, state: PyTree, compiled: Any) -> dict:
-    """The report of one compiled step; ``state`` is the (abstract or real) train state."""
-    mesh, n = plan.mesh, plan.mesh.shape[plan.axis]
-    params = state.params
-    grads = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
-                         params, plan.shardings(plan.grad_specs))
-    psi = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
-    item = jax.tree.leaves(params)[0].dtype.itemsize
+def model_states(plan: Plan, state: PyTree) -> tuple[dict, dict]:
+    """Per-device bytes of each copy of the model state, from the shardings, and ZeRO's
+    formula for the same (Psi parameters, N devices, K bytes of optimizer state each)."""
+    n, rule, prec = plan.mesh.shape[plan.axis], plan.rule, plan.precision
+    grads = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, plan.grad_dtype, sharding=s),
+                         state.params, plan.shardings(plan.grad_specs))
+    psi = sum(math.prod(p.shape) for p in jax.tree.leaves(state.params))
+    c, g = prec.compute.itemsize, jnp.dtype(plan.grad_dtype).itemsize
     k_opt = total_bytes(state.opt_state) / psi  # optimizer bytes per parameter (Adam fp32: 8)
-    rule = plan.rule
 
-    def theory(bytes_per_param: float, sharded: bool) -> float:
+    def formula(bytes_per_param: float, sharded: bool) -> float:
         return bytes_per_param * psi / (n if sharded else 1)
 
+    actual = {"params": shard_bytes(state.params), "grads": shard_bytes(grads),
+              "master": shard_bytes(state.master) if prec.has_master else 0,
+              "opt_state": shard_bytes(state.opt_state)}
+    zero = {"params": formula(c, rule.shard_params), "grads": formula(g, rule.shard_grads),
+            "master": formula(4 * prec.has_master, rule.shard_opt_state),
+            "opt_state": formula(k_opt, rule.shard_opt_state)}
+    return actual, zero
+
+
+def stages_table(plan: Plan, tx: Any) -> list[dict]:
+    """Model-state bytes per device at each stage, for this model, mesh and precision."""
+    from zero_jax.step import abstract_state  # the report reads states; the step builds them
+
+    rows = []
+    for stage in range(4):
+        other = dataclasses.replace(plan, stage=stage)
+        actual, zero = model_states(other, abstract_state(other, tx))
+        rows.append({"stage": stage, **actual, "total": sum(actual.values()),
+                     "zero_formula_total": sum(zero.values())})
+    return rows
+
+
+def format_stages(rows: list[dict], n_params: int, devices: int) -> str:
+    lines = [f"  model states per device at each stage, Psi = {n_params / 1e9:.2f} B, "
+             f"N = {devices} (GB = 1e9 bytes):",
+             f"  {'stage':<7}{'params':>9}{'grads':>9}{'master':>9}{'optimizer':>11}"
+             f"{'total':>9}{'ZeRO formula':>14}"]
+    for r in rows:
+        lines.append(f"  {r['stage']:<7}{r['params'] / 1e9:>9.2f}{r['grads'] / 1e9:>9.2f}"
+                     f"{r['master'] / 1e9:>9.2f}{r['opt_state'] / 1e9:>11.2f}"
+                     f"{r['total'] / 1e9:>9.2f}{r['zero_formula_total'] / 1e9:>14.2f}")
+    return "\n".join(lines)
+
+
+def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) -> dict:
+    """The report of one step, from ``lowered = step.lower(state, batch)`` and its compilation;
+    ``state`` is the (abstract or real) train state."""
+    compiled = compiled if compiled is not None else lowered.compile()
+    mesh, rule, prec = plan.mesh, plan.rule, plan.precision
+    psi = sum(math.prod(p.shape) for p in jax.tree.leaves(state.params))
+    c, r = prec.compute.itemsize, prec.reduce.itemsize
+    actual, zero = model_states(plan, state)
     memory = compiled.memory_analysis()
     found = collectives(compiled.as_text(), mesh.size)
     groups: dict[tuple, dict] = {}
-    for c in found:
-        key = (c.kind, c.dtype, c.group_size, c.in_loop)
-        g = groups.setdefault(key, {"kind": c.kind, "dtype": c.dtype, "group_size": c.group_size,
-                                    "in_loop": c.in_loop, "count": 0, "bytes": 0, "volume": 0})
-        g["count"] += c.count
-        g["bytes"] += c.count * c.bytes
-        g["volume"] += c.volume
-    comm = sum(c.volume for c in found)
+    for x in found:
+        key = (x.kind, x.dtype, x.group_size, x.in_loop)
+        grp = groups.setdefault(key, {"kind": x.kind, "dtype": x.dtype, "group_size": x.group_size,
+                                      "in_loop": x.in_loop, "count": 0, "bytes": 0, "volume": 0})
+        grp["count"] += x.count
+        grp["bytes"] += x.count * x.bytes
+        grp["volume"] += x.volume
+    # ZeRO's communication, phase by phase, each in its dtype: a gradient reduce-scatter, then
+    # an all-gather (of gradients at stage 0, of updated parameters at 1-2, per layer at 3).
+    theory = {0: psi * (r + r), 1: psi * (r + r), 2: psi * (r + c), 3: psi * (c + c + r)}
     return {
         "stage": plan.stage,
         "rule": rule.moves,
         "mesh": dict(mesh.shape),
         "platform": mesh.devices.flat[0].platform,
         "n_params": psi,
-        "param_bytes": psi * item,  # one whole copy of the parameters: the unit Psi in bytes
-        "per_device_bytes": {"params": shard_bytes(params), "grads": shard_bytes(grads),
-                             "opt_state": shard_bytes(state.opt_state)},
-        "zero_formula_bytes": {"params": theory(item, rule.shard_params),
-                               "grads": theory(item, rule.shard_grads),
-                               "opt_state": theory(k_opt, rule.shard_opt_state)},
+        "param_bytes": psi * c,  # one whole compute copy of the parameters
+        "precision": {"param_dtype": prec.compute.name, "reduce_dtype": prec.reduce.name,
+                      "grad_dtype": jnp.dtype(plan.grad_dtype).name,
+                      "master": prec.has_master, "accum_steps": plan.accum_steps,
+                      "loss_scale": prec.loss_scale is not None},
+        "per_device_bytes": actual,
+        "zero_formula_bytes": zero,
         "compiled": {"argument_bytes": memory.argument_size_in_bytes,
                      "output_bytes": memory.output_size_in_bytes,
                      "temp_bytes": memory.temp_size_in_bytes,
                      "alias_bytes": memory.alias_size_in_bytes},
-        "collectives": sorted(groups.values(), key=lambda g: (g["kind"], g["in_loop"])),
-        "comm_bytes_per_step": comm,
-        "comm_bytes_theory": (3 if rule.shard_params else 2) * psi * item,
+        "collectives": sorted(groups.values(), key=lambda x: (x["kind"], x["in_loop"])),
+        # What the program asks for, before XLA's passes: the CPU backend, for one, runs bf16
+        # collectives in f32; GPUs and TPUs keep them.
+        "requested_dtypes": sorted({f"{x.kind} {x.dtype}" for x in
+                                    collectives(lowered.as_text(dialect="hlo"), mesh.size)}),
+        "comm_bytes_per_step": sum(x.volume for x in found),
+        "comm_bytes_theory": theory[plan.stage],
         "replicated": [{"path": leaf.path, "shape": list(leaf.shape), "reason": leaf.reason}
                        for leaf in plan.replicated],
     }
@@ -79,14 +129,21 @@ def build(plan: Plan, state: PyTree, compiled: Any) -> dict:
 
 def format_table(r: dict) -> str:
     """The report as text for a terminal."""
-    psi, unit = r["n_params"], r["param_bytes"]
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
-    lines = [f"ZeRO stage {r['stage']} on {r['platform']} mesh {mesh}, {psi:,} parameters",
+    p = r["precision"]
+    lines = [f"ZeRO stage {r['stage']} on {r['platform']} mesh {mesh}, {r['n_params']:,} "
+             f"parameters; compute {p['param_dtype']}, gradient collectives {p['reduce_dtype']}"
+             + (f", {p['accum_steps']} microbatches per step" if p["accum_steps"] > 1 else "")
+             + (", fp16 loss scaling" if p["loss_scale"] else ""),
              f"  {r['rule']}", "",
              f"  {'per device':<12}{'actual MiB':>12}{'ZeRO formula':>14}"]
-    for key in ("params", "grads", "opt_state"):
-        lines.append(f"  {key:<12}{r['per_device_bytes'][key] / MiB:>12.2f}"
-                     f"{r['zero_formula_bytes'][key] / MiB:>14.2f}")
+    for key, actual in r["per_device_bytes"].items():
+        if key == "master" and not p["master"]:
+            continue
+        lines.append(f"  {key:<12}{actual / MiB:>12.2f}{r['zero_formula_bytes'][key] / MiB:>14.2f}")
+    total = sum(r["per_device_bytes"].values())
+    lines.append(f"  {'total':<12}{total / MiB:>12.2f}"
+                 f"{sum(r['zero_formula_bytes'].values()) / MiB:>14.2f}")
     c = r["compiled"]
     lines += ["", f"  compiled step: arguments {c['argument_bytes'] / MiB:.2f} MiB, outputs "
               f"{c['output_bytes'] / MiB:.2f} MiB, temp {c['temp_bytes'] / MiB:.2f} MiB", "",
@@ -96,11 +153,12 @@ def format_table(r: dict) -> str:
         lines.append(f"  {g['kind']:<16}{g['dtype']:<7}{g['group_size']:>6}"
                      f"{'yes' if g['in_loop'] else 'no':>9}{g['count']:>7}"
                      f"{g['bytes'] / MiB:>10.2f}")
-    lines += ["", f"  communication per step: {r['comm_bytes_per_step'] / MiB:.2f} MiB = "
-              f"{r['comm_bytes_per_step'] / unit:.2f} Psi; ZeRO theory "
-              f"{r['comm_bytes_theory'] / unit:.0f} Psi = {r['comm_bytes_theory'] / MiB:.2f} MiB"
-              " (an all-reduce counted as reduce-scatter + all-gather)"]
+    lines.append(f"  dtypes as requested, before XLA's passes: {', '.join(r['requested_dtypes'])}")
+    measured, theory = r["comm_bytes_per_step"], r["comm_bytes_theory"]
+    lines += ["", f"  communication per step: {measured / MiB:.2f} MiB, ZeRO theory "
+              f"{theory / MiB:.2f} MiB ({'3' if r['stage'] == 3 else '2'} Psi), ratio "
+              f"{measured / theory:.2f} (an all-reduce counted as reduce-scatter + all-gather)"]
     if r["replicated"]:
-        lines += ["", f"  kept replicated ({len(r['replicated'])} leaves):"]
+        lines += ["", f"  kept whole ({len(r['replicated'])} leaves):"]
         lines += [f"    {x['path']} {tuple(x['shape'])}: {x['reason']}" for x in r["replicated"]]
     return "\n".join(lines)
