@@ -1,4 +1,5 @@
-"""ZeRO stages 0-3 side by side: step time, tokens/s (ratio to stage 0) and per-device memory.
+"""ZeRO stages 0-3 side by side, in fp32, bf16 and with accumulation: step time, tokens/s
+(ratio to fp32 stage 0), per-device memory and communication.
 
     python bench/stages.py [--config tiny] [--devices 8] [--steps 20] [--rounds 5]
 
@@ -21,6 +22,10 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from train import simulate_cpu_devices  # noqa: E402  (imports no jax)
 
+# Each variant runs at stages 0-3; accumulation keeps the global batch and cuts it in 4.
+VARIANTS = {"fp32": [], "bf16": ["precision.param_dtype=bf16"],
+            "fp32, 4 microbatches": ["train.accum_steps=4"]}
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -42,17 +47,20 @@ def main() -> None:
     mesh = make_mesh(args.devices)
     tokens = data.stdlib_corpus()
     runs = {}
-    for stage in range(4):
-        cfg = config.load(args.config, [*args.set, f"zero.stage={stage}"])
-        exp = Experiment.build(cfg, mesh)
-        state = init_state(exp.plan, exp.init, exp.tx, jax.random.key(0))
-        lowered = exp.step.lower(state, exp.batch_shape)
-        step = lowered.compile()
-        t = cfg["train"]
-        batches = [jax.device_put(data.batch(tokens, i, t["batch_size"], exp.model.seq_len, 0),
-                                  exp.batch_sharding) for i in range(args.steps)]
-        runs[stage] = dict(exp=exp, step=step, state=state, batches=batches, times=[],
-                           report=report.build(exp.plan, state, lowered, step))
+    for variant, extra in VARIANTS.items():
+        for stage in range(4):
+            cfg = config.load(args.config, [*args.set, *extra, f"zero.stage={stage}"])
+            exp = Experiment.build(cfg, mesh)
+            state = init_state(exp.plan, exp.init, exp.tx, jax.random.key(0))
+            lowered = exp.step.lower(state, exp.batch_shape)
+            step = lowered.compile()
+            t = cfg["train"]
+            batches = [jax.device_put(data.batch(tokens, i, t["batch_size"], exp.model.seq_len,
+                                                 0), exp.batch_sharding)
+                       for i in range(args.steps)]
+            runs[variant, stage] = dict(exp=exp, step=step, state=state, batches=batches,
+                                        times=[], report=report.build(exp.plan, state, lowered,
+                                                                      step))
 
     for _ in range(args.rounds + 1):  # the first round warms up and is dropped
         for r in runs.values():
@@ -67,20 +75,19 @@ def main() -> None:
     print(f"{args.config} config, {mesh.size} x {device.device_kind} ({device.platform}), "
           f"host {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
           f"jax {jax.__version__}; median of {args.rounds} rounds x {args.steps} steps\n")
-    print("| stage | step ms | tokens/s | vs stage 0 | params MiB | grads MiB | opt MiB "
-          "| temp MiB | comm/step (Psi) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| variant | stage | step ms | tokens/s | vs fp32 stage 0 | model states MiB "
+          "| temp MiB | comm / theory |")
+    print("|---|---|---|---|---|---|---|---|")
     base = None
-    for stage, r in runs.items():
+    for (variant, stage), r in runs.items():
         ms = statistics.median(r["times"][1:]) * 1e3
         tps = r["exp"].tokens_per_step / ms * 1e3
         base = base or tps
         rep, mib = r["report"], 2 ** 20
-        b = rep["per_device_bytes"]
-        print(f"| {stage} | {ms:.1f} | {tps:,.0f} | {tps / base:.2f} | {b['params'] / mib:.2f} "
-              f"| {b['grads'] / mib:.2f} | {b['opt_state'] / mib:.2f} "
+        print(f"| {variant} | {stage} | {ms:.1f} | {tps:,.0f} | {tps / base:.2f} "
+              f"| {sum(rep['per_device_bytes'].values()) / mib:.2f} "
               f"| {rep['compiled']['temp_bytes'] / mib:.2f} "
-              f"| {rep['comm_bytes_per_step'] / rep['param_bytes']:.2f} |")
+              f"| {rep['comm_bytes_per_step'] / rep['comm_bytes_theory']:.2f} |")
 
 
 if __name__ == "__main__":

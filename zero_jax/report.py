@@ -66,14 +66,16 @@ def stages_table(plan: Plan, tx: Any) -> list[dict]:
 
 
 def format_stages(rows: list[dict], n_params: int, devices: int) -> str:
-    lines = [f"  model states per device at each stage, Psi = {n_params / 1e9:.2f} B, "
-             f"N = {devices} (GB = 1e9 bytes):",
+    big = rows[0]["total"] >= 1e9
+    unit, div = ("GB = 1e9 bytes", 1e9) if big else ("MiB", MiB)
+    lines = [f"  model states per device at each stage, Psi = {n_params:,}, N = {devices} "
+             f"({unit}):",
              f"  {'stage':<7}{'params':>9}{'grads':>9}{'master':>9}{'optimizer':>11}"
              f"{'total':>9}{'ZeRO formula':>14}"]
     for r in rows:
-        lines.append(f"  {r['stage']:<7}{r['params'] / 1e9:>9.2f}{r['grads'] / 1e9:>9.2f}"
-                     f"{r['master'] / 1e9:>9.2f}{r['opt_state'] / 1e9:>11.2f}"
-                     f"{r['total'] / 1e9:>9.2f}{r['zero_formula_total'] / 1e9:>14.2f}")
+        lines.append(f"  {r['stage']:<7}{r['params'] / div:>9.2f}{r['grads'] / div:>9.2f}"
+                     f"{r['master'] / div:>9.2f}{r['opt_state'] / div:>11.2f}"
+                     f"{r['total'] / div:>9.2f}{r['zero_formula_total'] / div:>14.2f}")
     return "\n".join(lines)
 
 
