@@ -57,10 +57,6 @@ class Leaf:
     persistent: bool = False  # small: parameter and gradient stay whole, optimizer state is cut
     reason: str = ""  # why it is not cut everywhere
 
-    @property
-    def per_layer(self) -> int:
-        return math.prod(self.shape[1:] if self.stacked else self.shape)
-
 
 def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
               min_shard_elems: int) -> Leaf:
