@@ -28,6 +28,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stage", type=int, help="ZeRO stage 0-3 (default: the config's, 3)")
     p.add_argument("--config", default="tiny",
                    help="YAML file, or a name in configs/: tiny, gpt2-124m, gpt-1.3b, gpt-7.5b")
+    p.add_argument("--zero3-size", type=int, metavar="K",
+                   help="hierarchical ZeRO: stage 3 within groups of K devices, optimizer state "
+                   "over all (default: off)")
     p.add_argument("--steps", type=int, help="optimizer steps (default: the config's)")
     p.add_argument("--seed", type=int, help="seed of initialization and data order")
     p.add_argument("--devices", type=int, help="devices on the data axis (default: all; "
@@ -68,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     from zero_jax import config as configs  # jax is imported from here on
 
     overrides = list(args.set)
-    for flag, key in [("stage", "zero.stage"), ("steps", "train.steps"), ("seed", "train.seed")]:
+    for flag, key in [("stage", "zero.stage"), ("steps", "train.steps"), ("seed", "train.seed"),
+                      ("zero3_size", "zero.zero3_size")]:
         if getattr(args, flag) is not None:
             overrides.append(f"{key}={getattr(args, flag)}")
     try:
@@ -85,11 +89,10 @@ class Run:
     def __init__(self, cfg: dict, args: argparse.Namespace):
         from zero_jax import data
         from zero_jax.checkpoint import Checkpoints, check_compatible
-        from zero_jax.experiment import Experiment
-        from zero_jax.mesh import make_mesh
+        from zero_jax.experiment import Experiment, mesh_for
 
         self.cfg, self.args = cfg, args
-        self.exp = Experiment.build(cfg, make_mesh(args.devices))
+        self.exp = Experiment.build(cfg, mesh_for(cfg, args.devices))
         self.seed = cfg["train"]["seed"]
         self.ckpts, self.resume_step = None, None
         if args.resume and not args.checkpoint_dir:
@@ -131,9 +134,10 @@ class Run:
 
         plan = self.exp.plan
         r, _ = self.report(abstract_state(plan, self.exp.tx))
-        rows = report.stages_table(plan, self.exp.tx)
-        print("\n" + report.format_stages(rows, r["n_params"], plan.mesh.shape[plan.axis]))
-        self.write_report({**r, "stages": rows})
+        if plan.outer is None:  # the flat stages side by side, on the same mesh
+            r["stages"] = report.stages_table(plan, self.exp.tx)
+            print("\n" + report.format_stages(r["stages"], r["n_params"], plan.dp_size))
+        self.write_report(r)
         return 0
 
     def train(self) -> int:

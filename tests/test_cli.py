@@ -74,6 +74,8 @@ def test_dry_run_of_1_3b_compiles_without_allocating(tmp_path):
     (["--set", "train.batch_size=12"], "global batch 12 is not divisible by 8"),
     (["--data", "/no/such/file.txt"], "data file /no/such/file.txt does not exist"),
     (["--config", "nope"], "config nope not found"),
+    (["--zero3-size", "3"], "zero.zero3_size 3 does not divide the 8 data-parallel devices"),
+    (["--zero3-size", "4", "--stage", "2"], "hierarchical ZeRO (zero3_size 4) is built on"),
 ])
 def test_bad_input_gives_one_line_and_exit_2(args, message):
     run = train(*args, "--steps", "1", timeout=120)

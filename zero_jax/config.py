@@ -21,7 +21,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                   "b1": 0.9, "b2": 0.95,
                   "eps": 1e-8, "weight_decay": 0.1, "momentum": 0.0, "clip_norm": 1.0},
     "train": {"batch_size": 32, "accum_steps": 1, "steps": 400, "seed": 0},
-    "zero": {"stage": 3, "min_shard_elems": 0},
+    # zero3_size > 0: hierarchical ZeRO, stage 3 within groups of that many devices.
+    "zero": {"stage": 3, "min_shard_elems": 0, "zero3_size": 0},
     # auto: bf16 compute on accelerators, fp32 on the CPU mesh; reduce_dtype auto = param_dtype.
     # fp16 turns on DeepSpeed's dynamic loss scaler, with its defaults below.
     "precision": {"param_dtype": "auto", "reduce_dtype": "auto", "accum_dtype": "fp32",

@@ -15,6 +15,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zero_jax.mesh import make_mesh
 from zero_jax.model import GPT, LAYERS, GPTConfig, init_fn, lm_loss
 from zero_jax.optim import make_optimizer
 from zero_jax.precision import LossScaleConfig, Precision, default_param_dtype
@@ -35,7 +36,7 @@ class Experiment:
     @classmethod
     def build(cls, cfg: dict, mesh: Mesh) -> Experiment:
         t = cfg["train"]
-        n = mesh.shape["data"]
+        n = mesh.size  # every mesh axis is a data-parallel axis
         if t["batch_size"] % n:
             raise ValueError(f"global batch {t['batch_size']} is not divisible by {n} "
                              f"data-parallel devices: use --set train.batch_size=<multiple of "
@@ -51,14 +52,15 @@ class Experiment:
         tx, schedule = make_optimizer(cfg["optimizer"], t["steps"])
         plan = make_plan(jax.eval_shape(init, jax.random.key(0)), mesh, cfg["zero"]["stage"],
                          layers=LAYERS, min_shard_elems=cfg["zero"]["min_shard_elems"],
-                         precision=precision, accum_steps=t["accum_steps"])
+                         precision=precision, accum_steps=t["accum_steps"],
+                         outer="replica" if "replica" in mesh.shape else None)
         loss = lm_loss(model, fp32_logits=precision.autocast_output)
         step = make_train_step(plan, loss, tx, lr_schedule=schedule)
         return cls(cfg, mesh, model_cfg, init, tx, plan, step)
 
     @property
     def batch_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, P(self.plan.axis))
+        return NamedSharding(self.mesh, P(self.plan.data_axes))
 
     @property
     def batch_shape(self) -> jax.ShapeDtypeStruct:
@@ -68,6 +70,22 @@ class Experiment:
     @property
     def tokens_per_step(self) -> int:
         return self.cfg["train"]["batch_size"] * self.model.seq_len
+
+
+def mesh_for(cfg: dict, devices: int | None) -> Mesh:
+    """One data axis; with ``zero.zero3_size`` K, two: ``replica`` (across groups) x ``data``
+    (the K devices of a group)."""
+    k = cfg["zero"]["zero3_size"]
+    if not k:
+        return make_mesh(devices)
+    n = make_mesh(devices).size
+    if n % k:
+        raise ValueError(f"zero.zero3_size {k} does not divide the {n} data-parallel devices: "
+                         "pick a divisor (the devices of one node, typically)")
+    if cfg["zero"]["stage"] != 3:
+        raise ValueError(f"hierarchical ZeRO (zero3_size {k}) is built on stage 3; drop "
+                         f"--stage {cfg['zero']['stage']} or zero3_size")
+    return make_mesh(devices, axes={"replica": n // k, "data": k})
 
 
 def precision_from(cfg: dict, platform: str) -> Precision:

@@ -33,7 +33,7 @@ def total_bytes(tree: PyTree) -> int:
 def model_states(plan: Plan, state: PyTree) -> tuple[dict, dict]:
     """Per-device bytes of each copy of the model state, from the shardings, and ZeRO's
     formula for the same (Psi parameters, N devices, K bytes of optimizer state each)."""
-    n, rule, prec = plan.mesh.shape[plan.axis], plan.rule, plan.precision
+    n, rule, prec = plan.dp_size, plan.rule, plan.precision
     grads = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, plan.grad_dtype, sharding=s),
                          state.params, plan.shardings(plan.grad_specs))
     psi = sum(math.prod(p.shape) for p in jax.tree.leaves(state.params))
@@ -46,7 +46,9 @@ def model_states(plan: Plan, state: PyTree) -> tuple[dict, dict]:
     actual = {"params": shard_bytes(state.params), "grads": shard_bytes(grads),
               "master": shard_bytes(state.master) if prec.has_master else 0,
               "opt_state": shard_bytes(state.opt_state)}
-    zero = {"params": formula(c, rule.shard_params), "grads": formula(g, rule.shard_grads),
+    group = plan.mesh.shape[plan.axis]  # hierarchical: parameters are cut within a group only
+    zero = {"params": c * psi / (group if rule.shard_params else 1),
+            "grads": formula(g, rule.shard_grads),
             "master": formula(4 * prec.has_master, rule.shard_opt_state),
             "opt_state": formula(k_opt, rule.shard_opt_state)}
     return actual, zero
@@ -102,7 +104,10 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
     theory = {0: psi * (r + r), 1: psi * (r + r), 2: psi * (r + c), 3: psi * (c + c + r)}
     return {
         "stage": plan.stage,
-        "rule": rule.moves,
+        "rule": rule.moves + (
+            f"; hierarchical: parameters cut within groups of {mesh.shape[plan.axis]}, "
+            "gradients reduce-scattered across groups and parameters all-gathered back once "
+            "per step" if plan.outer else ""),
         "mesh": dict(mesh.shape),
         "platform": mesh.devices.flat[0].platform,
         "n_params": psi,
@@ -123,6 +128,9 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
         "requested_dtypes": sorted({f"{x.kind} {x.dtype}" for x in
                                     collectives(lowered.as_text(dialect="hlo"), mesh.size)}),
         "comm_bytes_per_step": sum(x.volume for x in found),
+        # Within a group of the hierarchical mesh vs across groups, by replica-group size.
+        "comm_bytes_by_group_size": {size: sum(x.volume for x in found if x.group_size == size)
+                                     for size in sorted({x.group_size for x in found})},
         "comm_bytes_theory": theory[plan.stage],
         "replicated": [{"path": leaf.path, "shape": list(leaf.shape), "reason": leaf.reason}
                        for leaf in plan.replicated],
@@ -157,7 +165,9 @@ def format_table(r: dict) -> str:
                      f"{g['bytes'] / MiB:>10.2f}")
     lines.append(f"  dtypes as requested, before XLA's passes: {', '.join(r['requested_dtypes'])}")
     measured, theory = r["comm_bytes_per_step"], r["comm_bytes_theory"]
-    lines += ["", f"  communication per step: {measured / MiB:.2f} MiB, ZeRO theory "
+    by_group = ", ".join(f"groups of {k}: {v / MiB:.2f} MiB"
+                         for k, v in r["comm_bytes_by_group_size"].items())
+    lines += ["", f"  communication per step: {measured / MiB:.2f} MiB ({by_group}), ZeRO theory "
               f"{theory / MiB:.2f} MiB ({'3' if r['stage'] == 3 else '2'} Psi), ratio "
               f"{measured / theory:.2f} (an all-reduce counted as reduce-scatter + all-gather)"]
     if r["replicated"]:

@@ -93,11 +93,23 @@ class Plan:
 
     stage: int
     mesh: Mesh
-    axis: str  # the data-parallel mesh axis that shards are cut over
+    axis: str  # the data-parallel mesh axis that parameter shards are cut over
     leaves: PyTree  # Leaf per parameter, same tree as the params
     shapes: PyTree  # the parameters as ShapeDtypeStructs
     precision: Precision = Precision()
     accum_steps: int = 1  # microbatches per optimizer step
+    # Hierarchical ZeRO: a second data axis, across groups of ``axis``. Parameters are cut
+    # within a group only; gradients and optimizer state over both axes.
+    outer: str | None = None
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """Every data-parallel axis: the batch is cut over all of them."""
+        return (self.axis,) if self.outer is None else (self.outer, self.axis)
+
+    @property
+    def dp_size(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.data_axes)
 
     @property
     def grad_dtype(self):
@@ -108,28 +120,32 @@ class Plan:
     def rule(self) -> Stage:
         return STAGES[self.stage]
 
-    def _specs(self, sharded: bool, persistent_too: bool) -> PyTree:
+    def _specs(self, sharded: bool, persistent_too: bool, everywhere: bool) -> PyTree:
+        # ``everywhere``: cut over every data axis (inner-major, the order in which the
+        # within-group and then the across-group reduce-scatter leave the pieces).
+        axes = (self.axis, self.outer) if everywhere and self.outer else self.axis
+
         def spec(leaf: Leaf) -> P:
             if not sharded or leaf.axis is None or (leaf.persistent and not persistent_too):
                 return P()
             parts = [None] * len(leaf.shape)
-            parts[leaf.axis] = self.axis
+            parts[leaf.axis] = axes
             return P(*parts)
         return jax.tree.map(spec, self.leaves, is_leaf=_is_leaf)
 
     @property
     def param_specs(self) -> PyTree:
-        return self._specs(self.rule.shard_params, persistent_too=False)
+        return self._specs(self.rule.shard_params, persistent_too=False, everywhere=False)
 
     @property
     def grad_specs(self) -> PyTree:
-        """The layout gradients leave the backward in (and parameters enter ``shard_map`` in)."""
-        return self._specs(self.rule.shard_grads, persistent_too=False)
+        """The layout gradients leave the backward in."""
+        return self._specs(self.rule.shard_grads, persistent_too=False, everywhere=True)
 
     @property
     def opt_specs(self) -> PyTree:
         """The layout of optimizer state, and of gradients and parameters during the update."""
-        return self._specs(self.rule.shard_opt_state, persistent_too=True)
+        return self._specs(self.rule.shard_opt_state, persistent_too=True, everywhere=True)
 
     def shardings(self, specs: PyTree) -> PyTree:
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
@@ -156,7 +172,8 @@ def _is_leaf(x) -> bool:
 
 def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data",
               layers: str | None = None, min_shard_elems: int = 0,
-              precision: Precision | None = None, accum_steps: int = 1) -> Plan:
+              precision: Precision | None = None, accum_steps: int = 1,
+              outer: str | None = None) -> Plan:
     """Apply the rules to a parameter tree (arrays or ``jax.ShapeDtypeStruct``s).
 
     ``layers`` is a regular expression over parameter paths ("blocks/attn/qkv/kernel"); the
@@ -167,7 +184,9 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
         raise ValueError(f"stage must be one of 0, 1, 2, 3 (got {stage})")
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be at least 1 (got {accum_steps})")
-    n = mesh.shape[axis]
+    if outer is not None and stage != 3:
+        raise ValueError(f"hierarchical ZeRO (outer={outer!r}) is built on stage 3, not {stage}")
+    n = mesh.shape[axis] * (mesh.shape[outer] if outer else 1)
     pattern = re.compile(layers) if layers else None
 
     def rule(path, x):
@@ -180,4 +199,4 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
         raise ValueError(f"layers={layers!r} matches no parameter path; paths look like "
                          f"{path_str(jax.tree_util.tree_flatten_with_path(params_shape)[0][0][0])!r}")
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_shape)
-    return Plan(stage, mesh, axis, leaves, shapes, precision or Precision(), accum_steps)
+    return Plan(stage, mesh, axis, leaves, shapes, precision or Precision(), accum_steps, outer)

@@ -88,8 +88,8 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn, batch_spec: P | None = None):
     declared in the plan, which reach ``zero_jax.layer`` as shards.
     """
     axis, rule, prec, k = plan.axis, plan.rule, plan.precision, plan.accum_steps
-    n = plan.mesh.shape[axis]
-    batch_spec = batch_spec if batch_spec is not None else P(axis)
+    n, everywhere = plan.dp_size, plan.data_axes
+    batch_spec = batch_spec if batch_spec is not None else P(everywhere)
 
     def cut(leaf: Leaf) -> bool:
         return rule.shard_grads and leaf.axis is not None and not leaf.persistent
@@ -98,9 +98,13 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn, batch_spec: P | None = None):
         # A whole parameter is marked per-device before differentiating, so that its gradient
         # stays local until the one all-reduce after the backward (differentiating the
         # replicated value itself, JAX would all-reduce it at every use).
-        params = jax.tree.map(lambda leaf, p: p if cut(leaf) else
-                              jax.lax.pcast(p, axis, to="varying"),
-                              plan.leaves, params, is_leaf=_is_leaf)
+        # Likewise a hierarchical shard, whole across groups until the across-group
+        # reduce-scatter after the backward.
+        def per_device(leaf: Leaf, p):
+            axes = everywhere if not cut(leaf) else (plan.outer,) if plan.outer else ()
+            return jax.lax.pcast(p, axes, to="varying") if axes else p
+
+        params = jax.tree.map(per_device, plan.leaves, params, is_leaf=_is_leaf)
 
         def micro_loss(params, micro):
             def wrap(leaf: Leaf, p, w=None):
@@ -138,25 +142,29 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn, batch_spec: P | None = None):
                 return (total + loss, acc), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros_like(p, prec.accum), params)
-            start = (jax.lax.pcast(jnp.zeros((), jnp.float32), axis, to="varying"), zeros)
+            start = (jax.lax.pcast(jnp.zeros((), jnp.float32), everywhere, to="varying"), zeros)
             (loss, grads), _ = jax.lax.scan(body, start, micros)
 
         def all_reduce(leaf: Leaf, g):
-            if cut(leaf):
-                return g
-            return jax.lax.psum(g.astype(prec.reduce), axis).astype(plan.grad_dtype)
+            if not cut(leaf):
+                return jax.lax.psum(g.astype(prec.reduce), everywhere).astype(plan.grad_dtype)
+            if plan.outer:  # hierarchical: once per step, the across-group reduce-scatter
+                g = jax.lax.psum_scatter(g.astype(prec.reduce), plan.outer,
+                                         scatter_dimension=leaf.axis, tiled=True)
+            return g.astype(plan.grad_dtype)
 
         grads = jax.tree.map(all_reduce, plan.leaves, grads, is_leaf=_is_leaf)
-        return jax.lax.psum(loss, axis), grads
+        return jax.lax.psum(loss, everywhere), grads
 
     def grads_fn(params: PyTree, batch: PyTree, scale: jax.Array | float = 1.0):
-        # Parameters enter in the layout their gradients leave in. Stage 2 also passes the
-        # replicated copy, which the forward reads as is.
-        whole = params if rule.shard_grads and not rule.shard_params else None
+        # Stage 2 differentiates the shards of its replicated parameters, and passes the whole
+        # copy too, which the forward reads as is.
+        stage2 = rule.shard_grads and not rule.shard_params
+        whole = params if stage2 else None
         return jax.shard_map(
             local_grads, mesh=plan.mesh,
-            in_specs=(plan.grad_specs, None if whole is None else plan.param_specs,
-                      batch_spec, P()),
+            in_specs=(plan.grad_specs if stage2 else plan.param_specs,
+                      None if whole is None else plan.param_specs, batch_spec, P()),
             out_specs=(P(), plan.grad_specs),
         )(params, whole, batch, jnp.asarray(scale, jnp.float32))
 
@@ -173,7 +181,7 @@ def make_train_step(plan: Plan, loss_fn: LossFn, tx: optax.GradientTransformatio
     the gradient was not finite and the update was skipped), ``loss_scale`` with fp16 loss
     scaling, and ``lr`` from ``lr_schedule(optimizer steps taken)`` when given.
     """
-    batch_spec = batch_spec if batch_spec is not None else P(plan.axis)
+    batch_spec = batch_spec if batch_spec is not None else P(plan.data_axes)
     grad_fn = make_grad_fn(plan, loss_fn, batch_spec)
     prec = plan.precision
 
