@@ -141,8 +141,7 @@ def poisoned(model, bad_step_token):
     return loss_fn
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_fp16_overflow_skips_that_step_and_halves_the_scale(mesh, stage):
+def test_fp16_overflow_skips_that_step_and_halves_the_scale(mesh, stage=3):
     from zero_jax import data
     cfg = SMALL
     scaler = LossScaleConfig(initial_scale_power=12, window=1000, hysteresis=1)
