@@ -16,6 +16,24 @@ from zero_jax.model import GPT, GPTConfig, init_fn, lm_loss  # noqa: E402
 
 N = 8
 
+
+def rel(a, b) -> float:
+    """Norm-relative difference of two arrays."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def tree_rel(tree_a, tree_b) -> float:
+    """Norm-relative difference of two whole trees, as one vector."""
+    flat = lambda t: np.concatenate([np.ravel(np.asarray(x, np.float64))
+                                     for x in jax.tree.leaves(t)])
+    return rel(flat(tree_a), flat(tree_b))
+
+
+def local_bytes(tree) -> int:
+    """Bytes device 0 really holds: read off the arrays' addressable shards."""
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
 # Shapes chosen to exercise the rules: vocab 250 and seq 12 do not divide by 8 (embeddings are
 # cut along d_model), fc1's bias (100,) does not divide at all and stays replicated.
 SMALL = GPTConfig(vocab_size=250, d_model=40, n_layers=2, n_heads=4, d_ff=100, seq_len=12)

@@ -5,8 +5,8 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
+from conftest import rel
 from flax import nnx
 
 import zero_jax as zj
@@ -20,10 +20,6 @@ def readme_example() -> str:
                       re.S)
     assert block, "README lost its API example"
     return block.group(1)
-
-
-def rel(a, b) -> float:
-    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
 
 
 def test_readme_example_trains_sharded_and_exactly(capsys):

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from conftest import rel, tree_rel
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -27,21 +28,9 @@ KEY = jax.random.key(42)
 MIN_SHARD = 64
 
 
-def rel(a, b) -> float:
-    """Norm-relative difference of two arrays."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def max_rel(tree_a, tree_b) -> float:
     return max(rel(a, b) for a, b in zip(jax.tree.leaves(tree_a), jax.tree.leaves(tree_b),
                                          strict=True))
-
-
-def tree_rel(tree_a, tree_b) -> float:
-    """Norm-relative difference of two whole trees, as one vector."""
-    flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])
-    return rel(flat(tree_a), flat(tree_b))
 
 
 @pytest.fixture(scope="module")

@@ -1,20 +1,15 @@
 """Hierarchical ZeRO on 2 groups x 4: stage 3 within a group, optimizer state over all 8."""
 
 import jax
-import numpy as np
 import optax
 import pytest
+from conftest import rel, tree_rel
 
 import zero_jax as zj
 from zero_jax.hlo import collectives
 from zero_jax.model import LAYERS
 
 KEY = jax.random.key(42)
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +41,7 @@ def test_gradients_and_training_equal_single_device(grid, small):
             u, o = tx.update(g, o, p)
             p = optax.apply_updates(p, u)
             assert abs(float(m["loss"]) - float(loss)) <= 1e-5 * float(loss)
-        flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])
-        assert rel(flat(state.params), flat(p)) < 1e-5
+        assert tree_rel(state.params, p) < 1e-5
 
 
 def test_layouts_and_collectives(grid, small):

@@ -11,6 +11,7 @@ import math
 import jax
 import optax
 import pytest
+from conftest import local_bytes
 
 from zero_jax import abstract_state, init_state, make_plan, make_train_step, report
 from zero_jax.hlo import collectives
@@ -43,11 +44,6 @@ def stages(mesh):
                           report=report.build(plan, state, lowered, compiled),
                           collectives=collectives(compiled.as_text(), N))
     return out
-
-
-def local_bytes(tree) -> int:
-    """Bytes device 0 really holds: read off the arrays' addressable shards."""
-    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
 
 PSI = TINY.n_params

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from zero_jax.hlo import collectives
 from zero_jax.rules import Plan
+from zero_jax.step import abstract_state
 
 PyTree = Any
 MiB = 1 << 20
@@ -56,8 +57,6 @@ def model_states(plan: Plan, state: PyTree) -> tuple[dict, dict]:
 
 def stages_table(plan: Plan, tx: Any) -> list[dict]:
     """Model-state bytes per device at each stage, for this model, mesh and precision."""
-    from zero_jax.step import abstract_state  # the report reads states; the step builds them
-
     rows = []
     for stage in range(4):
         other = dataclasses.replace(plan, stage=stage)
