@@ -94,19 +94,28 @@ class Run:
         self.cfg, self.args = cfg, args
         self.exp = Experiment.build(cfg, mesh_for(cfg, args.devices))
         self.seed = cfg["train"]["seed"]
-        self.ckpts, self.resume_step = None, None
+        # Where the state comes from: --resume's latest checkpoint in --checkpoint-dir, else
+        # train.ckpt_load_path's latest, else a fresh initialization.
+        self.ckpts, self.source, self.resume_step = None, None, None
         if args.resume and not args.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir DIR")
         if args.checkpoint_dir and not args.dry_run:
             self.ckpts = Checkpoints(args.checkpoint_dir, keep=args.keep)
         if args.resume and not args.dry_run:
-            self.resume_step = self.ckpts.latest_step()
+            self.source, self.resume_step = self.ckpts, self.ckpts.latest_step()
+        load = cfg["train"]["ckpt_load_path"]
+        if load and self.resume_step is None and not args.dry_run:
+            self.source = Checkpoints(load, create=False)
+            self.resume_step = self.source.latest_step()
             if self.resume_step is None:
-                print(f"no checkpoint in {self.ckpts.path}: starting fresh")
-            else:
-                meta = self.ckpts.meta(self.resume_step)
-                check_compatible(meta, cfg)
-                self.seed = meta["data"]["seed"]  # the data order goes on where it stopped
+                raise ValueError(f"train.ckpt_load_path {self.source.path} holds no complete "
+                                 "checkpoint: point it at a --checkpoint-dir of an earlier run")
+        if args.resume and self.resume_step is None and not args.dry_run:
+            print(f"no checkpoint in {self.ckpts.path}: starting fresh")
+        if self.resume_step is not None:
+            meta = self.source.meta(self.resume_step)
+            check_compatible(meta, cfg)
+            self.seed = meta["data"]["seed"]  # the data order goes on where it stopped
         self.tokens = None
         if not args.dry_run:
             m = self.exp.model
@@ -152,8 +161,8 @@ class Run:
         t, exp, ckpts = self.cfg["train"], self.exp, self.ckpts
         if self.resume_step is not None:
             tick = time.perf_counter()
-            state, _ = ckpts.restore(abstract_state(exp.plan, exp.tx), self.resume_step)
-            print(f"resumed from step {self.resume_step} of {ckpts.path} in "
+            state, _ = self.source.restore(abstract_state(exp.plan, exp.tx), self.resume_step)
+            print(f"resumed from step {self.resume_step} of {self.source.path} in "
                   f"{time.perf_counter() - tick:.2f} s")
         else:
             state = init_state(exp.plan, exp.init, exp.tx, jax.random.key(self.seed))

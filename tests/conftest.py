@@ -8,6 +8,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 import pytest  # noqa: E402
 
 from zero_jax import data  # noqa: E402
@@ -28,6 +29,12 @@ def tree_rel(tree_a, tree_b) -> float:
     flat = lambda t: np.concatenate([np.ravel(np.asarray(x, np.float64))
                                      for x in jax.tree.leaves(t)])
     return rel(flat(tree_a), flat(tree_b))
+
+
+def max_rel(tree_a, tree_b) -> float:
+    """The largest norm-relative difference of two trees' leaves."""
+    return max(rel(a, b) for a, b in zip(jax.tree.leaves(tree_a), jax.tree.leaves(tree_b),
+                                         strict=True))
 
 
 def local_bytes(tree) -> int:
@@ -52,3 +59,38 @@ def small():
     tokens = data.stdlib_corpus(1 << 18) % SMALL.vocab_size
     batches = [data.batch(tokens, i, 16, SMALL.seq_len, seed=0) for i in range(10)]
     return model, init_fn(model), lm_loss(model), [np.asarray(b) for b in batches]
+
+
+KEY = jax.random.key(42)
+CLIP = 0.5
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.5),
+    "adamw": lambda: optax.chain(optax.clip_by_global_norm(CLIP),
+                                 optax.adamw(3e-3, weight_decay=0.1)),
+}
+
+
+@pytest.fixture(scope="session")
+def reference(small):
+    """Per optimizer: losses, gradients and final parameters of a one-device optax loop over
+    the small model's 10 batches, from ``init(KEY)``."""
+    _, init, loss_fn, batches = small
+    out = {}
+    for name, make_tx in OPTIMIZERS.items():
+        tx = make_tx()
+        params = init(KEY)
+        opt_state = tx.init(params)
+
+        @jax.jit
+        def step(params, opt_state, batch, tx=tx):
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss, grads
+
+        losses, grads = [], []
+        for b in batches:
+            params, opt_state, loss, g = step(params, opt_state, b)
+            losses.append(float(loss))
+            grads.append(g)
+        out[name] = {"losses": np.array(losses), "grads": grads, "params": params}
+    return out

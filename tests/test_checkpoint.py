@@ -38,7 +38,9 @@ def listing(directory: pathlib.Path) -> dict:
 
 
 def test_resume_is_bit_identical(tmp_path):
-    """10 steps, stop, resume to 20 == 20 uninterrupted steps, loss for loss, on the CPU mesh."""
+    """10 steps, stop, resume to 20 == 20 uninterrupted steps, loss for loss, on the CPU mesh.
+    The second run starts from the first's directory through train.ckpt_load_path (the seed's
+    key) and saves into its own; --resume from a directory is tested with the SIGKILL below."""
     ckpt, split, whole = tmp_path / "ckpt", tmp_path / "split.jsonl", tmp_path / "whole.jsonl"
     common = ["--stage", "3", "--set", "optimizer.decay_steps=20"]
     first = train(*common, "--steps", 10, "--save-every", 5, "--checkpoint-dir", ckpt,
@@ -46,15 +48,16 @@ def test_resume_is_bit_identical(tmp_path):
     assert first.returncode == 0, first.stderr
     assert "starting fresh" in first.stdout
     assert "checkpoint 10:" in first.stdout and "MiB on disk" in first.stdout
-    second = train(*common, "--steps", 20, "--checkpoint-dir", ckpt, "--resume",
-                   "--metrics", split)
+    second = train(*common, "--steps", 20, "--checkpoint-dir", tmp_path / "next",
+                   "--set", f"train.ckpt_load_path={ckpt}", "--metrics", split)
     assert second.returncode == 0, second.stderr
     assert "resumed from step 10" in second.stdout
     third = train(*common, "--steps", 20, "--metrics", whole)
     assert third.returncode == 0, third.stderr
     assert losses(split) == losses(whole)  # exact float equality, step for step
     assert [s for s, _ in losses(split)] == list(range(1, 21))
-    assert Checkpoints(ckpt).manager.all_steps() == [5, 10, 20]
+    assert Checkpoints(ckpt).manager.all_steps() == [5, 10]  # read, not written
+    assert Checkpoints(tmp_path / "next").manager.all_steps() == [20]
 
 
 @pytest.fixture(scope="module")
@@ -236,3 +239,14 @@ def test_export_reads_with_plain_orbax_and_generates(tmp_path):
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("def ") and len(run.stdout) > 20
+
+
+def test_frozen_modules_must_match_the_checkpoint():
+    """Frozen modules carry no optimizer state, so a checkpoint fits only the same setting."""
+    from zero_jax import config
+    from zero_jax.checkpoint import check_compatible
+
+    saved = {"config": config.load("tiny", ["optimizer.frozen_modules=[wpe]"])}
+    check_compatible(saved, config.load("tiny", ["optimizer.frozen_modules=[wpe]"]))
+    with pytest.raises(CheckpointError, match=r"optimizer.frozen_modules=\['wpe'\]"):
+        check_compatible(saved, config.load("tiny"))

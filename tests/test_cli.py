@@ -76,6 +76,10 @@ def test_dry_run_of_1_3b_compiles_without_allocating(tmp_path):
     (["--config", "nope"], "config nope not found"),
     (["--zero3-size", "3"], "zero.zero3_size 3 does not divide the 8 data-parallel devices"),
     (["--zero3-size", "4", "--stage", "2"], "hierarchical ZeRO (zero3_size 4) is built on"),
+    (["--set", "zero.ignored_modules=[encoder]"],
+     "zero.ignored_modules: the model has no module 'encoder'; its modules are blocks,"),
+    (["--set", "zero.transformer_layers=[ln_f]"], "'ln_f' is not a layer stack of this model"),
+    (["--set", "train.ckpt_load_path=/no/such/dir"], "directory /no/such/dir does not exist"),
 ])
 def test_bad_input_gives_one_line_and_exit_2(args, message):
     run = train(*args, "--steps", "1", timeout=120)

@@ -39,3 +39,12 @@ def test_reads_async_collectives_loops_and_groups():
     # A combined all-reduce counts all its operands, twice in ZeRO's volume.
     assert (ar.bytes, ar.group_size, ar.in_loop, ar.count) == ((1024 + 10) * 4, 8, False, 1)
     assert ar.volume == 2 * ar.bytes
+
+
+def test_reads_which_devices_a_group_holds():
+    # [4,2]<=[2,4]T(1,0): ids 0..7 as 2 x 4, transposed, cut into pairs: {0,4}, {1,5}, ...
+    text = GPU_LIKE.replace("replica_groups=[2,4]<=[8]", "replica_groups=[4,2]<=[2,4]T(1,0)")
+    found = {c.kind: c for c in collectives(text, n_devices=8)}
+    assert found["all-gather"].group == (0, 4)
+    assert found["reduce-scatter"].group == (0, 1, 2, 3)
+    assert found["all-reduce"].group == tuple(range(8))

@@ -3,7 +3,7 @@
 The public API, in the order a training loop uses it::
 
     mesh = make_mesh()                               # all devices on the "data" axis
-    plan = make_plan(params_shape, mesh, stage=3, layers="^blocks/")
+    plan = make_plan(params_shape, mesh, stage=3, layers=modules_pattern(["blocks"]))
     state = init_state(plan, init_params, tx, key)   # born sharded
     step = make_train_step(plan, loss_fn, tx)        # jitted, state donated
     state, metrics = step(state, batch)
@@ -13,7 +13,7 @@ The public API, in the order a training loop uses it::
 from zero_jax.checkpoint import Checkpoints
 from zero_jax.gather import layer
 from zero_jax.mesh import make_mesh
-from zero_jax.rules import STAGES, Plan, make_plan
+from zero_jax.rules import STAGES, Plan, make_plan, modules_pattern
 from zero_jax.step import (
                            TrainState,
                            abstract_state,
@@ -24,4 +24,5 @@ from zero_jax.step import (
 )
 
 __all__ = ["STAGES", "Checkpoints", "Plan", "TrainState", "abstract_state", "init_state",
-           "layer", "make_grad_fn", "make_mesh", "make_plan", "make_train_step", "state_specs"]
+           "layer", "make_grad_fn", "make_mesh", "make_plan", "make_train_step",
+           "modules_pattern", "state_specs"]

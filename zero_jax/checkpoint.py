@@ -222,3 +222,9 @@ def check_compatible(meta: dict, config: dict) -> None:
             f"the checkpoint holds {saved['optimizer']['name']} optimizer state but the config "
             f"asks for {config['optimizer']['name']}: set --set optimizer.name="
             f"{saved['optimizer']['name']} or start a new --checkpoint-dir")
+    frozen = saved["optimizer"].get("frozen_modules", [])
+    if frozen != config["optimizer"]["frozen_modules"]:
+        raise CheckpointError(
+            f"the checkpoint was trained with optimizer.frozen_modules={frozen} but the config "
+            f"says {config['optimizer']['frozen_modules']}: frozen modules carry no optimizer "
+            "state, so the two do not fit; use the checkpoint's setting")

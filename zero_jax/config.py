@@ -17,12 +17,20 @@ CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 DEFAULTS: dict[str, dict[str, Any]] = {
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512,
               "seq_len": 64, "remat": True},
+    # frozen_modules: not trained (no gradient, no optimizer state), e.g. ["wpe"].
     "optimizer": {"name": "adamw", "lr": 3e-3, "warmup_steps": 20, "decay_steps": 0,
                   "b1": 0.9, "b2": 0.95,
-                  "eps": 1e-8, "weight_decay": 0.1, "momentum": 0.0, "clip_norm": 1.0},
-    "train": {"batch_size": 32, "accum_steps": 1, "steps": 400, "seed": 0},
+                  "eps": 1e-8, "weight_decay": 0.1, "momentum": 0.0, "clip_norm": 1.0,
+                  "frozen_modules": []},
+    # ckpt_load_path: a checkpoint directory to resume from (its latest complete step).
+    "train": {"batch_size": 32, "accum_steps": 1, "steps": 400, "seed": 0,
+              "ckpt_load_path": ""},
     # zero3_size > 0: hierarchical ZeRO, stage 3 within groups of that many devices.
-    "zero": {"stage": 3, "min_shard_elems": 0, "zero3_size": 0},
+    # transformer_layers: the layer stacks gathered one layer at a time ([]: the whole model
+    # once per step); ignored_modules: left out of ZeRO, whole on every device;
+    # offload_grads: the gradient accumulator waits in host memory between microbatches.
+    "zero": {"stage": 3, "min_shard_elems": 0, "zero3_size": 0, "transformer_layers": ["blocks"],
+             "ignored_modules": [], "offload_grads": False},
     # auto: bf16 compute on accelerators, fp32 on the CPU mesh; reduce_dtype auto = param_dtype.
     # fp16 turns on DeepSpeed's dynamic loss scaler, with its defaults below.
     "precision": {"param_dtype": "auto", "reduce_dtype": "auto", "accum_dtype": "fp32",
@@ -73,11 +81,13 @@ def _check_type(key: str, default: Any, value: Any) -> Any:
     elif isinstance(default, float):
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
+    elif isinstance(default, list):  # lists of names
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
     else:
         ok = isinstance(value, type(default))
     if not ok:
-        raise ConfigError(f"config key {key} must be a {type(default).__name__}, "
-                          f"got {value!r}")
+        kind = "list of names" if isinstance(default, list) else type(default).__name__
+        raise ConfigError(f"config key {key} must be a {kind}, got {value!r}")
     return value
 
 

@@ -16,10 +16,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zero_jax.mesh import make_mesh
-from zero_jax.model import GPT, LAYERS, GPTConfig, init_fn, lm_loss
+from zero_jax.model import GPT, LAYER_STACKS, GPTConfig, init_fn, lm_loss
 from zero_jax.optim import make_optimizer
 from zero_jax.precision import LossScaleConfig, Precision, default_param_dtype
-from zero_jax.rules import Plan, make_plan
+from zero_jax.rules import Plan, make_plan, modules_pattern, path_str
 from zero_jax.step import make_train_step
 
 
@@ -50,10 +50,28 @@ class Experiment:
         model = GPT(model_cfg)
         init = init_fn(model)
         tx, schedule = make_optimizer(cfg["optimizer"], t["steps"])
-        plan = make_plan(jax.eval_shape(init, jax.random.key(0)), mesh, cfg["zero"]["stage"],
-                         layers=LAYERS, min_shard_elems=cfg["zero"]["min_shard_elems"],
+        shapes = jax.eval_shape(init, jax.random.key(0))
+        z = cfg["zero"]
+        modules = _modules(shapes)
+        for key, names in [("zero.ignored_modules", z["ignored_modules"]),
+                           ("optimizer.frozen_modules", cfg["optimizer"]["frozen_modules"])]:
+            for name in names:
+                if name.strip("/") not in modules:
+                    raise ValueError(f"{key}: the model has no module {name!r}; its modules "
+                                     f"are {', '.join(sorted(modules))}")
+        for name in z["transformer_layers"]:
+            if name not in LAYER_STACKS:
+                raise ValueError(f"zero.transformer_layers: {name!r} is not a layer stack of "
+                                 f"this model (a zero_jax.layer under nn.scan); its stacks are "
+                                 f"{', '.join(LAYER_STACKS)}")
+        plan = make_plan(shapes, mesh, z["stage"],
+                         layers=modules_pattern(z["transformer_layers"]),
+                         min_shard_elems=z["min_shard_elems"],
                          precision=precision, accum_steps=t["accum_steps"],
-                         outer="replica" if "replica" in mesh.shape else None)
+                         outer="replica" if "replica" in mesh.shape else None,
+                         ignored=modules_pattern(z["ignored_modules"]),
+                         frozen=modules_pattern(cfg["optimizer"]["frozen_modules"]),
+                         offload_grads=z["offload_grads"])
         loss = lm_loss(model, fp32_logits=precision.autocast_output)
         step = make_train_step(plan, loss, tx, lr_schedule=schedule)
         return cls(cfg, mesh, model_cfg, init, tx, plan, step)
@@ -70,6 +88,15 @@ class Experiment:
     @property
     def tokens_per_step(self) -> int:
         return self.cfg["train"]["batch_size"] * self.model.seq_len
+
+
+def _modules(params_shape: Any) -> set[str]:
+    """Every module path of a parameter tree: "blocks", "blocks/qkv", "wte" (a bare param)."""
+    found = set()
+    for path, _ in jax.tree_util.tree_flatten_with_path(params_shape)[0]:
+        parts = path_str(path).split("/")
+        found.update("/".join(parts[:i]) for i in range(1, len(parts) + (len(parts) == 1)))
+    return found
 
 
 def mesh_for(cfg: dict, devices: int | None) -> Mesh:

@@ -27,7 +27,8 @@ _CALLS = re.compile(r"(?:to_apply|body|condition|calls|branch_computations|calle
 _BODY = re.compile(r" while\(.*\bbody=%?([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
+# Iota form: [groups,size]<=[dims] with an optional transpose T(perm).
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 
 
 @dataclasses.dataclass
@@ -35,7 +36,7 @@ class Collective:
     kind: str
     dtype: str
     bytes: int  # payload of one execution, full-size side
-    group_size: int
+    group: tuple[int, ...]  # the devices of its first replica group
     in_loop: bool
     count: int  # executions per step
     computation: str  # the HLO computation it sits in (a loop body, or the entry)
@@ -45,18 +46,33 @@ class Collective:
         """Bytes per step in ZeRO's units (an all-reduce = reduce-scatter + all-gather)."""
         return self.count * self.bytes * (2 if self.kind == "all-reduce" else 1)
 
+    @property
+    def group_size(self) -> int:
+        return len(self.group)
+
 
 def _arrays(shape: str) -> list[tuple[str, int]]:
     return [(dt, DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d))
             for dt, dims in _ARRAY.findall(shape)]
 
 
-def _group_size(rest: str, default: int) -> int:
+def _first_group(rest: str, n_devices: int) -> tuple[int, ...]:
+    """The first replica group's device (partition) ids; no groups: all devices."""
     if m := _GROUPS_IOTA.search(rest):
-        return int(m.group(2))
+        size = int(m.group(2))
+        dims = [int(d) for d in m.group(3).split(",")]
+        perm = [int(d) for d in m.group(4).split(",")] if m.group(4) else range(len(dims))
+        # ids 0..prod(dims)-1 laid out as ``dims``, transposed by ``perm``, read row-major
+        strides = [math.prod(dims[i + 1:]) for i in range(len(dims))]
+        shape = [dims[p] for p in perm]
+        ids = []
+        for flat in range(size):
+            index = [(flat // math.prod(shape[i + 1:])) % shape[i] for i in range(len(shape))]
+            ids.append(sum(index[i] * strides[perm[i]] for i in range(len(perm))))
+        return tuple(ids)
     if m := _GROUPS_LIST.search(rest):
-        return len(m.group(1).split(","))
-    return default
+        return tuple(int(d) for d in m.group(1).split(","))
+    return tuple(range(n_devices))
 
 
 def collectives(hlo_text: str, n_devices: int) -> list[Collective]:
@@ -111,10 +127,10 @@ def collectives(hlo_text: str, n_devices: int) -> list[Collective]:
                 arrays = arrays[len(arrays) // 2:]  # ((operands), (results))
             elif op == "all-gather-start":
                 arrays = arrays[-1:]
-            group = _group_size(rest, n_devices)
+            group = _first_group(rest, n_devices)
             size = sum(b for _, b in arrays)
             if kind == "reduce-scatter":
-                size *= group  # the instruction's shape is the scattered result
+                size *= len(group)  # the instruction's shape is the scattered result
             found.append(Collective(kind, arrays[0][0] if arrays else "?", size, group,
                                     looped[name], runs[name], name))
     return found

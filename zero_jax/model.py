@@ -15,8 +15,10 @@ import jax.numpy as jnp
 import optax
 
 from zero_jax.gather import layer
+from zero_jax.rules import modules_pattern
 
-LAYERS = "^blocks/"  # the plan's ``layers`` pattern for this model
+LAYER_STACKS = ("blocks",)  # this model's modules under nn.scan, wrapped in zero_jax.layer
+LAYERS = modules_pattern(LAYER_STACKS)  # the plan's ``layers`` pattern for this model
 
 
 @dataclasses.dataclass(frozen=True)

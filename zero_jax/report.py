@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from zero_jax.hlo import collectives
 from zero_jax.rules import Plan
@@ -35,8 +36,11 @@ def model_states(plan: Plan, state: PyTree) -> tuple[dict, dict]:
     """Per-device bytes of each copy of the model state, from the shardings, and ZeRO's
     formula for the same (Psi parameters, N devices, K bytes of optimizer state each)."""
     n, rule, prec = plan.dp_size, plan.rule, plan.precision
+    # Hierarchical: the backward reduce-scatters within the group (1/K, the accumulator's
+    # layout too); the across-group cut to 1/N follows the last microbatch.
+    grad_specs = plan.param_specs if plan.outer else plan.grad_specs
     grads = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, plan.grad_dtype, sharding=s),
-                         state.params, plan.shardings(plan.grad_specs))
+                         state.params, plan.shardings(grad_specs))
     psi = sum(math.prod(p.shape) for p in jax.tree.leaves(state.params))
     c, g = prec.compute.itemsize, jnp.dtype(plan.grad_dtype).itemsize
     k_opt = total_bytes(state.opt_state) / psi  # optimizer bytes per parameter (Adam fp32: 8)
@@ -49,7 +53,7 @@ def model_states(plan: Plan, state: PyTree) -> tuple[dict, dict]:
               "opt_state": shard_bytes(state.opt_state)}
     group = plan.mesh.shape[plan.axis]  # hierarchical: parameters are cut within a group only
     zero = {"params": c * psi / (group if rule.shard_params else 1),
-            "grads": formula(g, rule.shard_grads),
+            "grads": g * psi / group if plan.outer else formula(g, rule.shard_grads),
             "master": formula(4 * prec.has_master, rule.shard_opt_state),
             "opt_state": formula(k_opt, rule.shard_opt_state)}
     return actual, zero
@@ -80,6 +84,15 @@ def format_stages(rows: list[dict], n_params: int, devices: int) -> str:
     return "\n".join(lines)
 
 
+def mesh_axes(group: tuple[int, ...], mesh: Any) -> str:
+    """The mesh axes a replica group spans ("data", "replica", "replica+data"): a collective's
+    partition ids are positions in the mesh's device order."""
+    coords = [np.unravel_index(i, mesh.devices.shape) for i in group]
+    spanned = [name for d, name in enumerate(mesh.axis_names)
+               if len({c[d] for c in coords}) > 1]
+    return "+".join(spanned) or "none"
+
+
 def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) -> dict:
     """The report of one step, from ``lowered = step.lower(state, batch)`` and its compilation;
     ``state`` is the (abstract or real) train state."""
@@ -92,15 +105,27 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
     found = collectives(compiled.as_text(), mesh.size)
     groups: dict[tuple, dict] = {}
     for x in found:
-        key = (x.kind, x.dtype, x.group_size, x.in_loop)
-        grp = groups.setdefault(key, {"kind": x.kind, "dtype": x.dtype, "group_size": x.group_size,
-                                      "in_loop": x.in_loop, "count": 0, "bytes": 0, "volume": 0})
+        axes = mesh_axes(x.group, mesh)
+        key = (x.kind, x.dtype, axes, x.in_loop)
+        grp = groups.setdefault(key, {"kind": x.kind, "dtype": x.dtype, "axes": axes,
+                                      "group_size": x.group_size, "in_loop": x.in_loop,
+                                      "count": 0, "bytes": 0, "volume": 0})
         grp["count"] += x.count
         grp["bytes"] += x.count * x.bytes
         grp["volume"] += x.volume
     # ZeRO's communication, phase by phase, each in its dtype: a gradient reduce-scatter, then
     # an all-gather (of gradients at stage 0, of updated parameters at 1-2, per layer at 3).
-    theory = {0: psi * (r + r), 1: psi * (r + r), 2: psi * (r + c), 3: psi * (c + c + r)}
+    # With k microbatches stage 2 reduce-scatters, and stage 3 also gathers, once per microbatch.
+    k = plan.accum_steps
+    theory = {0: psi * (r + r), 1: psi * (r + r), 2: psi * (r * k + c),
+              3: psi * (c + c + r) * k}
+    by_axes = {plan.axis: theory[plan.stage]}
+    if plan.outer:
+        # Hierarchical: stage 3 within a group of K; across groups, once per step, the gradient
+        # shards (Psi/K) reduce-scattered and the updated parameter shards all-gathered back.
+        group = mesh.shape[plan.axis]
+        by_axes = {plan.axis: theory[3] if group > 1 else 0,
+                   plan.outer: psi * (r + c) // group if mesh.shape[plan.outer] > 1 else 0}
     return {
         "stage": plan.stage,
         "rule": rule.moves + (
@@ -127,12 +152,16 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
         "requested_dtypes": sorted({f"{x.kind} {x.dtype}" for x in
                                     collectives(lowered.as_text(dialect="hlo"), mesh.size)}),
         "comm_bytes_per_step": sum(x.volume for x in found),
-        # Within a group of the hierarchical mesh vs across groups, by replica-group size.
-        "comm_bytes_by_group_size": {size: sum(x.volume for x in found if x.group_size == size)
-                                     for size in sorted({x.group_size for x in found})},
-        "comm_bytes_theory": theory[plan.stage],
+        # Hierarchical: "data" is within a group, "replica" across groups.
+        "comm_bytes_by_axes": {axes: sum(g["volume"] for g in groups.values()
+                                         if g["axes"] == axes)
+                               for axes in sorted({g["axes"] for g in groups.values()})},
+        "comm_bytes_theory": sum(by_axes.values()),
+        "comm_bytes_theory_by_axes": by_axes,
         "replicated": [{"path": leaf.path, "shape": list(leaf.shape), "reason": leaf.reason}
                        for leaf in plan.replicated],
+        "frozen": [leaf.path for leaf in jax.tree.leaves(
+            plan.leaves, is_leaf=lambda x: hasattr(x, "frozen")) if leaf.frozen],
     }
 
 
@@ -156,20 +185,33 @@ def format_table(r: dict) -> str:
     c = r["compiled"]
     lines += ["", f"  compiled step: arguments {c['argument_bytes'] / MiB:.2f} MiB, outputs "
               f"{c['output_bytes'] / MiB:.2f} MiB, temp {c['temp_bytes'] / MiB:.2f} MiB", "",
-              f"  {'collective':<16}{'dtype':<7}{'group':>6}{'in loop':>9}{'count':>7}"
-              f"{'MiB/step':>10}"]
+              f"  {'collective':<16}{'dtype':<7}{'axes':<14}{'group':>6}{'in loop':>9}"
+              f"{'count':>7}{'MiB/step':>10}"]
     for g in r["collectives"]:
-        lines.append(f"  {g['kind']:<16}{g['dtype']:<7}{g['group_size']:>6}"
+        lines.append(f"  {g['kind']:<16}{g['dtype']:<7}{g['axes']:<14}{g['group_size']:>6}"
                      f"{'yes' if g['in_loop'] else 'no':>9}{g['count']:>7}"
                      f"{g['bytes'] / MiB:>10.2f}")
     lines.append(f"  dtypes as requested, before XLA's passes: {', '.join(r['requested_dtypes'])}")
     measured, theory = r["comm_bytes_per_step"], r["comm_bytes_theory"]
-    by_group = ", ".join(f"groups of {k}: {v / MiB:.2f} MiB"
-                         for k, v in r["comm_bytes_by_group_size"].items())
-    lines += ["", f"  communication per step: {measured / MiB:.2f} MiB ({by_group}), ZeRO theory "
-              f"{theory / MiB:.2f} MiB ({'3' if r['stage'] == 3 else '2'} Psi), ratio "
-              f"{measured / theory:.2f} (an all-reduce counted as reduce-scatter + all-gather)"]
+    k = p["accum_steps"]
+    formula = {0: "2 Psi", 1: "2 Psi", 2: f"{k + 1} Psi" if k > 1 else "2 Psi",
+               3: f"{3 * k} Psi"}[r["stage"]]
+    if len(r["mesh"]) > 1:
+        formula = f"{3 * k} Psi within a group + 2 Psi/K across"
+    lines += ["", f"  communication per step: {measured / MiB:.2f} MiB, ZeRO theory "
+              f"{theory / MiB:.2f} MiB ({formula}), ratio {measured / theory:.2f} "
+              "(an all-reduce counted as reduce-scatter + all-gather)"]
+    if len(r["mesh"]) > 1:
+        names = {"data": "within groups", "replica": "across groups",
+                 "replica+data": "whole mesh"}
+        for axes, v in r["comm_bytes_by_axes"].items():
+            expected = r["comm_bytes_theory_by_axes"].get(axes)
+            lines.append(f"    {names.get(axes, axes) + f' ({axes})':<30}{v / MiB:>8.2f} MiB"
+                         + (f", theory {expected / MiB:.2f} MiB" if expected is not None else ""))
     if r["replicated"]:
         lines += ["", f"  kept whole ({len(r['replicated'])} leaves):"]
         lines += [f"    {x['path']} {tuple(x['shape'])}: {x['reason']}" for x in r["replicated"]]
+    if r["frozen"]:
+        lines += ["", f"  frozen, no gradient and no optimizer state ({len(r['frozen'])} leaves): "
+                  + ", ".join(r["frozen"])]
     return "\n".join(lines)

@@ -56,6 +56,7 @@ class Leaf:
     axis: int | None  # dimension cut over the data axis; None: whole on every device
     persistent: bool = False  # small: parameter and gradient stay whole, optimizer state is cut
     reason: str = ""  # why it is not cut everywhere
+    frozen: bool = False  # not trained: no gradient, no optimizer state
 
 
 def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
@@ -101,6 +102,7 @@ class Plan:
     # Hierarchical ZeRO: a second data axis, across groups of ``axis``. Parameters are cut
     # within a group only; gradients and optimizer state over both axes.
     outer: str | None = None
+    offload_grads: bool = False  # the accumulator waits in host memory between microbatches
 
     @property
     def data_axes(self) -> tuple[str, ...]:
@@ -153,17 +155,29 @@ class Plan:
 
     def opt_state_specs(self, tx: optax.GradientTransformation) -> PyTree:
         """The layout of ``tx``'s state: parameter-shaped parts as ``opt_specs``, scalars whole."""
+        tx = self.optimizer(tx)
         state_shape = jax.eval_shape(tx.init, self.shapes)
+        # Frozen leaves hold ``MaskedNode``s (no state) in the trained transformation's state.
+        masked = lambda x: isinstance(x, optax.MaskedNode)
         return optax.tree_map_params(
-            tx, lambda _, spec: spec, state_shape, self.opt_specs,
+            tx, lambda x, spec: x if masked(x) else spec, state_shape, self.opt_specs,
             transform_non_params=lambda _: P(),
-            is_leaf=lambda x: isinstance(x, P))
+            is_leaf=lambda x: isinstance(x, P) or masked(x))
 
     @property
     def replicated(self) -> list[Leaf]:
-        """Leaves whose parameters stay whole on every device (indivisible or persistent)."""
+        """Leaves whose parameters stay whole on every device (indivisible, ignored or
+        persistent)."""
         return [leaf for leaf in jax.tree.leaves(self.leaves, is_leaf=_is_leaf)
                 if leaf.axis is None or leaf.persistent]
+
+    def optimizer(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
+        """``tx`` for the trained leaves; frozen ones get a zero update and carry no state."""
+        if not any(leaf.frozen for leaf in jax.tree.leaves(self.leaves, is_leaf=_is_leaf)):
+            return tx
+        labels = jax.tree.map(lambda leaf: "frozen" if leaf.frozen else "trained", self.leaves,
+                              is_leaf=_is_leaf)
+        return optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, labels)
 
 
 def _is_leaf(x) -> bool:
@@ -173,12 +187,22 @@ def _is_leaf(x) -> bool:
 def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data",
               layers: str | None = None, min_shard_elems: int = 0,
               precision: Precision | None = None, accum_steps: int = 1,
-              outer: str | None = None) -> Plan:
+              outer: str | None = None, ignored: str | None = None,
+              frozen: str | None = None, offload_grads: bool = False) -> Plan:
     """Apply the rules to a parameter tree (arrays or ``jax.ShapeDtypeStruct``s).
 
-    ``layers`` is a regular expression over parameter paths ("blocks/attn/qkv/kernel"); the
-    leaves it matches are stacked layers of a scan (leading dimension = layer), gathered one
-    layer at a time by ``zero_jax.layer``. Unmatched leaves are gathered once per step.
+    ``layers``, ``ignored`` and ``frozen`` are regular expressions over parameter paths
+    ("blocks/attn/qkv/kernel"; ``modules_pattern`` builds one from module names):
+
+    - ``layers``: stacked layers of a scan (leading dimension = layer), gathered one layer at a
+      time by ``zero_jax.layer``. Other cut leaves are gathered once per step.
+    - ``ignored``: left out of ZeRO, as DeepSpeed's and FSDP's ``ignored_modules``: whole on
+      every device, gradient all-reduced, optimizer state whole (plain data parallelism).
+    - ``frozen``: not trained: no gradient is computed or communicated, no optimizer state.
+
+    ``outer`` names a second data axis for hierarchical ZeRO (stage 3 within ``axis``,
+    optimizer state over both); ``offload_grads`` keeps the gradient accumulator in host memory
+    between microbatches.
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of 0, 1, 2, 3 (got {stage})")
@@ -187,16 +211,33 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
     if outer is not None and stage != 3:
         raise ValueError(f"hierarchical ZeRO (outer={outer!r}) is built on stage 3, not {stage}")
     n = mesh.shape[axis] * (mesh.shape[outer] if outer else 1)
-    pattern = re.compile(layers) if layers else None
+    paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params_shape)[0]]
+    patterns = {}
+    for name, regex in (("layers", layers), ("ignored", ignored), ("frozen", frozen)):
+        if regex:
+            patterns[name] = re.compile(regex)
+            if not any(patterns[name].search(p) for p in paths):
+                raise ValueError(f"{name}={regex!r} matches no parameter path; paths look like "
+                                 f"{paths[0]!r}")
+    match = lambda name, path: name in patterns and bool(patterns[name].search(path))
 
     def rule(path, x):
         name = path_str(path)
-        stacked = bool(pattern and pattern.search(name))
-        return leaf_rule(name, tuple(x.shape), n, stacked, min_shard_elems)
+        stacked = match("layers", name)
+        if match("ignored", name):
+            leaf = Leaf(name, tuple(x.shape), stacked, None, reason="ignored_modules")
+        else:
+            leaf = leaf_rule(name, tuple(x.shape), n, stacked, min_shard_elems)
+        return dataclasses.replace(leaf, frozen=match("frozen", name))
 
     leaves = jax.tree_util.tree_map_with_path(rule, params_shape)
-    if pattern and not any(leaf.stacked for leaf in jax.tree.leaves(leaves, is_leaf=_is_leaf)):
-        raise ValueError(f"layers={layers!r} matches no parameter path; paths look like "
-                         f"{path_str(jax.tree_util.tree_flatten_with_path(params_shape)[0][0][0])!r}")
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_shape)
-    return Plan(stage, mesh, axis, leaves, shapes, precision or Precision(), accum_steps, outer)
+    return Plan(stage, mesh, axis, leaves, shapes, precision or Precision(), accum_steps, outer,
+                offload_grads)
+
+
+def modules_pattern(names: list[str] | tuple[str, ...]) -> str | None:
+    """A path pattern for the parameters of the named modules ("blocks", "encoder/proj")."""
+    if not names:
+        return None
+    return "^(?:" + "|".join(re.escape(n.strip("/")) for n in names) + ")(?:/|$)"

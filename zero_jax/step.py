@@ -48,7 +48,8 @@ def _new_state(plan: Plan, params: PyTree, tx: optax.GradientTransformation) -> 
     p = plan.precision
     compute = jax.tree.map(lambda x: x.astype(p.compute), params)
     return TrainState(jnp.zeros((), jnp.int32), compute, params if p.has_master else None,
-                      tx.init(params), p.init_loss_scale(), jnp.zeros((), jnp.int32))
+                      plan.optimizer(tx).init(params), p.init_loss_scale(),
+                      jnp.zeros((), jnp.int32))
 
 
 def init_state(plan: Plan, init_params: Callable[[jax.Array], PyTree],
@@ -85,7 +86,8 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn, batch_spec: P | None = None):
     plan's ``grad_dtype``, moved by the stage's collectives. ``loss_fn(params, batch)`` returns
     the mean loss over the batch it is given: here, one microbatch of this device's slice of the
     global batch (cut along dimension 0), with whole parameters, except the stacked layers
-    declared in the plan, which reach ``zero_jax.layer`` as shards.
+    declared in the plan, which reach ``zero_jax.layer`` as shards. Frozen leaves get zeros,
+    computed and communicated by nobody.
     """
     axis, rule, prec, k = plan.axis, plan.rule, plan.precision, plan.accum_steps
     n, everywhere = plan.dp_size, plan.data_axes
@@ -93,6 +95,13 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn, batch_spec: P | None = None):
 
     def cut(leaf: Leaf) -> bool:
         return rule.shard_grads and leaf.axis is not None and not leaf.persistent
+
+    def zero_grad(leaf: Leaf, p: jax.Array) -> jax.Array:
+        # A frozen leaf's gradient, in the grad_specs layout: zeros, never communicated.
+        shape = list(p.shape)
+        if cut(leaf) and plan.outer:
+            shape[leaf.axis] //= plan.mesh.shape[plan.outer]
+        return jnp.zeros(shape, plan.grad_dtype)
 
     def local_grads(params, whole, batch, scale):
         # A whole parameter is marked per-device before differentiating, so that its gradient
@@ -102,7 +111,7 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn, batch_spec: P | None = None):
         # reduce-scatter after the backward.
         def per_device(leaf: Leaf, p):
             axes = everywhere if not cut(leaf) else (plan.outer,) if plan.outer else ()
-            return jax.lax.pcast(p, axes, to="varying") if axes else p
+            return jax.lax.pcast(p, axes, to="varying") if axes and not leaf.frozen else p
 
         params = jax.tree.map(per_device, plan.leaves, params, is_leaf=_is_leaf)
 
@@ -124,8 +133,18 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn, batch_spec: P | None = None):
             loss = loss_fn(tree, micro).astype(jnp.float32)
             return loss * scale / (n * k), loss / (n * k)
 
+        def trained_loss(trained, micro):
+            # Frozen leaves are read from ``params``, not differentiated: no gradient, no
+            # collective in the backward.
+            mixed = jax.tree.map(lambda leaf, t, p: p if leaf.frozen else t,
+                                 plan.leaves, trained, params, is_leaf=_is_leaf)
+            return micro_loss(mixed, micro)
+
         def micro_grads(micro):
-            grads, loss = jax.grad(micro_loss, has_aux=True)(params, micro)
+            grads, loss = jax.grad(trained_loss, has_aux=True)(params, micro)
+            # A frozen leaf's (zero) gradient is not kept, nor accumulated: a scalar stands in.
+            grads = jax.tree.map(lambda leaf, g: jnp.zeros((), g.dtype) if leaf.frozen else g,
+                                 plan.leaves, grads, is_leaf=_is_leaf)
             return loss, grads
 
         if k == 1:
@@ -135,17 +154,29 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn, batch_spec: P | None = None):
             # into a 1/N accumulator; whole ones are summed locally and reduced below, once.
             micros = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
 
+            def move(tree, space):  # offload_grads: the accumulator waits in host memory
+                return jax.device_put(tree, space) if plan.offload_grads else tree
+
+            host, device = jax.memory.Space.Host, jax.memory.Space.Device
+
             def body(carry, micro):
                 loss, grads = micro_grads(micro)
                 total, acc = carry
-                acc = jax.tree.map(lambda a, g: a + g.astype(prec.accum), acc, grads)
-                return (total + loss, acc), None
+                acc = jax.tree.map(lambda a, g: a + g.astype(prec.accum), move(acc, device),
+                                   grads)
+                return (total + loss, move(acc, host)), None
 
-            zeros = jax.tree.map(lambda p: jnp.zeros_like(p, prec.accum), params)
-            start = (jax.lax.pcast(jnp.zeros((), jnp.float32), everywhere, to="varying"), zeros)
+            zeros = jax.tree.map(
+                lambda leaf, p: jnp.zeros((), prec.accum) if leaf.frozen
+                else jnp.zeros_like(p, prec.accum), plan.leaves, params, is_leaf=_is_leaf)
+            start = (jax.lax.pcast(jnp.zeros((), jnp.float32), everywhere, to="varying"),
+                     move(zeros, host))
             (loss, grads), _ = jax.lax.scan(body, start, micros)
+            grads = move(grads, device)
 
-        def all_reduce(leaf: Leaf, g):
+        def all_reduce(leaf: Leaf, g, p):
+            if leaf.frozen:
+                return zero_grad(leaf, p)
             if not cut(leaf):
                 return jax.lax.psum(g.astype(prec.reduce), everywhere).astype(plan.grad_dtype)
             if plan.outer:  # hierarchical: once per step, the across-group reduce-scatter
@@ -153,7 +184,7 @@ def make_grad_fn(plan: Plan, loss_fn: LossFn, batch_spec: P | None = None):
                                          scatter_dimension=leaf.axis, tiled=True)
             return g.astype(plan.grad_dtype)
 
-        grads = jax.tree.map(all_reduce, plan.leaves, grads, is_leaf=_is_leaf)
+        grads = jax.tree.map(all_reduce, plan.leaves, grads, params, is_leaf=_is_leaf)
         return jax.lax.psum(loss, everywhere), grads
 
     def grads_fn(params: PyTree, batch: PyTree, scale: jax.Array | float = 1.0):
@@ -184,6 +215,7 @@ def make_train_step(plan: Plan, loss_fn: LossFn, tx: optax.GradientTransformatio
     batch_spec = batch_spec if batch_spec is not None else P(plan.data_axes)
     grad_fn = make_grad_fn(plan, loss_fn, batch_spec)
     prec = plan.precision
+    trained_tx = plan.optimizer(tx)  # frozen leaves: zero update, no state
 
     def step(state: TrainState, batch: PyTree):
         scale = state.loss_scale.scale if state.loss_scale is not None else 1.0
@@ -200,7 +232,7 @@ def make_train_step(plan: Plan, loss_fn: LossFn, tx: optax.GradientTransformatio
         master = _constrain(master, plan, plan.opt_specs)
 
         def update(_):
-            updates, opt_state = tx.update(grads, state.opt_state, master)
+            updates, opt_state = trained_tx.update(grads, state.opt_state, master)
             return optax.apply_updates(master, updates), opt_state
 
         new_master, opt_state = jax.lax.cond(finite, update,

@@ -1,0 +1,76 @@
+"""What the benchmarks share: build a configured run, then time runs interleaved.
+
+Runs are timed round after round in one process, so a noisy shared machine slows them alike;
+each run's time is the median over rounds of its mean step time (the first round warms up and
+is dropped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from train import simulate_cpu_devices  # noqa: E402  (imports no jax)
+
+
+def parse_args(description: str) -> argparse.Namespace:
+    """The benchmarks' flags; simulates the CPU devices before jax is imported."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--config", default="tiny")
+    p.add_argument("--devices", type=int)
+    p.add_argument("--steps", type=int, default=20, help="steps per run per round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args()
+    simulate_cpu_devices(args.devices or 8)
+    return args
+
+
+def build(cfg: dict, mesh, tokens, steps: int) -> dict:
+    """Compile the step a config describes and prepare ``steps`` batches for it."""
+    import jax
+
+    from zero_jax import data, report
+    from zero_jax.experiment import Experiment
+    from zero_jax.step import init_state
+
+    exp = Experiment.build(cfg, mesh)
+    state = init_state(exp.plan, exp.init, exp.tx, jax.random.key(0))
+    lowered = exp.step.lower(state, exp.batch_shape)
+    step = lowered.compile()
+    t = cfg["train"]
+    batches = [jax.device_put(data.batch(tokens, i, t["batch_size"], exp.model.seq_len, 0),
+                              exp.batch_sharding) for i in range(steps)]
+    return dict(exp=exp, step=step, state=state, batches=batches, times=[],
+                report=report.build(exp.plan, state, lowered, step))
+
+
+def time_interleaved(runs: list[dict], rounds: int) -> None:
+    """Fill each run's ``ms``: the median over rounds of its mean step time."""
+    import jax
+
+    for _ in range(rounds + 1):
+        for r in runs:
+            jax.block_until_ready(r["state"])
+            start = time.perf_counter()
+            for b in r["batches"]:
+                r["state"], metrics = r["step"](r["state"], b)
+            jax.block_until_ready(metrics)
+            r["times"].append((time.perf_counter() - start) / len(r["batches"]))
+    for r in runs:
+        r["ms"] = statistics.median(r["times"][1:]) * 1e3
+
+
+def header(config: str, mesh, rounds: int, steps: int) -> str:
+    import jax
+
+    device = mesh.devices.flat[0]
+    return (f"{config} config, {mesh.size} x {device.device_kind} ({device.platform}), "
+            f"host {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
+            f"jax {jax.__version__}; median of {rounds} rounds x {steps} steps\n")
