@@ -12,7 +12,8 @@ from conftest import CLIP, KEY, OPTIMIZERS, max_rel, rel, tree_rel
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zero_jax import init_state, make_grad_fn, make_plan, make_train_step
+from zero_jax import init_state, make_grad_fn, make_plan, make_train_step, modules_pattern
+from zero_jax.hlo import collectives
 from zero_jax.model import LAYERS
 
 STAGES = [0, 1, 2, 3]
@@ -75,3 +76,34 @@ def test_training_equals_single_device(stage, opt, mesh, small, reference):
     if opt == "adamw":
         assert max(ref_norms) > CLIP
     assert int(state.step) == len(batches)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_ignored_and_frozen_modules_at_every_stage(stage, mesh, small, reference):
+    """wpe ignored (whole everywhere, still differentiated), fc2 frozen (zero gradient, nothing
+    communicated): every other gradient as on one device."""
+    _, init, loss_fn, batches = small
+    batch = shard(mesh, batches[0])
+
+    def grad_fn(frozen):
+        plan = make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=LAYERS,
+                         ignored=modules_pattern(["wpe"]), frozen=frozen)
+        params = jax.device_put(init(KEY), plan.shardings(plan.param_specs))
+        return jax.jit(make_grad_fn(plan, loss_fn)), params
+
+    fn, params = grad_fn(modules_pattern(["blocks/fc2"]))
+    _, grads = fn(params, batch)
+    ref = reference["sgd"]["grads"][0]
+    assert grads["wpe"].sharding.is_fully_replicated and rel(grads["wpe"], ref["wpe"]) < 1e-5
+    assert not any(np.any(np.asarray(g)) for g in jax.tree.leaves(grads["blocks"]["fc2"]))
+    trained = {k: v for k, v in grads["blocks"].items() if k != "fc2"}
+    assert max_rel(trained, {k: ref["blocks"][k] for k in trained}) < 1e-5
+
+    # In the program as written (one collective per leaf before XLA combines them), freezing
+    # fc2 removes exactly its two gradient reductions (kernel and bias) and nothing else.
+    def reductions(fn, params) -> list[str]:
+        found = collectives(fn.lower(params, batch).as_text(dialect="hlo"), 8)
+        return [c.kind for c in found if c.kind != "all-gather"]
+
+    unfrozen = reductions(*grad_fn(None))
+    assert len(reductions(fn, params)) == len(unfrozen) - 2

@@ -217,6 +217,23 @@ def make_train_step(plan: Plan, loss_fn: LossFn, tx: optax.GradientTransformatio
     prec = plan.precision
     trained_tx = plan.optimizer(tx)  # frozen leaves: zero update, no state
 
+    def to_params(compute: PyTree) -> PyTree:
+        """The updated compute copy, from the optimizer's layout back to the parameters'."""
+        if plan.outer is None:  # stages 1-2: the partitioner all-gathers the updated shards
+            return _constrain(compute, plan, plan.param_specs)
+
+        # Hierarchical: our own all-gather across groups (and, for leaves whose parameter is
+        # whole, within the group too), in the compute dtype, once per step.
+        def gather(leaf: Leaf, x):
+            if leaf.axis is None:
+                return x
+            axes = (plan.axis, plan.outer) if leaf.persistent else plan.outer
+            return jax.lax.all_gather(x, axes, axis=leaf.axis, tiled=True, to="invarying")
+
+        return jax.shard_map(lambda t: jax.tree.map(gather, plan.leaves, t, is_leaf=_is_leaf),
+                             mesh=plan.mesh, in_specs=(plan.opt_specs,),
+                             out_specs=plan.param_specs)(compute)
+
     def step(state: TrainState, batch: PyTree):
         scale = state.loss_scale.scale if state.loss_scale is not None else 1.0
         loss, grads = grad_fn(state.params, batch, scale)
@@ -237,8 +254,7 @@ def make_train_step(plan: Plan, loss_fn: LossFn, tx: optax.GradientTransformatio
 
         new_master, opt_state = jax.lax.cond(finite, update,
                                              lambda _: (master, state.opt_state), None)
-        params = _constrain(jax.tree.map(lambda x: x.astype(prec.compute), new_master),
-                            plan, plan.param_specs)
+        params = to_params(jax.tree.map(lambda x: x.astype(prec.compute), new_master))
         loss_scale = state.loss_scale
         if loss_scale is not None:
             loss_scale = update_loss_scale(loss_scale, finite, prec.loss_scale)
