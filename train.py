@@ -88,7 +88,7 @@ class Run:
 
     def __init__(self, cfg: dict, args: argparse.Namespace):
         from zero_jax import data
-        from zero_jax.checkpoint import Checkpoints, check_compatible
+        from zero_jax.checkpoint import CheckpointError, Checkpoints, check_compatible
         from zero_jax.experiment import Experiment, mesh_for
 
         self.cfg, self.args = cfg, args
@@ -105,7 +105,10 @@ class Run:
             self.source, self.resume_step = self.ckpts, self.ckpts.latest_step()
         load = cfg["train"]["ckpt_load_path"]
         if load and self.resume_step is None and not args.dry_run:
-            self.source = Checkpoints(load, create=False)
+            try:
+                self.source = Checkpoints(load, create=False)
+            except CheckpointError as e:
+                raise ValueError(f"train.ckpt_load_path: {e}") from e
             self.resume_step = self.source.latest_step()
             if self.resume_step is None:
                 raise ValueError(f"train.ckpt_load_path {self.source.path} holds no complete "

@@ -79,7 +79,8 @@ def test_dry_run_of_1_3b_compiles_without_allocating(tmp_path):
     (["--set", "zero.ignored_modules=[encoder]"],
      "zero.ignored_modules: the model has no module 'encoder'; its modules are blocks,"),
     (["--set", "zero.transformer_layers=[ln_f]"], "'ln_f' is not a layer stack of this model"),
-    (["--set", "train.ckpt_load_path=/no/such/dir"], "directory /no/such/dir does not exist"),
+    (["--set", "train.ckpt_load_path=/no/such/dir"],
+     "train.ckpt_load_path: checkpoint directory /no/such/dir does not exist"),
 ])
 def test_bad_input_gives_one_line_and_exit_2(args, message):
     run = train(*args, "--steps", "1", timeout=120)

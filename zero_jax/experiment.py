@@ -52,18 +52,7 @@ class Experiment:
         tx, schedule = make_optimizer(cfg["optimizer"], t["steps"])
         shapes = jax.eval_shape(init, jax.random.key(0))
         z = cfg["zero"]
-        modules = _modules(shapes)
-        for key, names in [("zero.ignored_modules", z["ignored_modules"]),
-                           ("optimizer.frozen_modules", cfg["optimizer"]["frozen_modules"])]:
-            for name in names:
-                if name.strip("/") not in modules:
-                    raise ValueError(f"{key}: the model has no module {name!r}; its modules "
-                                     f"are {', '.join(sorted(modules))}")
-        for name in z["transformer_layers"]:
-            if name not in LAYER_STACKS:
-                raise ValueError(f"zero.transformer_layers: {name!r} is not a layer stack of "
-                                 f"this model (a zero_jax.layer under nn.scan); its stacks are "
-                                 f"{', '.join(LAYER_STACKS)}")
+        _check_modules(cfg, shapes)
         plan = make_plan(shapes, mesh, z["stage"],
                          layers=modules_pattern(z["transformer_layers"]),
                          min_shard_elems=z["min_shard_elems"],
@@ -90,13 +79,23 @@ class Experiment:
         return self.cfg["train"]["batch_size"] * self.model.seq_len
 
 
-def _modules(params_shape: Any) -> set[str]:
-    """Every module path of a parameter tree: "blocks", "blocks/qkv", "wte" (a bare param)."""
-    found = set()
+def _check_modules(cfg: dict, params_shape: Any) -> None:
+    """Module names in the config must exist: a typo would silently shard or train them."""
+    modules = set()  # every module path: "blocks", "blocks/qkv", "wte" (a bare parameter)
     for path, _ in jax.tree_util.tree_flatten_with_path(params_shape)[0]:
         parts = path_str(path).split("/")
-        found.update("/".join(parts[:i]) for i in range(1, len(parts) + (len(parts) == 1)))
-    return found
+        modules.update("/".join(parts[:i]) for i in range(1, len(parts) + (len(parts) == 1)))
+    for key, names in [("zero.ignored_modules", cfg["zero"]["ignored_modules"]),
+                       ("optimizer.frozen_modules", cfg["optimizer"]["frozen_modules"])]:
+        for name in names:
+            if name.strip("/") not in modules:
+                raise ValueError(f"{key}: the model has no module {name!r}; its modules are "
+                                 f"{', '.join(sorted(modules))}")
+    for name in cfg["zero"]["transformer_layers"]:
+        if name not in LAYER_STACKS:
+            raise ValueError(f"zero.transformer_layers: {name!r} is not a layer stack of this "
+                             f"model (a zero_jax.layer under nn.scan); its stacks are "
+                             f"{', '.join(LAYER_STACKS)}")
 
 
 def mesh_for(cfg: dict, devices: int | None) -> Mesh:
