@@ -14,6 +14,8 @@ import dataclasses
 import math
 import re
 
+import numpy as np
+
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
@@ -59,17 +61,11 @@ def _arrays(shape: str) -> list[tuple[str, int]]:
 def _first_group(rest: str, n_devices: int) -> tuple[int, ...]:
     """The first replica group's device (partition) ids; no groups: all devices."""
     if m := _GROUPS_IOTA.search(rest):
-        size = int(m.group(2))
-        dims = [int(d) for d in m.group(3).split(",")]
-        perm = [int(d) for d in m.group(4).split(",")] if m.group(4) else range(len(dims))
         # ids 0..prod(dims)-1 laid out as ``dims``, transposed by ``perm``, read row-major
-        strides = [math.prod(dims[i + 1:]) for i in range(len(dims))]
-        shape = [dims[p] for p in perm]
-        ids = []
-        for flat in range(size):
-            index = [(flat // math.prod(shape[i + 1:])) % shape[i] for i in range(len(shape))]
-            ids.append(sum(index[i] * strides[perm[i]] for i in range(len(perm))))
-        return tuple(ids)
+        dims = [int(d) for d in m.group(3).split(",")]
+        perm = [int(d) for d in m.group(4).split(",")] if m.group(4) else None
+        ids = np.arange(math.prod(dims)).reshape(dims).transpose(perm).reshape(-1)
+        return tuple(int(i) for i in ids[:int(m.group(2))])
     if m := _GROUPS_LIST.search(rest):
         return tuple(int(d) for d in m.group(1).split(","))
     return tuple(range(n_devices))

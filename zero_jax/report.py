@@ -119,6 +119,7 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
     k = plan.accum_steps
     theory = {0: psi * (r + r), 1: psi * (r + r), 2: psi * (r * k + c),
               3: psi * (c + c + r) * k}
+    formula = {0: "2 Psi", 1: "2 Psi", 2: f"{k + 1} Psi", 3: f"{3 * k} Psi"}[plan.stage]
     by_axes = {plan.axis: theory[plan.stage]}
     if plan.outer:
         # Hierarchical: stage 3 within a group of K; across groups, once per step, the gradient
@@ -126,6 +127,7 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
         group = mesh.shape[plan.axis]
         by_axes = {plan.axis: theory[3] if group > 1 else 0,
                    plan.outer: psi * (r + c) // group if mesh.shape[plan.outer] > 1 else 0}
+        formula = f"{3 * k} Psi within a group + 2 Psi/K across"
     return {
         "stage": plan.stage,
         "rule": rule.moves + (
@@ -157,11 +159,11 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
                                          if g["axes"] == axes)
                                for axes in sorted({g["axes"] for g in groups.values()})},
         "comm_bytes_theory": sum(by_axes.values()),
+        "comm_theory_formula": formula,
         "comm_bytes_theory_by_axes": by_axes,
         "replicated": [{"path": leaf.path, "shape": list(leaf.shape), "reason": leaf.reason}
                        for leaf in plan.replicated],
-        "frozen": [leaf.path for leaf in jax.tree.leaves(
-            plan.leaves, is_leaf=lambda x: hasattr(x, "frozen")) if leaf.frozen],
+        "frozen": [leaf.path for leaf in plan.frozen],
     }
 
 
@@ -193,13 +195,9 @@ def format_table(r: dict) -> str:
                      f"{g['bytes'] / MiB:>10.2f}")
     lines.append(f"  dtypes as requested, before XLA's passes: {', '.join(r['requested_dtypes'])}")
     measured, theory = r["comm_bytes_per_step"], r["comm_bytes_theory"]
-    k = p["accum_steps"]
-    formula = {0: "2 Psi", 1: "2 Psi", 2: f"{k + 1} Psi" if k > 1 else "2 Psi",
-               3: f"{3 * k} Psi"}[r["stage"]]
-    if len(r["mesh"]) > 1:
-        formula = f"{3 * k} Psi within a group + 2 Psi/K across"
     lines += ["", f"  communication per step: {measured / MiB:.2f} MiB, ZeRO theory "
-              f"{theory / MiB:.2f} MiB ({formula}), ratio {measured / theory:.2f} "
+              f"{theory / MiB:.2f} MiB ({r['comm_theory_formula']}), ratio "
+              f"{measured / theory:.2f} "
               "(an all-reduce counted as reduce-scatter + all-gather)"]
     if len(r["mesh"]) > 1:
         names = {"data": "within groups", "replica": "across groups",

@@ -171,9 +171,14 @@ class Plan:
         return [leaf for leaf in jax.tree.leaves(self.leaves, is_leaf=_is_leaf)
                 if leaf.axis is None or leaf.persistent]
 
+    @property
+    def frozen(self) -> list[Leaf]:
+        """Leaves that are not trained."""
+        return [leaf for leaf in jax.tree.leaves(self.leaves, is_leaf=_is_leaf) if leaf.frozen]
+
     def optimizer(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
         """``tx`` for the trained leaves; frozen ones get a zero update and carry no state."""
-        if not any(leaf.frozen for leaf in jax.tree.leaves(self.leaves, is_leaf=_is_leaf)):
+        if not self.frozen:
             return tx
         labels = jax.tree.map(lambda leaf: "frozen" if leaf.frozen else "trained", self.leaves,
                               is_leaf=_is_leaf)
