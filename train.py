@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"--devices must be at least 1 (got {args.devices})")
     simulate_cpu_devices(args.devices or 8)
 
-    from zero_jax import config as configs  # jax is imported from here on
+    from zero_jax.gpt import config as configs  # jax is imported from here on
 
     overrides = list(args.set)
     for flag, key in [("stage", "zero.stage"), ("steps", "train.steps"), ("seed", "train.seed"),
@@ -87,9 +87,9 @@ class Run:
     """One configured run: data, the experiment it trains, and where its outputs go."""
 
     def __init__(self, cfg: dict, args: argparse.Namespace):
-        from zero_jax import data
-        from zero_jax.checkpoint import CheckpointError, Checkpoints, check_compatible
-        from zero_jax.experiment import Experiment, mesh_for
+        from zero_jax.checkpoint import CheckpointError, Checkpoints
+        from zero_jax.gpt import data
+        from zero_jax.gpt.experiment import Experiment, check_compatible, mesh_for
 
         self.cfg, self.args = cfg, args
         self.exp = Experiment.build(cfg, mesh_for(cfg, args.devices))
@@ -157,8 +157,8 @@ class Run:
         import numpy as np
         from tqdm import tqdm
 
-        from zero_jax import data
         from zero_jax.checkpoint import CheckpointError
+        from zero_jax.gpt import data
         from zero_jax.step import abstract_state, init_state
 
         t, exp, ckpts = self.cfg["train"], self.exp, self.ckpts

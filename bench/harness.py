@@ -36,8 +36,9 @@ def build(cfg: dict, mesh, tokens, steps: int) -> dict:
     """Compile the step a config describes and prepare ``steps`` batches for it."""
     import jax
 
-    from zero_jax import data, report
-    from zero_jax.experiment import Experiment
+    from zero_jax import report
+    from zero_jax.gpt import data
+    from zero_jax.gpt.experiment import Experiment
     from zero_jax.step import init_state
 
     exp = Experiment.build(cfg, mesh)

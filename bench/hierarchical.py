@@ -19,8 +19,8 @@ import harness  # bench/harness.py, beside this script
 def main() -> None:
     args = harness.parse_args(__doc__.splitlines()[0])
 
-    from zero_jax import config, data
-    from zero_jax.experiment import mesh_for
+    from zero_jax.gpt import config, data
+    from zero_jax.gpt.experiment import mesh_for
 
     tokens = data.stdlib_corpus()
     n = mesh_for(config.load(args.config, args.set), args.devices).size

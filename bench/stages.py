@@ -19,7 +19,7 @@ VARIANTS = {"fp32": [], "bf16": ["precision.param_dtype=bf16"],
 def main() -> None:
     args = harness.parse_args(__doc__.splitlines()[0])
 
-    from zero_jax import config, data
+    from zero_jax.gpt import config, data
     from zero_jax.mesh import make_mesh
 
     mesh = make_mesh(args.devices)

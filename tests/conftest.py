@@ -11,9 +11,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
 
-from zero_jax import data  # noqa: E402
+from zero_jax.gpt import data  # noqa: E402
+from zero_jax.gpt.model import GPT, GPTConfig, init_fn, lm_loss  # noqa: E402
 from zero_jax.mesh import make_mesh  # noqa: E402
-from zero_jax.model import GPT, GPTConfig, init_fn, lm_loss  # noqa: E402
 
 N = 8
 

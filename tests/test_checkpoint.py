@@ -15,7 +15,7 @@ import pytest
 
 import zero_jax as zj
 from zero_jax.checkpoint import CheckpointError, Checkpoints
-from zero_jax.model import LAYERS
+from zero_jax.gpt.model import LAYERS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -243,8 +243,8 @@ def test_export_reads_with_plain_orbax_and_generates(tmp_path):
 
 def test_frozen_modules_must_match_the_checkpoint():
     """Frozen modules carry no optimizer state, so a checkpoint fits only the same setting."""
-    from zero_jax import config
-    from zero_jax.checkpoint import check_compatible
+    from zero_jax.gpt import config
+    from zero_jax.gpt.experiment import check_compatible
 
     saved = {"config": config.load("tiny", ["optimizer.frozen_modules=[wpe]"])}
     check_compatible(saved, config.load("tiny", ["optimizer.frozen_modules=[wpe]"]))

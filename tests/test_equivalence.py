@@ -13,8 +13,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zero_jax import init_state, make_grad_fn, make_plan, make_train_step, modules_pattern
+from zero_jax.gpt.model import LAYERS
 from zero_jax.hlo import collectives
-from zero_jax.model import LAYERS
 
 STAGES = [0, 1, 2, 3]
 # Leaves under 64 elements per layer (layer norms) are persistent: whole parameter and

@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 import zero_jax as zj
 from zero_jax import report
 from zero_jax.checkpoint import Checkpoints
+from zero_jax.gpt.model import LAYERS
 from zero_jax.hlo import collectives
-from zero_jax.model import LAYERS
 from zero_jax.precision import Precision
 from zero_jax.rules import modules_pattern, path_str
 

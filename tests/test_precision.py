@@ -17,8 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
 from zero_jax import report
+from zero_jax.gpt.model import GPT, LAYERS, GPTConfig, init_fn, lm_loss
 from zero_jax.hlo import collectives
-from zero_jax.model import GPT, LAYERS, GPTConfig, init_fn, lm_loss
 from zero_jax.precision import LossScaleConfig, Precision
 
 N = 8
@@ -95,7 +95,7 @@ def test_stage3_gathers_in_param_dtype_and_reduces_in_reduce_dtype(mesh, reduce_
 
 def train_losses(mesh, stage, precision, steps=50, accum_steps=1, batch=32, tx=None,
                  loss_fn=None, batches=None, cfg=TINY):
-    from zero_jax import data
+    from zero_jax.gpt import data
     plan, init, tx, step = setup(mesh, stage, precision, accum_steps, cfg, tx, loss_fn)
     state = zj.init_state(plan, init, tx, KEY)
     tokens = data.stdlib_corpus(1 << 20)
@@ -138,7 +138,7 @@ def poisoned(model, bad_step_token):
 
 
 def test_fp16_overflow_skips_that_step_and_halves_the_scale(mesh, stage=3):
-    from zero_jax import data
+    from zero_jax.gpt import data
     cfg = SMALL
     scaler = LossScaleConfig(initial_scale_power=12, window=1000, hysteresis=1)
     fp16 = Precision(param_dtype="fp16", loss_scale=scaler)

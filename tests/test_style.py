@@ -11,3 +11,16 @@ def test_ruff_is_clean():
     run = subprocess.run([sys.executable, "-m", "ruff", "check", "zero_jax", "tests", "bench",
                           "train.py"], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_library_imports_nothing_of_the_application():
+    """The GPT demo (``zero_jax.gpt``) is a user of the library, never a dependency of it."""
+    import ast
+
+    for path in (ROOT / "zero_jax").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                assert not name.startswith("zero_jax.gpt"), f"{path.name} imports {name}"

@@ -14,8 +14,8 @@ import pytest
 from conftest import local_bytes
 
 from zero_jax import abstract_state, init_state, make_plan, make_train_step, report
+from zero_jax.gpt.model import GPT, LAYERS, GPTConfig, init_fn, lm_loss
 from zero_jax.hlo import collectives
-from zero_jax.model import GPT, LAYERS, GPTConfig, init_fn, lm_loss
 
 N = 8
 TINY = GPTConfig()  # the default config's model: d=128, 4 layers, every matrix divisible by 8

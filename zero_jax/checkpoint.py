@@ -171,13 +171,18 @@ class Checkpoints:
                                     target.step.sharding)
         return target._replace(step=step_array, **fields), restored.meta
 
-    def read_params(self, target: PyTree, step: int | None = None) -> PyTree:
-        """The fp32 parameters alone (the master copy when there is one), into ``target``."""
+    def read_params(self, step: int | None = None, sharding: Any = None) -> PyTree:
+        """The fp32 parameters alone (the master copy when there is one), whole, on one device
+        (or into ``sharding``). Needs no model: the tree and shapes come from the checkpoint."""
         step = self._step(step)
         name = "master" if (self.path / str(step) / "master").exists() else "params"
+        sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        stored = _tree_of(self.manager.item_metadata(step)[name])[name]
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype,
+                                                             sharding=sharding), stored)
         restored = self.manager.restore(step, args=ocp.args.Composite(**{
-            name: ocp.args.StandardRestore({name: serialization.to_state_dict(target)})}))
-        return serialization.from_state_dict(target, restored[name][name])
+            name: ocp.args.StandardRestore({name: target})}))
+        return restored[name][name]
 
     def _failed(self, step: int | None, e: BaseException) -> CheckpointError:
         which = f" {step}" if step is not None else ""
@@ -207,24 +212,3 @@ def _tree_of(metadata: Any) -> PyTree:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[-1] if text else type(e).__name__
-
-
-def check_compatible(meta: dict, config: dict) -> None:
-    """A checkpoint resumes a run only with the same model and the same kind of optimizer."""
-    saved = meta["config"]
-    for key, value in config["model"].items():
-        if saved["model"].get(key) != value:
-            raise CheckpointError(
-                f"the checkpoint was written for model.{key}={saved['model'].get(key)} but the "
-                f"config says {value}: use the checkpoint's config or another --checkpoint-dir")
-    if saved["optimizer"]["name"] != config["optimizer"]["name"]:
-        raise CheckpointError(
-            f"the checkpoint holds {saved['optimizer']['name']} optimizer state but the config "
-            f"asks for {config['optimizer']['name']}: set --set optimizer.name="
-            f"{saved['optimizer']['name']} or start a new --checkpoint-dir")
-    frozen = saved["optimizer"].get("frozen_modules", [])
-    if frozen != config["optimizer"]["frozen_modules"]:
-        raise CheckpointError(
-            f"the checkpoint was trained with optimizer.frozen_modules={frozen} but the config "
-            f"says {config['optimizer']['frozen_modules']}: frozen modules carry no optimizer "
-            "state, so the two do not fit; use the checkpoint's setting")

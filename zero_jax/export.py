@@ -2,9 +2,10 @@
 
     python -m zero_jax.export CKPT_DIR OUT [--step N] [--dtype bf16]
 
-Writes ``OUT/params`` (a standard orbax PyTree checkpoint of the Flax parameter dict, one
-device's worth, no optimizer state) and ``OUT/config.json`` (the model section of the run's
-config). Reading it needs orbax, not zero_jax::
+Writes ``OUT/params`` (a standard orbax PyTree checkpoint of the parameter tree, one device's
+worth, no optimizer state) and ``OUT/config.json`` (the step, the dtype, and the ``config`` the
+run stored in the checkpoint's metadata, if any). It works for any model's checkpoint: the tree
+and the shapes are read from the checkpoint itself. Reading it needs orbax, not zero_jax::
 
     params = orbax.checkpoint.StandardCheckpointer().restore(f"{OUT}/params")  # OUT absolute
 """
@@ -20,14 +21,12 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def export(checkpoint_dir: str, out: str, step: int | None = None, dtype: str = "fp32") -> dict:
-    """Write the consolidated parameters of ``step`` (default: latest); returns the model config."""
+    """Write the consolidated parameters of ``step`` (default: latest); returns config.json."""
     import jax
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
-    from jax.sharding import SingleDeviceSharding
 
     from zero_jax.checkpoint import CheckpointError, Checkpoints
-    from zero_jax.model import GPT, GPTConfig, init_fn
 
     if dtype not in DTYPES:
         raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype})")
@@ -36,18 +35,13 @@ def export(checkpoint_dir: str, out: str, step: int | None = None, dtype: str = 
         raise CheckpointError(f"{target} already exists: pass a new directory to export into")
     ckpts = Checkpoints(checkpoint_dir, create=False)
     meta = ckpts.meta(step)
-    model = GPTConfig(**meta["config"]["model"])
-    device = SingleDeviceSharding(jax.devices()[0])
-    shapes = jax.eval_shape(init_fn(GPT(model)), jax.random.key(0))
-    params = ckpts.read_params(
-        jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes),
-        meta["step"])
+    params = ckpts.read_params(meta["step"])
     params = jax.tree.map(lambda x: x.astype(jnp.dtype(DTYPES[dtype])), params)
     target.mkdir(parents=True)
     saver = ocp.StandardCheckpointer()
     saver.save(target / "params", params)
     saver.wait_until_finished()
-    config = {"model": meta["config"]["model"], "dtype": DTYPES[dtype], "step": meta["step"]}
+    config = {"step": meta["step"], "dtype": DTYPES[dtype], "config": meta.get("config")}
     (target / "config.json").write_text(json.dumps(config, indent=1))
     return config
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512,

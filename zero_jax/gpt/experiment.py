@@ -15,9 +15,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zero_jax.checkpoint import CheckpointError
+from zero_jax.gpt.model import GPT, LAYER_STACKS, GPTConfig, init_fn, lm_loss
+from zero_jax.gpt.optim import make_optimizer
 from zero_jax.mesh import make_mesh
-from zero_jax.model import GPT, LAYER_STACKS, GPTConfig, init_fn, lm_loss
-from zero_jax.optim import make_optimizer
 from zero_jax.precision import LossScaleConfig, Precision, default_param_dtype
 from zero_jax.rules import Plan, make_plan, modules_pattern, path_str
 from zero_jax.step import make_train_step
@@ -126,3 +127,24 @@ def precision_from(cfg: dict, platform: str) -> Precision:
                      accum_dtype=cfg["accum_dtype"], autocast_input=cfg["autocast_input"],
                      autocast_output=cfg["autocast_output"],
                      skip_nonfinite=cfg["skip_nonfinite"], loss_scale=scaler)
+
+
+def check_compatible(meta: dict, config: dict) -> None:
+    """A checkpoint resumes a run only with the same model and the same kind of optimizer."""
+    saved = meta["config"]
+    for key, value in config["model"].items():
+        if saved["model"].get(key) != value:
+            raise CheckpointError(
+                f"the checkpoint was written for model.{key}={saved['model'].get(key)} but the "
+                f"config says {value}: use the checkpoint's config or another --checkpoint-dir")
+    if saved["optimizer"]["name"] != config["optimizer"]["name"]:
+        raise CheckpointError(
+            f"the checkpoint holds {saved['optimizer']['name']} optimizer state but the config "
+            f"asks for {config['optimizer']['name']}: set --set optimizer.name="
+            f"{saved['optimizer']['name']} or start a new --checkpoint-dir")
+    frozen = saved["optimizer"].get("frozen_modules", [])
+    if frozen != config["optimizer"]["frozen_modules"]:
+        raise CheckpointError(
+            f"the checkpoint was trained with optimizer.frozen_modules={frozen} but the config "
+            f"says {config['optimizer']['frozen_modules']}: frozen modules carry no optimizer "
+            "state, so the two do not fit; use the checkpoint's setting")
