@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -54,18 +53,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def simulate_cpu_devices(n: int) -> None:
-    """Ask XLA for ``n`` host devices; only effective before jax is imported, harmless on GPU."""
-    flag = f"--xla_force_host_platform_device_count={n}"
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.devices is not None and args.devices < 1:
         return fail(f"--devices must be at least 1 (got {args.devices})")
+    from zero_jax.mesh import simulate_cpu_devices
+
     simulate_cpu_devices(args.devices or 8)
 
     from zero_jax.gpt import config as configs  # jax is imported from here on

@@ -2,9 +2,11 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from zero_jax.mesh import simulate_cpu_devices  # noqa: E402
+
+simulate_cpu_devices(8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

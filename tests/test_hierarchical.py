@@ -132,10 +132,10 @@ def test_accumulation_offload_ignored_and_frozen(grid, small):
     step = zj.make_train_step(plan, loss_fn, tx)
 
     # The accumulator is carried between microbatches in host memory: the one scan with host
-    # carries is the microbatch loop, and everything but its loss total is there. On the CPU
-    # backend host and device memory are one; the program lowered for GPUs asks for it.
+    # carries is the microbatch loop, and everything but its loss total and weight is there.
+    # On the CPU backend host and device memory are one; the program lowered for GPUs asks for it.
     (carry,) = host_carried_scans(jax.make_jaxpr(step)(state, batches[0]).jaxpr)
-    assert [a.memory_space for a in carry[1:]] == [jax.memory.Space.Host] * (len(carry) - 1)
+    assert [a.memory_space for a in carry[2:]] == [jax.memory.Space.Host] * (len(carry) - 2)
     for_gpu = jax.export.export(step, platforms=["cuda"])(state, batches[0]).mlir_module()
     assert '_xla_buffer_placement = "pinned_host"' in for_gpu
     compiled = step.lower(state, batches[0]).compile()

@@ -1,9 +1,9 @@
-"""zero_jax: ZeRO stages 0-3 as partition specs and explicit collectives on a JAX mesh.
+r"""zero_jax: ZeRO stages 0-3 as partition specs and explicit collectives on a JAX mesh.
 
 The public API, in the order a training loop uses it::
 
     mesh = make_mesh()                               # all devices on the "data" axis
-    plan = make_plan(params_shape, mesh, stage=3, layers=modules_pattern(["blocks"]))
+    plan = make_plan(params_shape, mesh, stage=3, layers=r"h/\d+")  # the blocks, by path
     state = init_state(plan, init_params, tx, key)   # born sharded
     step = make_train_step(plan, loss_fn, tx)        # jitted, state donated
     state, metrics = step(state, batch)
@@ -11,18 +11,19 @@ The public API, in the order a training loop uses it::
 """
 
 from zero_jax.checkpoint import Checkpoints
-from zero_jax.gather import layer
 from zero_jax.mesh import make_mesh
 from zero_jax.rules import STAGES, Plan, make_plan, modules_pattern
 from zero_jax.step import (
-                           TrainState,
-                           abstract_state,
-                           init_state,
-                           make_grad_fn,
-                           make_train_step,
-                           state_specs,
+    TrainState,
+    Weighted,
+    abstract_state,
+    device_key,
+    init_state,
+    make_grad_fn,
+    make_train_step,
+    state_specs,
 )
 
-__all__ = ["STAGES", "Checkpoints", "Plan", "TrainState", "abstract_state", "init_state",
-           "layer", "make_grad_fn", "make_mesh", "make_plan", "make_train_step",
-           "modules_pattern", "state_specs"]
+__all__ = ["STAGES", "Checkpoints", "Plan", "TrainState", "Weighted", "abstract_state",
+           "device_key", "init_state", "make_grad_fn", "make_mesh", "make_plan",
+           "make_train_step", "modules_pattern", "state_specs"]

@@ -13,13 +13,15 @@ Parameters that are not cut (every parameter at stages 0 and 1; leaves that do n
 are persistent at 2 and 3) are not ``Shard``s: their gradients are summed locally and
 all-reduced once, after the backward (``zero_jax.step``).
 
-``layer`` wraps a Flax linen layer so that this happens per layer inside ``nn.scan``.
+``per_block`` makes this happen block by block in any Flax linen model, by module path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+from collections.abc import Iterable
 from typing import Any
 
 import flax.linen as nn
@@ -32,7 +34,8 @@ PyTree = Any
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Shard:
-    """This device's piece of a parameter, cut along ``axis`` over mesh axis ``mesh_axis``."""
+    """This device's piece of a parameter, cut along ``axis`` (negative: counted from the end)
+    over mesh axis ``mesh_axis``."""
 
     value: jax.Array  # the shard: what the gradient is taken with respect to
     whole: jax.Array | None  # stage 2: the replicated copy, which the forward reads as is
@@ -92,9 +95,10 @@ def materialize(x: Any) -> Any:
     """The whole parameter for a ``Shard``; anything else is returned unchanged."""
     if not is_shard(x):
         return x
+    axis = x.axis % x.value.ndim  # counted from the end: the same in a scan's per-layer slice
     if x.whole is None:
-        return _gather(x.value, x.axis, x.mesh_axis, x.reduce_dtype)
-    return _read_whole(x.value, jax.lax.stop_gradient(x.whole), x.axis, x.mesh_axis,
+        return _gather(x.value, axis, x.mesh_axis, x.reduce_dtype)
+    return _read_whole(x.value, jax.lax.stop_gradient(x.whole), axis, x.mesh_axis,
                        x.reduce_dtype)
 
 
@@ -102,10 +106,44 @@ def materialize_tree(tree: PyTree) -> PyTree:
     return jax.tree.map(materialize, tree, is_leaf=is_shard)
 
 
-def layer(module_cls: type[nn.Module]) -> type[nn.Module]:
-    """A linen layer class whose parameters are made whole as the layer runs.
+def has_shards(tree: PyTree) -> bool:
+    return any(is_shard(x) for x in jax.tree.leaves(tree, is_leaf=is_shard))
 
-    Use it under ``nn.scan`` (and ``nn.remat``) in place of the layer class, and name the scan's
-    parameters in ``layers=`` of the plan. Outside a ZeRO train step it changes nothing.
+
+@contextlib.contextmanager
+def per_block(blocks: Iterable[str]):
+    """Make each named linen block's ``Shard``s whole as the block runs; yields the set of
+    blocks that did.
+
+    Any call of a module whose path is a block (an unrolled ``h/0`` or, inside ``nn.scan``,
+    the scanned module, one layer's slice at a time) runs under a lifted ``map_variables``
+    that materializes its parameters. When that gathers (stage 3), the block is also
+    rematerialized, so the backward gathers again instead of keeping whole weights as
+    residuals; on the CPU backend this needs XLA to keep remat's optimization barriers
+    (``zero_jax.mesh.simulate_cpu_devices``).
     """
-    return nn.map_variables(module_cls, "params", trans_in_fn=materialize_tree, init=True)
+    names, seen = frozenset(blocks), set()
+
+    def intercept(next_fun, args, kwargs, context):
+        module = context.module
+        path = "/".join(module.path) if module.scope is not None else None
+        if path not in names:
+            return next_fun(*args, **kwargs)
+        seen.add(path)
+        if not has_shards(module.variables.get("params", {})):
+            return next_fun(*args, **kwargs)  # nothing cut, or already made whole
+        run = lambda mdl: getattr(mdl, context.method_name)(*args, **kwargs)
+        shards = jax.tree.leaves(module.variables["params"], is_leaf=is_shard)
+        if not any(is_shard(x) and x.whole is None for x in shards):  # stage 2: reads, no gather
+            return nn.map_variables(run, "params", trans_in_fn=materialize_tree)(module)
+        # Stage 3: the block's inputs join its shards in a barrier, so its gathers wait for
+        # them (else the scheduler may hoist every block's gather to the start and hold the
+        # whole model), and remat gathers again in the backward instead of keeping them.
+        inputs = [x for x in jax.tree.leaves((args, kwargs)) if isinstance(x, jax.Array)]
+        gather = lambda params: materialize_tree(
+            jax.lax.optimization_barrier((params, inputs))[0])
+        run = nn.map_variables(run, "params", trans_in_fn=gather)
+        return nn.remat(run, prevent_cse=True)(module)
+
+    with nn.intercept_methods(intercept):
+        yield seen

@@ -54,6 +54,7 @@ class Leaf:
     shape: tuple[int, ...]
     stacked: bool  # leading dimension is the layer index of a scanned layer stack
     axis: int | None  # dimension cut over the data axis; None: whole on every device
+    block: str | None = None  # module path of the block it is gathered with; None: per step
     persistent: bool = False  # small: parameter and gradient stay whole, optimizer state is cut
     reason: str = ""  # why it is not cut everywhere
     frozen: bool = False  # not trained: no gradient, no optimizer state
@@ -78,6 +79,41 @@ def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
         return Leaf(path, shape, stacked, axis, True,
                     f"persistent: {size} < {min_shard_elems} elements per layer")
     return Leaf(path, shape, stacked, axis)
+
+
+def find_blocks(paths: list[str], pattern: str) -> dict[str, str]:
+    """Each parameter path under a block -> the block's module path.
+
+    A block is the shortest module path (a parameter path without its last part) that
+    ``pattern`` finds (``re.search``), with or without a trailing "/": "^h/\\d+$", "h/\\d+"
+    and "^h/\\d+/" all name "h/0". Raises when the pattern names no module.
+    """
+    regex = re.compile(pattern)
+    found = {}
+    for path in paths:
+        parts = path.split("/")[:-1]
+        for end in range(1, len(parts) + 1):
+            prefix = "/".join(parts[:end])
+            if regex.search(prefix) or regex.search(prefix + "/"):
+                found[path] = prefix
+                break
+    if not found:
+        hits = [p for p in paths if regex.search(p)]
+        what = (f"only parameters ({hits[0]!r}), not the module of a block" if hits else
+                "no parameter path")
+        raise ValueError(f"layers={pattern!r} names {what}; name the blocks' module paths "
+                         f"(e.g. 'h/\\d+' or 'encoder/layers_\\d+' for blocks built in a loop, "
+                         f"'blocks' for an nn.scan stack); parameter paths look like "
+                         f"{paths[0]!r}")
+    return found
+
+
+def scanned(shapes: list[tuple[int, ...]]) -> bool:
+    """Whether a block's parameters look like a scan's stack: one shared leading dimension.
+
+    Guessing "stacked" for an unrolled block is harmless (its leading dimension is just never
+    cut); the reverse would cut the layer index, so ties go to "stacked"."""
+    return all(len(s) >= 1 for s in shapes) and len({s[0] for s in shapes}) == 1
 
 
 def path_str(path) -> str:
@@ -154,15 +190,24 @@ class Plan:
                             is_leaf=lambda x: isinstance(x, P))
 
     def opt_state_specs(self, tx: optax.GradientTransformation) -> PyTree:
-        """The layout of ``tx``'s state: parameter-shaped parts as ``opt_specs``, scalars whole."""
+        """The layout of ``tx``'s state: parts shaped like their parameter as ``opt_specs``;
+        the rest (scalars, counters, Adafactor's factored moments) whole."""
         tx = self.optimizer(tx)
         state_shape = jax.eval_shape(tx.init, self.shapes)
         # Frozen leaves hold ``MaskedNode``s (no state) in the trained transformation's state.
         masked = lambda x: isinstance(x, optax.MaskedNode)
+        like = lambda x, spec, param: (x if masked(x) else
+                                       spec if x.shape == param.shape else P())
         return optax.tree_map_params(
-            tx, lambda x, spec: x if masked(x) else spec, state_shape, self.opt_specs,
+            tx, like, state_shape, self.opt_specs, self.shapes,
             transform_non_params=lambda _: P(),
             is_leaf=lambda x: isinstance(x, P) or masked(x))
+
+    @property
+    def blocks(self) -> list[str]:
+        """The module paths gathered block by block, in parameter order."""
+        return list(dict.fromkeys(leaf.block for leaf in
+                                  jax.tree.leaves(self.leaves, is_leaf=_is_leaf) if leaf.block))
 
     @property
     def replicated(self) -> list[Leaf]:
@@ -199,8 +244,11 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
     ``layers``, ``ignored`` and ``frozen`` are regular expressions over parameter paths
     ("blocks/attn/qkv/kernel"; ``modules_pattern`` builds one from module names):
 
-    - ``layers``: stacked layers of a scan (leading dimension = layer), gathered one layer at a
-      time by ``zero_jax.layer``. Other cut leaves are gathered once per step.
+    - ``layers``: the model's blocks, by module path: unrolled blocks ("h/\\d+") or an
+      ``nn.scan`` stack ("blocks", leading dimension = layer). At stage 3 each block's
+      parameters are gathered as it runs and again in its backward (``zero_jax.gather``); at
+      stage 2 its gradient is reduce-scattered as its backward ends. Other cut leaves are
+      gathered once per step.
     - ``ignored``: left out of ZeRO, as DeepSpeed's and FSDP's ``ignored_modules``: whole on
       every device, gradient all-reduced, optimizer state whole (plain data parallelism).
     - ``frozen``: not trained: no gradient is computed or communicated, no optimizer state.
@@ -216,9 +264,14 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
     if outer is not None and stage != 3:
         raise ValueError(f"hierarchical ZeRO (outer={outer!r}) is built on stage 3, not {stage}")
     n = mesh.shape[axis] * (mesh.shape[outer] if outer else 1)
-    paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params_shape)[0]]
+    flat = {path_str(p): tuple(x.shape)
+            for p, x in jax.tree_util.tree_flatten_with_path(params_shape)[0]}
+    paths = list(flat)
+    blocks = find_blocks(paths, layers) if layers else {}
+    stacked = {b: scanned([flat[p] for p in blocks if blocks[p] == b])
+               for b in set(blocks.values())}
     patterns = {}
-    for name, regex in (("layers", layers), ("ignored", ignored), ("frozen", frozen)):
+    for name, regex in (("ignored", ignored), ("frozen", frozen)):
         if regex:
             patterns[name] = re.compile(regex)
             if not any(patterns[name].search(p) for p in paths):
@@ -228,12 +281,13 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
 
     def rule(path, x):
         name = path_str(path)
-        stacked = match("layers", name)
+        block = blocks.get(name)
+        in_stack = block is not None and stacked[block]
         if match("ignored", name):
-            leaf = Leaf(name, tuple(x.shape), stacked, None, reason="ignored_modules")
+            leaf = Leaf(name, tuple(x.shape), in_stack, None, reason="ignored_modules")
         else:
-            leaf = leaf_rule(name, tuple(x.shape), n, stacked, min_shard_elems)
-        return dataclasses.replace(leaf, frozen=match("frozen", name))
+            leaf = leaf_rule(name, tuple(x.shape), n, in_stack, min_shard_elems)
+        return dataclasses.replace(leaf, frozen=match("frozen", name), block=block)
 
     leaves = jax.tree_util.tree_map_with_path(rule, params_shape)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_shape)

@@ -16,15 +16,15 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from flax.errors import ScopeParamShapeError
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zero_jax.gather import Shard, materialize
+from zero_jax.gather import Shard, materialize, per_block
 from zero_jax.precision import LossScale, update_loss_scale
 from zero_jax.rules import Leaf, Plan
 
 PyTree = Any
-LossFn = Callable[[PyTree, PyTree], jax.Array]
 
 
 class TrainState(NamedTuple):
@@ -78,142 +78,212 @@ def _is_leaf(x) -> bool:
     return isinstance(x, Leaf)
 
 
-def make_grad_fn(plan: Plan, loss_fn: LossFn, batch_spec: P | None = None):
-    """``grads(params, batch, scale=1.0) -> (loss, grads)``: the data-parallel half of the step.
+class Weighted(NamedTuple):
+    """A loss returned as a sum and what it sums over (say, valid tokens): the step then trains
+    on the exact global mean, sum of totals over sum of weights, as one device would."""
+
+    total: jax.Array
+    weight: jax.Array
+
+
+class Route(NamedTuple):
+    """What the gradient half does with one parameter: decided once, from its leaf and stage."""
+
+    leaf: Leaf
+    cut: bool  # reaches the loss as a Shard; its gradient leaves the backward already cut
+    local: tuple[str, ...]  # axes its copy is marked per-device over, so nothing reduces early
+
+
+def routes(plan: Plan) -> PyTree:
+    """The ``Route`` of every parameter, as a tree shaped like the parameters."""
+    def route(leaf: Leaf) -> Route:
+        cut = plan.rule.shard_grads and leaf.axis is not None and not leaf.persistent
+        local = () if leaf.frozen else (plan.outer,) if cut and plan.outer else \
+            () if cut else plan.data_axes
+        return Route(leaf, cut, local)
+    return jax.tree.map(route, plan.leaves, is_leaf=_is_leaf)
+
+
+def device_key(key: jax.Array, device: jax.Array | int, micro: jax.Array | int = 0) -> jax.Array:
+    """The key ``loss_fn`` gets on data-parallel device ``device`` (its position in the batch)
+    for microbatch ``micro``: a different stream on every device and microbatch."""
+    return jax.random.fold_in(jax.random.fold_in(key, device), micro)
+
+
+def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
+                 has_aux: bool = False):
+    """``grads(params, batch, scale=1.0, key=None) -> (loss, grads)``: the data-parallel half of
+    the step; ``((loss, aux), grads)`` with ``has_aux``.
 
     Not jitted. Takes the compute copy in the plan's ``param_specs`` layout and returns the
     gradient of the global mean loss, times ``scale``, in the ``grad_specs`` layout and the
-    plan's ``grad_dtype``, moved by the stage's collectives. ``loss_fn(params, batch)`` returns
-    the mean loss over the batch it is given: here, one microbatch of this device's slice of the
-    global batch (cut along dimension 0), with whole parameters, except the stacked layers
-    declared in the plan, which reach ``zero_jax.layer`` as shards. Frozen leaves get zeros,
-    computed and communicated by nobody.
+    plan's ``grad_dtype``, moved by the stage's collectives.
+
+    ``loss_fn(params, batch[, key])`` sees whole parameters and one microbatch of this device's
+    slice of the global batch; it is given a key (``device_key``) when the step is. It returns
+    the mean loss of that batch, or ``Weighted(total, weight)``, with ``has_aux`` paired with a
+    dict of metrics (averaged with the loss's weights). ``batch_spec`` (a ``PartitionSpec``, or a
+    tree of them over the batch) says how the batch is cut; leaves not cut on dimension 0
+    (``P()``) reach every device and microbatch whole.
     """
-    axis, rule, prec, k = plan.axis, plan.rule, plan.precision, plan.accum_steps
-    n, everywhere = plan.dp_size, plan.data_axes
+    k, n, everywhere = plan.accum_steps, plan.dp_size, plan.data_axes
+    prec = plan.precision
     batch_spec = batch_spec if batch_spec is not None else P(everywhere)
+    route_tree = routes(plan)
+    is_route = lambda x: isinstance(x, Route)
+    blocks = plan.blocks
 
-    def cut(leaf: Leaf) -> bool:
-        return rule.shard_grads and leaf.axis is not None and not leaf.persistent
-
-    def zero_grad(leaf: Leaf, p: jax.Array) -> jax.Array:
-        # A frozen leaf's gradient, in the grad_specs layout: zeros, never communicated.
-        shape = list(p.shape)
-        if cut(leaf) and plan.outer:
-            shape[leaf.axis] //= plan.mesh.shape[plan.outer]
-        return jnp.zeros(shape, plan.grad_dtype)
-
-    def local_grads(params, whole, batch, scale):
+    def prepare(params):
         # A whole parameter is marked per-device before differentiating, so that its gradient
         # stays local until the one all-reduce after the backward (differentiating the
-        # replicated value itself, JAX would all-reduce it at every use).
-        # Likewise a hierarchical shard, whole across groups until the across-group
-        # reduce-scatter after the backward.
-        def per_device(leaf: Leaf, p):
-            axes = everywhere if not cut(leaf) else (plan.outer,) if plan.outer else ()
-            return jax.lax.pcast(p, axes, to="varying") if axes and not leaf.frozen else p
+        # replicated value itself, JAX would all-reduce it at every use); likewise a
+        # hierarchical shard, whole across groups until the across-group reduce-scatter.
+        return jax.tree.map(lambda r, p: jax.lax.pcast(p, r.local, to="varying") if r.local
+                            else p, route_tree, params, is_leaf=is_route)
 
-        params = jax.tree.map(per_device, plan.leaves, params, is_leaf=_is_leaf)
-
-        def micro_loss(params, micro):
-            def wrap(leaf: Leaf, p, w=None):
-                if cut(leaf):
-                    return Shard(p, w, leaf.axis - leaf.stacked, axis, prec.reduce.name)
+    def model_params(params, whole):
+        # Cut parameters become Shards; all but the declared blocks' are made whole here, once.
+        def wrap(r: Route, p, w=None):
+            if not r.cut:
                 return p
+            shard = Shard(p, w, r.leaf.axis - len(r.leaf.shape), plan.axis, prec.reduce.name)
+            return shard if r.leaf.block else materialize(shard)
+        rest = () if whole is None else (whole,)
+        return jax.tree.map(wrap, route_tree, params, *rest, is_leaf=is_route)
 
-            rest = () if whole is None else (whole,)
-            tree = jax.tree.map(wrap, plan.leaves, params, *rest, is_leaf=_is_leaf)
-            # Everything but the layer stacks is made whole once, here; the stacks, per layer.
-            tree = jax.tree.map(lambda leaf, x: x if leaf.stacked else materialize(x),
-                                plan.leaves, tree, is_leaf=_is_leaf)
-            if prec.autocast_input:
-                micro = jax.tree.map(
-                    lambda x: x.astype(prec.compute) if jnp.issubdtype(x.dtype, jnp.floating)
-                    else x, micro)
-            loss = loss_fn(tree, micro).astype(jnp.float32)
-            return loss * scale / (n * k), loss / (n * k)
+    def call_loss(tree, micro, key):
+        if prec.autocast_input:
+            micro = jax.tree.map(lambda x: x.astype(prec.compute)
+                                 if jnp.issubdtype(x.dtype, jnp.floating) else x, micro)
+        args = (tree, micro) if key is None else (tree, micro, key)
+        with per_block(blocks) as seen:
+            try:
+                out = loss_fn(*args)
+            except ScopeParamShapeError as e:
+                raise ValueError(f"a parameter reached a module still cut into shards: the "
+                                 f"plan's layers= names blocks {blocks}, and a module reading "
+                                 f"one of their parameters is not one of them or inside one "
+                                 f"({e.__class__.__name__}: {str(e).splitlines()[0]})") from e
+        if missing := [b for b in blocks if b not in seen]:
+            raise ValueError(f"layers= names {missing[0]!r}, which never ran as a Flax linen "
+                             f"module during the loss; name modules that are called (their "
+                             f"paths: {blocks[:3]}...)")
+        loss, aux = out if has_aux else (out, {})
+        total, weight = loss if isinstance(loss, Weighted) else (loss, jnp.ones((), jnp.float32))
+        return (total.astype(jnp.float32), jnp.asarray(weight, jnp.float32),
+                jax.tree.map(lambda a: jnp.asarray(a, jnp.float32) * weight, aux))
 
-        def trained_loss(trained, micro):
-            # Frozen leaves are read from ``params``, not differentiated: no gradient, no
-            # collective in the backward.
-            mixed = jax.tree.map(lambda leaf, t, p: p if leaf.frozen else t,
-                                 plan.leaves, trained, params, is_leaf=_is_leaf)
-            return micro_loss(mixed, micro)
+    def differentiate(params, whole, micro, key, scale):
+        # The gradient of this device's share: total * scale / (n k), for a mean loss exactly
+        # its share of the global mean; frozen leaves are read, not differentiated.
+        def objective(trained):
+            mixed = jax.tree.map(lambda r, t, p: p if r.leaf.frozen else t,
+                                 route_tree, trained, params, is_leaf=is_route)
+            total, weight, aux = call_loss(model_params(mixed, whole), micro, key)
+            return total * scale / (n * k), (total, weight, aux)
 
-        def micro_grads(micro):
-            grads, loss = jax.grad(trained_loss, has_aux=True)(params, micro)
-            # A frozen leaf's (zero) gradient is not kept, nor accumulated: a scalar stands in.
-            grads = jax.tree.map(lambda leaf, g: jnp.zeros((), g.dtype) if leaf.frozen else g,
-                                 plan.leaves, grads, is_leaf=_is_leaf)
-            return loss, grads
+        grads, stats = jax.grad(objective, has_aux=True)(params)
+        # A frozen leaf's (zero) gradient is not kept, nor accumulated: a scalar stands in.
+        grads = jax.tree.map(lambda r, g: jnp.zeros((), g.dtype) if r.leaf.frozen else g,
+                             route_tree, grads, is_leaf=is_route)
+        return stats, grads
 
+    def accumulate(params, whole, batch, key, scale):
+        # Each microbatch's cut gradients are reduce-scattered by its backward and summed into
+        # a 1/N accumulator; whole ones are summed locally and reduced once, after.
+        device = jax.lax.axis_index(everywhere)
+        keyed = lambda m: None if key is None else device_key(key, device, m)
         if k == 1:
-            loss, grads = micro_grads(batch)
-        else:
-            # Each microbatch's cut gradients are reduce-scattered by its backward and summed
-            # into a 1/N accumulator; whole ones are summed locally and reduced below, once.
-            micros = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+            return differentiate(params, whole, batch, keyed(0), scale)
+        specs = jax.tree.broadcast(batch_spec, batch, is_leaf=lambda x: isinstance(x, P))
+        split = jax.tree.map(lambda s, x: x.reshape(k, x.shape[0] // k, *x.shape[1:])
+                             if len(s) and s[0] is not None else None, specs, batch,
+                             is_leaf=lambda x: isinstance(x, P))
+        host, device_space = jax.memory.Space.Host, jax.memory.Space.Device
 
-            def move(tree, space):  # offload_grads: the accumulator waits in host memory
-                return jax.device_put(tree, space) if plan.offload_grads else tree
+        def move(tree, space):  # offload_grads: the accumulator waits in host memory
+            return jax.device_put(tree, space) if plan.offload_grads else tree
 
-            host, device = jax.memory.Space.Host, jax.memory.Space.Device
+        def body(carry, xs):
+            m, micro = xs
+            micro = jax.tree.map(lambda part, x: x if part is None else part, micro, batch,
+                                 is_leaf=lambda x: x is None)
+            stats, grads = differentiate(params, whole, micro, keyed(m), scale)
+            sums, acc = carry
+            acc = jax.tree.map(lambda a, g: a + g.astype(prec.accum), move(acc, device_space),
+                               grads)
+            return (jax.tree.map(jnp.add, sums, stats), move(acc, host)), None
 
-            def body(carry, micro):
-                loss, grads = micro_grads(micro)
-                total, acc = carry
-                acc = jax.tree.map(lambda a, g: a + g.astype(prec.accum), move(acc, device),
-                                   grads)
-                return (total + loss, move(acc, host)), None
+        first = jax.tree.map(lambda part, x: x if part is None else part[0], split, batch,
+                             is_leaf=lambda x: x is None)
+        shapes = jax.eval_shape(lambda: call_loss(model_params(params, whole), first, keyed(0)))
+        stats = jax.tree.map(lambda x: jax.lax.pcast(jnp.zeros(x.shape, x.dtype), everywhere,
+                                                     to="varying"), shapes)
+        zeros = jax.tree.map(lambda r, p: jnp.zeros((), prec.accum) if r.leaf.frozen
+                             else jnp.zeros_like(p, prec.accum), route_tree, params,
+                             is_leaf=is_route)
+        start = (stats, move(zeros, host))
+        (stats, grads), _ = jax.lax.scan(body, start, (jnp.arange(k), split))
+        return stats, move(grads, device_space)
 
-            zeros = jax.tree.map(
-                lambda leaf, p: jnp.zeros((), prec.accum) if leaf.frozen
-                else jnp.zeros_like(p, prec.accum), plan.leaves, params, is_leaf=_is_leaf)
-            start = (jax.lax.pcast(jnp.zeros((), jnp.float32), everywhere, to="varying"),
-                     move(zeros, host))
-            (loss, grads), _ = jax.lax.scan(body, start, micros)
-            grads = move(grads, device)
+    def reduce(stats, grads, params):
+        total, weight, aux = (jax.lax.psum(x, everywhere) for x in stats)
 
-        def all_reduce(leaf: Leaf, g, p):
-            if leaf.frozen:
-                return zero_grad(leaf, p)
-            if not cut(leaf):
-                return jax.lax.psum(g.astype(prec.reduce), everywhere).astype(plan.grad_dtype)
-            if plan.outer:  # hierarchical: once per step, the across-group reduce-scatter
+        def one(r: Route, g, p):
+            if r.leaf.frozen:  # zeros in the grad_specs layout, never communicated
+                shape = list(p.shape)
+                if r.cut and plan.outer:
+                    shape[r.leaf.axis] //= plan.mesh.shape[plan.outer]
+                return jnp.zeros(shape, plan.grad_dtype)
+            if not r.cut:
+                g = jax.lax.psum(g.astype(prec.reduce), everywhere)
+            elif plan.outer:  # hierarchical: once per step, the across-group reduce-scatter
                 g = jax.lax.psum_scatter(g.astype(prec.reduce), plan.outer,
-                                         scatter_dimension=leaf.axis, tiled=True)
-            return g.astype(plan.grad_dtype)
+                                         scatter_dimension=r.leaf.axis, tiled=True)
+            # From shares of n k to shares of the global weight: exactly 1 for a mean loss.
+            return (g * (n * k / weight).astype(g.dtype)).astype(plan.grad_dtype)
 
-        grads = jax.tree.map(all_reduce, plan.leaves, grads, params, is_leaf=_is_leaf)
-        return jax.lax.psum(loss, everywhere), grads
+        grads = jax.tree.map(one, route_tree, grads, params, is_leaf=is_route)
+        loss = total / weight
+        return (loss, jax.tree.map(lambda a: a / weight, aux)) if has_aux else loss, grads
 
-    def grads_fn(params: PyTree, batch: PyTree, scale: jax.Array | float = 1.0):
+    def local_grads(params, whole, batch, key, scale):
+        params = prepare(params)
+        stats, grads = accumulate(params, whole, batch, key, scale)
+        return reduce(stats, grads, params)
+
+    def grads_fn(params: PyTree, batch: PyTree, scale: jax.Array | float = 1.0,
+                 key: jax.Array | None = None):
         # Stage 2 differentiates the shards of its replicated parameters, and passes the whole
         # copy too, which the forward reads as is.
-        stage2 = rule.shard_grads and not rule.shard_params
+        stage2 = plan.rule.shard_grads and not plan.rule.shard_params
         whole = params if stage2 else None
+        out = ((P(), P()) if has_aux else P(), plan.grad_specs)
         return jax.shard_map(
             local_grads, mesh=plan.mesh,
             in_specs=(plan.grad_specs if stage2 else plan.param_specs,
-                      None if whole is None else plan.param_specs, batch_spec, P()),
-            out_specs=(P(), plan.grad_specs),
-        )(params, whole, batch, jnp.asarray(scale, jnp.float32))
+                      None if whole is None else plan.param_specs, batch_spec, P(), P()),
+            out_specs=out,
+        )(params, whole, batch, key, jnp.asarray(scale, jnp.float32))
 
     return grads_fn
 
 
-def make_train_step(plan: Plan, loss_fn: LossFn, tx: optax.GradientTransformation,
-                    batch_spec: P | None = None,
-                    lr_schedule: Callable[[jax.Array], jax.Array] | None = None):
-    """``step(state, batch) -> (state, metrics)``, jitted with donated state.
+def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
+                    batch_spec: PyTree = None,
+                    lr_schedule: Callable[[jax.Array], jax.Array] | None = None,
+                    has_aux: bool = False):
+    """``step(state, batch, *, key=None) -> (state, metrics)``, jitted with donated state.
 
-    ``loss_fn`` and ``batch_spec`` as for ``make_grad_fn``; the global batch holds
-    ``plan.accum_steps`` microbatches. Metrics: ``loss``, ``grad_norm``, ``skipped`` (1 when
-    the gradient was not finite and the update was skipped), ``loss_scale`` with fp16 loss
-    scaling, and ``lr`` from ``lr_schedule(optimizer steps taken)`` when given.
+    ``loss_fn``, ``batch_spec`` and ``has_aux`` as for ``make_grad_fn``; the global batch holds
+    ``plan.accum_steps`` microbatches. Given a ``key``, ``loss_fn`` gets
+    ``device_key(fold_in(key, state.step), device, microbatch)``: new randomness every step,
+    on every device. Metrics: ``loss``, ``grad_norm``, ``skipped`` (1 when the gradient was not
+    finite and the update was skipped), ``loss_scale`` with fp16 loss scaling, ``lr`` from
+    ``lr_schedule(optimizer steps taken)`` when given, and the auxiliary metrics.
     """
     batch_spec = batch_spec if batch_spec is not None else P(plan.data_axes)
-    grad_fn = make_grad_fn(plan, loss_fn, batch_spec)
+    grad_fn = make_grad_fn(plan, loss_fn, batch_spec, has_aux)
     prec = plan.precision
     trained_tx = plan.optimizer(tx)  # frozen leaves: zero update, no state
 
@@ -234,9 +304,12 @@ def make_train_step(plan: Plan, loss_fn: LossFn, tx: optax.GradientTransformatio
                              mesh=plan.mesh, in_specs=(plan.opt_specs,),
                              out_specs=plan.param_specs)(compute)
 
-    def step(state: TrainState, batch: PyTree):
+    def step(state: TrainState, batch: PyTree, *, key: jax.Array | None = None):
         scale = state.loss_scale.scale if state.loss_scale is not None else 1.0
-        loss, grads = grad_fn(state.params, batch, scale)
+        if key is not None:
+            key = jax.random.fold_in(key, state.step)
+        loss, grads = grad_fn(state.params, batch, scale, key)
+        loss, aux = loss if has_aux else (loss, {})
         # The update runs on the optimizer's shards, in fp32: stage 1 slices its whole gradient
         # (no communication), stages 1-2 all-gather the updated shards into the compute copy.
         grads = _constrain(jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads),
@@ -259,7 +332,8 @@ def make_train_step(plan: Plan, loss_fn: LossFn, tx: optax.GradientTransformatio
         if loss_scale is not None:
             loss_scale = update_loss_scale(loss_scale, finite, prec.loss_scale)
         skipped = state.skipped + (~finite).astype(jnp.int32)
-        metrics = {"loss": loss, "grad_norm": norm, "skipped": (~finite).astype(jnp.int32)}
+        metrics = {**aux, "loss": loss, "grad_norm": norm,
+                   "skipped": (~finite).astype(jnp.int32)}
         if loss_scale is not None:
             metrics["loss_scale"] = state.loss_scale.scale
         if lr_schedule is not None:
@@ -270,5 +344,6 @@ def make_train_step(plan: Plan, loss_fn: LossFn, tx: optax.GradientTransformatio
 
     state_shardings = plan.shardings(state_specs(plan, tx))
     replicated = NamedSharding(plan.mesh, P())
-    return jax.jit(step, in_shardings=(state_shardings, NamedSharding(plan.mesh, batch_spec)),
-                   out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+    # No in_shardings (jit refuses them beside a keyword argument): the state arrives in its
+    # layout, and shard_map cuts the batch by ``batch_spec``; put it there to avoid a copy.
+    return jax.jit(step, out_shardings=(state_shardings, replicated), donate_argnums=(0,))

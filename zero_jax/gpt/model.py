@@ -1,7 +1,7 @@
 """The default model: a GPT-2 style decoder, its layers under ``nn.scan`` with remat.
 
-Each layer is wrapped in ``zero_jax.layer`` so that, under a ZeRO-3 step, its parameters are
-gathered inside the scan, one layer at a time, and gathered again by remat in the backward.
+Nothing in it knows of ZeRO: the plan names the scanned stack ``blocks`` (``LAYERS``), and the
+step gathers its parameters inside the scan, one layer at a time, as any model's blocks.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zero_jax.gather import layer
 from zero_jax.rules import modules_pattern
 
-LAYER_STACKS = ("blocks",)  # this model's modules under nn.scan, wrapped in zero_jax.layer
+LAYER_STACKS = ("blocks",)  # this model's modules under nn.scan
 LAYERS = modules_pattern(LAYER_STACKS)  # the plan's ``layers`` pattern for this model
 
 
@@ -75,7 +74,7 @@ class GPT(nn.Module):
         wpe = self.param("wpe", init, (c.seq_len, c.d_model))
         x = wte[tokens] + wpe[: tokens.shape[1]]
 
-        block = layer(Block)
+        block = Block
         if c.remat:
             block = nn.remat(block, prevent_cse=False)
         stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
