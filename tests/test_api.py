@@ -3,9 +3,12 @@
 import pathlib
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+import pytest
 from conftest import rel
 from flax import nnx
 
@@ -14,25 +17,30 @@ import zero_jax as zj
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 
-def readme_example() -> str:
+def readme_example(name: str = "api-example") -> str:
     text = README.read_text()
-    block = re.search(r"<!-- api-example -->\n```python\n(.*?)```\n<!-- /api-example -->", text,
-                      re.S)
-    assert block, "README lost its API example"
+    block = re.search(rf"<!-- {name} -->\n```python\n(.*?)```\n<!-- /{name} -->", text, re.S)
+    assert block, f"README lost its example {name}"
     return block.group(1)
 
 
 def test_readme_example_trains_sharded_and_exactly(capsys):
     ns: dict = {}
     exec(compile(readme_example(), str(README), "exec"), ns)
+    exec(compile(readme_example("api-example-nnx"), str(README), "exec"), ns)
     assert "loss" in capsys.readouterr().out
     plan, state, loss_fn, init, x, y = (ns[k] for k in
                                         ("plan", "state", "loss_fn", "init", "x", "y"))
     # It learned: the final loss is well below the loss of the initial parameters.
     assert float(ns["metrics"]["loss"]) < 0.5 * float(loss_fn(init(ns["key"]), (x, y)))
-    # Stage 3: every layer weight is held as 1/8 per device.
-    kernel = state.params["layers"]["Dense_0"]["kernel"]
+    # Stage 3: every block weight is held as 1/8 per device, the blocks found by path.
+    assert plan.blocks == ["h_0", "h_1", "h_2", "h_3"] and ns["nnx_plan"].blocks == [
+        f"blocks/{i}" for i in range(4)]
+    kernel = state.params["h_0"]["Dense_0"]["kernel"]
     assert kernel.addressable_shards[0].data.size * 8 == kernel.size
+    # The NNX example learned too (dropout on, so the loss is the training loss).
+    assert float(ns["nnx_metrics"]["loss"]) < 0.5 * float(
+        ns["nnx_loss"](ns["nnx_init"](ns["key"]), (x, y), jax.random.key(2)))
     # And its gradients (at the initial parameters, before they shrink to rounding noise) are
     # the one-device gradients.
     whole = init(ns["key"])
@@ -80,3 +88,21 @@ def test_nnx_model_trains_like_one_device():
         assert rel(a, b) < 1e-5
     kernel = state.params["l1"]["kernel"][...]
     assert kernel.addressable_shards[0].data.size * 8 == kernel.size
+
+
+def test_state_from_existing_parameters():
+    """Pretrained parameters (here, host arrays) become the state without a device holding
+    more than its part; the same state as from the initializer."""
+    model = nn.Dense(64)
+    init = lambda key: model.init(key, jnp.zeros((1, 16)))["params"]
+    tx, key = optax.adam(1e-3), jax.random.key(0)
+    plan = zj.make_plan(jax.eval_shape(init, key), zj.make_mesh(), stage=3)
+    pretrained = jax.tree.map(np.asarray, init(key))
+    state = zj.init_state(plan, pretrained, tx)
+    reference = zj.init_state(plan, init, tx, key)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(reference), strict=True):
+        assert a.sharding == b.sharding and np.array_equal(a, b)
+    assert state.params["kernel"].addressable_shards[0].data.shape == (2, 64)
+    wrong = {"kernel": pretrained["kernel"][:8], "bias": pretrained["bias"]}
+    with pytest.raises(ValueError, match="parameter kernel has shape"):
+        zj.init_state(plan, wrong, tx)

@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
+from zero_jax import report
 from zero_jax.hlo import collectives
 
 D, H, V, T = 64, 256, 50, 8  # V = 50 and the gate's 3 do not divide by 8
@@ -121,9 +122,11 @@ def compile_memory(mesh, n_blocks, stage):
     tx = optax.adamw(1e-3)
     plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=BLOCKS)
     step = zj.make_train_step(plan, lambda p, t: ce(model, p, t).mean(), tx)
-    compiled = step.lower(zj.abstract_state(plan, tx),
-                          jax.ShapeDtypeStruct((16, T + 1), jnp.int32)).compile()
+    state = zj.abstract_state(plan, tx)
+    lowered = step.lower(state, jax.ShapeDtypeStruct((16, T + 1), jnp.int32))
+    compiled = lowered.compile()
     mem = compiled.memory_analysis()
+    compiled.report = report.build(plan, state, lowered, compiled)
     return plan, compiled, mem.argument_size_in_bytes + mem.temp_size_in_bytes
 
 
@@ -142,6 +145,12 @@ def test_stage3_holds_one_block_at_a_time(mesh):
     matrices = [c for c in collectives(compiled.as_text(), N) if c.bytes == 4 * D * H]
     assert sum(c.count for c in matrices if c.kind == "all-gather") == 4 * 8
     assert sum(c.count for c in matrices if c.kind == "reduce-scatter") == 2 * 8
+    # The report names the blocks, and has no warning; without blocks, it warns.
+    r = compiled.report
+    assert r["blocks"] == plan.blocks and not r["warnings"]
+    assert "gathered block by block (8 blocks): h_0, h_1, h_2, h_3, ..." in report.format_table(r)
+    whole = zj.make_plan(plan.shapes, mesh, 3)
+    assert "of the cut parameters once per step" in report.warnings(whole)[0]
 
 
 def test_dropout_key_per_step_and_device(mesh):
@@ -216,7 +225,7 @@ def test_optimizers_with_unlike_state(stage, opt, mesh):
     counters: such leaves stay whole, the rest is cut, and the result is one device's."""
     model, init = setup(2)
     loss_fn = lambda params, toks: ce(model, params, toks).mean()
-    tx = (optax.adafactor(1e-2) if opt == "adafactor" else
+    tx = (optax.adafactor(1e-2, min_dim_size_to_factor=32) if opt == "adafactor" else
           optax.MultiSteps(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), 2))
     plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=BLOCKS)
     state = zj.init_state(plan, init, tx, KEY)
@@ -230,6 +239,13 @@ def test_optimizers_with_unlike_state(stage, opt, mesh):
         params = optax.apply_updates(params, updates)
     assert tree_rel(state.params, params) < 1e-5
     assert tree_rel(state.opt_state, opt_state) < 1e-5
+    whole = [x["path"] for x in report.whole_opt_state(plan, state)]
+    if opt == "adafactor":  # the factored second moments of every matrix, and nothing else
+        matrices = [p for p, x in jax.tree_util.tree_flatten_with_path(params)[0] if x.ndim == 2]
+        assert len(whole) == 2 * len(matrices) and all("v_row" in w or "v_col" in w
+                                                       for w in whole)
+    else:
+        assert whole == []
 
 
 @pytest.mark.parametrize(("layers", "phrase"), [

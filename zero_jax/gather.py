@@ -19,6 +19,7 @@ all-reduced once, after the backward (``zero_jax.step``).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 from collections.abc import Iterable
@@ -110,17 +111,33 @@ def has_shards(tree: PyTree) -> bool:
     return any(is_shard(x) for x in jax.tree.leaves(tree, is_leaf=is_shard))
 
 
+def _gathers(tree: PyTree) -> bool:
+    """Whether making ``tree`` whole gathers (stage 3), rather than reading a copy (stage 2)."""
+    return any(x.whole is None for x in jax.tree.leaves(tree, is_leaf=is_shard) if is_shard(x))
+
+
+def _after_inputs(tree: PyTree, args: tuple, kwargs: dict) -> PyTree:
+    # The block's inputs join its shards in a barrier, so its gathers wait for them: else the
+    # scheduler may hoist every block's gather to the start and hold the whole model.
+    inputs = [x for x in jax.tree.leaves((args, kwargs)) if isinstance(x, jax.Array)]
+    return jax.lax.optimization_barrier((tree, inputs))[0]
+
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("zero_jax_blocks", default=None)
+
+
 @contextlib.contextmanager
 def per_block(blocks: Iterable[str]):
-    """Make each named linen block's ``Shard``s whole as the block runs; yields the set of
-    blocks that did.
+    """Make each named block's ``Shard``s whole as the block runs; yields the set of blocks
+    that ran.
 
-    Any call of a module whose path is a block (an unrolled ``h/0`` or, inside ``nn.scan``,
-    the scanned module, one layer's slice at a time) runs under a lifted ``map_variables``
-    that materializes its parameters. When that gathers (stage 3), the block is also
-    rematerialized, so the backward gathers again instead of keeping whole weights as
-    residuals; on the CPU backend this needs XLA to keep remat's optimization barriers
-    (``zero_jax.mesh.simulate_cpu_devices``).
+    Linen, with no change to the model: any call of a module whose path is a block (an
+    unrolled ``h/0`` or, inside ``nn.scan``, the scanned module, one layer's slice at a time)
+    runs under a lifted ``map_variables`` that materializes its parameters. NNX: modules built
+    by ``zero_jax.nnx_merge`` do the same in their ``__call__``. When that gathers (stage 3),
+    the block is also rematerialized, so the backward gathers again instead of keeping whole
+    weights as residuals; on the CPU backend this needs XLA to keep remat's optimization
+    barriers (``zero_jax.mesh.simulate_cpu_devices``).
     """
     names, seen = frozenset(blocks), set()
 
@@ -130,20 +147,73 @@ def per_block(blocks: Iterable[str]):
         if path not in names:
             return next_fun(*args, **kwargs)
         seen.add(path)
-        if not has_shards(module.variables.get("params", {})):
+        params = module.variables.get("params", {})
+        if not has_shards(params):
             return next_fun(*args, **kwargs)  # nothing cut, or already made whole
         run = lambda mdl: getattr(mdl, context.method_name)(*args, **kwargs)
-        shards = jax.tree.leaves(module.variables["params"], is_leaf=is_shard)
-        if not any(is_shard(x) and x.whole is None for x in shards):  # stage 2: reads, no gather
+        if not _gathers(params):  # stage 2: reads its whole copy
             return nn.map_variables(run, "params", trans_in_fn=materialize_tree)(module)
-        # Stage 3: the block's inputs join its shards in a barrier, so its gathers wait for
-        # them (else the scheduler may hoist every block's gather to the start and hold the
-        # whole model), and remat gathers again in the backward instead of keeping them.
-        inputs = [x for x in jax.tree.leaves((args, kwargs)) if isinstance(x, jax.Array)]
-        gather = lambda params: materialize_tree(
-            jax.lax.optimization_barrier((params, inputs))[0])
+        gather = lambda params: materialize_tree(_after_inputs(params, args, kwargs))
         run = nn.map_variables(run, "params", trans_in_fn=gather)
         return nn.remat(run, prevent_cse=True)(module)
 
-    with nn.intercept_methods(intercept):
-        yield seen
+    token = _ACTIVE.set((names, seen))
+    try:
+        with nn.intercept_methods(intercept):
+            yield seen
+    finally:
+        _ACTIVE.reset(token)
+
+
+def nnx_merge(graphdef: Any, *states: Any) -> Any:
+    """``nnx.merge`` for an NNX model in a ZeRO loss: the plan's blocks (``layers=``) become
+    whole as they run, one at a time, whether they sit in a list or under ``nnx.scan``."""
+    from flax import nnx
+
+    model = nnx.merge(graphdef, *states, copy=True)  # variables of this trace, not the caller's
+    active = _ACTIVE.get()
+    if active is None:
+        return model
+    names, seen = active
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module) and (name := "/".join(map(str, path))) in names:
+            node.__class__ = _per_block_class(type(node))
+            seen.add(name)
+    return model
+
+
+@functools.cache
+def _per_block_class(cls: type) -> type:
+    """``cls`` whose ``__call__`` makes its own ``Shard``s whole around the original one."""
+    if getattr(cls, "_zero_jax_block", False):
+        return cls
+    from flax import nnx
+
+    def shard_vars(module):
+        return [v for _, v in nnx.iter_graph(module)
+                if isinstance(v, nnx.Variable) and is_shard(v.get_raw_value())]
+
+    def run(module, args, kwargs, whole):
+        variables = shard_vars(module)
+        shards = [v.get_raw_value() for v in variables]
+        for v, w in zip(variables, whole(shards), strict=True):
+            v.set_raw_value(w)
+        try:
+            return cls.__call__(module, *args, **kwargs)
+        finally:
+            for v, shard in zip(variables, shards, strict=True):
+                v.set_raw_value(shard)
+
+    def __call__(self, *args, **kwargs):
+        active = _ACTIVE.get()
+        shards = [v.get_raw_value() for v in shard_vars(self)]
+        if active is None or not shards:
+            return cls.__call__(self, *args, **kwargs)
+        if not _gathers(shards):
+            return run(self, args, kwargs, materialize_tree)
+        gather = lambda s: materialize_tree(_after_inputs(s, args, kwargs))
+        return nnx.remat(lambda m: run(m, args, kwargs, gather), prevent_cse=True)(self)
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "_zero_jax_block": True,
+                                       "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zero_jax.hlo import collectives
-from zero_jax.rules import Plan
+from zero_jax.rules import Plan, path_str
 from zero_jax.step import abstract_state
 
 PyTree = Any
@@ -164,7 +164,44 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
         "replicated": [{"path": leaf.path, "shape": list(leaf.shape), "reason": leaf.reason}
                        for leaf in plan.replicated],
         "frozen": [leaf.path for leaf in plan.frozen],
+        "blocks": plan.blocks,
+        "opt_state_whole": whole_opt_state(plan, state),
+        "warnings": warnings(plan),
     }
+
+
+def whole_opt_state(plan: Plan, state: PyTree) -> list[dict]:
+    """Optimizer-state leaves kept whole because they are not shaped like their parameter
+    (Adafactor's factored moments, say): found by the parameter path their own path ends in."""
+    if not plan.rule.shard_opt_state:
+        return []
+    params = {leaf.path: leaf for leaf in jax.tree.leaves(plan.leaves,
+                                                          is_leaf=lambda x: hasattr(x, "axis"))}
+    out = []
+    for path, x in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]:
+        name = path_str(path)
+        leaf = next((params[p] for p in params if name == p or name.endswith("/" + p)), None)
+        if leaf is not None and leaf.axis is not None and tuple(x.shape) != leaf.shape \
+                and math.prod(x.shape) > 1:
+            out.append({"path": name, "shape": list(x.shape)})
+    return out
+
+
+def warnings(plan: Plan) -> list[str]:
+    """What a user should know about the layout: at stage 3, parameters gathered once per step
+    (outside any block) are held whole for the whole step."""
+    if not plan.rule.shard_params:
+        return []
+    leaves = [leaf for leaf in jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "block"))
+              if leaf.axis is not None and not leaf.persistent]
+    per_step = sum(math.prod(leaf.shape) for leaf in leaves if leaf.block is None)
+    cut = sum(math.prod(leaf.shape) for leaf in leaves)
+    where = "no blocks named" if not plan.blocks else "outside the named blocks"
+    if cut and per_step > cut / 2:
+        return [f"stage 3 gathers {per_step / cut:.0%} of the cut parameters once per step and "
+                f"holds them whole through it ({where}): name the model's blocks (make_plan "
+                "layers=, zero.transformer_layers) to hold one block at a time"]
+    return []
 
 
 def format_table(r: dict) -> str:
@@ -212,4 +249,13 @@ def format_table(r: dict) -> str:
     if r["frozen"]:
         lines += ["", f"  frozen, no gradient and no optimizer state ({len(r['frozen'])} leaves): "
                   + ", ".join(r["frozen"])]
+    if r["blocks"]:
+        shown = ", ".join(r["blocks"][:4]) + (", ..." if len(r["blocks"]) > 4 else "")
+        lines += ["", f"  gathered block by block ({len(r['blocks'])} blocks): {shown}"]
+    if r["opt_state_whole"]:
+        lines += ["", f"  optimizer state kept whole, not shaped like its parameter "
+                  f"({len(r['opt_state_whole'])} leaves): "
+                  + ", ".join(f"{x['path']} {tuple(x['shape'])}" for x in r["opt_state_whole"][:6])
+                  + (", ..." if len(r["opt_state_whole"]) > 6 else "")]
+    lines += [f"\n  warning: {w}" for w in r["warnings"]]
     return "\n".join(lines)

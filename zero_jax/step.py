@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from zero_jax.gather import Shard, materialize, per_block
 from zero_jax.precision import LossScale, update_loss_scale
-from zero_jax.rules import Leaf, Plan
+from zero_jax.rules import Leaf, Plan, path_str
 
 PyTree = Any
 
@@ -52,14 +52,30 @@ def _new_state(plan: Plan, params: PyTree, tx: optax.GradientTransformation) -> 
                       jnp.zeros((), jnp.int32))
 
 
-def init_state(plan: Plan, init_params: Callable[[jax.Array], PyTree],
-               tx: optax.GradientTransformation, key: jax.Array) -> TrainState:
+def init_state(plan: Plan, init_params: Callable[[jax.Array], PyTree] | PyTree,
+               tx: optax.GradientTransformation, key: jax.Array | None = None) -> TrainState:
     """Create the state directly in its sharded layout; no device ever holds more than its part.
 
-    ``init_params(key)`` returns fp32 parameters; the compute copy is cast from them."""
+    ``init_params(key)`` returns fp32 parameters; the compute copy is cast from them. Or pass
+    the parameters themselves (a pretrained model's, as arrays): each leaf is put straight into
+    its shards and enters the compiled init as an argument, never as a constant of the program.
+    """
     shardings = plan.shardings(state_specs(plan, tx))
-    return jax.jit(lambda key: _new_state(plan, init_params(key), tx),
-                   out_shardings=shardings)(key)
+    if callable(init_params):
+        return jax.jit(lambda key: _new_state(plan, init_params(key), tx),
+                       out_shardings=shardings)(key)
+    flat, tree = jax.tree_util.tree_flatten_with_path(init_params)
+    if tree != jax.tree.structure(plan.shapes):
+        raise ValueError(f"init_state: the parameters' tree is not the plan's: {tree} vs "
+                         f"{jax.tree.structure(plan.shapes)}")
+    for (path, x), want in zip(flat, jax.tree.leaves(plan.shapes), strict=True):
+        if tuple(x.shape) != tuple(want.shape):
+            raise ValueError(f"init_state: parameter {path_str(path)} has shape {x.shape}, "
+                             f"the plan's is {want.shape}")
+    params = jax.device_put(init_params, plan.shardings(plan.opt_specs))
+    cast = lambda p: jax.tree.map(lambda x, s: x.astype(s.dtype), p, plan.shapes)
+    return jax.jit(lambda p: _new_state(plan, cast(p), tx), out_shardings=shardings,
+                   donate_argnums=0)(params)
 
 
 def abstract_state(plan: Plan, tx: optax.GradientTransformation) -> TrainState:

@@ -47,12 +47,15 @@ class Experiment:
                              f"{t['accum_steps']} microbatches: make train.batch_size a "
                              f"multiple of {n * t['accum_steps']}")
         precision = precision_from(cfg["precision"], mesh.devices.flat[0].platform)
-        model_cfg = GPTConfig(**cfg["model"])
+        z = cfg["zero"]
+        # At stage 3 the step rematerializes each named block itself (to gather it again in
+        # the backward); the model's own remat would recompute every block a second time.
+        own_remat = cfg["model"]["remat"] and not (z["stage"] == 3 and z["transformer_layers"])
+        model_cfg = GPTConfig(**{**cfg["model"], "remat": own_remat})
         model = GPT(model_cfg)
         init = init_fn(model)
         tx, schedule = make_optimizer(cfg["optimizer"], t["steps"])
         shapes = jax.eval_shape(init, jax.random.key(0))
-        z = cfg["zero"]
         _check_modules(cfg, shapes)
         plan = make_plan(shapes, mesh, z["stage"],
                          layers=modules_pattern(z["transformer_layers"]),
@@ -95,7 +98,7 @@ def _check_modules(cfg: dict, params_shape: Any) -> None:
     for name in cfg["zero"]["transformer_layers"]:
         if name not in LAYER_STACKS:
             raise ValueError(f"zero.transformer_layers: {name!r} is not a layer stack of this "
-                             f"model (a zero_jax.layer under nn.scan); its stacks are "
+                             f"model (a block under nn.scan); its stacks are "
                              f"{', '.join(LAYER_STACKS)}")
 
 
