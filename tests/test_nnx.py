@@ -87,10 +87,11 @@ def test_listed_blocks_train_like_one_device(stage, opt, mesh):
     state = zj.init_state(plan, init, tx, KEY)
     step = zj.make_train_step(plan, loss_fn, tx)
     params = init(KEY)
-    _, grads = jax.jit(zj.make_grad_fn(plan, loss_fn))(state.params, put(mesh, data(0)))
-    ref = jax.grad(loss_fn)(params, data(0))
-    # Summed over 8 devices in another order: 1e-5 of the whole, 1e-4 of the smallest leaf.
-    assert tree_rel(grads, ref) < 1e-5 and max_rel(grads, ref) < 1e-4
+    if opt == "sgd":  # gradients directly, at the initial parameters (once per stage)
+        _, grads = jax.jit(zj.make_grad_fn(plan, loss_fn))(state.params, put(mesh, data(0)))
+        ref = jax.grad(loss_fn)(params, data(0))
+        # Summed over 8 devices in another order: 1e-5 of the whole, 1e-4 of the smallest leaf.
+        assert tree_rel(grads, ref) < 1e-5 and max_rel(grads, ref) < 1e-4
     opt_state = tx.init(params)
     for i in range(5):
         state, m = step(state, put(mesh, data(i)))
