@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import pathlib
+import signal
 import sys
+import threading
 import time
+
+SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal, as shells report
 
 
 class Parser(argparse.ArgumentParser):
@@ -48,76 +54,211 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest complete checkpoint in --checkpoint-dir, on any "
                    "stage and device count; --steps is the total to reach")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in a --checkpoint-dir that holds checkpoints, deleting them")
+    p.add_argument("--allow-other-data", action="store_true",
+                   help="resume on another --data than the checkpoint was trained on")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set optimizer.name=sgd (repeatable)")
     return p.parse_args(argv)
 
 
+def check_args(args: argparse.Namespace) -> str | None:
+    """The flags that need no config: refused before jax is even imported."""
+    for flag, value, low in [("--devices", args.devices, 1), ("--save-every", args.save_every, 0),
+                             ("--keep", args.keep, 1)]:
+        if value is not None and value < low:
+            return f"{flag} must be at least {low} (got {value})"
+    if args.resume and not args.checkpoint_dir:
+        return "--resume needs --checkpoint-dir DIR"
+    if args.resume and args.overwrite:
+        return "--resume continues the checkpoints that --overwrite would delete: pass one"
+    if args.metrics and args.report and same_file(args.metrics, args.report):
+        return (f"--metrics and --report both name {args.metrics}: each would overwrite the "
+                "other; pass two files")
+    for flag, path in [("--metrics", args.metrics), ("--report", args.report)]:
+        if path and (problem := unwritable(path)):
+            return f"{flag} {path} {problem}"
+    return None
+
+
+def same_file(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written, found now rather than after hours of training; a probe
+    file is removed again, so nothing is left behind."""
+    p = pathlib.Path(path)
+    if p.is_dir():
+        return "is a directory: pass a file name"
+    if not p.parent.is_dir():
+        return f"cannot be written: {p.parent} is not an existing directory"
+    existed = p.exists()
+    try:
+        open(p, "a").close()
+    except OSError as e:
+        return f"cannot be written ({e.strerror}): pass a writable path"
+    if not existed:
+        p.unlink()
+    return None
+
+
+class Stop:
+    """SIGTERM (preemption) or Ctrl-C: finish the step, save, exit 143 or 130. A second Ctrl-C
+    exits at once; orbax renames a save only when complete, so the one in flight is dropped and
+    the last complete checkpoint stays."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.previous: dict = {}
+
+    def __enter__(self) -> Stop:
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self.handle) for s in SIGNAL_EXIT}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def handle(self, signum: int, frame) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            print("error: interrupted again: stopped at once; a save in flight is dropped, the "
+                  "last complete checkpoint is kept", file=sys.stderr, flush=True)
+            os._exit(SIGNAL_EXIT[signal.SIGINT])
+        self.signum = self.signum or signum
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.devices is not None and args.devices < 1:
-        return fail(f"--devices must be at least 1 (got {args.devices})")
+    if problem := check_args(args):
+        return fail(problem)
     from zero_jax.mesh import simulate_cpu_devices
 
     simulate_cpu_devices(args.devices or 8)
+    with Stop() as stop:
+        from zero_jax.checkpoint import CheckpointError
+        from zero_jax.gpt import config as configs  # jax is imported from here on
 
-    from zero_jax.gpt import config as configs  # jax is imported from here on
-
-    overrides = list(args.set)
-    for flag, key in [("stage", "zero.stage"), ("steps", "train.steps"), ("seed", "train.seed"),
-                      ("zero3_size", "zero.zero3_size")]:
-        if getattr(args, flag) is not None:
-            overrides.append(f"{key}={getattr(args, flag)}")
-    try:
-        cfg = configs.load(args.config, overrides)
-        run = Run(cfg, args)
-    except (configs.ConfigError, ValueError, FileNotFoundError) as e:
-        return fail(str(e))
-    return run.dry_run() if args.dry_run else run.train()
+        overrides = list(args.set)
+        for flag, key in [("stage", "zero.stage"), ("steps", "train.steps"),
+                          ("seed", "train.seed"), ("zero3_size", "zero.zero3_size")]:
+            if getattr(args, flag) is not None:
+                overrides.append(f"{key}={getattr(args, flag)}")
+        run = None
+        try:
+            cfg = configs.load(args.config, overrides)
+            run = Run(cfg, args, stop)
+            return run.dry_run() if args.dry_run else run.train()
+        except (configs.ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
+            return fail(str(e))
+        finally:
+            if run:
+                run.close()
 
 
 class Run:
     """One configured run: data, the experiment it trains, and where its outputs go."""
 
-    def __init__(self, cfg: dict, args: argparse.Namespace):
-        from zero_jax.checkpoint import CheckpointError, Checkpoints
-        from zero_jax.gpt import data
-        from zero_jax.gpt.experiment import Experiment, check_compatible, mesh_for
+    def __init__(self, cfg: dict, args: argparse.Namespace, stop: Stop):
+        from zero_jax.gpt.experiment import Experiment, mesh_for
 
-        self.cfg, self.args = cfg, args
+        self.cfg, self.args, self.stop = cfg, args, stop
         self.exp = Experiment.build(cfg, mesh_for(cfg, args.devices))
         self.seed = cfg["train"]["seed"]
+        self.ckpts, self.source, self.resume_step = None, None, None
+        if args.dry_run:
+            return
+        try:
+            self.open()
+        except BaseException:
+            self.close()  # the lock: a refused run leaves the directory as it found it
+            raise
+
+    def open(self) -> None:
+        """Data first, then checkpoints: a run refused for its data writes nothing."""
+        from zero_jax.checkpoint import Checkpoints
+        from zero_jax.gpt import data
+
+        args, cfg = self.args, self.cfg
+        m = self.exp.model
+        self.tokens = data.load_tokens(args.data)
+        data.check_tokens(self.tokens, m.vocab_size, m.seq_len,
+                          args.data or "the standard library corpus")
         # Where the state comes from: --resume's latest checkpoint in --checkpoint-dir, else
         # train.ckpt_load_path's latest, else a fresh initialization.
-        self.ckpts, self.source, self.resume_step = None, None, None
-        if args.resume and not args.checkpoint_dir:
-            raise ValueError("--resume needs --checkpoint-dir DIR")
-        if args.checkpoint_dir and not args.dry_run:
-            self.ckpts = Checkpoints(args.checkpoint_dir, keep=args.keep)
-        if args.resume and not args.dry_run:
-            self.source, self.resume_step = self.ckpts, self.ckpts.latest_step()
+        if args.checkpoint_dir:
+            self.ckpts = Checkpoints(args.checkpoint_dir, keep=args.keep)  # takes the lock
+            if (steps := self.ckpts.steps()) and not args.resume:
+                if not args.overwrite:
+                    raise ValueError(
+                        f"{self.ckpts.path} holds checkpoints of another run (steps "
+                        f"{', '.join(map(str, steps))}): pass --resume to continue it, another "
+                        "--checkpoint-dir, or --overwrite to delete them")
+                self.ckpts.remove_all()
+                print(f"--overwrite: deleted checkpoints {', '.join(map(str, steps))} in "
+                      f"{self.ckpts.path}")
+        if args.resume:
+            self.source = self.ckpts
+            self.resume_step = self.ckpts.latest_step()
+            if self.resume_step is None:
+                print(f"no checkpoint in {self.ckpts.path}: starting fresh")
         load = cfg["train"]["ckpt_load_path"]
-        if load and self.resume_step is None and not args.dry_run:
+        if load and self.resume_step is None:
             try:
-                self.source = Checkpoints(load, create=False)
-            except CheckpointError as e:
+                self.source = Checkpoints(load, create=False, read_only=True)
+            except ValueError as e:
                 raise ValueError(f"train.ckpt_load_path: {e}") from e
+            for step in self.source.foreign:
+                warn(f"{self.source.path / str(step)} holds no zero_jax checkpoint: skipped")
             self.resume_step = self.source.latest_step()
             if self.resume_step is None:
                 raise ValueError(f"train.ckpt_load_path {self.source.path} holds no complete "
                                  "checkpoint: point it at a --checkpoint-dir of an earlier run")
-        if args.resume and self.resume_step is None and not args.dry_run:
-            print(f"no checkpoint in {self.ckpts.path}: starting fresh")
         if self.resume_step is not None:
-            meta = self.source.meta(self.resume_step)
-            check_compatible(meta, cfg)
-            self.seed = meta["data"]["seed"]  # the data order goes on where it stopped
-        self.tokens = None
-        if not args.dry_run:
-            m = self.exp.model
-            self.tokens = data.load_tokens(args.data)
-            data.check_tokens(self.tokens, m.vocab_size, m.seq_len,
-                              args.data or "the standard library corpus")
+            self.resume_step, self.meta = self.readable_meta(self.resume_step)
+
+    def readable_meta(self, newest: int) -> tuple[int, dict]:
+        """The newest step from ``newest`` down whose metadata reads and fits this run; a
+        corrupted one is reported, and moved aside when we own the directory."""
+        from zero_jax.checkpoint import CorruptCheckpointError
+
+        for step in reversed([s for s in self.source.steps() if s <= newest]):
+            try:
+                meta = self.source.meta(step)
+            except CorruptCheckpointError as e:
+                self.set_aside(e)
+                continue
+            self.check_compatible(meta)
+            return step, meta
+        raise ValueError(f"no checkpoint in {self.source.path} can be read (see the warnings "
+                         "above): pass another --checkpoint-dir, or --overwrite without --resume")
+
+    def set_aside(self, e) -> None:
+        moved = ""
+        if self.source is self.ckpts:  # ours to tidy: the step can be written again
+            moved = f"; moved aside to {self.ckpts.quarantine(e.step)}"
+        older = [s for s in self.source.steps() if s < e.step]
+        warn(f"{e}{moved}; "
+             + (f"falling back to checkpoint {older[-1]}" if older else "no older checkpoint"))
+
+    def check_compatible(self, meta: dict) -> None:
+        from zero_jax.gpt.experiment import check_compatible
+
+        check_compatible(meta, self.cfg, self.exp.mesh.devices.flat[0].platform)
+        saved = meta.get("data", {}).get("source")
+        here = os.path.abspath(self.args.data) if self.args.data else None
+        saved = os.path.abspath(saved) if saved else None
+        if saved != here and not self.args.allow_other_data:
+            raise ValueError(f"the checkpoint was trained on --data {saved or '(the default)'} "
+                             f"but this run reads {here or '(the default)'}: pass the same "
+                             "--data, or --allow-other-data to go on with other data")
+        self.seed = meta["data"]["seed"]  # the data order goes on where it stopped
+
+    def close(self) -> None:
+        for ckpts in {id(c): c for c in (self.ckpts, self.source) if c}.values():
+            ckpts.close()
 
     def report(self, state) -> tuple[dict, object]:
         from zero_jax import report
@@ -145,35 +286,68 @@ class Run:
         self.write_report(r)
         return 0
 
+    def restore(self, target):
+        """The resume step's state, falling back past corrupted checkpoints, saying so."""
+        from zero_jax.checkpoint import CorruptCheckpointError
+
+        while True:
+            tick = time.perf_counter()
+            try:
+                state, _ = self.source.restore(target, self.resume_step)
+            except CorruptCheckpointError as e:
+                self.set_aside(e)
+                self.resume_step, self.meta = self.readable_meta(e.step - 1)
+                continue
+            print(f"resumed from step {self.resume_step} of {self.source.path} in "
+                  f"{time.perf_counter() - tick:.2f} s (digests checked in "
+                  f"{self.source.verify_s * 1e3:.0f} ms)")
+            return state
+
+    def open_metrics(self, first: int):
+        """The metrics file, line-buffered; on resume, the records after ``first`` (from a run
+        that went further than its last checkpoint) are dropped, since they are trained again."""
+        if not self.args.metrics:
+            return None
+        path = pathlib.Path(self.args.metrics)
+        if first and path.exists():
+            keep = [line for line in path.read_text().splitlines(keepends=True)
+                    if line.strip() and json.loads(line).get("step", 0) <= first]
+            path.write_text("".join(keep))
+        return open(path, "a" if first else "w", buffering=1)
+
     def train(self) -> int:
         import jax
         import numpy as np
         from tqdm import tqdm
 
+        from zero_jax import fit
         from zero_jax.checkpoint import CheckpointError
         from zero_jax.gpt import data
         from zero_jax.step import abstract_state, init_state
 
-        t, exp, ckpts = self.cfg["train"], self.exp, self.ckpts
+        t, exp, ckpts, stop = self.cfg["train"], self.exp, self.ckpts, self.stop
+        target = abstract_state(exp.plan, exp.tx)
+        r, step = self.report(target)  # compiled on abstract arrays: nothing allocated yet
+        if problem := fit.check(step, list(exp.mesh.devices.flat)):
+            return fail(f"{problem}: use a higher --stage, precision.param_dtype=bf16, "
+                        "zero.offload_grads, a smaller model or batch, or --dry-run for the report")
         if self.resume_step is not None:
-            tick = time.perf_counter()
-            state, _ = self.source.restore(abstract_state(exp.plan, exp.tx), self.resume_step)
-            print(f"resumed from step {self.resume_step} of {self.source.path} in "
-                  f"{time.perf_counter() - tick:.2f} s")
+            state = self.restore(target)
         else:
             state = init_state(exp.plan, exp.init, exp.tx, jax.random.key(self.seed))
-        r, step = self.report(state)
         self.write_report(r)
         first = int(state.step)
         if first >= t["steps"]:
             print(f"nothing to do: the checkpoint is at step {first} and --steps is {t['steps']}")
             return 0
-        metrics_file = open(self.args.metrics, "a" if first else "w") if self.args.metrics else None
-        losses, start, skipped = [], time.perf_counter(), 0
+        metrics_file = self.open_metrics(first)
+        losses, start, skipped, done_steps, saved = [], time.perf_counter(), 0, first, None
         bar = tqdm(range(first, t["steps"]), desc=f"stage {exp.plan.stage}", unit="step",
                    mininterval=0.5, initial=first, total=t["steps"])
         try:
             for i in bar:
+                if stop.signum:
+                    break
                 batch = jax.device_put(
                     data.batch(self.tokens, i, t["batch_size"], exp.model.seq_len, self.seed),
                     exp.batch_sharding)
@@ -184,26 +358,31 @@ class Run:
                 tps = exp.tokens_per_step / (time.perf_counter() - tick)
                 record = {"step": i + 1, **m, "tokens_per_s": tps}
                 skipped += m["skipped"]
+                done_steps = i + 1
                 if metrics_file:
                     metrics_file.write(json.dumps(record) + "\n")
                 losses.append(m["loss"])
                 bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tps:,.0f}")
                 if ckpts:
                     every = self.args.save_every
-                    if (every and (i + 1) % every == 0) or i + 1 == t["steps"]:
+                    if (every and (i + 1) % every == 0) or i + 1 == t["steps"] or stop.signum:
                         ckpts.save(state, self.checkpoint_meta(i + 1))
+                        saved = i + 1
                         bar.write(f"saving checkpoint {i + 1} (training goes on)")
                     if done := ckpts.poll():
                         bar.write(str(done))
             if ckpts and (done := ckpts.finish()):
-                print(done)
+                bar.write(str(done))
         except CheckpointError as e:
             bar.close()
             print(f"error: {e}", file=sys.stderr)
             return 1
         finally:
+            bar.close()
             if metrics_file:
                 metrics_file.close()
+        if stop.signum:
+            return self.stopped(done_steps, saved)
         elapsed = time.perf_counter() - start
         steps = t["steps"] - first
         print(f"done: steps {first + 1}-{t['steps']} in {elapsed:.1f} s, loss {losses[0]:.3f} -> "
@@ -212,13 +391,29 @@ class Run:
               + (f", {skipped} steps skipped (gradient not finite)" if skipped else ""))
         return 0
 
+    def stopped(self, step: int, saved: int | None) -> int:
+        name = signal.Signals(self.stop.signum).name
+        if saved == step:
+            what = f"checkpoint {step} saved in {self.ckpts.path}; continue with --resume"
+        elif self.ckpts:
+            what = "nothing new to save"
+        else:
+            what = "not saved (no --checkpoint-dir)"
+        print(f"stopped by {name} after step {step}: {what}", file=sys.stderr)
+        return SIGNAL_EXIT[self.stop.signum]
+
     def checkpoint_meta(self, step: int) -> dict:
         """What a checkpoint needs besides arrays to resume exactly and to be checked."""
         plan = self.exp.plan
+        source = os.path.abspath(self.args.data) if self.args.data else None
         return {"config": self.cfg,
-                "data": {"source": self.args.data, "seed": self.seed, "next_batch": step},
+                "data": {"source": source, "seed": self.seed, "next_batch": step},
                 "writer": {"stage": plan.stage, "devices": plan.mesh.size,
                            "platform": plan.mesh.devices.flat[0].platform}}
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

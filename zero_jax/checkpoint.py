@@ -10,6 +10,12 @@ the ``TrainState`` (``S/params``, ``S/opt_state``, and ``S/master``, ``S/loss_sc
 ``S/skipped``), and ``S/meta`` (JSON: step, config, data position, who wrote it). Orbax writes
 into a temporary directory and renames it when complete, so a save killed half-way is never
 listed as a step.
+
+Integrity: ``S/meta`` records a layout-independent digest of every array (``integrity.py``),
+computed shard by shard at save and checked after every restore, so a corrupted file is
+refused (``CorruptCheckpointError``, naming the step and the array) instead of trained on. A
+state with non-finite values is never saved. One process writes a directory at a time (a
+``flock``, ``lock.py``); readers (``read_only=True``) never create, clean up or delete anything.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import shutil
 import time
 from typing import Any
 
@@ -24,10 +31,12 @@ import jax
 import orbax.checkpoint as ocp
 from flax import serialization
 
+from zero_jax import integrity
+from zero_jax.lock import LockedError, WriterLock
 from zero_jax.step import TrainState
 
 PyTree = Any
-FORMAT = 1
+FORMAT = 2  # 2: meta holds "digests"; format 1 checkpoints restore unverified
 ITEMS = TrainState._fields[1:]  # every field but the step, which names the checkpoint
 
 
@@ -41,6 +50,18 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used as asked; the message says why and what to do."""
 
 
+class CorruptCheckpointError(CheckpointError):
+    """A step whose files are missing, unreadable or do not match their digests."""
+
+    def __init__(self, step: int, message: str):
+        super().__init__(message)
+        self.step = step
+
+
+class NonFiniteStateError(CheckpointError):
+    """The state to save holds NaN or infinity: saving it would rotate good checkpoints out."""
+
+
 @dataclasses.dataclass
 class SaveStats:
     step: int
@@ -48,10 +69,12 @@ class SaveStats:
     blocked_s: float  # how long training waited for the save call
     total_s: float | None = None  # until the checkpoint was complete on disk
     size_bytes: int | None = None
+    digest_s: float = 0.0  # of blocked_s: digests and the finiteness check
 
     def __str__(self) -> str:
         return (f"checkpoint {self.step}: {self.size_bytes / 2**20:.1f} MiB on disk, saved in "
-                f"{self.total_s:.2f} s, of which {self.blocked_s:.2f} s blocked training")
+                f"{self.total_s:.2f} s, of which {self.blocked_s:.2f} s blocked training "
+                f"({self.digest_s * 1e3:.0f} ms digests)")
 
 
 def _flat(tree: PyTree, prefix: str = "") -> dict[str, Any]:
@@ -78,10 +101,18 @@ def first_mismatch(stored: dict[str, Any], wanted: dict[str, Any]) -> str | None
 
 
 class Checkpoints:
-    """The checkpoints of one run directory: save every so often, keep the last ``keep``."""
+    """The checkpoints of one run directory: save every so often, keep the last ``keep``.
 
-    def __init__(self, directory: str | os.PathLike, keep: int = 3, create: bool = True):
+    A writer (the default) holds the directory's lock until ``close()`` and removes what its
+    own killed saves left behind; a reader (``read_only=True``) changes nothing on disk, so it
+    is safe next to a writer. Numbered subdirectories that hold nothing of ours are listed in
+    ``foreign`` and skipped by readers; a writer refuses them (orbax would not save below them).
+    """
+
+    def __init__(self, directory: str | os.PathLike, keep: int = 3, create: bool = True,
+                 read_only: bool = False):
         path = pathlib.Path(directory).absolute()
+        create = create and not read_only
         if path.exists() and not path.is_dir():
             raise CheckpointError(f"checkpoint directory {path} is a file: pass a directory")
         if not path.exists() and not create:
@@ -90,32 +121,78 @@ class Checkpoints:
             raise CheckpointError(f"checkpoint directory {path} is not readable")
         if keep < 1:
             raise CheckpointError(f"--keep must be at least 1 (got {keep})")
-        self.path = path
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create,
-                                               enable_async_checkpointing=True,
-                                               cleanup_tmp_directories=True)
+        self.path, self.read_only, self.lock = path, read_only, None
+        self.created = create and not path.exists()  # removed by close() if left empty
+        if not read_only:
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                self.lock = WriterLock(path)
+            except LockedError as e:
+                raise CheckpointError(str(e)) from None
+            except OSError as e:
+                raise CheckpointError(f"cannot write checkpoints into {path}: "
+                                      f"{e.strerror}") from None
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None if read_only else keep, create=False,
+            enable_async_checkpointing=not read_only, cleanup_tmp_directories=not read_only)
         handlers = {name: ocp.StandardCheckpointHandler() for name in ITEMS}
         handlers["meta"] = ocp.JsonCheckpointHandler()
         self.manager = ocp.CheckpointManager(path, options=options, item_handlers=handlers)
         self.pending: SaveStats | None = None
+        self.verify_s = 0.0  # how long the last restore spent checking digests
+        self.foreign = [s for s in self.manager.all_steps() if not self._ours(s)]
+        if self.foreign and not read_only:
+            names = ", ".join(f"{s}/" for s in sorted(self.foreign))
+            self.close()
+            raise CheckpointError(f"checkpoint directory {path} holds {names}, which "
+                                  f"{'is' if len(self.foreign) == 1 else 'are'} not a zero_jax "
+                                  "checkpoint: move it out, or pass another --checkpoint-dir")
+
+    def _ours(self, step: int) -> bool:
+        d = self.path / str(step)
+        return any((d / name).exists() for name in ("_CHECKPOINT_METADATA", "meta", *ITEMS))
+
+    def steps(self) -> list[int]:
+        """The complete checkpoints, oldest first (foreign numbered directories left out)."""
+        return sorted(s for s in self.manager.all_steps() if s not in self.foreign)
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint; a save that never finished does not count."""
-        return self.manager.latest_step()
+        steps = self.steps()
+        return steps[-1] if steps else None
 
     def save(self, state: TrainState, meta: dict) -> SaveStats:
         """Start writing ``state``; returns once the arrays are copied off the devices, while
-        the files are written in the background. ``meta`` must be JSON."""
+        the files are written in the background. ``meta`` must be JSON.
+
+        Refuses (``NonFiniteStateError``) a state with NaN or infinity in its parameters,
+        master copy or optimizer state, and a step not newer than the latest on disk."""
         self.finish()
         step = int(state.step)
+        if self.read_only:
+            raise CheckpointError(f"{self.path} was opened read-only")
+        if (latest := self.latest_step()) is not None and step <= latest:
+            raise CheckpointError(f"cannot save step {step} in {self.path}: it already holds "
+                                  f"step {latest}")
         start = time.perf_counter()
+        items = _items(state)
+        sums, bad = integrity.digests(_flat({k: v[k] for k, v in items.items()}))
+        if bad := [p for p in bad if p.split("/")[0] in ("params", "master", "opt_state")]:
+            raise NonFiniteStateError(
+                f"the state at step {step} has non-finite values in {bad[0]}"
+                f"{f' and {len(bad) - 1} more arrays' if len(bad) > 1 else ''}: not saved, "
+                f"older checkpoints are kept")
+        digest_s = time.perf_counter() - start
         try:
-            items = {k: ocp.args.StandardSave(v) for k, v in _items(state).items()}
-            self.manager.save(step, args=ocp.args.Composite(
-                meta=ocp.args.JsonSave({"format": FORMAT, "step": step, **meta}), **items))
+            saved = self.manager.save(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonSave({"format": FORMAT, "step": step, **meta,
+                                        "digests": sums}),
+                **{k: ocp.args.StandardSave(v) for k, v in items.items()}))
         except Exception as e:  # a write that fails before going to the background
             raise self._failed(step, e) from e
-        self.pending = SaveStats(step, start, time.perf_counter() - start)
+        if not saved:
+            raise CheckpointError(f"orbax declined to save step {step} in {self.path}")
+        self.pending = SaveStats(step, start, time.perf_counter() - start, digest_s=digest_s)
         return self.pending
 
     def poll(self) -> SaveStats | None:
@@ -140,17 +217,24 @@ class Checkpoints:
 
     def meta(self, step: int | None = None) -> dict:
         step = self._step(step)
-        return self.manager.restore(step, args=ocp.args.Composite(
-            meta=ocp.args.JsonRestore())).meta
+        with self._reading(step, "meta/metadata"):
+            meta = self.manager.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore())).meta
+        if not isinstance(meta, dict) or meta.get("step") != step:
+            raise CorruptCheckpointError(step, f"checkpoint step {step} in {self.path} cannot "
+                                         "be read: meta/metadata is not this step's metadata")
+        return meta
 
     def restore(self, target: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
-        """Read step ``step`` (default: the latest) into ``target``'s shapes and shardings.
+        """Read step ``step`` (default: the latest) into ``target``'s shapes and shardings, and
+        check every array against the digest recorded at save.
 
         ``target`` is a ``TrainState`` of ``jax.ShapeDtypeStruct``s with shardings, e.g.
         ``abstract_state(plan, tx)`` of any stage on any mesh. Nothing on disk is changed.
+        Raises ``CorruptCheckpointError`` for missing, unreadable or altered files.
         """
         step = self._step(step)
-        stored = self.manager.item_metadata(step)
+        meta = self.meta(step)
         wanted = _items(target)
         have = {name for name in ITEMS if (self.path / str(step) / name).exists()}
         for name in sorted(have ^ set(wanted)):
@@ -158,31 +242,85 @@ class Checkpoints:
             raise CheckpointError(f"checkpoint step {step} in {self.path} does not fit: {name} "
                                   f"is only in {where} (a different precision policy?)")
         for name, tree in wanted.items():
-            if problem := first_mismatch(_flat(_tree_of(stored[name])), _flat(tree)):
+            with self._reading(step, name):
+                stored = _tree_of(self.manager.item_metadata(step)[name])
+            if problem := first_mismatch(_flat(stored), _flat(tree)):
                 raise CheckpointError(f"checkpoint step {step} in {self.path} does not fit: "
                                       f"{problem}")
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            meta=ocp.args.JsonRestore(),
-            **{k: ocp.args.StandardRestore(v) for k, v in wanted.items()}))
+        with self._reading(step, "/".join(sorted(wanted))):
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                **{k: ocp.args.StandardRestore(v) for k, v in wanted.items()}))
+        restored = {name: restored[name] for name in wanted}
+        self._verify(step, meta, restored)
         fields = {name: serialization.from_state_dict(getattr(target, name),
                                                       restored[name][name])
                   for name in wanted}
         step_array = jax.device_put(jax.numpy.asarray(step, target.step.dtype),
                                     target.step.sharding)
-        return target._replace(step=step_array, **fields), restored.meta
+        return target._replace(step=step_array, **fields), meta
 
     def read_params(self, step: int | None = None, sharding: Any = None) -> PyTree:
         """The fp32 parameters alone (the master copy when there is one), whole, on one device
-        (or into ``sharding``). Needs no model: the tree and shapes come from the checkpoint."""
+        (or into ``sharding``), checked against their digests. Needs no model: the tree and
+        shapes come from the checkpoint."""
         step = self._step(step)
+        meta = self.meta(step)
         name = "master" if (self.path / str(step) / "master").exists() else "params"
         sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        stored = _tree_of(self.manager.item_metadata(step)[name])[name]
-        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype,
-                                                             sharding=sharding), stored)
-        restored = self.manager.restore(step, args=ocp.args.Composite(**{
-            name: ocp.args.StandardRestore({name: target})}))
+        with self._reading(step, name):
+            stored = _tree_of(self.manager.item_metadata(step)[name])[name]
+            target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype,
+                                                                 sharding=sharding), stored)
+            restored = self.manager.restore(step, args=ocp.args.Composite(**{
+                name: ocp.args.StandardRestore({name: target})}))
+        self._verify(step, meta, {name: restored[name]})
         return restored[name][name]
+
+    def quarantine(self, step: int) -> pathlib.Path:
+        """Move a corrupted step aside (``S.corrupt``): kept for inspection, no longer a step,
+        so the run can save that step again. Writers only."""
+        if self.read_only:
+            raise CheckpointError(f"{self.path} was opened read-only")
+        source = self.path / str(step)
+        target, n = self.path / f"{step}.corrupt", 1
+        while target.exists():
+            n += 1
+            target = self.path / f"{step}.corrupt{n}"
+        source.rename(target)
+        self.manager.reload()
+        return target
+
+    def remove_all(self) -> list[int]:
+        """Delete every checkpoint (a run told to overwrite the directory). Writers only."""
+        if self.read_only:
+            raise CheckpointError(f"{self.path} was opened read-only")
+        steps = self.steps()
+        for step in steps:
+            shutil.rmtree(self.path / str(step))
+        self.manager.reload()
+        return steps
+
+    def _verify(self, step: int, meta: dict, restored: dict) -> None:
+        """Every restored array against the digest recorded at save (format 2 on)."""
+        recorded = meta.get("digests")
+        if recorded is None:
+            return
+        start = time.perf_counter()
+        for path, leaf in _flat({k: v[k] for k, v in restored.items()}).items():
+            want = recorded.get(path)
+            if want is None:
+                raise CorruptCheckpointError(step, f"checkpoint step {step} in {self.path} is "
+                                             f"corrupted: meta records no digest of {path}")
+            got, _ = integrity.digest(leaf)
+            if got.split(":")[0] == want.split(":")[0] and got != want:
+                raise CorruptCheckpointError(
+                    step, f"checkpoint step {step} in {self.path} is corrupted: {path} does "
+                    f"not match the digest recorded when it was saved (files under "
+                    f"{self.path / str(step) / path.split('/')[0]})")
+        self.verify_s = time.perf_counter() - start
+
+    def _reading(self, step: int, item: str):
+        return _Reading(self, step, item)
 
     def _failed(self, step: int | None, e: BaseException) -> CheckpointError:
         which = f" {step}" if step is not None else ""
@@ -190,10 +328,19 @@ class Checkpoints:
                                f"{_first_line(e)}; older checkpoints are kept")
 
     def close(self) -> None:
+        """Wait for nothing, stop orbax's threads, release the lock (call ``finish`` first)."""
         self.manager.close()
+        if self.lock:
+            self.lock.release()
+            self.lock = None
+        if self.created:
+            try:
+                self.path.rmdir()  # only if empty: a run that wrote nothing leaves nothing
+            except OSError:
+                pass
 
     def _step(self, step: int | None) -> int:
-        steps = self.manager.all_steps()
+        steps = self.steps()
         if not steps:
             raise CheckpointError(f"no complete checkpoint in {self.path}")
         if step is None:
@@ -204,6 +351,34 @@ class Checkpoints:
         return step
 
 
+class _Reading:
+    """Any failure while reading one item of a step, as one line naming the step and file."""
+
+    def __init__(self, ckpts: Checkpoints, step: int, item: str):
+        self.where, self.step, self.item = ckpts.path / str(step), step, item
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if e is None or isinstance(e, CheckpointError) or not isinstance(e, Exception):
+            return False
+        missing = _missing_file(self.where, self.item)
+        what = f"{missing} is missing" if missing else f"{self.item}: {_first_line(e)}"
+        raise CorruptCheckpointError(self.step, f"checkpoint step {self.step} in "
+                                     f"{self.where.parent} cannot be read: {what}") from None
+
+
+def _missing_file(step_dir: pathlib.Path, items: str) -> str | None:
+    """The first file orbax needs that is not there, relative to the checkpoint directory."""
+    for item in items.split("/")[0:1] if items.startswith("meta") else items.split("/"):
+        needed = ["metadata"] if item == "meta" else ["_METADATA", "manifest.ocdbt"]
+        for name in needed:
+            if not (step_dir / item / name).exists():
+                return f"{step_dir.name}/{item}/{name}"
+    return None
+
+
 def _tree_of(metadata: Any) -> PyTree:
     tree = getattr(metadata, "tree", metadata)
     return tree if tree is not None else {}
@@ -211,4 +386,4 @@ def _tree_of(metadata: Any) -> PyTree:
 
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
-    return text[-1] if text else type(e).__name__
+    return (text[-1] if text else type(e).__name__)[:300]

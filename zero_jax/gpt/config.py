@@ -7,6 +7,7 @@ value whose type does not match the default's.
 from __future__ import annotations
 
 import copy
+import math
 import pathlib
 from typing import Any
 
@@ -49,6 +50,9 @@ class ConfigError(ValueError):
 def resolve(name: str) -> pathlib.Path:
     """A config path, or the name of a file in ``configs/`` ("tiny", "gpt2-124m")."""
     path = pathlib.Path(name)
+    if path.is_dir():
+        raise ConfigError(f"--config {name} is a directory: pass a YAML file or a name in "
+                          f"{CONFIG_DIR}")
     if path.exists():
         return path
     shipped = CONFIG_DIR / f"{name.removesuffix('.yaml')}.yaml"
@@ -130,10 +134,31 @@ def validate(config: dict) -> None:
         raise ConfigError(f"optimizer.name {o['name']!r} is not one of {', '.join(OPTIMIZERS)}")
     if z["stage"] not in (0, 1, 2, 3):
         raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3 (got {z['stage']})")
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len"):
+        _at_least(config, "model", key, 1)
     if m["d_model"] % m["n_heads"]:
         raise ConfigError(f"model.d_model {m['d_model']} is not divisible by model.n_heads "
                           f"{m['n_heads']}")
-    for section, key in [("model", "n_layers"), ("model", "seq_len"), ("train", "batch_size"),
-                         ("train", "steps"), ("train", "accum_steps")]:
-        if config[section][key] < 1:
-            raise ConfigError(f"{section}.{key} must be at least 1 (got {config[section][key]})")
+    for key in ("batch_size", "steps", "accum_steps"):
+        _at_least(config, "train", key, 1)
+    _at_least(config, "train", "seed", 0)
+    for key in ("lr", "warmup_steps", "decay_steps", "eps", "weight_decay", "momentum",
+                "clip_norm"):
+        _at_least(config, "optimizer", key, 0)
+    for key in ("b1", "b2"):
+        if not 0 <= o[key] < 1:
+            raise ConfigError(f"optimizer.{key} must be in [0, 1) (got {o[key]})")
+    for key in ("min_shard_elems", "zero3_size"):
+        _at_least(config, "zero", key, 0)
+    for key in ("loss_scale_window", "hysteresis"):
+        _at_least(config, "precision", key, 1)
+    _at_least(config, "precision", "initial_scale_power", 0)
+    _at_least(config, "precision", "min_loss_scale", 0)
+
+
+def _at_least(config: dict, section: str, key: str, low: int) -> None:
+    """Counts, sizes and rates below ``low``, or not finite, make no sense anywhere."""
+    value = config[section][key]
+    if not math.isfinite(value) or value < low:
+        raise ConfigError(f"{section}.{key} must be a finite number of at least {low} "
+                          f"(got {value}): fix it in the config or with --set {section}.{key}=")

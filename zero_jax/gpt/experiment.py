@@ -132,8 +132,10 @@ def precision_from(cfg: dict, platform: str) -> Precision:
                      skip_nonfinite=cfg["skip_nonfinite"], loss_scale=scaler)
 
 
-def check_compatible(meta: dict, config: dict) -> None:
-    """A checkpoint resumes a run only with the same model and the same kind of optimizer."""
+def check_compatible(meta: dict, config: dict, platform: str | None = None) -> None:
+    """A checkpoint resumes a run only with the same model, the same kind of optimizer and
+    the same state layout: the precision policy (a master copy, a loss scale) and clipping
+    (a stage of the optimizer chain) decide which arrays the state holds."""
     saved = meta["config"]
     for key, value in config["model"].items():
         if saved["model"].get(key) != value:
@@ -151,3 +153,19 @@ def check_compatible(meta: dict, config: dict) -> None:
             f"the checkpoint was trained with optimizer.frozen_modules={frozen} but the config "
             f"says {config['optimizer']['frozen_modules']}: frozen modules carry no optimizer "
             "state, so the two do not fit; use the checkpoint's setting")
+    written_on = meta.get("writer", {}).get("platform", platform)
+    was, now = saved["precision"]["param_dtype"], config["precision"]["param_dtype"]
+    if platform and written_on:
+        was = default_param_dtype(written_on) if was == "auto" else was
+        now = default_param_dtype(platform) if now == "auto" else now
+    if was != now:
+        raise CheckpointError(
+            f"the checkpoint was written with precision.param_dtype={was} but this run computes "
+            f"in {now}: the two keep different copies of the state; pass --set "
+            f"precision.param_dtype={was} to resume it")
+    clip, clip_now = saved["optimizer"]["clip_norm"], config["optimizer"]["clip_norm"]
+    if (clip > 0) != (clip_now > 0):
+        raise CheckpointError(
+            f"the checkpoint was trained with optimizer.clip_norm={clip} but the config says "
+            f"{clip_now}: clipping on and off keep different optimizer state; pass --set "
+            f"optimizer.clip_norm={clip} (any value > 0 resumes a clipped run)")
