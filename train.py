@@ -167,7 +167,7 @@ class Run:
         self.cfg, self.args, self.stop = cfg, args, stop
         self.exp = Experiment.build(cfg, mesh_for(cfg, args.devices))
         self.seed = cfg["train"]["seed"]
-        self.ckpts, self.source, self.resume_step = None, None, None
+        self.ckpts, self.source, self.resume_step, self.corrupt = None, None, None, []
         if args.dry_run:
             return
         try:
@@ -224,7 +224,8 @@ class Run:
         corrupted one is reported, and moved aside when we own the directory."""
         from zero_jax.checkpoint import CorruptCheckpointError
 
-        for step in reversed([s for s in self.source.steps() if s <= newest]):
+        for step in reversed([s for s in self.source.steps()
+                              if s <= newest and s not in self.corrupt]):
             try:
                 meta = self.source.meta(step)
             except CorruptCheckpointError as e:
@@ -236,12 +237,11 @@ class Run:
                          "above): pass another --checkpoint-dir, or --overwrite without --resume")
 
     def set_aside(self, e) -> None:
-        moved = ""
-        if self.source is self.ckpts:  # ours to tidy: the step can be written again
-            moved = f"; moved aside to {self.ckpts.quarantine(e.step)}"
-        older = [s for s in self.source.steps() if s < e.step]
-        warn(f"{e}{moved}; "
-             + (f"falling back to checkpoint {older[-1]}" if older else "no older checkpoint"))
+        """Report a corrupted step; it is moved aside only once an older one has restored."""
+        self.corrupt.append(e.step)
+        older = [s for s in self.source.steps() if s < e.step and s not in self.corrupt]
+        warn(f"{e}; " + (f"falling back to checkpoint {older[-1]}" if older
+                         else "no older checkpoint"))
 
     def check_compatible(self, meta: dict) -> None:
         from zero_jax.gpt.experiment import check_compatible
@@ -301,6 +301,10 @@ class Run:
             print(f"resumed from step {self.resume_step} of {self.source.path} in "
                   f"{time.perf_counter() - tick:.2f} s (digests checked in "
                   f"{self.source.verify_s * 1e3:.0f} ms)")
+            if self.source is self.ckpts:  # ours: the corrupted steps make way for new saves
+                for bad in self.corrupt:
+                    warn(f"corrupted checkpoint {bad} moved aside to "
+                         f"{self.ckpts.quarantine(bad)}")
             return state
 
     def open_metrics(self, first: int):

@@ -16,6 +16,7 @@ import argparse
 import json
 import pathlib
 import sys
+import tempfile
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -33,21 +34,52 @@ def export(checkpoint_dir: str, out: str, step: int | None = None, dtype: str = 
     target = pathlib.Path(out).absolute()
     if target.exists():
         raise CheckpointError(f"{target} already exists: pass a new directory to export into")
-    ckpts = Checkpoints(checkpoint_dir, create=False)
-    meta = ckpts.meta(step)
-    params = ckpts.read_params(meta["step"])
+    if problem := _unwritable(target):
+        raise CheckpointError(f"cannot export into {target}: {problem}; pass a writable path")
+    ckpts = Checkpoints(checkpoint_dir, create=False, read_only=True)  # never deletes anything
+    try:
+        for foreign in ckpts.foreign:
+            print(f"warning: {ckpts.path / str(foreign)} holds no zero_jax checkpoint: skipped",
+                  file=sys.stderr)
+        meta = ckpts.meta(step)
+        params = ckpts.read_params(meta["step"])
+    finally:
+        ckpts.close()
     params = jax.tree.map(lambda x: x.astype(jnp.dtype(DTYPES[dtype])), params)
-    target.mkdir(parents=True)
-    saver = ocp.StandardCheckpointer()
-    saver.save(target / "params", params)
-    saver.wait_until_finished()
-    config = {"step": meta["step"], "dtype": DTYPES[dtype], "config": meta.get("config")}
-    (target / "config.json").write_text(json.dumps(config, indent=1))
+    try:
+        target.mkdir(parents=True)
+        saver = ocp.StandardCheckpointer()
+        saver.save(target / "params", params)
+        saver.wait_until_finished()
+        config = {"step": meta["step"], "dtype": DTYPES[dtype], "config": meta.get("config")}
+        (target / "config.json").write_text(json.dumps(config, indent=1))
+    except OSError as e:
+        raise CheckpointError(f"writing {target} failed: {e.strerror}") from None
     return config
 
 
+def _unwritable(target: pathlib.Path) -> str | None:
+    """Why nothing can be created at ``target``, found before the checkpoint is read."""
+    parent = target.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a directory"
+    try:
+        tempfile.TemporaryDirectory(dir=parent).cleanup()
+    except OSError as e:
+        return f"{parent} is not writable ({e.strerror})"
+    return None
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit code 2, like train.py
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = _Parser(description=__doc__.splitlines()[0])
     p.add_argument("checkpoint_dir")
     p.add_argument("out")
     p.add_argument("--step", type=int, help="default: the latest complete checkpoint")

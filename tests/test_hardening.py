@@ -1,0 +1,394 @@
+"""Bad input, damaged checkpoints, signals and concurrent use: each case a clear outcome.
+
+The table runs ``train.main`` and ``zero_jax.export.main`` in this process: every row is
+refused before a model is compiled, with exit code 2, one ``error:`` line naming the problem,
+and nothing on disk added, removed or changed. Real runs (subprocesses) share one trained
+checkpoint directory and its per-step losses as the reference.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from zero_jax import export, integrity
+from zero_jax.checkpoint import Checkpoints, NonFiniteStateError
+from zero_jax.lock import WriterLock
+from zero_jax.step import TrainState
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import train  # noqa: E402
+
+ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+MODEL = ["--set", "model.n_layers=1", "--set", "optimizer.decay_steps=20"]  # schedule fixed
+REF_STEPS = 16
+
+
+def run_train(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "train.py", *MODEL, *map(str, args)], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def losses(path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, open(path))}
+
+
+def listing(directory: pathlib.Path) -> dict:
+    """Every file under ``directory`` with its size and modification time, and every empty
+    directory."""
+    return {str(p.relative_to(directory)): p.is_file() and (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(directory.rglob("*")) if p.is_file() or not any(p.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """16 uninterrupted steps, saved every 4 (the last 3 kept: 8, 12, 16), and their losses."""
+    d = tmp_path_factory.mktemp("reference")
+    run = run_train("--steps", REF_STEPS, "--save-every", 4, "--checkpoint-dir", d / "ckpt",
+                    "--metrics", d / "ref.jsonl")
+    assert run.returncode == 0, run.stderr
+    assert Checkpoints(d / "ckpt", read_only=True).steps() == [8, 12, 16]
+    return d / "ckpt", losses(d / "ref.jsonl")
+
+
+def flip(item: pathlib.Path) -> None:
+    """Invert 4 KiB in the middle of the largest data file of one item of a checkpoint."""
+    f = max((p for p in item.rglob("d/*") if p.is_file()), key=lambda p: p.stat().st_size)
+    b = bytearray(f.read_bytes())
+    mid = len(b) // 2
+    b[mid: mid + 4096] = bytes(x ^ 0xFF for x in b[mid: mid + 4096])
+    f.write_bytes(bytes(b))
+
+
+def data_file(item: pathlib.Path) -> pathlib.Path:
+    return max((p for p in item.rglob("d/*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+# Faults, applied to a copy of the reference checkpoints (``c``) or to the work dir (``w``).
+def keep_only_16(c, w):
+    for s in (8, 12):
+        shutil.rmtree(c / str(s))
+
+
+def garbage_meta(c, w):
+    keep_only_16(c, w)
+    (c / "16/meta/metadata").write_text("{not json")
+
+
+def no_meta(c, w):
+    keep_only_16(c, w)
+    (c / "16/meta/metadata").unlink()
+
+
+def truncated(c, w):
+    keep_only_16(c, w)
+    f = data_file(c / "16/master" if (c / "16/master").exists() else c / "16/params")
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+
+
+def missing_array(c, w):
+    keep_only_16(c, w)
+    data_file(c / "16/params").unlink()
+
+
+def flipped(c, w):
+    keep_only_16(c, w)
+    flip(c / "16/params")
+
+
+def no_array_metadata(c, w):
+    keep_only_16(c, w)
+    (c / "16/params/_METADATA").unlink()
+
+
+def foreign(c, w):
+    (c / "30").mkdir()
+
+
+def other_data(c, w):
+    (w / "other.txt").write_text("some other text, not the standard library " * 100)
+
+
+def a_file(c, w):
+    (w / "file").write_text("x")
+
+
+def a_dir(c, w):
+    (w / "dir").mkdir()
+
+
+def empty_ckpt(c, w):
+    shutil.rmtree(c)
+    c.mkdir()
+
+
+T = ["train"]
+R = ["train", "--checkpoint-dir", "{c}", "--resume", "--steps", "20"]
+E = ["export", "{c}", "{w}/out"]
+ROWS = [
+    # (id, command, fault, phrase)
+    ("stage 4", [*T, "--stage", "4"], None, "ZeRO stage must be 0, 1, 2 or 3"),
+    ("stage x", [*T, "--stage", "x"], None, "invalid int value"),
+    ("devices 0", [*T, "--devices", "0"], None, "--devices must be at least 1"),
+    ("save-every -1", [*T, "--save-every", "-1"], None, "--save-every must be at least 0"),
+    ("keep 0", [*T, "--keep", "0"], None, "--keep must be at least 1"),
+    ("seed -1", [*T, "--seed", "-1"], None, "train.seed must be a finite number of at least 0"),
+    ("n_heads 0", [*T, "--set", "model.n_heads=0"], None, "model.n_heads must be a finite"),
+    ("d_model 0", [*T, "--set", "model.d_model=0"], None, "model.d_model must be a finite"),
+    ("d_model <0", [*T, "--set", "model.d_model=-64"], None, "model.d_model must be a finite"),
+    ("vocab 0", [*T, "--set", "model.vocab_size=0"], None, "model.vocab_size must be a finite"),
+    ("d_ff 0", [*T, "--set", "model.d_ff=0"], None, "model.d_ff must be a finite"),
+    ("n_layers 0", [*T, "--set", "model.n_layers=0"], None, "model.n_layers must be a finite"),
+    ("lr nan", [*T, "--set", "optimizer.lr=.nan"], None, "optimizer.lr must be a finite"),
+    ("lr inf", [*T, "--set", "optimizer.lr=.inf"], None, "optimizer.lr must be a finite"),
+    ("lr <0", [*T, "--set", "optimizer.lr=-0.001"], None, "optimizer.lr must be a finite"),
+    ("warmup <0", [*T, "--set", "optimizer.warmup_steps=-1"], None,
+     "optimizer.warmup_steps must be a finite number of at least 0"),
+    ("clip <0", [*T, "--set", "optimizer.clip_norm=-1.0"], None, "optimizer.clip_norm must be"),
+    ("b1 1", [*T, "--set", "optimizer.b1=1.0"], None, "optimizer.b1 must be in [0, 1)"),
+    ("min_shard <0", [*T, "--set", "zero.min_shard_elems=-1"], None,
+     "zero.min_shard_elems must be a finite number of at least 0"),
+    ("zero3-size -2", [*T, "--zero3-size", "-2"], None, "zero.zero3_size must be a finite"),
+    ("unknown key", [*T, "--set", "model.n_layer=2"], None, "unknown config key model.n_layer"),
+    ("config dir", [*T, "--config", "{w}/dir"], a_dir, "is a directory: pass a YAML file"),
+    ("config missing", [*T, "--config", "nope"], None, "config nope not found"),
+    ("data missing", [*T, "--data", "{w}/none.txt"], None, "none.txt does not exist"),
+    ("metrics no dir", [*T, "--metrics", "{w}/no/m.jsonl"], None,
+     "is not an existing directory"),
+    ("report no dir", [*T, "--report", "{w}/no/r.json"], None, "is not an existing directory"),
+    ("metrics is dir", [*T, "--metrics", "{w}/dir"], a_dir, "--metrics {w}/dir is a directory"),
+    ("metrics unwritable", [*T, "--metrics", "/proc/m.jsonl"], None,
+     "--metrics /proc/m.jsonl cannot be written"),
+    ("report under file", [*T, "--report", "{w}/file/r.json"], a_file,
+     "is not an existing directory"),
+    ("metrics = report", [*T, "--metrics", "{w}/x.json", "--report", "{w}/./x.json"], None,
+     "--metrics and --report both name"),
+    ("resume no dir", [*T, "--resume"], None, "--resume needs --checkpoint-dir"),
+    ("resume overwrite", [*R, "--overwrite"], None, "--resume continues the checkpoints that"),
+    ("ckpt dir is file", [*T, "--checkpoint-dir", "{w}/file"], a_file, "is a file"),
+    ("fresh into used", [*T, "--checkpoint-dir", "{c}"], None,
+     "holds checkpoints of another run (steps 8, 12, 16): pass --resume"),
+    ("foreign step dir", [*R], foreign, "holds 30/, which is not a zero_jax checkpoint"),
+    ("locked", [*R], "lock", f"is being written by process {os.getpid()}"),
+    ("resume bf16", [*R, "--set", "precision.param_dtype=bf16"], None,
+     "written with precision.param_dtype=fp32 but this run computes in bf16"),
+    ("resume no clip", [*R, "--set", "optimizer.clip_norm=0"], None,
+     "trained with optimizer.clip_norm=1.0 but the config says 0.0"),
+    ("resume d_model", [*R, "--set", "model.d_model=64"], None,
+     "written for model.d_model=128 but the config says 64"),
+    ("resume sgd", [*R, "--set", "optimizer.name=sgd"], None, "holds adamw optimizer state"),
+    ("resume other data", [*R, "--data", "{w}/other.txt"], other_data,
+     "but this run reads {w}/other.txt: pass the same --data, or --allow-other-data"),
+    ("resume garbage meta", [*R], garbage_meta, "no checkpoint in {c} can be read"),
+    ("resume no meta", [*R], no_meta, "no checkpoint in {c} can be read"),
+    ("load path missing", [*T, "--set", "train.ckpt_load_path={w}/none"], None,
+     "train.ckpt_load_path: checkpoint directory"),
+    ("export garbage meta", [*E], garbage_meta, "checkpoint step 16 in {c} cannot be read: meta"),
+    ("export no meta", [*E], no_meta, "16/meta/metadata is missing"),
+    ("export truncated", [*E], truncated, "checkpoint step 16 in {c} "),
+    ("export missing array", [*E], missing_array, "checkpoint step 16 in {c} "),
+    ("export flipped", [*E], flipped, "does not match the digest recorded when it was saved"),
+    ("export no _METADATA", [*E], no_array_metadata, "16/params/_METADATA is missing"),
+    ("export empty dir", [*E], empty_ckpt, "no complete checkpoint in {c}"),
+    ("export exists", ["export", "{c}", "{w}"], None, "already exists"),
+    ("export unwritable", ["export", "{c}", "/proc/out"], None, "cannot export into /proc/out"),
+    ("export dtype", [*E, "--dtype", "int8"], None, "--dtype must be one of"),
+]
+
+
+@pytest.mark.parametrize("name, command, fault, phrase", ROWS, ids=[r[0] for r in ROWS])
+def test_refused_with_one_line_and_nothing_written(name, command, fault, phrase, reference,
+                                                   tmp_path, capsys, monkeypatch):
+    c, w = tmp_path / "ckpt", tmp_path / "work"
+    shutil.copytree(reference[0], c)
+    w.mkdir()
+    monkeypatch.chdir(w)
+    if callable(fault):
+        fault(c, w)
+    before = listing(tmp_path)
+    lock = WriterLock(c) if fault == "lock" else None  # another writer, released at the end
+    argv = [a.format(c=c, w=w) for a in command[1:]]
+    main = train.main if command[0] == "train" else export.main
+    if command[0] == "train":
+        argv = [*MODEL, *argv, *["--steps", "1"] * ("--steps" not in argv)]
+    compiles = []
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda *a, **k: compiles.append(a))
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse
+        code = e.code
+    finally:
+        if lock:
+            lock.release()
+    out = capsys.readouterr()
+    errors = [line for line in out.err.splitlines() if line.startswith("error:")]
+    assert code == 2, out.err
+    assert len(errors) == 1 and phrase.format(c=c, w=w) in errors[0], out.err
+    assert "Traceback" not in out.err
+    assert not compiles  # refused before any model was compiled
+    assert listing(tmp_path) == before
+
+
+def test_corrupted_newest_falls_back_and_resumes_exactly(reference, tmp_path):
+    """Flip bytes in checkpoint 16; --resume reports it, falls back to 12, moves 16 aside,
+    and trains 13-16 exactly as the uninterrupted run did. No checkpoint ever holds a
+    non-finite value."""
+    ckpt, ref = reference
+    c = tmp_path / "ckpt"
+    shutil.copytree(ckpt, c)
+    flip(c / "16" / "params")
+    run = run_train("--steps", REF_STEPS, "--save-every", 4, "--checkpoint-dir", c,
+                    "--resume", "--metrics", tmp_path / "m.jsonl")
+    assert run.returncode == 0, run.stderr
+    assert (f"checkpoint step 16 in {c} is corrupted: params/" in run.stderr
+            and "falling back to checkpoint 12" in run.stderr), run.stderr
+    assert "resumed from step 12" in run.stdout
+    assert f"corrupted checkpoint 16 moved aside to {c}/16.corrupt" in run.stderr
+    got = losses(tmp_path / "m.jsonl")
+    assert sorted(got) == [13, 14, 15, 16]
+    assert got == {s: ref[s] for s in range(13, 17)}  # exact
+    ckpts = Checkpoints(c, read_only=True)
+    assert ckpts.steps() == [8, 12, 16] and (c / "16.corrupt").is_dir()
+    for step in ckpts.steps():  # every one verifies, and holds finite values only
+        params = ckpts.read_params(step)
+        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+
+
+def test_non_finite_state_is_never_saved(tmp_path, mesh):
+    """Saving a state with a NaN in its optimizer state is refused; nothing is written."""
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    w = jax.device_put(jnp.arange(16.0), sharded)
+    state = TrainState(jnp.int32(1), {"w": w}, None, {"mu": w.at[3].set(jnp.nan)}, None,
+                       jnp.int32(0))
+    ckpts = Checkpoints(tmp_path / "ckpt")
+    with pytest.raises(NonFiniteStateError, match="non-finite values in opt_state/mu: not saved"):
+        ckpts.save(state, {})
+    assert not [p for p in (tmp_path / "ckpt").iterdir() if p.name[0].isdigit()]
+    ckpts.save(state._replace(opt_state={"mu": w}), {})
+    ckpts.finish()
+    ckpts.close()
+    assert Checkpoints(tmp_path / "ckpt", read_only=True).steps() == [1]
+
+
+def test_digest_is_the_same_in_any_layout_and_sees_one_bit(mesh):
+    x = np.random.default_rng(0).standard_normal((16, 24)).astype(np.float32)
+    P = jax.sharding.PartitionSpec
+    layouts = [P("data"), P(None, "data"), P()]
+    got = {integrity.digest(jax.device_put(x, jax.sharding.NamedSharding(mesh, s)))
+           for s in layouts}
+    got.add(integrity.digest(jnp.asarray(x)))
+    assert len(got) == 1 and next(iter(got))[1]  # one digest, and finite
+    y = x.copy()
+    y.view(np.uint32)[5, 7] ^= 1  # one bit
+    assert integrity.digest(jnp.asarray(y))[0] != next(iter(got))[0]
+    z = x.copy()
+    z[[0, 1]] = z[[1, 0]]  # the same values elsewhere
+    assert integrity.digest(jnp.asarray(z))[0] != next(iter(got))[0]
+
+
+def start(*args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "train.py", *MODEL, *map(str, args)], cwd=ROOT,
+                            env={**ENV, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_lines(path: pathlib.Path, n: int, proc: subprocess.Popen) -> None:
+    deadline = time.time() + 120
+    while not (path.exists() and len(path.read_text().splitlines()) >= n):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+
+
+def stop_and_resume(tmp_path, reference, sig: int, code: int) -> None:
+    """Signal a long run after its second step; it finishes the step, saves, exits ``code``
+    within 30 s without a traceback; resuming continues exactly as the uninterrupted run."""
+    c, m = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    proc = start("--steps", 1000, "--checkpoint-dir", c, "--metrics", m)
+    wait_for_lines(m, 2, proc)
+    proc.send_signal(sig)
+    sent = time.time()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code and time.time() - sent < 30, err
+    last = err.strip().splitlines()[-1]
+    n = max(losses(m))
+    assert last == (f"stopped by {signal.Signals(sig).name} after step {n}: checkpoint {n} "
+                    f"saved in {c}; continue with --resume"), err
+    assert "Traceback" not in err
+    assert Checkpoints(c, read_only=True).steps() == [n]
+    if n + 2 > REF_STEPS:
+        pytest.fail(f"the run went on to step {n} before stopping")
+    run = run_train("--steps", n + 2, "--checkpoint-dir", c, "--resume", "--metrics", m)
+    assert run.returncode == 0, run.stderr
+    ref = reference[1]
+    assert losses(m) == {s: ref[s] for s in range(1, n + 3)}  # bit for bit, the whole run
+
+
+def test_sigterm_saves_and_resumes_exactly(tmp_path, reference):
+    stop_and_resume(tmp_path, reference, signal.SIGTERM, 143)
+
+
+def test_ctrl_c_saves_and_resumes_exactly(tmp_path, reference):
+    stop_and_resume(tmp_path, reference, signal.SIGINT, 130)
+
+
+def test_second_ctrl_c_aborts_at_once_keeping_the_last_checkpoint(tmp_path):
+    """Saving every step, two Ctrl-C in a row: exit 130 at once; a half-written save is never
+    a step, and the last complete one restores and verifies."""
+    c, m = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    proc = start("--steps", 1000, "--save-every", 1, "--checkpoint-dir", c, "--metrics", m)
+    wait_for_lines(m, 3, proc)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1].startswith("error: interrupted again: stopped at once")
+    assert "Traceback" not in err
+    ckpts = Checkpoints(c, read_only=True)
+    assert ckpts.steps() and ckpts.read_params(ckpts.latest_step())  # verifies
+
+
+def test_readers_delete_nothing(reference, tmp_path):
+    """A save in flight (orbax's temporary directory) survives an export and a read."""
+    c = tmp_path / "ckpt"
+    shutil.copytree(reference[0], c)
+    (c / "20.orbax-checkpoint-tmp-1234").mkdir()
+    (c / "20.orbax-checkpoint-tmp-1234" / "partial").write_text("x")
+    before = listing(c)
+    assert export.main([str(c), str(tmp_path / "out")]) == 0
+    assert Checkpoints(c, read_only=True).latest_step() == 16
+    assert listing(c) == before
+
+
+def test_writer_lock_and_export_while_saving(tmp_path, reference, capsys):
+    """A run saving every step: a second writer is refused and told who writes; exports
+    meanwhile succeed and delete nothing (a save in flight survives them); SIGTERM then ends
+    the run with all its checkpoints intact."""
+    c, m = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    proc = start("--steps", 1000, "--save-every", 1, "--checkpoint-dir", c, "--metrics", m)
+    wait_for_lines(m, 2, proc)
+    assert train.main(["--steps", "1", "--checkpoint-dir", str(c), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"is being written by process {proc.pid} on " in err and "train.py" in err, err
+    in_flight = 0
+    for i in range(3):
+        in_flight += any("orbax-checkpoint-tmp" in p.name for p in c.iterdir())
+        assert export.main([str(c), str(tmp_path / f"out{i}")]) == 0, capsys.readouterr().err
+    assert in_flight  # at least one export started next to a save in flight
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "Traceback" not in err, err
+    n = max(losses(m))
+    ckpts = Checkpoints(c, read_only=True)
+    assert ckpts.steps() == [n - 2, n - 1, n]  # --keep 3, none lost to the readers
+    for step in ckpts.steps():
+        ckpts.read_params(step)  # each verifies against its digests
