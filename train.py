@@ -124,7 +124,7 @@ class Stop:
 
     def handle(self, signum: int, frame) -> None:
         if self.signum is not None and signum == signal.SIGINT:
-            print("error: interrupted again: stopped at once; a save in flight is dropped, the "
+            print("\nerror: interrupted again: stopped at once; a save in flight is dropped, the "
                   "last complete checkpoint is kept", file=sys.stderr, flush=True)
             os._exit(SIGNAL_EXIT[signal.SIGINT])
         self.signum = self.signum or signum

@@ -342,15 +342,20 @@ def test_ctrl_c_saves_and_resumes_exactly(tmp_path, reference):
 
 
 def test_second_ctrl_c_aborts_at_once_keeping_the_last_checkpoint(tmp_path):
-    """Saving every step, two Ctrl-C in a row: exit 130 at once; a half-written save is never
-    a step, and the last complete one restores and verifies."""
+    """Ctrl-C, and again while a save (100 MB) is being written: exit 130 at once; the
+    half-written save is never a step, and the last complete one restores and verifies."""
     c, m = tmp_path / "ckpt", tmp_path / "m.jsonl"
-    proc = start("--steps", 1000, "--save-every", 1, "--checkpoint-dir", c, "--metrics", m)
+    proc = start("--set", "model.n_layers=2", "--set", "model.d_model=512", "--set",
+                 "model.d_ff=2048", "--steps", 1000, "--save-every", 2, "--checkpoint-dir", c,
+                 "--metrics", m)
     wait_for_lines(m, 3, proc)
     proc.send_signal(signal.SIGINT)
+    while not any("orbax-checkpoint-tmp" in p.name for p in c.iterdir()):
+        time.sleep(0.01)  # until a save is in flight
     proc.send_signal(signal.SIGINT)
+    sent = time.time()
     _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 130, err
+    assert proc.returncode == 130 and time.time() - sent < 5, err
     assert err.strip().splitlines()[-1].startswith("error: interrupted again: stopped at once")
     assert "Traceback" not in err
     ckpts = Checkpoints(c, read_only=True)
