@@ -333,8 +333,9 @@ class Run:
         target = abstract_state(exp.plan, exp.tx)
         r, step = self.report(target)  # compiled on abstract arrays: nothing allocated yet
         if problem := fit.check(step, list(exp.mesh.devices.flat)):
-            return fail(f"{problem}: use a higher --stage, precision.param_dtype=bf16, "
-                        "zero.offload_grads, a smaller model or batch, or --dry-run for the report")
+            higher = "a higher --stage, " if exp.plan.stage < 3 else ""
+            return fail(f"{problem}: use {higher}precision.param_dtype=bf16, zero.offload_grads, "
+                        "a smaller model or train.batch_size, or --dry-run to see the report")
         if self.resume_step is not None:
             state = self.restore(target)
         else:

@@ -239,6 +239,18 @@ def test_refused_with_one_line_and_nothing_written(name, command, fault, phrase,
     assert listing(tmp_path) == before
 
 
+def test_a_model_that_cannot_fit_is_refused_before_allocating(tmp_path, capsys):
+    """d_model 65536: the compiled step needs about 200 GiB per device. Refused with the
+    numbers, from the compiled step, before anything is allocated or written."""
+    code = train.main(["--set", "model.d_model=65536", "--steps", "2",
+                       "--checkpoint-dir", str(tmp_path / "ckpt")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "GiB on each of 8 CPU devices" in err[0] and "GiB of host memory, but" in err[0]
+    assert "--dry-run to see the report" in err[0]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_corrupted_newest_falls_back_and_resumes_exactly(reference, tmp_path):
     """Flip bytes in checkpoint 40; --resume reports it, falls back to 32, moves 40 aside,
     and trains 33-40 exactly as the uninterrupted run did. No checkpoint ever holds a
