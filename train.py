@@ -109,12 +109,13 @@ class Stop:
     exits at once; orbax renames a save only when complete, so the one in flight is dropped and
     the last complete checkpoint stays."""
 
-    def __init__(self):
+    def __init__(self, enabled: bool = True):
         self.signum: int | None = None
         self.previous: dict = {}
+        self.enabled = enabled
 
     def __enter__(self) -> Stop:
-        if threading.current_thread() is threading.main_thread():
+        if self.enabled and threading.current_thread() is threading.main_thread():
             self.previous = {s: signal.signal(s, self.handle) for s in SIGNAL_EXIT}
         return self
 
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     from zero_jax.mesh import simulate_cpu_devices
 
     simulate_cpu_devices(args.devices or 8)
-    with Stop() as stop:
+    with Stop(enabled=not args.dry_run) as stop:  # a dry run has nothing to save
         from zero_jax.checkpoint import CheckpointError
         from zero_jax.gpt import config as configs  # jax is imported from here on
 

@@ -44,6 +44,19 @@ def _shard_sum(data: np.ndarray, index: tuple[slice, ...], shape: tuple[int, ...
 def digest(x: Any) -> tuple[str, bool]:
     """``("float32:1f3a...", all_finite)`` of one array: its dtype, the layout-independent
     digest as hex, and whether every element is finite (True for integers)."""
+    total, finite = _local(x)
+    if jax.process_count() > 1:  # every process holds some shards: add up their sums
+        from jax.experimental import multihost_utils
+
+        parts = np.array([total >> 32, total & 0xFFFFFFFF, finite], np.uint32)
+        gathered = np.asarray(multihost_utils.process_allgather(parts)).reshape(-1, 3)
+        total = sum((int(hi) << 32) | int(lo) for hi, lo, _ in gathered)
+        finite = bool(gathered[:, 2].all())
+    return f"{x.dtype}:{total % 2**64:016x}", finite
+
+
+def _local(x: Any) -> tuple[int, bool]:
+    """The digest sum mod 2**64 and finiteness of the shards this process holds."""
     x = x if isinstance(x, jax.Array) else jax.numpy.asarray(x)
     total, finite = 0, True
     for shard in x.addressable_shards:
@@ -53,7 +66,7 @@ def digest(x: Any) -> tuple[str, bool]:
         total += _shard_sum(data, shard.index, x.shape)
         if jax.numpy.issubdtype(data.dtype, jax.numpy.inexact):
             finite = finite and bool(np.isfinite(data).all())
-    return f"{x.dtype}:{total % 2**64:016x}", finite
+    return total % 2**64, finite
 
 
 def digests(tree: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
