@@ -169,6 +169,7 @@ class Run:
         self.exp = Experiment.build(cfg, mesh_for(cfg, args.devices))
         self.seed = cfg["train"]["seed"]
         self.ckpts, self.source, self.resume_step, self.corrupt = None, None, None, []
+        self.overwrite: list[int] = []
         if args.dry_run:
             return
         try:
@@ -197,9 +198,7 @@ class Run:
                         f"{self.ckpts.path} holds checkpoints of another run (steps "
                         f"{', '.join(map(str, steps))}): pass --resume to continue it, another "
                         "--checkpoint-dir, or --overwrite to delete them")
-                self.ckpts.remove_all()
-                print(f"--overwrite: deleted checkpoints {', '.join(map(str, steps))} in "
-                      f"{self.ckpts.path}")
+                self.overwrite = steps  # deleted once the run is known to start
         if args.resume:
             self.source = self.ckpts
             self.resume_step = self.ckpts.latest_step()
@@ -337,6 +336,10 @@ class Run:
             higher = "a higher --stage, " if exp.plan.stage < 3 else ""
             return fail(f"{problem}: use {higher}precision.param_dtype=bf16, zero.offload_grads, "
                         "a smaller model or train.batch_size, or --dry-run to see the report")
+        if self.overwrite:
+            self.ckpts.remove_all()
+            print(f"--overwrite: deleted checkpoints {', '.join(map(str, self.overwrite))} in "
+                  f"{self.ckpts.path}")
         if self.resume_step is not None:
             state = self.restore(target)
         else:

@@ -395,16 +395,33 @@ def test_second_ctrl_c_aborts_at_once_keeping_the_last_checkpoint(tmp_path):
     assert Checkpoints(c, read_only=True).steps() == []  # the interrupted save is no step
 
 
-def test_readers_delete_nothing(reference, tmp_path):
-    """A save in flight (orbax's temporary directory) survives an export and a read."""
+def test_readers_delete_nothing(reference, tmp_path, capsys):
+    """A save in flight (orbax's temporary directory) survives an export and a read; a
+    numbered directory that is not ours is skipped with a warning."""
     c = tmp_path / "ckpt"
     shutil.copytree(reference[0], c)
     (c / "48.orbax-checkpoint-tmp-1234").mkdir()
     (c / "48.orbax-checkpoint-tmp-1234" / "partial").write_text("x")
+    (c / "50").mkdir()
     before = listing(c)
     assert export.main([str(c), str(tmp_path / "out")]) == 0
+    out = capsys.readouterr()
+    assert f"warning: {c}/50 holds no zero_jax checkpoint: skipped" in out.err
+    assert "exported step 40 parameters" in out.out
     assert Checkpoints(c, read_only=True).latest_step() == 40
     assert listing(c) == before
+
+
+def test_overwrite_deletes_the_old_run(reference, tmp_path):
+    """--overwrite, asked for explicitly, starts afresh: the old checkpoints go, and the new
+    run's own are the ones on disk."""
+    c = tmp_path / "ckpt"
+    shutil.copytree(reference[0], c)
+    run = run_train("--steps", 2, "--checkpoint-dir", c, "--overwrite")
+    assert run.returncode == 0, run.stderr
+    assert "--overwrite: deleted checkpoints 24, 32, 40" in run.stdout
+    ckpts = Checkpoints(c, read_only=True)
+    assert ckpts.steps() == [2] and ckpts.meta(2)["step"] == 2
 
 
 def test_sigterm_during_a_second_writer_and_exports(tmp_path, reference, capsys):
