@@ -247,9 +247,16 @@ class Checkpoints:
             if problem := first_mismatch(_flat(stored), _flat(tree)):
                 raise CheckpointError(f"checkpoint step {step} in {self.path} does not fit: "
                                       f"{problem}")
-        with self._reading(step, "/".join(sorted(wanted))):
+        try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 **{k: ocp.args.StandardRestore(v) for k, v in wanted.items()}))
+        except Exception as e:  # find the item that fails, to name it
+            for name, tree in wanted.items():
+                with self._reading(step, name):
+                    self.manager.restore(step, args=ocp.args.Composite(
+                        **{name: ocp.args.StandardRestore(tree)}))
+            with self._reading(step, "/".join(sorted(wanted))):
+                raise e
         restored = {name: restored[name] for name in wanted}
         self._verify(step, meta, restored)
         fields = {name: serialization.from_state_dict(getattr(target, name),
@@ -385,5 +392,5 @@ def _tree_of(metadata: Any) -> PyTree:
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return (text[-1] if text else type(e).__name__)[:300]
+    text = [line.strip() for line in str(e).splitlines() if len(line.strip()) > 3]
+    return (text[0] if text else type(e).__name__)[:200]
