@@ -435,6 +435,10 @@ def test_sigterm_during_a_second_writer_and_exports(tmp_path, reference, capsys)
     assert train.main([*MODEL, "--steps", "1", "--checkpoint-dir", str(c), "--resume"]) == 2
     err = capsys.readouterr().err
     assert f"is being written by process {proc.pid} on " in err and "train.py" in err, err
+    deadline = time.time() + 60
+    while not any(p.name.isdigit() for p in c.iterdir()):  # a first checkpoint is complete
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.01)
     in_flight = 0
     for i in range(2):
         in_flight += any("orbax-checkpoint-tmp" in p.name for p in c.iterdir())
