@@ -17,8 +17,11 @@ class Parser(argparse.ArgumentParser):
         sys.exit(fail(message))
 
 
+PROCESS = ""  # "[process i] " once several processes run: every error names its process
+
+
 def fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
+    print(f"error: {PROCESS}{message}", file=sys.stderr)
     return 2
 
 
@@ -27,9 +30,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stage", type=int, help="ZeRO stage 0-3 (default: the config's, 3)")
     p.add_argument("--config", default="tiny",
                    help="YAML file, or a name in configs/: tiny, gpt2-124m, gpt-1.3b, gpt-7.5b")
-    p.add_argument("--zero3-size", type=int, metavar="K",
+    p.add_argument("--zero3-size", metavar="K",
                    help="hierarchical ZeRO: stage 3 within groups of K devices, optimizer state "
-                   "over all (default: off)")
+                   "over all; 'local' = one group per process/host (default: off)")
     p.add_argument("--steps", type=int, help="optimizer steps (default: the config's)")
     p.add_argument("--seed", type=int, help="seed of initialization and data order")
     p.add_argument("--devices", type=int, help="devices on the data axis (default: all; "
@@ -50,6 +53,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "stage and device count; --steps is the total to reach")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set optimizer.name=sgd (repeatable)")
+    multi = p.add_argument_group("several processes (one per host; see README, Multi-host)")
+    multi.add_argument("--coordinator", metavar="HOST:PORT",
+                       help="process 0's address (default: $JAX_COORDINATOR_ADDRESS)")
+    multi.add_argument("--num-processes", type=int, metavar="N",
+                       help="processes in the run (default: $JAX_NUM_PROCESSES)")
+    multi.add_argument("--process-id", type=int, metavar="I",
+                       help="this process, 0 to N-1 (default: $JAX_PROCESS_ID)")
+    multi.add_argument("--distributed", action="store_true",
+                       help="join a process group JAX detects (Cloud TPU, Kubernetes, ...); "
+                       "SLURM and Open MPI with several tasks are detected without it")
+    multi.add_argument("--peer-timeout", type=float, default=30, metavar="S",
+                       help="stop when a peer is lost or hangs this long, and the longest wait "
+                       "for the coordinator at start-up (default 30)")
     return p.parse_args(argv)
 
 
@@ -61,8 +77,57 @@ def main(argv: list[str] | None = None) -> int:
 
     simulate_cpu_devices(args.devices or 8)
 
-    from zero_jax.gpt import config as configs  # jax is imported from here on
+    from zero_jax import distributed  # jax is imported from here on
 
+    try:
+        spec = distributed.settings(args.coordinator, args.num_processes, args.process_id,
+                                    auto=args.distributed)
+        if args.peer_timeout <= 0:
+            raise distributed.StartupError(f"--peer-timeout must be positive (got "
+                                           f"{args.peer_timeout:g})")
+        if spec is not None:
+            distributed.initialize(spec, args.peer_timeout)
+    except distributed.StartupError as e:
+        return fail(str(e))
+    if spec is None:
+        return run_main(args)
+    global PROCESS
+    import jax
+
+    PROCESS = f"[process {jax.process_index()}] "
+    if jax.process_index():
+        sys.stdout = open(os.devnull, "w")  # one progress bar, one report: process 0's
+    watchdog = distributed.Watchdog(args.peer_timeout).start()
+    try:
+        code = run_main(args, watchdog)
+    except Exception as e:  # reach the user with the process id, and stop the peers at once
+        import traceback
+
+        traceback.print_exc()
+        fail(f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e) else ''}")
+        code = 1
+    if code:
+        watchdog.failed(f"exit code {code}, see its error above")
+        sys.stderr.flush()
+        os._exit(code)  # not JAX's shutdown barrier: the peers will not reach it
+    watchdog.stop()
+    return 0
+
+
+def run_main(args: argparse.Namespace, watchdog=None) -> int:
+    from zero_jax import distributed
+    from zero_jax.gpt import config as configs
+
+    if args.zero3_size == "local":
+        import jax
+
+        args.zero3_size = jax.local_device_count()
+    elif args.zero3_size is not None:
+        try:
+            args.zero3_size = int(args.zero3_size)
+        except ValueError:
+            return fail(f"--zero3-size must be a number of devices or 'local' (got "
+                        f"{args.zero3_size!r})")
     overrides = list(args.set)
     for flag, key in [("stage", "zero.stage"), ("steps", "train.steps"), ("seed", "train.seed"),
                       ("zero3_size", "zero.zero3_size")]:
@@ -70,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
             overrides.append(f"{key}={getattr(args, flag)}")
     try:
         cfg = configs.load(args.config, overrides)
-        run = Run(cfg, args)
+        local = {"coordinator", "num_processes", "process_id", "distributed"}
+        distributed.agree("configuration", {"config": cfg, "arguments": {
+            k: v for k, v in vars(args).items() if k not in local}}, args.peer_timeout)
+        run = Run(cfg, args, watchdog)
     except (configs.ConfigError, ValueError, FileNotFoundError) as e:
         return fail(str(e))
     return run.dry_run() if args.dry_run else run.train()
@@ -79,12 +147,15 @@ def main(argv: list[str] | None = None) -> int:
 class Run:
     """One configured run: data, the experiment it trains, and where its outputs go."""
 
-    def __init__(self, cfg: dict, args: argparse.Namespace):
+    def __init__(self, cfg: dict, args: argparse.Namespace, watchdog=None):
+        import jax
+
         from zero_jax.checkpoint import CheckpointError, Checkpoints
         from zero_jax.gpt import data
         from zero_jax.gpt.experiment import Experiment, check_compatible, mesh_for
 
-        self.cfg, self.args = cfg, args
+        self.cfg, self.args, self.watchdog = cfg, args, watchdog
+        self.primary = jax.process_index() == 0  # writes the report and metrics files
         self.exp = Experiment.build(cfg, mesh_for(cfg, args.devices))
         self.seed = cfg["train"]["seed"]
         # Where the state comes from: --resume's latest checkpoint in --checkpoint-dir, else
@@ -129,7 +200,7 @@ class Run:
         return r, compiled
 
     def write_report(self, r: dict) -> None:
-        if self.args.report:
+        if self.args.report and self.primary:
             with open(self.args.report, "w") as f:
                 json.dump(r, f, indent=1)
 
@@ -150,6 +221,7 @@ class Run:
         import numpy as np
         from tqdm import tqdm
 
+        from zero_jax import distributed
         from zero_jax.checkpoint import CheckpointError
         from zero_jax.gpt import data
         from zero_jax.step import abstract_state, init_state
@@ -168,15 +240,19 @@ class Run:
         if first >= t["steps"]:
             print(f"nothing to do: the checkpoint is at step {first} and --steps is {t['steps']}")
             return 0
-        metrics_file = open(self.args.metrics, "a" if first else "w") if self.args.metrics else None
+        metrics_file = (open(self.args.metrics, "a" if first else "w")
+                        if self.args.metrics and self.primary else None)
         losses, start, skipped = [], time.perf_counter(), 0
         bar = tqdm(range(first, t["steps"]), desc=f"stage {exp.plan.stage}", unit="step",
-                   mininterval=0.5, initial=first, total=t["steps"])
+                   mininterval=0.5, initial=first, total=t["steps"], disable=not self.primary)
+        shape = exp.batch_shape.shape
+        rows = distributed.local_rows(exp.batch_sharding, shape)  # this process's slice
         try:
             for i in bar:
-                batch = jax.device_put(
-                    data.batch(self.tokens, i, t["batch_size"], exp.model.seq_len, self.seed),
-                    exp.batch_sharding)
+                batch = distributed.global_array(exp.batch_sharding, shape, data.batch(
+                    self.tokens, i, t["batch_size"], exp.model.seq_len, self.seed, rows))
+                if self.watchdog:
+                    self.watchdog.reach(i + 1)
                 tick = time.perf_counter()
                 state, m = step(state, batch)
                 m = {k: float(v) for k, v in m.items()}  # waits for the step
@@ -218,6 +294,7 @@ class Run:
         return {"config": self.cfg,
                 "data": {"source": self.args.data, "seed": self.seed, "next_batch": step},
                 "writer": {"stage": plan.stage, "devices": plan.mesh.size,
+                           "processes": len({d.process_index for d in plan.mesh.devices.flat}),
                            "platform": plan.mesh.devices.flat[0].platform}}
 
 
