@@ -167,10 +167,11 @@ def global_array(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
     return jax.make_array_from_process_local_data(sharding, local, shape)
 
 
-def crossing(group: tuple[int, ...], mesh: Any) -> int:
-    """How many processes a replica group (positions in the mesh's device order) spans."""
-    flat = mesh.devices.flat
-    return len({flat[i].process_index for i in group})
+def processes_spanned(groups: tuple[tuple[int, ...], ...], mesh: Any) -> int:
+    """The most processes one replica group spans (its ids are positions in the mesh's device
+    order): above 1, the collective's bytes cross between hosts."""
+    owner = [d.process_index for d in mesh.devices.flat]
+    return max((len({owner[i] for i in g if i < len(owner)}) for g in groups), default=1)
 
 
 class Watchdog:
