@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -82,6 +83,8 @@ def initialize(spec: dict, timeout_s: float = 30) -> Group:
     """Join the process group. ``timeout_s`` bounds the wait for the coordinator and is the
     watchdog's limit; JAX's own heartbeat is set a little longer as a backstop."""
     where = spec.get("coordinator") or "the auto-detected coordinator"
+    if spec.get("coordinator") and spec.get("process_id", 0) != 0:
+        _wait_for(spec["coordinator"], spec.get("process_id", "?"), timeout_s)
     try:
         jax.distributed.initialize(
             coordinator_address=spec.get("coordinator"),
@@ -96,6 +99,24 @@ def initialize(spec: dict, timeout_s: float = 30) -> Group:
                            f"coordinator at {where} within {timeout_s:g} s ({_line(e)}): start "
                            "process 0 first and check the address, port and firewall") from None
     return Group(spec.get("coordinator"), jax.process_count(), jax.process_index())
+
+
+def _wait_for(address: str, process_id: Any, timeout_s: float) -> None:
+    """Wait until the coordinator accepts connections: JAX itself aborts the process with a
+    stack trace when it cannot register, so an unreachable address is caught here first."""
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=1).close()
+            return
+        except (OSError, ValueError) as e:
+            if time.monotonic() > deadline:
+                raise StartupError(
+                    f"process {process_id} could not reach the coordinator at {address} within "
+                    f"{timeout_s:g} s ({e}): start process 0 there and check the address, "
+                    "port and firewall") from None
+            time.sleep(0.2)
 
 
 def _client():
@@ -113,18 +134,21 @@ def agree(name: str, value: dict, timeout_s: float = 30) -> None:
     client, me = _client(), jax.process_index()
     text = json.dumps(value, sort_keys=True, default=str)
     client.key_value_set(f"{PREFIX}/agree/{name}/{me}", text, allow_overwrite=True)
-    try:
-        ref = json.loads(client.blocking_key_value_get(f"{PREFIX}/agree/{name}/0",
-                                                       int(timeout_s * 1000)))
-    except Exception as e:
-        raise StartupError(f"process 0 never published its {name} within {timeout_s:g} s "
-                           f"({_line(e)})") from None
-    mine = json.loads(text)
-    if mine != ref:
-        key = _first_difference(ref, mine)
-        raise StartupError(f"processes disagree on the {name}: {key} is {_get(ref, key)!r} in "
-                           f"process 0 but {_get(mine, key)!r} in process {me}: start every "
-                           "process with the same arguments")
+    values = []
+    for peer in range(jax.process_count()):  # all of them, so that every process says it
+        try:
+            values.append(json.loads(client.blocking_key_value_get(
+                f"{PREFIX}/agree/{name}/{peer}", int(timeout_s * 1000))))
+        except Exception as e:
+            raise StartupError(f"process {peer} never published its {name} within "
+                               f"{timeout_s:g} s ({_line(e)})") from None
+    for peer, value in enumerate(values):
+        if value != values[0]:
+            key = _first_difference(values[0], value)
+            raise StartupError(f"processes disagree on the {name}: {key} is "
+                               f"{_get(values[0], key)!r} in process 0 but {_get(value, key)!r} "
+                               f"in process {peer}: start every process with the same "
+                               "arguments")
 
 
 def _first_difference(a: Any, b: Any, path: str = "") -> str:
