@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # reach the user with the process id, and stop the peers at once
         import traceback
 
+        watchdog.settle(e)  # a lost peer is named by the watchdog, not by gloo's socket error
         traceback.print_exc()
         fail(f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e) else ''}")
         code = 1

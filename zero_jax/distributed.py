@@ -236,6 +236,12 @@ class Watchdog:
             except Exception:  # the coordinator may be gone already
                 pass
 
+    def settle(self, error: BaseException) -> None:
+        """A collective failed (gloo: "Connection reset by peer"): most likely a peer died. Give
+        the watchdog the time it needs to name it, then let the caller report ``error``."""
+        if self.n > 1 and self._thread.is_alive() and isinstance(error, jax.errors.JaxRuntimeError):
+            time.sleep(self.timeout_s + 4 * self.poll_s)
+
     def stop(self) -> None:
         """Training ended normally: stop watching, tell the others not to wait for us."""
         if self.n > 1 and self._thread.is_alive():
