@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     if code:
         watchdog.failed(f"exit code {code}, see its error above")
+        watchdog.linger()
         sys.stderr.flush()
         os._exit(code)  # not JAX's shutdown barrier: the peers will not reach it
     watchdog.stop()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
+import time
 
 import jax
 import numpy as np
@@ -41,14 +42,16 @@ def build(layout: str) -> Experiment:
     return Experiment.build(cfg, mesh_for(cfg, None))
 
 
-def train(exp: Experiment, state, first: int, steps: int, tokens) -> tuple[object, list]:
+def train(exp: Experiment, state, first: int, steps: int, tokens, step=None
+          ) -> tuple[object, list]:
     """``steps`` steps from batch ``first``; each process builds only its rows of a batch."""
+    step = step or exp.step
     shape = exp.batch_shape.shape
     rows = distributed.local_rows(exp.batch_sharding, shape)
     losses = []
     for i in range(first, first + steps):
         local = data.batch(tokens, i, shape[0], exp.model.seq_len, seed=0, rows=rows)
-        state, m = exp.step(state, distributed.global_array(exp.batch_sharding, shape, local))
+        state, m = step(state, distributed.global_array(exp.batch_sharding, shape, local))
         losses.append(float(m["loss"]))
     return state, losses
 
@@ -66,7 +69,8 @@ def save(path: pathlib.Path, arrays: dict[str, np.ndarray]) -> None:
 
 
 def run(out: pathlib.Path, reference_ckpt: str | None) -> dict:
-    """Train every layout; save and resume across process counts. Returns the results."""
+    """Train every layout; save, and resume from the other process count's checkpoint
+    (``reference_ckpt``, waited for: the other side may still be running). Returns results."""
     tokens = data.stdlib_corpus(1 << 16)
     results: dict = {"losses": {}}
     host = None  # the initial parameters, computed once: each layout only places them
@@ -75,22 +79,31 @@ def run(out: pathlib.Path, reference_ckpt: str | None) -> dict:
         if host is None:
             host = jax.tree.map(np.asarray, jax.jit(exp.init)(jax.random.key(0)))
         state = init_state(exp.plan, lambda key, host=host: host, exp.tx, jax.random.key(0))
-        if layout == "hier-adamw":
+        step = None
+        if layout == "hier-adamw":  # train with the program the report reads: one compile
             lowered = exp.step.lower(state, exp.batch_shape)
-            results["report"] = report.build(exp.plan, state, lowered)
-        state, losses = train(exp, state, 0, STEPS, tokens)
+            step = lowered.compile()
+            results["report"] = report.build(exp.plan, state, lowered, step)
+        state, losses = train(exp, state, 0, STEPS, tokens, step)
         results["losses"][layout] = losses
         if layout == CKPT_LAYOUT:
             ckpts = Checkpoints(out / f"ckpt-{jax.process_count()}p")
             ckpts.save(state, {"layout": layout})
             ckpts.finish()
             save(out / f"saved-{jax.process_count()}p.npz", whole(state))
-            if reference_ckpt:  # written by the other process count: resume from it
-                source = Checkpoints(reference_ckpt, create=False)
-                restored, _ = source.restore(abstract_state(exp.plan, exp.tx))
-                save(out / f"restored-{jax.process_count()}p.npz", whole(restored))
-                _, more = train(exp, restored, STEPS, STEPS, tokens)
-                results["resumed_losses"] = more
+            if jax.process_index() == 0:
+                (out / "saved").write_text("")  # the checkpoint is complete
+            resume = exp
+    if reference_ckpt:
+        ready = pathlib.Path(reference_ckpt).parent / "saved"
+        deadline = time.monotonic() + 600
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        source = Checkpoints(reference_ckpt, create=False)
+        restored, _ = source.restore(abstract_state(resume.plan, resume.tx))
+        save(out / f"restored-{jax.process_count()}p.npz", whole(restored))
+        _, more = train(resume, restored, STEPS, STEPS, tokens)
+        results["resumed_losses"] = more
     return results
 
 

@@ -30,11 +30,14 @@ ENV = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
-    ref = harness.run(one, None)  # 1 process x 8 devices, here
-    with open(two / "log", "w") as log:
+    with open(two / "log", "w") as log:  # 2 processes x 4 devices, while the references
         procs = spawn([str(ROOT / "tests" / "multiprocess_harness.py"), str(two),
                        str(one / "ckpt-1p")], 2, 4, env=ENV, cwd=ROOT, stdout=log, stderr=log)
-        assert wait(procs, grace=30) == 0, (two / "log").read_text()[-3000:]
+        try:
+            ref = harness.run(one, None)  # 1 process x 8 devices, here, at the same time
+        finally:
+            code = wait(procs, grace=30)
+        assert code == 0, (two / "log").read_text()[-3000:]
     return one, two, ref, json.loads((two / "results.json").read_text())
 
 

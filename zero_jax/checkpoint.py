@@ -176,7 +176,7 @@ class Checkpoints:
         (or into ``sharding``). Needs no model: the tree and shapes come from the checkpoint."""
         step = self._step(step)
         name = "master" if (self.path / str(step) / "master").exists() else "params"
-        sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         stored = _tree_of(self.manager.item_metadata(step)[name])[name]
         target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype,
                                                              sharding=sharding), stored)

@@ -236,6 +236,19 @@ class Watchdog:
             except Exception:  # the coordinator may be gone already
                 pass
 
+    def linger(self, seconds: float = 5) -> None:
+        """Before a failing process exits: wait (briefly) until every peer has stopped too, so
+        that one which found the same problem (a disagreement) can say so itself."""
+        deadline = time.monotonic() + seconds
+        while self.n > 1 and time.monotonic() < deadline:
+            try:
+                done = dict(_client().key_value_dir_get(f"{PREFIX}/failed/"))
+            except Exception:
+                return
+            if len(done) >= self.n:
+                return
+            time.sleep(0.1)
+
     def settle(self, error: BaseException) -> None:
         """A collective failed (gloo: "Connection reset by peer"): most likely a peer died. Give
         the watchdog the time it needs to name it, then let the caller report ``error``."""
