@@ -304,7 +304,8 @@ class Watchdog:
                               f"{self.timeout_s:g} s")
 
     def _die(self, why: str) -> None:
-        print(f"error: [process {self.me}] {why}; stopping. Complete checkpoints are kept; "
+        # a new line first: a progress bar may have left the cursor in the middle of one
+        print(f"\nerror: [process {self.me}] {why}; stopping. Complete checkpoints are kept; "
               "resume with --resume", file=sys.stderr, flush=True)
         os._exit(1)
 
