@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "stage and device count; --steps is the total to reach")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set optimizer.name=sgd (repeatable)")
-    multi = p.add_argument_group("several processes (one per host; see README, Multi-host)")
+    multi = p.add_argument_group("several processes, one per host (README: Several processes)")
     multi.add_argument("--coordinator", metavar="HOST:PORT",
                        help="process 0's address (default: $JAX_COORDINATOR_ADDRESS)")
     multi.add_argument("--num-processes", type=int, metavar="N",
