@@ -242,7 +242,7 @@ class Run:
         if first >= t["steps"]:
             print(f"nothing to do: the checkpoint is at step {first} and --steps is {t['steps']}")
             return 0
-        metrics_file = (open(self.args.metrics, "a" if first else "w")
+        metrics_file = (open(self.args.metrics, "a" if first else "w", buffering=1)
                         if self.args.metrics and self.primary else None)
         losses, start, skipped = [], time.perf_counter(), 0
         bar = tqdm(range(first, t["steps"]), desc=f"stage {exp.plan.stage}", unit="step",

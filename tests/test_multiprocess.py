@@ -121,6 +121,7 @@ def test_a_killed_peer_stops_the_other_and_checkpoints_survive(tmp_path):
                 p.kill()
     stderr = (tmp_path / "err0").read_text()
     assert rc != 0
+    print(f"survivor stopped {took:.1f} s after the SIGKILL (--peer-timeout {timeout})")
     assert took <= timeout + 5, took
     lines = [x for x in stderr.splitlines() if x.startswith("error:")]
     assert lines and "[process 0] lost process 1" in lines[-1], stderr[-3000:]
