@@ -24,6 +24,7 @@ from zero_jax.checkpoint import Checkpoints
 from zero_jax.gpt import config as configs
 from zero_jax.gpt import data
 from zero_jax.gpt.experiment import Experiment, mesh_for
+from zero_jax.mesh import simulate_cpu_devices
 from zero_jax.step import abstract_state, init_state
 
 TINY = ["model.n_layers=2", "model.d_model=32", "model.d_ff=64", "model.seq_len=16",
@@ -108,6 +109,7 @@ def run(out: pathlib.Path, reference_ckpt: str | None) -> dict:
 
 
 if __name__ == "__main__":
+    simulate_cpu_devices(4)  # the launcher set the device count; this adds the CPU flags
     spec = distributed.settings()
     distributed.initialize(spec, timeout_s=60)
     out = pathlib.Path(sys.argv[1])
