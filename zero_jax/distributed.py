@@ -229,6 +229,7 @@ class Watchdog:
 
     def failed(self, message: str) -> None:
         """Tell the peers why this process is about to exit, so they stop at once."""
+        self._stop.set()  # this process says why it stops itself; the watchdog need not
         if self.n > 1:
             try:
                 _client().key_value_set(f"{PREFIX}/failed/{self.me}", message,
@@ -246,6 +247,8 @@ class Watchdog:
             except Exception:
                 return
             if len(done) >= self.n:
+                if self.me == 0:  # it hosts the coordinator: leave last, or JAX aborts the rest
+                    time.sleep(1.5)
                 return
             time.sleep(0.1)
 
@@ -304,6 +307,8 @@ class Watchdog:
                               f"{self.timeout_s:g} s")
 
     def _die(self, why: str) -> None:
+        if self._stop.is_set():  # already exiting with its own error
+            return
         # a new line first: a progress bar may have left the cursor in the middle of one
         print(f"\nerror: [process {self.me}] {why}; stopping. Complete checkpoints are kept; "
               "resume with --resume", file=sys.stderr, flush=True)
