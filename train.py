@@ -23,8 +23,11 @@ class Parser(argparse.ArgumentParser):
         sys.exit(fail(message))
 
 
+PROCESS = ""  # "[process i] " once several processes run: every error names its process
+
+
 def fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
+    print(f"error: {PROCESS}{message}", file=sys.stderr)
     return 2
 
 
@@ -33,9 +36,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stage", type=int, help="ZeRO stage 0-3 (default: the config's, 3)")
     p.add_argument("--config", default="tiny",
                    help="YAML file, or a name in configs/: tiny, gpt2-124m, gpt-1.3b, gpt-7.5b")
-    p.add_argument("--zero3-size", type=int, metavar="K",
+    p.add_argument("--zero3-size", metavar="K",
                    help="hierarchical ZeRO: stage 3 within groups of K devices, optimizer state "
-                   "over all (default: off)")
+                   "over all; 'local' = one group per process/host (default: off)")
     p.add_argument("--steps", type=int, help="optimizer steps (default: the config's)")
     p.add_argument("--seed", type=int, help="seed of initialization and data order")
     p.add_argument("--devices", type=int, help="devices on the data axis (default: all; "
@@ -60,6 +63,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="resume on another --data than the checkpoint was trained on")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set optimizer.name=sgd (repeatable)")
+    multi = p.add_argument_group("several processes, one per host (README: Several processes)")
+    multi.add_argument("--coordinator", metavar="HOST:PORT",
+                       help="process 0's address (default: $JAX_COORDINATOR_ADDRESS)")
+    multi.add_argument("--num-processes", type=int, metavar="N",
+                       help="processes in the run (default: $JAX_NUM_PROCESSES)")
+    multi.add_argument("--process-id", type=int, metavar="I",
+                       help="this process, 0 to N-1 (default: $JAX_PROCESS_ID)")
+    multi.add_argument("--distributed", action="store_true",
+                       help="join a process group JAX detects (Cloud TPU, Kubernetes, ...); "
+                       "SLURM and Open MPI with several tasks are detected without it")
+    multi.add_argument("--peer-timeout", type=float, default=30, metavar="S",
+                       help="stop when a peer is lost or hangs this long, and the longest wait "
+                       "for the coordinator at start-up (default 30)")
     return p.parse_args(argv)
 
 
@@ -138,9 +154,60 @@ def main(argv: list[str] | None = None) -> int:
     from zero_jax.mesh import simulate_cpu_devices
 
     simulate_cpu_devices(args.devices or 8)
+    from zero_jax import distributed  # jax is imported from here on
+
+    try:
+        spec = distributed.settings(args.coordinator, args.num_processes, args.process_id,
+                                    auto=args.distributed)
+        if args.peer_timeout <= 0:
+            raise distributed.StartupError(f"--peer-timeout must be positive (got "
+                                           f"{args.peer_timeout:g})")
+        if spec is not None:
+            distributed.initialize(spec, args.peer_timeout)
+    except distributed.StartupError as e:
+        return fail(str(e))
+    if spec is None:
+        return run_main(args)
+    global PROCESS
+    import jax
+
+    PROCESS = f"[process {jax.process_index()}] "
+    if jax.process_index():
+        sys.stdout = open(os.devnull, "w")  # one progress bar, one report: process 0's
+    watchdog = distributed.Watchdog(args.peer_timeout).start()
+    try:
+        code = run_main(args, watchdog)
+    except Exception as e:  # reach the user with the process id, and stop the peers at once
+        import traceback
+
+        watchdog.settle(e)  # a lost peer is named by the watchdog, not by gloo's socket error
+        traceback.print_exc()
+        fail(f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e) else ''}")
+        code = 1
+    if code:
+        watchdog.failed(f"exit code {code}, see its error above")
+        watchdog.linger()
+        sys.stderr.flush()
+        os._exit(code)  # not JAX's shutdown barrier: the peers will not reach it
+    watchdog.stop()
+    return 0
+
+
+def run_main(args: argparse.Namespace, watchdog=None) -> int:
+    if args.zero3_size == "local":
+        import jax
+
+        args.zero3_size = jax.local_device_count()
+    elif args.zero3_size is not None:
+        try:
+            args.zero3_size = int(args.zero3_size)
+        except ValueError:
+            return fail(f"--zero3-size must be a number of devices or 'local' (got "
+                        f"{args.zero3_size!r})")
     with Stop(enabled=not args.dry_run) as stop:  # a dry run has nothing to save
+        from zero_jax import distributed
         from zero_jax.checkpoint import CheckpointError
-        from zero_jax.gpt import config as configs  # jax is imported from here on
+        from zero_jax.gpt import config as configs
 
         overrides = list(args.set)
         for flag, key in [("stage", "zero.stage"), ("steps", "train.steps"),
@@ -150,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         run = None
         try:
             cfg = configs.load(args.config, overrides)
-            run = Run(cfg, args, stop)
+            local = {"coordinator", "num_processes", "process_id", "distributed"}
+            distributed.agree("configuration", {"config": cfg, "arguments": {
+                k: v for k, v in vars(args).items() if k not in local}}, args.peer_timeout)
+            run = Run(cfg, args, stop, watchdog)
             return run.dry_run() if args.dry_run else run.train()
         except (configs.ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
             return fail(str(e))
@@ -162,10 +232,13 @@ def main(argv: list[str] | None = None) -> int:
 class Run:
     """One configured run: data, the experiment it trains, and where its outputs go."""
 
-    def __init__(self, cfg: dict, args: argparse.Namespace, stop: Stop):
+    def __init__(self, cfg: dict, args: argparse.Namespace, stop: Stop, watchdog=None):
+        import jax
+
         from zero_jax.gpt.experiment import Experiment, mesh_for
 
-        self.cfg, self.args, self.stop = cfg, args, stop
+        self.cfg, self.args, self.stop, self.watchdog = cfg, args, stop, watchdog
+        self.primary = jax.process_index() == 0  # writes the report and metrics files
         self.exp = Experiment.build(cfg, mesh_for(cfg, args.devices))
         self.seed = cfg["train"]["seed"]
         self.ckpts, self.source, self.resume_step, self.corrupt = None, None, None, []
@@ -270,7 +343,7 @@ class Run:
         return r, compiled
 
     def write_report(self, r: dict) -> None:
-        if self.args.report:
+        if self.args.report and self.primary:
             with open(self.args.report, "w") as f:
                 json.dump(r, f, indent=1)
 
@@ -310,7 +383,7 @@ class Run:
     def open_metrics(self, first: int):
         """The metrics file, line-buffered; on resume, the records after ``first`` (from a run
         that went further than its last checkpoint) are dropped, since they are trained again."""
-        if not self.args.metrics:
+        if not self.args.metrics or not self.primary:
             return None
         path = pathlib.Path(self.args.metrics)
         if first and path.exists():
@@ -324,7 +397,7 @@ class Run:
         import numpy as np
         from tqdm import tqdm
 
-        from zero_jax import fit
+        from zero_jax import distributed, fit
         from zero_jax.checkpoint import CheckpointError
         from zero_jax.gpt import data
         from zero_jax.step import abstract_state, init_state
@@ -352,14 +425,17 @@ class Run:
         metrics_file = self.open_metrics(first)
         losses, start, skipped, done_steps, saved = [], time.perf_counter(), 0, first, None
         bar = tqdm(range(first, t["steps"]), desc=f"stage {exp.plan.stage}", unit="step",
-                   mininterval=0.5, initial=first, total=t["steps"])
+                   mininterval=0.5, initial=first, total=t["steps"], disable=not self.primary)
+        shape = exp.batch_shape.shape
+        rows = distributed.local_rows(exp.batch_sharding, shape)  # this process's slice
         try:
             for i in bar:
                 if stop.signum:
                     break
-                batch = jax.device_put(
-                    data.batch(self.tokens, i, t["batch_size"], exp.model.seq_len, self.seed),
-                    exp.batch_sharding)
+                batch = distributed.global_array(exp.batch_sharding, shape, data.batch(
+                    self.tokens, i, t["batch_size"], exp.model.seq_len, self.seed, rows))
+                if self.watchdog:
+                    self.watchdog.reach(i + 1)
                 tick = time.perf_counter()
                 state, m = step(state, batch)
                 m = {k: float(v) for k, v in m.items()}  # waits for the step
@@ -418,11 +494,12 @@ class Run:
         return {"config": self.cfg,
                 "data": {"source": source, "seed": self.seed, "next_batch": step},
                 "writer": {"stage": plan.stage, "devices": plan.mesh.size,
+                           "processes": len({d.process_index for d in plan.mesh.devices.flat}),
                            "platform": plan.mesh.devices.flat[0].platform}}
 
 
 def warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr)
+    print(f"warning: {PROCESS}{message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -126,7 +126,8 @@ class Checkpoints:
         if not read_only:
             try:
                 path.mkdir(parents=True, exist_ok=True)
-                self.lock = WriterLock(path)
+                if jax.process_index() == 0:  # one run, one lock: its first process holds it
+                    self.lock = WriterLock(path)
             except LockedError as e:
                 raise CheckpointError(str(e)) from None
             except OSError as e:
@@ -273,7 +274,7 @@ class Checkpoints:
         step = self._step(step)
         meta = self.meta(step)
         name = "master" if (self.path / str(step) / "master").exists() else "params"
-        sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         with self._reading(step, name):
             stored = _tree_of(self.manager.item_metadata(step)[name])[name]
             target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype,
@@ -293,7 +294,9 @@ class Checkpoints:
         while target.exists():
             n += 1
             target = self.path / f"{step}.corrupt{n}"
-        source.rename(target)
+        if jax.process_index() == 0:
+            source.rename(target)
+        _all_processes_here("quarantine")
         self.manager.reload()
         return target
 
@@ -302,8 +305,10 @@ class Checkpoints:
         if self.read_only:
             raise CheckpointError(f"{self.path} was opened read-only")
         steps = self.steps()
-        for step in steps:
-            shutil.rmtree(self.path / str(step))
+        if jax.process_index() == 0:
+            for step in steps:
+                shutil.rmtree(self.path / str(step))
+        _all_processes_here("remove_all")
         self.manager.reload()
         return steps
 
@@ -394,3 +399,11 @@ def _tree_of(metadata: Any) -> PyTree:
 def _first_line(e: BaseException) -> str:
     text = [line.strip() for line in str(e).splitlines() if len(line.strip()) > 3]
     return (text[0] if text else type(e).__name__)[:200]
+
+
+def _all_processes_here(name: str) -> None:
+    """A barrier after process 0 changed the directory, before the others read it again."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"zero_jax checkpoint {name}")

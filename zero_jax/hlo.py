@@ -28,7 +28,6 @@ _CALLS = re.compile(r"(?:to_apply|body|condition|calls|branch_computations|calle
                     r"=(?:\{([^}]*)\}|(%?[\w.\-]+))")
 _BODY = re.compile(r" while\(.*\bbody=%?([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 # Iota form: [groups,size]<=[dims] with an optional transpose T(perm).
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 
@@ -42,6 +41,7 @@ class Collective:
     in_loop: bool
     count: int  # executions per step
     computation: str  # the HLO computation it sits in (a loop body, or the entry)
+    groups: tuple[tuple[int, ...], ...] = ()  # every replica group (multi-process reports)
 
     @property
     def volume(self) -> int:
@@ -58,17 +58,23 @@ def _arrays(shape: str) -> list[tuple[str, int]]:
             for dt, dims in _ARRAY.findall(shape)]
 
 
-def _first_group(rest: str, n_devices: int) -> tuple[int, ...]:
-    """The first replica group's device (partition) ids; no groups: all devices."""
+_ALL_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+
+
+def _groups(rest: str, n_devices: int) -> tuple[tuple[int, ...], ...]:
+    """Every replica group's device (partition) ids; no groups: all devices in one."""
     if m := _GROUPS_IOTA.search(rest):
         # ids 0..prod(dims)-1 laid out as ``dims``, transposed by ``perm``, read row-major
         dims = [int(d) for d in m.group(3).split(",")]
         perm = [int(d) for d in m.group(4).split(",")] if m.group(4) else None
         ids = np.arange(math.prod(dims)).reshape(dims).transpose(perm).reshape(-1)
-        return tuple(int(i) for i in ids[:int(m.group(2))])
-    if m := _GROUPS_LIST.search(rest):
-        return tuple(int(d) for d in m.group(1).split(","))
-    return tuple(range(n_devices))
+        return tuple(tuple(int(i) for i in g) for g in ids.reshape(int(m.group(1)), -1))
+    if m := _ALL_GROUPS.search(rest):
+        found = re.findall(r"\{([\d,]*)\}", m.group(1))
+        if found and found[0]:
+            return tuple(tuple(int(d) for d in g.split(",")) for g in found)
+    return (tuple(range(n_devices)),)
+
 
 
 def collectives(hlo_text: str, n_devices: int) -> list[Collective]:
@@ -123,10 +129,11 @@ def collectives(hlo_text: str, n_devices: int) -> list[Collective]:
                 arrays = arrays[len(arrays) // 2:]  # ((operands), (results))
             elif op == "all-gather-start":
                 arrays = arrays[-1:]
-            group = _first_group(rest, n_devices)
+            groups = _groups(rest, n_devices)
+            group = groups[0]
             size = sum(b for _, b in arrays)
             if kind == "reduce-scatter":
                 size *= len(group)  # the instruction's shape is the scattered result
             found.append(Collective(kind, arrays[0][0] if arrays else "?", size, group,
-                                    looped[name], runs[name], name))
+                                    looped[name], runs[name], name, groups))
     return found

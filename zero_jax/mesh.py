@@ -36,8 +36,14 @@ def make_mesh(devices: int | None = None, axes: dict[str, int] | None = None) ->
     ``axes`` maps axis names to sizes (one may be -1 for "the rest"); the default is a single
     ``data`` axis. Axes are ``Auto`` so the partitioner may place what ``shard_map`` does not.
     """
-    available = jax.devices()
+    # A host's devices next to each other, in device order: a data-axis slice is then one
+    # host's, and the groups of an inner (last) axis no larger than a host stay on it.
+    available = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     n = len(available) if devices is None else devices
+    if jax.process_count() > 1 and n != len(available):
+        raise ValueError(f"--devices {n}: a mesh across {jax.process_count()} processes spans "
+                         f"all {len(available)} devices; drop --devices (set each process's "
+                         "simulated devices with the launcher's --devices-per-process)")
     if not 1 <= n <= len(available):
         raise ValueError(f"cannot build a mesh of {n} devices: {len(available)} "
                          f"{available[0].platform} device(s) available; pass --devices between "

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zero_jax.distributed import processes_spanned
 from zero_jax.hlo import collectives
 from zero_jax.rules import Plan, path_str
 from zero_jax.step import abstract_state
@@ -106,10 +107,11 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
     groups: dict[tuple, dict] = {}
     for x in found:
         axes = mesh_axes(x.group, mesh)
-        key = (x.kind, x.dtype, axes, x.in_loop)
+        spans = processes_spanned(x.groups, mesh)
+        key = (x.kind, x.dtype, axes, x.in_loop, spans)
         grp = groups.setdefault(key, {"kind": x.kind, "dtype": x.dtype, "axes": axes,
                                       "group_size": x.group_size, "in_loop": x.in_loop,
-                                      "count": 0, "bytes": 0, "volume": 0})
+                                      "processes": spans, "count": 0, "bytes": 0, "volume": 0})
         grp["count"] += x.count
         grp["bytes"] += x.count * x.bytes
         grp["volume"] += x.volume
@@ -154,6 +156,10 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
         "requested_dtypes": sorted({f"{x.kind} {x.dtype}" for x in
                                     collectives(lowered.as_text(dialect="hlo"), mesh.size)}),
         "comm_bytes_per_step": sum(x.volume for x in found),
+        # Several processes (hosts): what crosses between them, the figure that sets the pace.
+        "processes": len({d.process_index for d in mesh.devices.flat}),
+        "comm_bytes_across_processes": sum(g["volume"] for g in groups.values()
+                                           if g["processes"] > 1),
         # Hierarchical: "data" is within a group, "replica" across groups.
         "comm_bytes_by_axes": {axes: sum(g["volume"] for g in groups.values()
                                          if g["axes"] == axes)
@@ -243,6 +249,13 @@ def format_table(r: dict) -> str:
             expected = r["comm_bytes_theory_by_axes"].get(axes)
             lines.append(f"    {names.get(axes, axes) + f' ({axes})':<30}{v / MiB:>8.2f} MiB"
                          + (f", theory {expected / MiB:.2f} MiB" if expected is not None else ""))
+    if r.get("processes", 1) > 1:
+        crossing = [g for g in r["collectives"] if g["processes"] > 1]
+        lines.append(f"  across {r['processes']} processes (hosts): "
+                     f"{r['comm_bytes_across_processes'] / MiB:.2f} MiB per step, in "
+                     + (", ".join(f"{g['count']} {g['kind']} ({g['axes']}"
+                                  f"{', in loop' if g['in_loop'] else ''})" for g in crossing)
+                        or "nothing"))
     if r["replicated"]:
         lines += ["", f"  kept whole ({len(r['replicated'])} leaves):"]
         lines += [f"    {x['path']} {tuple(x['shape'])}: {x['reason']}" for x in r["replicated"]]

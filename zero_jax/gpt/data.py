@@ -55,8 +55,11 @@ def check_tokens(tokens: np.ndarray, vocab_size: int, seq_len: int, source: str)
                          f"set --set model.vocab_size={top + 1} or larger")
 
 
-def batch(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int) -> np.ndarray:
-    """``(batch_size, seq_len + 1)`` int32 windows at positions drawn from (seed, step)."""
+def batch(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int,
+          rows: slice = slice(None)) -> np.ndarray:
+    """``(batch_size, seq_len + 1)`` int32 windows at positions drawn from (seed, step); with
+    ``rows``, only those rows of it (one process's slice: the positions of the whole batch are
+    drawn, so the rows are the same however the batch is split, but only these are read)."""
     rng = np.random.default_rng([seed, step])
-    starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
+    starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)[rows]
     return np.stack([tokens[s: s + seq_len + 1] for s in starts]).astype(np.int32)

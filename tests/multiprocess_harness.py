@@ -1,0 +1,118 @@
+"""Every layout a multi-process test needs, trained in one launch: run as a script under
+``zero_jax.launch`` (2 processes x 4 devices), and imported by the test (1 process x 8 devices)
+for the references, so both sides run the very same code.
+
+    python tests/multiprocess_harness.py OUT_DIR REFERENCE_CHECKPOINT
+
+Writes, from process 0: ``OUT_DIR/results.json`` (losses per layout, the hierarchical report)
+and ``OUT_DIR/*.npz`` (whole states, gathered, for bit-exact comparisons; no pickle).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import time
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from zero_jax import distributed, report
+from zero_jax.checkpoint import Checkpoints
+from zero_jax.gpt import config as configs
+from zero_jax.gpt import data
+from zero_jax.gpt.experiment import Experiment, mesh_for
+from zero_jax.mesh import simulate_cpu_devices
+from zero_jax.step import abstract_state, init_state
+
+TINY = ["model.n_layers=2", "model.d_model=32", "model.d_ff=64", "model.seq_len=16",
+        "model.n_heads=2", "train.batch_size=16", "optimizer.warmup_steps=0",
+        "optimizer.lr=0.05"]
+STEPS = 5
+LAYOUTS = {f"stage{s}-{o}": [f"zero.stage={s}", f"optimizer.name={o}"]
+           for s in range(4) for o in ("sgd", "adamw")}
+LAYOUTS.update({f"hier-{o}": ["zero.stage=3", "zero.zero3_size=4", f"optimizer.name={o}"]
+                for o in ("sgd", "adamw")})
+CKPT_LAYOUT = "stage3-adamw"  # saved after STEPS, restored across process counts
+
+
+def build(layout: str) -> Experiment:
+    cfg = configs.load("tiny", TINY + LAYOUTS[layout] + [f"train.steps={2 * STEPS}"])
+    return Experiment.build(cfg, mesh_for(cfg, None))
+
+
+def train(exp: Experiment, state, first: int, steps: int, tokens, step=None
+          ) -> tuple[object, list]:
+    """``steps`` steps from batch ``first``; each process builds only its rows of a batch."""
+    step = step or exp.step
+    shape = exp.batch_shape.shape
+    rows = distributed.local_rows(exp.batch_sharding, shape)
+    losses = []
+    for i in range(first, first + steps):
+        local = data.batch(tokens, i, shape[0], exp.model.seq_len, seed=0, rows=rows)
+        state, m = step(state, distributed.global_array(exp.batch_sharding, shape, local))
+        losses.append(float(m["loss"]))
+    return state, losses
+
+
+def whole(state) -> dict[str, np.ndarray]:
+    """Every leaf of the state, whole, on the host (gathered from all processes)."""
+    leaves = jax.tree_util.tree_flatten_with_path(state._asdict())[0]
+    return {jax.tree_util.keystr(p): np.asarray(multihost_utils.process_allgather(x, tiled=True))
+            for p, x in leaves}
+
+
+def save(path: pathlib.Path, arrays: dict[str, np.ndarray]) -> None:
+    if jax.process_index() == 0:
+        np.savez(path, **arrays)
+
+
+def run(out: pathlib.Path, reference_ckpt: str | None) -> dict:
+    """Train every layout; save, and resume from the other process count's checkpoint
+    (``reference_ckpt``, waited for: the other side may still be running). Returns results."""
+    tokens = data.stdlib_corpus(1 << 16)
+    results: dict = {"losses": {}}
+    host = None  # the initial parameters, computed once: each layout only places them
+    for layout in LAYOUTS:
+        exp = build(layout)
+        if host is None:
+            host = jax.tree.map(np.asarray, jax.jit(exp.init)(jax.random.key(0)))
+        state = init_state(exp.plan, lambda key, host=host: host, exp.tx, jax.random.key(0))
+        step = None
+        if layout == "hier-adamw":  # train with the program the report reads: one compile
+            lowered = exp.step.lower(state, exp.batch_shape)
+            step = lowered.compile()
+            results["report"] = report.build(exp.plan, state, lowered, step)
+        state, losses = train(exp, state, 0, STEPS, tokens, step)
+        results["losses"][layout] = losses
+        if layout == CKPT_LAYOUT:
+            ckpts = Checkpoints(out / f"ckpt-{jax.process_count()}p")
+            ckpts.save(state, {"layout": layout})
+            ckpts.finish()
+            save(out / f"saved-{jax.process_count()}p.npz", whole(state))
+            if jax.process_index() == 0:
+                (out / "saved").write_text("")  # the checkpoint is complete
+            resume = exp
+    if reference_ckpt:
+        ready = pathlib.Path(reference_ckpt).parent / "saved"
+        deadline = time.monotonic() + 600
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        source = Checkpoints(reference_ckpt, create=False)
+        restored, _ = source.restore(abstract_state(resume.plan, resume.tx))
+        save(out / f"restored-{jax.process_count()}p.npz", whole(restored))
+        _, more = train(resume, restored, STEPS, STEPS, tokens)
+        results["resumed_losses"] = more
+    return results
+
+
+if __name__ == "__main__":
+    simulate_cpu_devices(4)  # the launcher set the device count; this adds the CPU flags
+    spec = distributed.settings()
+    distributed.initialize(spec, timeout_s=60)
+    out = pathlib.Path(sys.argv[1])
+    results = run(out, sys.argv[2] if len(sys.argv) > 2 else None)
+    if jax.process_index() == 0:
+        (out / "results.json").write_text(json.dumps(results, default=float))

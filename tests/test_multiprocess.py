@@ -1,0 +1,170 @@
+"""Several processes, as on several hosts: 2 processes x 4 devices against 1 process x 8.
+
+One launch of ``multiprocess_harness.py`` trains every layout in 2 processes; the same code
+runs here, on this process's 8 devices, for the references. Then train.py itself: a killed
+peer, and start-up input that cannot work.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import multiprocess_harness as harness
+import numpy as np
+import pytest
+
+from zero_jax.checkpoint import Checkpoints
+from zero_jax.gpt import data
+from zero_jax.launch import free_port, spawn, wait
+from zero_jax.step import abstract_state
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+ENV = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
+    with open(two / "log", "w") as log:  # 2 processes x 4 devices, while the references
+        procs = spawn([str(ROOT / "tests" / "multiprocess_harness.py"), str(two),
+                       str(one / "ckpt-1p")], 2, 4, env=ENV, cwd=ROOT, stdout=log, stderr=log)
+        try:
+            ref = harness.run(one, None)  # 1 process x 8 devices, here, at the same time
+        finally:
+            code = wait(procs, grace=30)
+        assert code == 0, (two / "log").read_text()[-3000:]
+    return one, two, ref, json.loads((two / "results.json").read_text())
+
+
+@pytest.mark.parametrize("layout", list(harness.LAYOUTS))
+def test_two_processes_train_like_one(runs, layout):
+    _, _, one, two = runs
+    a, b = np.array(two["losses"][layout]), np.array(one["losses"][layout])
+    assert len(a) == harness.STEPS >= 5
+    assert np.max(np.abs(a - b) / np.abs(b)) <= 1e-6, (a, b)
+    assert b[-1] < b[0]  # it trains
+
+
+def test_hierarchical_keeps_the_loop_within_a_process(runs):
+    _, _, one, two = runs
+    r = two["report"]
+    assert r["processes"] == 2 and r["mesh"] == {"replica": 2, "data": 4}
+    looped = [g for g in r["collectives"] if g["in_loop"]]
+    assert looped and all(g["processes"] == 1 for g in looped)  # per-layer gathers: one host
+    crossing = [g for g in r["collectives"] if g["processes"] > 1]
+    sync = sum(g["volume"] for g in crossing if g["kind"] != "all-reduce")
+    assert sync == r["comm_bytes_theory_by_axes"]["replica"] > 0  # 2 Psi/K, once per step
+    # beside it only the step's scalars (loss, gradient norm) are summed over every device
+    assert all(g["bytes"] <= 64 * g["count"] for g in crossing if g["kind"] == "all-reduce")
+    assert r["comm_bytes_across_processes"] == sum(g["volume"] for g in crossing)
+    assert one["report"]["processes"] == 1 and one["report"]["comm_bytes_across_processes"] == 0
+
+
+def restore(path: pathlib.Path, layout: str):
+    exp = harness.build(layout)
+    state, _ = Checkpoints(path, create=False).restore(abstract_state(exp.plan, exp.tx))
+    return exp, state
+
+
+def test_checkpoint_of_two_processes_restores_in_one(runs):
+    _, two, _, _ = runs
+    saved = np.load(two / "saved-2p.npz")
+    for layout in (harness.CKPT_LAYOUT, "stage1-adamw"):  # the same layout, and another stage
+        _, state = restore(two / "ckpt-2p", layout)
+        got = harness.whole(state)
+        assert set(got) == set(saved.files)
+        for key in saved.files:
+            assert np.array_equal(got[key], saved[key]), (layout, key)
+
+
+def test_checkpoint_of_one_process_resumes_in_two(runs):
+    one, two, _, results = runs
+    saved, restored = np.load(one / "saved-1p.npz"), np.load(two / "restored-2p.npz")
+    assert set(saved.files) == set(restored.files)
+    for key in saved.files:  # read by 2 processes, bit for bit
+        assert np.array_equal(saved[key], restored[key]), key
+    exp, state = restore(one / "ckpt-1p", harness.CKPT_LAYOUT)
+    _, more = harness.train(exp, state, harness.STEPS, harness.STEPS,
+                            data.stdlib_corpus(1 << 16))
+    a, b = np.array(results["resumed_losses"]), np.array(more)
+    assert np.max(np.abs(a - b) / np.abs(b)) <= 1e-6, (a, b)
+
+
+TINY = [x for kv in harness.TINY for x in ("--set", kv)]
+
+
+def test_a_killed_peer_stops_the_other_and_checkpoints_survive(tmp_path):
+    ckpt, metrics, timeout = tmp_path / "ckpt", tmp_path / "m.jsonl", 10
+    with open(tmp_path / "out0", "w") as out, open(tmp_path / "err0", "w") as err:
+        procs = spawn(["train.py", "--stage", "3", "--steps", "100000", *TINY,
+                       "--checkpoint-dir", str(ckpt), "--save-every", "3", "--keep", "2",
+                       "--metrics", str(metrics), "--peer-timeout", str(timeout)],
+                      2, 4, env=ENV, cwd=ROOT, stdout=out, stderr=err)
+        try:
+            deadline = time.monotonic() + 240
+            while not (ckpt.exists() and any(p.name.isdigit() and int(p.name) >= 6
+                                              for p in ckpt.iterdir())):
+                assert time.monotonic() < deadline and procs[0].poll() is None, \
+                    (tmp_path / "err0").read_text()[-3000:]
+                time.sleep(0.2)
+            procs[1].send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            rc = procs[0].wait(timeout=120)
+            took = time.monotonic() - killed
+        finally:
+            for p in procs:
+                p.kill()
+    stderr = (tmp_path / "err0").read_text()
+    assert rc != 0
+    print(f"survivor stopped {took:.1f} s after the SIGKILL (--peer-timeout {timeout})")
+    assert took <= timeout + 5, took
+    lines = [x for x in stderr.splitlines() if x.startswith("error:")]
+    assert lines and "[process 0] lost process 1" in lines[-1], stderr[-3000:]
+    # one writer of the metrics, and the last complete checkpoint restores
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 6
+    exp = harness.build("stage3-adamw")
+    cfg_ckpts = Checkpoints(ckpt, create=False)
+    latest = cfg_ckpts.latest_step()
+    assert latest >= 6 and latest % 3 == 0
+    state, meta = cfg_ckpts.restore(abstract_state(exp.plan, exp.tx))
+    assert int(state.step) == latest and meta["writer"]["processes"] == 2
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
+
+
+def train(*args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "train.py", *TINY, *args], cwd=ROOT,
+                            env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def test_bad_start_up_is_one_clear_line():
+    port = free_port()
+    runs = {"range": train("--coordinator", "127.0.0.1:1", "--num-processes", "2",
+                           "--process-id", "2"),
+            "unreachable": train("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                                 "--process-id", "1", "--peer-timeout", "3")}
+    port = free_port()
+    disagree = [train("--stage", str(2 + i), env={**ENV, "JAX_COORDINATOR_ADDRESS":
+                                                  f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
+                                                  "JAX_PROCESS_ID": str(i)}) for i in range(2)]
+    start = time.monotonic()
+    outs = {k: p.communicate(timeout=120) for k, p in runs.items()}
+    assert runs["range"].returncode == 2
+    assert outs["range"][1].strip() == ("error: process id 2 is out of range for 2 processes: "
+                                        "give each process a distinct id from 0 to 1")
+    assert runs["unreachable"].returncode == 2
+    err = outs["unreachable"][1].strip().splitlines()
+    assert "process 1 could not reach the coordinator at 127.0.0.1:" in err[-1]
+    for i, p in enumerate(disagree):
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 2, err
+        assert err.strip().splitlines()[-1] == (
+            f"error: [process {i}] processes disagree on the configuration: arguments.stage is "
+            "2 in process 0 but 3 in process 1: start every process with the same arguments")
+    assert time.monotonic() - start < 60
