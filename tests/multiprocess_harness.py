@@ -91,6 +91,7 @@ def run(out: pathlib.Path, reference_ckpt: str | None) -> dict:
             ckpts = Checkpoints(out / f"ckpt-{jax.process_count()}p")
             ckpts.save(state, {"layout": layout})
             ckpts.finish()
+            ckpts.close()  # releases the writer lock: the other side reads it next
             save(out / f"saved-{jax.process_count()}p.npz", whole(state))
             if jax.process_index() == 0:
                 (out / "saved").write_text("")  # the checkpoint is complete
@@ -100,8 +101,9 @@ def run(out: pathlib.Path, reference_ckpt: str | None) -> dict:
         deadline = time.monotonic() + 600
         while not ready.exists() and time.monotonic() < deadline:
             time.sleep(0.2)
-        source = Checkpoints(reference_ckpt, create=False)
+        source = Checkpoints(reference_ckpt, read_only=True)
         restored, _ = source.restore(abstract_state(resume.plan, resume.tx))
+        source.close()
         save(out / f"restored-{jax.process_count()}p.npz", whole(restored))
         _, more = train(resume, restored, STEPS, STEPS, tokens)
         results["resumed_losses"] = more

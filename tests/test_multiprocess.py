@@ -37,7 +37,7 @@ def runs(tmp_path_factory):
             ref = harness.run(one, None)  # 1 process x 8 devices, here, at the same time
         finally:
             code = wait(procs, grace=30)
-        assert code == 0, (two / "log").read_text()[-3000:]
+        assert code == 0 and (two / "results.json").exists(), (two / "log").read_text()[-3000:]
     return one, two, ref, json.loads((two / "results.json").read_text())
 
 
@@ -67,7 +67,9 @@ def test_hierarchical_keeps_the_loop_within_a_process(runs):
 
 def restore(path: pathlib.Path, layout: str):
     exp = harness.build(layout)
-    state, _ = Checkpoints(path, create=False).restore(abstract_state(exp.plan, exp.tx))
+    ckpts = Checkpoints(path, read_only=True)
+    state, _ = ckpts.restore(abstract_state(exp.plan, exp.tx))
+    ckpts.close()
     return exp, state
 
 
@@ -129,7 +131,7 @@ def test_a_killed_peer_stops_the_other_and_checkpoints_survive(tmp_path):
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 6
     exp = harness.build("stage3-adamw")
-    cfg_ckpts = Checkpoints(ckpt, create=False)
+    cfg_ckpts = Checkpoints(ckpt, read_only=True)
     latest = cfg_ckpts.latest_step()
     assert latest >= 6 and latest % 3 == 0
     state, meta = cfg_ckpts.restore(abstract_state(exp.plan, exp.tx))

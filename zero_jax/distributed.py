@@ -300,8 +300,9 @@ class Watchdog:
                 elif now - self._seen[peer][1] > self.timeout_s:
                     self._die(f"lost process {peer}: no heartbeat for {self.timeout_s:g} s "
                               "(it died or is stopped)")
-                if (self._progress.get(peer, 0) < self.reached
-                        and now - self.reached_at > self.timeout_s):
+                alive = now - self._seen[peer][1] <= max(2.0, 4 * self.poll_s)
+                if (alive and self._progress.get(peer, 0) < self.reached
+                        and now - self.reached_at > self.timeout_s):  # a dead peer: above
                     self._die(f"process {peer} hangs: it is alive but has not reached step "
                               f"{self.reached} (this process waits there) for "
                               f"{self.timeout_s:g} s")
