@@ -2,7 +2,6 @@
 that lose nothing."""
 
 import json
-import os
 import pathlib
 import signal
 import subprocess
@@ -12,13 +11,14 @@ import jax
 import numpy as np
 import optax
 import pytest
+from conftest import SUBPROCESS_ENV
 
 import zero_jax as zj
 from zero_jax.checkpoint import CheckpointError, Checkpoints
 from zero_jax.gpt.model import LAYERS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+ENV = SUBPROCESS_ENV
 
 
 def train(*args, cwd=ROOT, timeout=300, prefix=None) -> subprocess.CompletedProcess:

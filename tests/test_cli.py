@@ -1,15 +1,15 @@
 """train.py as a user runs it: a short training run, a dry run of a 1.3B model, bad input."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+from conftest import SUBPROCESS_ENV
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # train.py sets its own
+ENV = SUBPROCESS_ENV
 
 
 def train(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:

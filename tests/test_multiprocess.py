@@ -6,7 +6,6 @@ peer, and start-up input that cannot work.
 """
 
 import json
-import os
 import pathlib
 import signal
 import subprocess
@@ -17,6 +16,7 @@ import jax
 import multiprocess_harness as harness
 import numpy as np
 import pytest
+from conftest import SUBPROCESS_ENV
 
 from zero_jax.checkpoint import Checkpoints
 from zero_jax.gpt import data
@@ -24,7 +24,7 @@ from zero_jax.launch import free_port, spawn, wait
 from zero_jax.step import abstract_state
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ENV = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": str(ROOT)}
+ENV = {**SUBPROCESS_ENV, "PYTHONPATH": str(ROOT)}
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """Mixed precision, fp16 loss scaling and gradient accumulation, at every stage."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import SMALL, local_bytes, tree_rel
+from conftest import SMALL, SUBPROCESS_ENV, local_bytes, tree_rel
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -210,7 +209,7 @@ def test_dry_run_of_7_5b_on_64_devices_matches_the_paper(tmp_path):
     """The ZeRO paper's Figure 1: Psi = 7.5B, N = 64, K = 12: 120 / 31.4 / 16.6 / 1.9 GB."""
     out = tmp_path / "r.json"
     root = pathlib.Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = SUBPROCESS_ENV
     run = subprocess.run([sys.executable, "train.py", "--dry-run", "--config", "gpt-7.5b",
                           "--devices", "64", "--stage", "3", "--set", "precision.param_dtype=bf16",
                           "--report", str(out)], cwd=root, env=env, capture_output=True,
