@@ -15,11 +15,25 @@ from jax.sharding import PartitionSpec as P
 from zero_jax import init_state, make_grad_fn, make_plan, make_train_step, modules_pattern
 from zero_jax.gpt.model import LAYERS
 from zero_jax.hlo import collectives
+from zero_jax.rules import path_str
 
 STAGES = [0, 1, 2, 3]
+# Each stage trains offloaded once per optimizer, every stage with the whole optimizer state on
+# the host and with half of it.
+OFFLOAD_RATIO = {(0, "sgd"): 1.0, (0, "adamw"): 0.5, (1, "sgd"): 0.5, (1, "adamw"): 1.0,
+                 (2, "sgd"): 1.0, (2, "adamw"): 0.5, (3, "sgd"): 0.5, (3, "adamw"): 1.0}
+OFFLOAD_STEPS = 5
 # Leaves under 64 elements per layer (layer norms) are persistent: whole parameter and
 # gradient, cut optimizer state.
 MIN_SHARD = 64
+
+
+def is_leaf(x) -> bool:
+    return hasattr(x, "offload")
+
+
+def plan_leaves(plan) -> int:
+    return len(jax.tree.leaves(plan.leaves, is_leaf=is_leaf))
 
 
 def shard(mesh, batch):
@@ -59,10 +73,12 @@ def test_training_equals_single_device(stage, opt, mesh, small, reference):
     state = init_state(plan, init, tx, KEY)
     step = make_train_step(plan, loss_fn, tx)
     losses, norms = [], []
-    for b in batches:
+    for i, b in enumerate(batches):
         state, m = step(state, shard(mesh, b))
         losses.append(float(m["loss"]))
         norms.append(float(m["grad_norm"]))
+        if i + 1 == OFFLOAD_STEPS:
+            at_offload_steps = jax.device_get(state.params)
     ref = reference[opt]
     np.testing.assert_allclose(losses, ref["losses"], rtol=1e-5)
     assert tree_rel(state.params, ref["params"]) < 1e-5
@@ -76,6 +92,35 @@ def test_training_equals_single_device(stage, opt, mesh, small, reference):
     if opt == "adamw":
         assert max(ref_norms) > CLIP
     assert int(state.step) == len(batches)
+
+    # ZeRO-Offload computes exactly the same: the offloaded leaves' master and optimizer state
+    # live in host memory and are updated there (a fraction of them, or all), the rest on the
+    # device; clipping still sees the global norm.
+    ratio = OFFLOAD_RATIO[stage, opt]
+    plan = make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=LAYERS,
+                     min_shard_elems=MIN_SHARD, offload_optimizer=ratio)
+    offloaded = {leaf.path for leaf in jax.tree.leaves(plan.leaves, is_leaf=is_leaf)
+                 if leaf.offload}
+    assert 0 < len(offloaded) <= plan_leaves(plan) and (len(offloaded) == plan_leaves(plan)) \
+        == (ratio == 1)
+    state = init_state(plan, init, tx, KEY)
+    step = make_train_step(plan, loss_fn, tx)
+    offload_losses = []
+    for b in batches[:OFFLOAD_STEPS]:
+        state, m = step(state, shard(mesh, b))
+        offload_losses.append(float(m["loss"]))
+    np.testing.assert_allclose(offload_losses, losses[:OFFLOAD_STEPS], rtol=1e-6)
+    assert max_rel(state.params, at_offload_steps) < 1e-6
+    # In host memory exactly where the plan says: the master (kept even in fp32, for the
+    # device's compute copy) and the optimizer state of the offloaded leaves.
+    kinds = lambda tree: {path_str(p): x.sharding.memory_kind
+                          for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    assert {p for p, k in kinds(state.master).items() if k == "pinned_host"} == offloaded
+    assert set(kinds(state.params).values()) == {"device"}
+    for path, kind in kinds(state.opt_state).items():
+        param = next((p for p in sorted(offloaded, key=len)[::-1] if path.endswith(p)), None)
+        shared = not any(path.endswith(leaf) for leaf in kinds(state.master))
+        assert (kind == "pinned_host") == (param is not None or (shared and ratio == 1)), path
 
 
 @pytest.mark.parametrize("stage", STAGES)

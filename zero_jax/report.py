@@ -23,19 +23,23 @@ PyTree = Any
 MiB = 1 << 20
 
 
-def shard_bytes(tree: PyTree) -> int:
-    """Bytes one device holds of a tree of arrays or ``ShapeDtypeStruct``s with shardings."""
+def shard_bytes(tree: PyTree, memory: str | None = None) -> int:
+    """Bytes one device holds of a tree of arrays or ``ShapeDtypeStruct``s with shardings; with
+    ``memory`` ("device", "pinned_host"), only those in that memory."""
+    kind = lambda x: x.sharding.memory_kind or "device"
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-               for x in jax.tree.leaves(tree))
+               for x in jax.tree.leaves(tree) if memory is None or kind(x) == memory)
 
 
 def total_bytes(tree: PyTree) -> int:
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def model_states(plan: Plan, state: PyTree) -> tuple[dict, dict]:
-    """Per-device bytes of each copy of the model state, from the shardings, and ZeRO's
-    formula for the same (Psi parameters, N devices, K bytes of optimizer state each)."""
+def model_states(plan: Plan, state: PyTree) -> tuple[dict, dict, dict, dict]:
+    """Per-device bytes of each copy of the model state in device memory and in host memory,
+    from the shardings, and ZeRO's formulas for both (Psi parameters, N devices, K bytes of
+    optimizer state each; ZeRO-Offload moves the offloaded fraction of master and optimizer
+    state to the host)."""
     n, rule, prec = plan.dp_size, plan.rule, plan.precision
     # Hierarchical: the backward reduce-scatters within the group (1/K, the accumulator's
     # layout too); the across-group cut to 1/N follows the last microbatch.
@@ -45,29 +49,44 @@ def model_states(plan: Plan, state: PyTree) -> tuple[dict, dict]:
     psi = sum(math.prod(p.shape) for p in jax.tree.leaves(state.params))
     c, g = prec.compute.itemsize, jnp.dtype(plan.grad_dtype).itemsize
     k_opt = total_bytes(state.opt_state) / psi  # optimizer bytes per parameter (Adam fp32: 8)
+    leaves = jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "offload"))
+    host = sum(math.prod(x.shape) for x in leaves if x.offload) / psi  # offloaded fraction
 
     def formula(bytes_per_param: float, sharded: bool) -> float:
         return bytes_per_param * psi / (n if sharded else 1)
 
-    actual = {"params": shard_bytes(state.params), "grads": shard_bytes(grads),
-              "master": shard_bytes(state.master) if prec.has_master else 0,
-              "opt_state": shard_bytes(state.opt_state)}
+    copies = {"params": state.params, "grads": grads, "master": state.master,
+              "opt_state": state.opt_state}
+    on_device = {k: shard_bytes(v, "device") if v is not None else 0 for k, v in copies.items()}
+    on_host = {k: shard_bytes(v, "pinned_host") if v is not None else 0
+               for k, v in copies.items()}
     group = plan.mesh.shape[plan.axis]  # hierarchical: parameters are cut within a group only
-    zero = {"params": c * psi / (group if rule.shard_params else 1),
+    master = formula(4 * plan.has_master, rule.shard_opt_state)
+    opt = formula(k_opt, rule.shard_opt_state)
+    params = c * psi / (group if rule.shard_params else 1)
+    zero = {"params": 0 if plan.offload_params else params,
             "grads": g * psi / group if plan.outer else formula(g, rule.shard_grads),
-            "master": formula(4 * prec.has_master, rule.shard_opt_state),
-            "opt_state": formula(k_opt, rule.shard_opt_state)}
-    return actual, zero
+            "master": master * (1 - host), "opt_state": opt * (1 - host)}
+    zero_host = {"params": params if plan.offload_params else 0, "grads": 0,
+                 "master": master * host, "opt_state": opt * host}
+    return on_device, zero, on_host, zero_host
 
 
 def stages_table(plan: Plan, tx: Any) -> list[dict]:
-    """Model-state bytes per device at each stage, for this model, mesh and precision."""
+    """Model-state bytes per device at each stage, for this model, mesh and precision, in device
+    and host memory; each stage also with its whole optimizer offloaded (ZeRO-Offload)."""
     rows = []
     for stage in range(4):
-        other = dataclasses.replace(plan, stage=stage)
-        actual, zero = model_states(other, abstract_state(other, tx))
-        rows.append({"stage": stage, **actual, "total": sum(actual.values()),
-                     "zero_formula_total": sum(zero.values())})
+        for offload in (False, True):
+            leaves = jax.tree.map(
+                lambda leaf, o=offload: dataclasses.replace(leaf, offload=o and not leaf.frozen),
+                plan.leaves, is_leaf=lambda x: hasattr(x, "offload"))
+            other = dataclasses.replace(plan, stage=stage, offload_params=False, leaves=leaves)
+            device, zero, host, zero_host = model_states(other, abstract_state(other, tx))
+            rows.append({"stage": stage, "offload": offload, **device,
+                         "total": sum(device.values()),
+                         "zero_formula_total": sum(zero.values()),
+                         "host": sum(host.values()), "zero_formula_host": sum(zero_host.values())})
     return rows
 
 
@@ -75,13 +94,15 @@ def format_stages(rows: list[dict], n_params: int, devices: int) -> str:
     big = rows[0]["total"] >= 1e9
     unit, div = ("GB = 1e9 bytes", 1e9) if big else ("MiB", MiB)
     lines = [f"  model states per device at each stage, Psi = {n_params:,}, N = {devices} "
-             f"({unit}):",
-             f"  {'stage':<7}{'params':>9}{'grads':>9}{'master':>9}{'optimizer':>11}"
-             f"{'total':>9}{'ZeRO formula':>14}"]
+             f"({unit}); offload: master and optimizer state in host memory (ZeRO-Offload):",
+             f"  {'stage':<11}{'params':>9}{'grads':>9}{'master':>9}{'optimizer':>11}"
+             f"{'device':>9}{'ZeRO formula':>14}{'host':>9}{'formula':>9}"]
     for r in rows:
-        lines.append(f"  {r['stage']:<7}{r['params'] / div:>9.2f}{r['grads'] / div:>9.2f}"
+        name = f"{r['stage']}" + (" offload" if r.get("offload") else "")
+        lines.append(f"  {name:<11}{r['params'] / div:>9.2f}{r['grads'] / div:>9.2f}"
                      f"{r['master'] / div:>9.2f}{r['opt_state'] / div:>11.2f}"
-                     f"{r['total'] / div:>9.2f}{r['zero_formula_total'] / div:>14.2f}")
+                     f"{r['total'] / div:>9.2f}{r['zero_formula_total'] / div:>14.2f}"
+                     f"{r['host'] / div:>9.2f}{r['zero_formula_host'] / div:>9.2f}")
     return "\n".join(lines)
 
 
@@ -101,7 +122,7 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
     mesh, rule, prec = plan.mesh, plan.rule, plan.precision
     psi = sum(math.prod(p.shape) for p in jax.tree.leaves(state.params))
     c, r = prec.compute.itemsize, prec.reduce.itemsize
-    actual, zero = model_states(plan, state)
+    actual, zero, host, zero_host = model_states(plan, state)
     memory = compiled.memory_analysis()
     found = collectives(compiled.as_text(), mesh.size)
     groups: dict[tuple, dict] = {}
@@ -142,14 +163,23 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
         "param_bytes": psi * c,  # one whole compute copy of the parameters
         "precision": {"param_dtype": prec.compute.name, "reduce_dtype": prec.reduce.name,
                       "grad_dtype": jnp.dtype(plan.grad_dtype).name,
-                      "master": prec.has_master, "accum_steps": plan.accum_steps,
+                      "master": plan.has_master, "accum_steps": plan.accum_steps,
                       "loss_scale": prec.loss_scale is not None},
-        "per_device_bytes": actual,
+        "per_device_bytes": actual,  # in device memory
         "zero_formula_bytes": zero,
+        "per_device_host_bytes": host,  # in the host memory beside each device (offloaded)
+        "zero_formula_host_bytes": zero_host,
+        "offload": {"optimizer_leaves": [leaf.path for leaf in jax.tree.leaves(
+                        plan.leaves, is_leaf=lambda x: hasattr(x, "offload")) if leaf.offload],
+                    "params": plan.offload_params},
+        # XLA's figures; the CPU backend counts host buffers as device ones (its host_* are 0).
         "compiled": {"argument_bytes": memory.argument_size_in_bytes,
                      "output_bytes": memory.output_size_in_bytes,
                      "temp_bytes": memory.temp_size_in_bytes,
-                     "alias_bytes": memory.alias_size_in_bytes},
+                     "alias_bytes": memory.alias_size_in_bytes,
+                     "host_argument_bytes": memory.host_argument_size_in_bytes,
+                     "host_output_bytes": memory.host_output_size_in_bytes,
+                     "host_temp_bytes": memory.host_temp_size_in_bytes},
         "collectives": sorted(groups.values(), key=lambda x: (x["kind"], x["in_loop"])),
         # What the program asks for, before XLA's passes: the CPU backend, for one, runs bf16
         # collectives in f32; GPUs and TPUs keep them.
@@ -214,19 +244,31 @@ def format_table(r: dict) -> str:
     """The report as text for a terminal."""
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
     p = r["precision"]
+    offloaded = sum(r["per_device_host_bytes"].values()) > 0
     lines = [f"ZeRO stage {r['stage']} on {r['platform']} mesh {mesh}, {r['n_params']:,} "
              f"parameters; compute {p['param_dtype']}, gradient collectives {p['reduce_dtype']}"
              + (f", {p['accum_steps']} microbatches per step" if p["accum_steps"] > 1 else "")
              + (", fp16 loss scaling" if p["loss_scale"] else ""),
              f"  {r['rule']}", "",
-             f"  {'per device':<12}{'actual MiB':>12}{'ZeRO formula':>14}"]
+             f"  {'per device':<12}{'actual MiB':>12}{'ZeRO formula':>14}"
+             + (f"{'host MiB':>10}{'formula':>9}" if offloaded else "")]
+    host, zero_host = r["per_device_host_bytes"], r["zero_formula_host_bytes"]
     for key, actual in r["per_device_bytes"].items():
         if key == "master" and not p["master"]:
             continue
-        lines.append(f"  {key:<12}{actual / MiB:>12.2f}{r['zero_formula_bytes'][key] / MiB:>14.2f}")
+        lines.append(f"  {key:<12}{actual / MiB:>12.2f}{r['zero_formula_bytes'][key] / MiB:>14.2f}"
+                     + (f"{host[key] / MiB:>10.2f}{zero_host[key] / MiB:>9.2f}"
+                        if offloaded else ""))
     total = sum(r["per_device_bytes"].values())
     lines.append(f"  {'total':<12}{total / MiB:>12.2f}"
-                 f"{sum(r['zero_formula_bytes'].values()) / MiB:>14.2f}")
+                 f"{sum(r['zero_formula_bytes'].values()) / MiB:>14.2f}"
+                 + (f"{sum(host.values()) / MiB:>10.2f}{sum(zero_host.values()) / MiB:>9.2f}"
+                    if offloaded else ""))
+    if offloaded:
+        leaves = r["offload"]["optimizer_leaves"]
+        lines.append(f"  offloaded to host memory: master and optimizer state of {len(leaves)} "
+                     f"leaves (updated there)" + (", parameter shards" if r["offload"]["params"]
+                                                  else ""))
     c = r["compiled"]
     lines += ["", f"  compiled step: arguments {c['argument_bytes'] / MiB:.2f} MiB, outputs "
               f"{c['output_bytes'] / MiB:.2f} MiB, temp {c['temp_bytes'] / MiB:.2f} MiB", "",

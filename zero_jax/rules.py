@@ -58,6 +58,7 @@ class Leaf:
     persistent: bool = False  # small: parameter and gradient stay whole, optimizer state is cut
     reason: str = ""  # why it is not cut everywhere
     frozen: bool = False  # not trained: no gradient, no optimizer state
+    offload: bool = False  # ZeRO-Offload: its master and optimizer state in host memory
 
 
 def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
@@ -139,6 +140,7 @@ class Plan:
     # within a group only; gradients and optimizer state over both axes.
     outer: str | None = None
     offload_grads: bool = False  # the accumulator waits in host memory between microbatches
+    offload_params: bool = False  # stage 3 (ZeRO-Infinity's CPU tier): parameters in host memory
 
     @property
     def data_axes(self) -> tuple[str, ...]:
@@ -153,6 +155,16 @@ class Plan:
     def grad_dtype(self):
         """Gradients leave the backward in the compute dtype, or in the accumulator's."""
         return self.precision.accum if self.accum_steps > 1 else self.precision.compute
+
+    @property
+    def has_master(self) -> bool:
+        """A separate fp32 master copy: with 16-bit compute, or when the optimizer is offloaded
+        (the master is updated on the host while the compute copy stays on the device)."""
+        return self.precision.has_master or self.offloads_optimizer
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        return any(leaf.offload for leaf in jax.tree.leaves(self.leaves, is_leaf=_is_leaf))
 
     @property
     def rule(self) -> Stage:
@@ -192,16 +204,30 @@ class Plan:
     def opt_state_specs(self, tx: optax.GradientTransformation) -> PyTree:
         """The layout of ``tx``'s state: parts shaped like their parameter as ``opt_specs``;
         the rest (scalars, counters, Adafactor's factored moments) whole."""
+        return self.map_opt_state(tx, lambda x, spec, leaf: spec if x.shape == leaf.shape
+                                  else P(), self.opt_specs, P())
+
+    def opt_state_offload(self, tx: optax.GradientTransformation) -> PyTree:
+        """Per leaf of ``tx``'s state, whether it lives in host memory: the parts of an
+        offloaded parameter; shared scalars (Adam's count) follow the device part, or the host
+        when the whole optimizer is offloaded."""
+        trained = [leaf for leaf in jax.tree.leaves(self.leaves, is_leaf=_is_leaf)
+                   if not leaf.frozen]
+        everything = bool(trained) and all(leaf.offload for leaf in trained)
+        return self.map_opt_state(tx, lambda x, off, leaf: off, jax.tree.map(
+            lambda leaf: leaf.offload, self.leaves, is_leaf=_is_leaf), everything)
+
+    def map_opt_state(self, tx: optax.GradientTransformation, fn, per_param: PyTree,
+                      other: Any) -> PyTree:
+        """``fn(state_leaf, per_param_value, Leaf)`` for every part of ``tx``'s state that
+        belongs to a parameter; ``other`` for the rest."""
         tx = self.optimizer(tx)
         state_shape = jax.eval_shape(tx.init, self.shapes)
         # Frozen leaves hold ``MaskedNode``s (no state) in the trained transformation's state.
         masked = lambda x: isinstance(x, optax.MaskedNode)
-        like = lambda x, spec, param: (x if masked(x) else
-                                       spec if x.shape == param.shape else P())
         return optax.tree_map_params(
-            tx, like, state_shape, self.opt_specs, self.shapes,
-            transform_non_params=lambda _: P(),
-            is_leaf=lambda x: isinstance(x, P) or masked(x))
+            tx, lambda x, value, leaf: x if masked(x) else fn(x, value, leaf), state_shape,
+            per_param, self.leaves, transform_non_params=lambda _: other, is_leaf=masked)
 
     @property
     def blocks(self) -> list[str]:
@@ -238,7 +264,8 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
               layers: str | None = None, min_shard_elems: int = 0,
               precision: Precision | None = None, accum_steps: int = 1,
               outer: str | None = None, ignored: str | None = None,
-              frozen: str | None = None, offload_grads: bool = False) -> Plan:
+              frozen: str | None = None, offload_grads: bool = False,
+              offload_optimizer: float = 0.0, offload_params: bool = False) -> Plan:
     """Apply the rules to a parameter tree (arrays or ``jax.ShapeDtypeStruct``s).
 
     ``layers``, ``ignored`` and ``frozen`` are regular expressions over parameter paths
@@ -256,11 +283,22 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
     ``outer`` names a second data axis for hierarchical ZeRO (stage 3 within ``axis``,
     optimizer state over both); ``offload_grads`` keeps the gradient accumulator in host memory
     between microbatches.
+
+    ZeRO-Offload: ``offload_optimizer`` is the fraction (0..1) of the optimizer's bytes whose
+    fp32 master and state live in host memory and are updated there, largest leaves first (as
+    DeepSpeed's ZeRO-Offload++ and Megatron's offload fraction); ``offload_params`` keeps the
+    parameter shards of stage 3 in host memory, each copied to the device as it is gathered.
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of 0, 1, 2, 3 (got {stage})")
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be at least 1 (got {accum_steps})")
+    if not 0.0 <= offload_optimizer <= 1.0:
+        raise ValueError(f"offload_optimizer is the fraction of optimizer state in host memory, "
+                         f"0 to 1 (got {offload_optimizer})")
+    if offload_params and stage != 3:
+        raise ValueError(f"offload_params keeps stage 3's parameter shards in host memory; "
+                         f"stage {stage} keeps whole parameters on every device: use stage 3")
     if outer is not None and stage != 3:
         raise ValueError(f"hierarchical ZeRO (outer={outer!r}) is built on stage 3, not {stage}")
     n = mesh.shape[axis] * (mesh.shape[outer] if outer else 1)
@@ -290,9 +328,26 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
         return dataclasses.replace(leaf, frozen=match("frozen", name), block=block)
 
     leaves = jax.tree_util.tree_map_with_path(rule, params_shape)
+    host = offloaded(jax.tree.leaves(leaves, is_leaf=_is_leaf), offload_optimizer)
+    leaves = jax.tree.map(lambda leaf: dataclasses.replace(leaf, offload=leaf.path in host),
+                          leaves, is_leaf=_is_leaf)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_shape)
     return Plan(stage, mesh, axis, leaves, shapes, precision or Precision(), accum_steps, outer,
-                offload_grads)
+                offload_grads, offload_params)
+
+
+def offloaded(leaves: list[Leaf], ratio: float) -> set[str]:
+    """The trained leaves whose optimizer state goes to the host: the largest first, until
+    ``ratio`` of the optimizer's bytes (proportional to the parameters') is reached."""
+    trained = sorted((leaf for leaf in leaves if not leaf.frozen),
+                     key=lambda leaf: (-math.prod(leaf.shape), leaf.path))
+    budget, taken, host = ratio * sum(math.prod(leaf.shape) for leaf in trained), 0, set()
+    for leaf in trained:
+        if taken >= budget:
+            break
+        host.add(leaf.path)
+        taken += math.prod(leaf.shape)
+    return host
 
 
 def modules_pattern(names: list[str] | tuple[str, ...]) -> str | None:

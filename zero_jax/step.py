@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zero_jax.gather import Shard, materialize, per_block
+from zero_jax.offload import split_update
 from zero_jax.precision import LossScale, update_loss_scale
 from zero_jax.rules import Leaf, Plan, path_str
 
@@ -40,14 +41,35 @@ def state_specs(plan: Plan, tx: optax.GradientTransformation) -> TrainState:
     """Partition specs of the whole train state."""
     p = plan.precision
     scale = None if p.loss_scale is None else LossScale(P(), P(), P())
-    return TrainState(P(), plan.param_specs, plan.opt_specs if p.has_master else None,
+    return TrainState(P(), plan.param_specs, plan.opt_specs if plan.has_master else None,
                       plan.opt_state_specs(tx), scale, P())
+
+
+def state_shardings(plan: Plan, tx: optax.GradientTransformation) -> TrainState:
+    """The shardings of the whole train state, with their memory: ``pinned_host`` for what is
+    offloaded (the master and optimizer state of ``Leaf.offload`` leaves, stage 3's parameters
+    with ``offload_params``)."""
+    specs = state_specs(plan, tx)
+    is_spec = lambda x: isinstance(x, P)
+
+    def put(spec_tree, host):
+        host = jax.tree.broadcast(host, spec_tree, is_leaf=is_spec)
+        return jax.tree.map(lambda spec, h: NamedSharding(
+            plan.mesh, spec, memory_kind="pinned_host" if h else None), spec_tree, host,
+            is_leaf=is_spec)
+
+    offload = jax.tree.map(lambda leaf: leaf.offload, plan.leaves, is_leaf=_is_leaf)
+    return TrainState(put(specs.step, False), put(specs.params, plan.offload_params),
+                      None if specs.master is None else put(specs.master, offload),
+                      put(specs.opt_state, plan.opt_state_offload(tx)),
+                      None if specs.loss_scale is None else put(specs.loss_scale, False),
+                      put(specs.skipped, False))
 
 
 def _new_state(plan: Plan, params: PyTree, tx: optax.GradientTransformation) -> TrainState:
     p = plan.precision
     compute = jax.tree.map(lambda x: x.astype(p.compute), params)
-    return TrainState(jnp.zeros((), jnp.int32), compute, params if p.has_master else None,
+    return TrainState(jnp.zeros((), jnp.int32), compute, params if plan.has_master else None,
                       plan.optimizer(tx).init(params), p.init_loss_scale(),
                       jnp.zeros((), jnp.int32))
 
@@ -60,7 +82,7 @@ def init_state(plan: Plan, init_params: Callable[[jax.Array], PyTree] | PyTree,
     the parameters themselves (a pretrained model's, as arrays): each leaf is put straight into
     its shards and enters the compiled init as an argument, never as a constant of the program.
     """
-    shardings = plan.shardings(state_specs(plan, tx))
+    shardings = state_shardings(plan, tx)
     if callable(init_params):
         return jax.jit(lambda key: _new_state(plan, init_params(key), tx),
                        out_shardings=shardings)(key)
@@ -81,7 +103,7 @@ def init_state(plan: Plan, init_params: Callable[[jax.Array], PyTree] | PyTree,
 def abstract_state(plan: Plan, tx: optax.GradientTransformation) -> TrainState:
     """The state as ``ShapeDtypeStruct``s with shardings: for compiling without allocating."""
     shapes = jax.eval_shape(lambda params: _new_state(plan, params, tx), plan.shapes)
-    shardings = plan.shardings(state_specs(plan, tx))
+    shardings = state_shardings(plan, tx)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, shardings)
 
@@ -320,6 +342,26 @@ def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformat
                              mesh=plan.mesh, in_specs=(plan.opt_specs,),
                              out_specs=plan.param_specs)(compute)
 
+    def optimize(grads, opt_state, master):
+        updates, opt_state = trained_tx.update(grads, opt_state, master)
+        return optax.apply_updates(master, updates), opt_state
+
+    def update(grads, opt_state, master, finite):
+        # A step whose gradient is not finite changes nothing; the compute copy is cast from
+        # the new master where the master lives (on the host when offloaded).
+        new_master, opt_state = jax.lax.cond(finite, lambda _: optimize(grads, opt_state, master),
+                                             lambda _: (master, opt_state), None)
+        return new_master, opt_state, jax.tree.map(lambda x: x.astype(prec.compute), new_master)
+
+    if plan.offloads_optimizer:  # ZeRO-Offload: the offloaded leaves are updated on the host
+        shapes = abstract_state(plan, tx)
+        f32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), plan.shapes)
+        update = split_update(
+            update, optimize, f32, shapes.opt_state, f32, plan.opt_state_offload(tx),
+            plan.map_opt_state(tx, lambda *_: False, plan.shapes, True),
+            jax.tree.map(lambda leaf: leaf.offload, plan.leaves, is_leaf=_is_leaf),
+            compute_on_host=plan.offload_params)
+
     def step(state: TrainState, batch: PyTree, *, key: jax.Array | None = None):
         scale = state.loss_scale.scale if state.loss_scale is not None else 1.0
         if key is not None:
@@ -334,16 +376,10 @@ def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformat
         finite = jnp.isfinite(norm)
         if not prec.skip_nonfinite and prec.loss_scale is None:
             finite = jnp.asarray(True)
-        master = state.master if prec.has_master else state.params
-        master = _constrain(master, plan, plan.opt_specs)
-
-        def update(_):
-            updates, opt_state = trained_tx.update(grads, state.opt_state, master)
-            return optax.apply_updates(master, updates), opt_state
-
-        new_master, opt_state = jax.lax.cond(finite, update,
-                                             lambda _: (master, state.opt_state), None)
-        params = to_params(jax.tree.map(lambda x: x.astype(prec.compute), new_master))
+        master = state.master if plan.has_master else _constrain(state.params, plan,
+                                                                   plan.opt_specs)
+        new_master, opt_state, compute = update(grads, state.opt_state, master, finite)
+        params = to_params(compute)
         loss_scale = state.loss_scale
         if loss_scale is not None:
             loss_scale = update_loss_scale(loss_scale, finite, prec.loss_scale)
@@ -354,12 +390,12 @@ def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformat
             metrics["loss_scale"] = state.loss_scale.scale
         if lr_schedule is not None:
             metrics["lr"] = lr_schedule(state.step - state.skipped)
-        new = TrainState(state.step + 1, params, new_master if prec.has_master else None,
+        new = TrainState(state.step + 1, params, new_master if plan.has_master else None,
                          opt_state, loss_scale, skipped)
         return new, metrics
 
-    state_shardings = plan.shardings(state_specs(plan, tx))
+    shardings = state_shardings(plan, tx)
     replicated = NamedSharding(plan.mesh, P())
     # No in_shardings (jit refuses them beside a keyword argument): the state arrives in its
     # layout, and shard_map cuts the batch by ``batch_spec``; put it there to avoid a copy.
-    return jax.jit(step, out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+    return jax.jit(step, out_shardings=(shardings, replicated), donate_argnums=(0,))

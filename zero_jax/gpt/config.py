@@ -30,8 +30,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # transformer_layers: the layer stacks gathered one layer at a time ([]: the whole model
     # once per step); ignored_modules: left out of ZeRO, whole on every device;
     # offload_grads: the gradient accumulator waits in host memory between microbatches.
+    # offload_optimizer (ZeRO-Offload): device cpu puts the fp32 master and optimizer state of
+    # that fraction (ratio) of the parameters in host memory and updates them there.
     "zero": {"stage": 3, "min_shard_elems": 0, "zero3_size": 0, "transformer_layers": ["blocks"],
-             "ignored_modules": [], "offload_grads": False},
+             "ignored_modules": [], "offload_grads": False,
+             "offload_optimizer": {"device": "none", "ratio": 1.0}},
     # auto: bf16 compute on accelerators, fp32 on the CPU mesh; reduce_dtype auto = param_dtype.
     # fp16 turns on DeepSpeed's dynamic loss scaler, with its defaults below.
     "precision": {"param_dtype": "auto", "reduce_dtype": "auto", "accum_dtype": "fp32",
@@ -150,6 +153,13 @@ def validate(config: dict) -> None:
             raise ConfigError(f"optimizer.{key} must be in [0, 1) (got {o[key]})")
     for key in ("min_shard_elems", "zero3_size"):
         _at_least(config, "zero", key, 0)
+    off = z["offload_optimizer"]
+    if off["device"] not in ("none", "cpu"):
+        raise ConfigError(f"zero.offload_optimizer.device must be none or cpu (got "
+                          f"{off['device']!r}); NVMe is not reachable through JAX's memory kinds")
+    if not 0 <= off["ratio"] <= 1:
+        raise ConfigError(f"zero.offload_optimizer.ratio is the fraction of the optimizer state "
+                          f"offloaded, 0 to 1 (got {off['ratio']})")
     for key in ("loss_scale_window", "hysteresis"):
         _at_least(config, "precision", key, 1)
     _at_least(config, "precision", "initial_scale_power", 0)

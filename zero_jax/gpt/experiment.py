@@ -64,7 +64,8 @@ class Experiment:
                          outer="replica" if "replica" in mesh.shape else None,
                          ignored=modules_pattern(z["ignored_modules"]),
                          frozen=modules_pattern(cfg["optimizer"]["frozen_modules"]),
-                         offload_grads=z["offload_grads"])
+                         offload_grads=z["offload_grads"],
+                         offload_optimizer=offload_ratio(z["offload_optimizer"]))
         loss = lm_loss(model, fp32_logits=precision.autocast_output)
         step = make_train_step(plan, loss, tx, lr_schedule=schedule)
         return cls(cfg, mesh, model_cfg, init, tx, plan, step)
@@ -118,6 +119,12 @@ def mesh_for(cfg: dict, devices: int | None) -> Mesh:
     return make_mesh(devices, axes={"replica": n // k, "data": k})
 
 
+def offload_ratio(cfg: dict) -> float:
+    """The fraction of the optimizer state in host memory: DeepSpeed's ``offload_optimizer``
+    with Megatron's offload fraction as ``ratio``."""
+    return cfg["ratio"] if cfg["device"] == "cpu" else 0.0
+
+
 def precision_from(cfg: dict, platform: str) -> Precision:
     """The ``precision`` config section as a policy for ``platform`` ("cpu", "gpu", "tpu")."""
     param = default_param_dtype(platform) if cfg["param_dtype"] == "auto" else cfg["param_dtype"]
@@ -163,6 +170,13 @@ def check_compatible(meta: dict, config: dict, platform: str | None = None) -> N
             f"the checkpoint was written with precision.param_dtype={was} but this run computes "
             f"in {now}: the two keep different copies of the state; pass --set "
             f"precision.param_dtype={was} to resume it")
+    offload = lambda c: bool(offload_ratio(c["zero"].get("offload_optimizer", {"device": "none"})))
+    if now == "fp32" and offload(saved) != offload(config):
+        setting = "on" if offload(saved) else "off"
+        raise CheckpointError(
+            f"the checkpoint was written with zero.offload_optimizer {setting}: in fp32 only an "
+            f"offloaded optimizer keeps a separate master copy, so the states do not fit; pass "
+            f"--set zero.offload_optimizer.device={'cpu' if offload(saved) else 'none'}")
     clip, clip_now = saved["optimizer"]["clip_norm"], config["optimizer"]["clip_norm"]
     if (clip > 0) != (clip_now > 0):
         raise CheckpointError(

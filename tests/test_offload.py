@@ -1,0 +1,128 @@
+"""ZeRO-Offload read from the program: where the state lives and where the update runs.
+
+The CPU backend moves nothing between "device" and "pinned_host" (both are host RAM), so its
+program shows the placements and the host computation but no saving; the program exported for
+GPU shows the same placements and the transfers XLA's host offloader will carry out. That
+training with offload equals training without it is in test_equivalence.
+"""
+
+import re
+
+import jax
+import optax
+import pytest
+from conftest import KEY, OPTIMIZERS
+from jax import export
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zero_jax import make_plan, make_train_step
+from zero_jax.gpt.model import LAYERS
+from zero_jax.rules import path_str
+from zero_jax.step import abstract_state
+
+HOST_CALL = re.compile(r'call @(\w+)\(.*_xla_compute_type = "host"')
+
+
+@pytest.fixture(scope="module")
+def offloaded(mesh, small):
+    """The stage-2 step with the whole optimizer offloaded, lowered on abstract arrays."""
+    _, init, loss_fn, batches = small
+    tx = OPTIMIZERS["adamw"]()
+    plan = make_plan(jax.eval_shape(init, KEY), mesh, 2, layers=LAYERS, offload_optimizer=1.0)
+    state = abstract_state(plan, tx)
+    batch = jax.ShapeDtypeStruct(batches[0].shape, batches[0].dtype,
+                                 sharding=NamedSharding(mesh, P("data")))
+    step = make_train_step(plan, loss_fn, tx)
+    return plan, step, state, batch
+
+
+def test_update_is_one_host_computation_over_host_state(offloaded):
+    plan, step, state, batch = offloaded
+    text = step.lower(state, batch).as_text()
+    calls = HOST_CALL.findall(text)
+    assert len(calls) == 1  # the whole update, one host computation
+    # Master and optimizer state (moments, counts) enter and leave the step in host memory,
+    # donated in place, and nothing else does.
+    master_and_moments = len(jax.tree.leaves((state.master, state.opt_state)))
+    assert master_and_moments > 3 * len(jax.tree.leaves(state.params))
+    main = text[text.index("func.func public @main("):]
+    args = main[:main.index(") -> (")].split("%arg")[1:]
+    host_args = [a for a in args if '"pinned_host"' in a]
+    assert len(host_args) == master_and_moments
+    assert all("tf.aliasing_output" in a for a in host_args)
+    # The compute copy comes back in the compute dtype, to the device.
+    body = text[text.index(f"func.func private @{calls[0]}("):]
+    body = body[:body.index("\n  }")]
+    assert "all_gather" not in body and "reduce_scatter" not in body  # no collective on host
+
+
+def test_gpu_program_keeps_the_host_placements(offloaded):
+    """Exported for CUDA: the update is one host computation, every operand of which is in host
+    memory (the state as the step's pinned_host arguments, the gradients annotated to move
+    there), and nothing inside it moves data back to the device."""
+    plan, step, state, batch = offloaded
+    text = export.export(step, platforms=["cuda"])(state, batch).mlir_module()
+    calls = re.findall(r'call @(\w+)\(([^)]*)\).*_xla_compute_type = "host"', text)
+    assert len(calls) == 1
+    name, operands = calls[0]
+    main = text[text.index("func.func public @main("):]
+    signature = main[:main.index(") -> (")]
+    host_args = {"%arg" + a.split(":")[0] for a in signature.split("%arg")[1:]
+                 if '"pinned_host"' in a}
+
+    def in_host_memory(value: str) -> bool:
+        if value in host_args:
+            return True
+        defined = re.search(rf"\n\s*{re.escape(value)} = (.*)", text).group(1)
+        return ("annotate_device_placement" in defined and
+                '_xla_buffer_placement = "pinned_host"' in defined)
+
+    operands = [o.strip() for o in operands.split(",")]
+    n = len(jax.tree.leaves(state.params))
+    # Gradients, master, optimizer state (and the finite flag): all in host memory.
+    assert len(operands) == n + len(jax.tree.leaves((state.master, state.opt_state))) + 1
+    assert all(in_host_memory(o) for o in operands), operands
+    body = text[text.index(f"func.func private @{name}("):]
+    assert "annotate_device_placement" not in body[:body.index("\n  }")]
+
+
+def test_an_optimizer_that_couples_leaves_is_refused_below_ratio_1(mesh, small):
+    """A split update is exact only when no leaf's update reads another leaf's state or
+    parameter (reading every gradient, as clipping does, is fine): checked on the jaxpr."""
+    _, init, loss_fn, _ = small
+
+    def scale_by_param_norm() -> optax.GradientTransformation:  # LARS-like, but global
+        def update(updates, state, params):
+            norm = optax.tree.norm(params)
+            return jax.tree.map(lambda u: u * norm, updates), state
+        return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+    shapes = jax.eval_shape(init, KEY)
+    coupled = optax.chain(scale_by_param_norm(), optax.sgd(0.1))
+    half = make_plan(shapes, mesh, 3, layers=LAYERS, offload_optimizer=0.5)
+    with pytest.raises(ValueError, match="not separable"):
+        make_train_step(half, loss_fn, coupled)
+    make_train_step(make_plan(shapes, mesh, 3, layers=LAYERS, offload_optimizer=1.0), loss_fn,
+                    coupled)  # all on the host: nothing to split
+    make_train_step(half, loss_fn, OPTIMIZERS["adamw"]())  # clipping reads only gradients
+
+
+def test_ratio_picks_the_largest_leaves(mesh, small):
+    _, init, _, _ = small
+    shapes = jax.eval_shape(init, KEY)
+    sizes = {path_str(path): x.size
+             for path, x in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+    total = sum(sizes.values())
+    for ratio in (0.0, 0.3, 0.5, 1.0):
+        plan = make_plan(shapes, mesh, 1, offload_optimizer=ratio)
+        leaves = jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "offload"))
+        host = [leaf for leaf in leaves if leaf.offload]
+        taken = sum(sizes[leaf.path] for leaf in host)
+        assert taken >= ratio * total
+        if host:  # the smallest one taken was needed to reach the ratio, and none is bigger
+            smallest = min(sizes[leaf.path] for leaf in host)
+            assert taken - smallest < ratio * total
+            assert all(sizes[leaf.path] <= smallest for leaf in leaves if not leaf.offload)
+    with pytest.raises(ValueError, match="0 to 1"):
+        make_plan(shapes, mesh, 1, offload_optimizer=1.5)

@@ -1,0 +1,150 @@
+"""Running part of the step on the host (ZeRO-Offload's update), and proving that splitting the
+optimizer between host and device computes what it computes whole.
+
+``on_host`` is ``jax.experimental.compute_on("device_host")`` for functions that create
+constants (any optax transformation does). JAX types an array in host memory as such, and
+refuses an op that mixes it with a constant, which is typed "device". So the function is traced
+on device-typed stand-ins of its arguments, and that jaxpr is bound as the host computation over
+the real, host-resident, arguments: the program is the host computation one would write by hand
+(``_xla_compute_type="host"`` on the call, its operands and results in ``pinned_host``), with no
+copy inside it. Trying ``device_put(x, Device)`` inside the host function instead lowers to
+nothing on CPU but to a host-to-device annotation on GPU and TPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax._src.compute_on import compute_on_p  # the primitive behind jax.experimental.compute_on
+from jax.extend import core as jex_core
+
+PyTree = Any
+HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
+
+
+def to_host(tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda x: jax.device_put(x, HOST), tree)
+
+
+def on_host(fn: Callable, out_on_host: Callable[[PyTree], PyTree]) -> Callable:
+    """``fn`` as one host computation. Its arguments are moved to host memory first; each result
+    stays in host memory where ``out_on_host(result shapes)`` says True, else returns to the
+    device."""
+    def call(*args):
+        flat, tree = jax.tree.flatten(to_host(args))
+        stand_ins = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
+        closed, shapes = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)),
+                                        return_shape=True)(*stand_ins)
+        spaces = tuple(HOST if h else DEVICE for h in jax.tree.leaves(out_on_host(shapes)))
+        outs = compute_on_p.bind(*flat, jaxpr=closed, compute_type="device_host",
+                                 out_memory_spaces=spaces, compiler_options_json=None)
+        return jax.tree.unflatten(jax.tree.structure(shapes), outs)
+    return call
+
+
+def dependencies(fn: Callable, *args: Any) -> list[set[int]]:
+    """For each output leaf of ``fn(*args)``, the flat indices of the input leaves it is
+    computed from (read off the jaxpr; control flow counts as depending on all its inputs)."""
+    plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+    closed = jax.make_jaxpr(fn)(*plain)
+    return _jaxpr_deps(closed.jaxpr, [{i} for i in range(len(closed.jaxpr.invars))])
+
+
+def _jaxpr_deps(jaxpr, in_deps: Sequence[set[int]]) -> list[set[int]]:
+    deps = dict(zip(jaxpr.invars, in_deps, strict=True))
+    get = lambda v: set() if isinstance(v, jex_core.Literal) else deps.get(v, set())
+    for eqn in jaxpr.eqns:
+        ins = [get(v) for v in eqn.invars]
+        inner = eqn.params.get("jaxpr")
+        if eqn.primitive.name in ("pjit", "jit", "closed_call") and inner is not None:
+            inner = getattr(inner, "jaxpr", inner)
+            outs = _jaxpr_deps(inner, ins)
+        else:
+            every = set().union(*ins) if ins else set()
+            outs = [every] * len(eqn.outvars)
+        deps.update(zip(eqn.outvars, outs, strict=True))
+    return [get(v) for v in jaxpr.outvars]
+
+
+def split_update(update: Callable, raw: Callable, grads: PyTree, opt_state: PyTree,
+                 master: PyTree, state_host: PyTree, state_shared: PyTree, master_host: PyTree,
+                 compute_on_host: bool = False) -> Callable:
+    """``update(grads, opt_state, master, finite) -> (master, opt_state, compute)`` run in two
+    parts: the leaves marked host by the host, the rest by the device. ``raw(grads, opt_state,
+    master) -> (master, opt_state)`` is the optimizer alone, whose jaxpr is checked.
+
+    Each part runs the whole ``update`` on every gradient, its own leaves of the state and
+    master, the shared state (counters) and zeros for the other part's leaves, and keeps only
+    its own results. That is exact when no result reads another part's state or master, which
+    is checked here, on the jaxpr of ``raw`` over the abstract ``grads``, ``opt_state`` and
+    ``master``: global-norm clipping reads every gradient, which both parts have.
+    """
+    s_tree, m_tree = jax.tree.structure(opt_state), jax.tree.structure(master)
+    s_shapes, m_shapes = jax.tree.leaves(opt_state), jax.tree.leaves(master)
+    s_host, s_shared = jax.tree.leaves(state_host), jax.tree.leaves(state_shared)
+    m_host = jax.tree.leaves(master_host)
+    if len(set(s_host + m_host)) > 1:  # both parts own something: check the split is exact
+        # The owner of each input: True host, False device, None both (gradients, counters).
+        owner = ([None] * len(jax.tree.leaves(grads)) +
+                 [None if shared else h for h, shared in zip(s_host, s_shared, strict=True)] +
+                 m_host)
+        names = ([f"the master of parameter {i}" for i in range(len(m_host))] +
+                 [f"optimizer state leaf {i}" for i in range(len(s_host))])
+        deps = dependencies(raw, grads, opt_state, master)
+        for mine, name, reads in zip(m_host + s_host, names, deps, strict=True):
+            if any(owner[i] is not None and owner[i] != mine for i in reads):
+                raise ValueError(
+                    f"offload_optimizer below 1 splits the update between host and device, but "
+                    f"this optimizer computes {name} from state or parameters of the other "
+                    f"part; it is not separable by leaves: use offload_optimizer 1 (the whole "
+                    f"update on the host) or 0")
+
+    def part(host_side: bool):
+        mine_s = [h == host_side for h in s_host]
+        mine_m = [h == host_side for h in m_host]
+        reads_s = [m or shared for m, shared in zip(mine_s, s_shared, strict=True)]
+
+        def fill(flags, values, shapes):  # this part's values, zeros for the other part's
+            values = iter(values)
+            return [next(values) if f else jnp.zeros(x.shape, x.dtype)
+                    for f, x in zip(flags, shapes, strict=True)]
+
+        def run(grads, state, master, finite):
+            new_m, new_s, compute = update(
+                grads, jax.tree.unflatten(s_tree, fill(reads_s, state, s_shapes)),
+                jax.tree.unflatten(m_tree, fill(mine_m, master, m_shapes)), finite)
+            return (_pick(mine_m, new_m), _pick(mine_s, new_s), _pick(mine_m, compute))
+
+        def call(grads, opt_state, master, finite):
+            args = (grads, _pick(reads_s, opt_state), _pick(mine_m, master), finite)
+            if not host_side:
+                return run(*args)
+            return on_host(run, lambda shapes: (
+                [True] * len(shapes[0]), [True] * len(shapes[1]),
+                [compute_on_host] * len(shapes[2])))(*args)
+
+        return call, mine_s, mine_m
+
+    parts = [p for p in (part(True), part(False)) if any(p[1]) or any(p[2])]
+
+    def split(grads, opt_state, master, finite):
+        new_s, new_m = [None] * len(s_shapes), [None] * len(m_shapes)
+        compute = [None] * len(m_shapes)
+        for call, mine_s, mine_m in parts:
+            m, s, c = call(grads, opt_state, master, finite)
+            for flags, out, values in ((mine_s, new_s, s), (mine_m, new_m, m),
+                                       (mine_m, compute, c)):
+                values = iter(values)
+                for i, f in enumerate(flags):
+                    if f:
+                        out[i] = next(values)
+        return (jax.tree.unflatten(m_tree, new_m), jax.tree.unflatten(s_tree, new_s),
+                jax.tree.unflatten(m_tree, compute))
+    return split
+
+
+def _pick(flags: list[bool], tree: PyTree) -> list:
+    return [x for f, x in zip(flags, jax.tree.leaves(tree), strict=True) if f]
