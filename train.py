@@ -49,6 +49,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--report", help="write the memory/communication report as JSON here")
     p.add_argument("--dry-run", action="store_true",
                    help="compile the step on abstract arrays, print the report, train nothing")
+    p.add_argument("--device-memory", metavar="SIZE",
+                   help="with --dry-run: plan for devices of this memory (80GB, 80GiB): compile "
+                   "every stage x offload x remat policy not fixed by --stage or --set, and "
+                   "name the layout that fits and communicates least")
+    p.add_argument("--host-memory", metavar="SIZE",
+                   help="with --device-memory: each host's memory (e.g. 1TB)")
+    p.add_argument("--devices-per-host", type=int, metavar="K",
+                   help="with --device-memory: devices sharing one host's memory (default: "
+                   "this machine's devices)")
     p.add_argument("--checkpoint-dir", metavar="DIR",
                    help="save sharded orbax checkpoints here (at the end, and every --save-every)")
     p.add_argument("--save-every", type=int, default=0, metavar="N",
@@ -85,6 +94,16 @@ def check_args(args: argparse.Namespace) -> str | None:
                              ("--keep", args.keep, 1)]:
         if value is not None and value < low:
             return f"{flag} must be at least {low} (got {value})"
+    if (args.device_memory or args.host_memory) and not (args.dry_run and args.device_memory
+                                                          and args.host_memory):
+        return ("--device-memory and --host-memory plan layouts: pass both, with --dry-run, "
+                "e.g. --dry-run --device-memory 80GB --host-memory 1TB")
+    if args.devices_per_host is not None and args.devices_per_host < 1:
+        return f"--devices-per-host must be at least 1 (got {args.devices_per_host})"
+    for flag, size in [("--device-memory", args.device_memory),
+                       ("--host-memory", args.host_memory)]:
+        if size and (problem := bad_size(size)):
+            return f"{flag} {problem}"
     if args.resume and not args.checkpoint_dir:
         return "--resume needs --checkpoint-dir DIR"
     if args.resume and args.overwrite:
@@ -96,6 +115,13 @@ def check_args(args: argparse.Namespace) -> str | None:
         if path and (problem := unwritable(path)):
             return f"{flag} {path} {problem}"
     return None
+
+
+def bad_size(text: str) -> str | None:
+    import re  # the planner's own parser needs jax; this one runs before jax is imported
+
+    m = re.fullmatch(r"\s*[0-9.]+\s*(|B|[KMGT]i?B?)\s*", text, re.IGNORECASE)
+    return None if m else f"{text!r} is not a memory size: write e.g. 80GB, 80GiB or 1TB"
 
 
 def same_file(a: str, b: str) -> bool:
@@ -352,11 +378,97 @@ class Run:
         from zero_jax.step import abstract_state
 
         plan = self.exp.plan
+        if self.args.device_memory:
+            return self.plan_layouts()
         r, _ = self.report(abstract_state(plan, self.exp.tx))
         if plan.outer is None:  # the flat stages side by side, on the same mesh
             r["stages"] = report.stages_table(plan, self.exp.tx)
             print("\n" + report.format_stages(r["stages"], r["n_params"], plan.dp_size))
         self.write_report(r)
+        return 0
+
+    def plan_layouts(self) -> int:
+        """The planner: every stage x offload x remat policy of this config, compiled on
+        abstract arrays, against --device-memory and --host-memory."""
+        import copy
+
+        import jax
+
+        from zero_jax import planner
+        from zero_jax.gather import REMAT
+        from zero_jax.gpt.experiment import Experiment, mesh_for
+        from zero_jax.hlo import collectives
+        from zero_jax.step import abstract_state
+
+        if self.exp.plan.outer is not None:
+            raise ValueError("the planner compares the flat stages; drop zero3_size")
+        args = self.args
+        device, host = (planner.parse_size(x) for x in (args.device_memory, args.host_memory))
+        per_host = args.devices_per_host or jax.local_device_count()
+        # Varied: what the command line did not fix (--stage, model.remat, zero.offload_*).
+        fixed = lambda key: any(s.startswith(key) for s in args.set)
+        z = self.cfg["zero"]
+        offloads = {"none": ("none", "none"), "optimizer": ("cpu", "none"),
+                    "params": ("cpu", "cpu")}
+        if fixed("zero.offload_"):
+            offloads = {"as set": (z["offload_optimizer"]["device"], z["offload_params"])}
+        stages = [args.stage] if args.stage is not None else range(4)
+        remats = [self.cfg["model"]["remat"]] if fixed("model.remat") else REMAT
+        rows, mesh = [], self.exp.mesh
+        for stage in stages:
+            for offload, (opt, params) in offloads.items():
+                if params == "cpu" and (stage != 3 or self.cfg["train"]["accum_steps"] > 1):
+                    continue
+                for remat in remats:
+                    cfg = copy.deepcopy(self.cfg)
+                    ratio = z["offload_optimizer"]["ratio"] if offload == "as set" else 1.0
+                    cfg["zero"].update(stage=stage, offload_params=params,
+                                       offload_optimizer={"device": opt, "ratio": ratio})
+                    cfg["model"]["remat"] = remat
+                    exp = Experiment.build(cfg, mesh_for(cfg, args.devices))
+                    state = abstract_state(exp.plan, exp.tx)
+                    compiled = exp.step.lower(state, exp.batch_shape).compile()
+                    comm = sum(c.volume for c in collectives(compiled.as_text(), mesh.size))
+                    rows.append(planner.measure(
+                        {"stage": stage, "offload": offload, "remat": remat}, state, compiled,
+                        comm, planner.offload_traffic(exp.plan, state)))
+        best = planner.choose(rows, device, host, per_host)
+        unit, div = ("GiB", 2**30) if device >= 2**30 else ("MiB", 2**20)
+        print(f"layouts of {self.exp.model.n_params:,} parameters on {mesh.size} devices of "
+              f"{device / div:.1f} {unit}, {per_host} per host of {host / div:.1f} {unit} "
+              f"(fits: within {planner.HEADROOM:.0%} of both); {unit} per device, host per "
+              f"host, communication per device and step\n")
+        print(f"  {'stage':<6}{'offload':<10}{'remat':<8}{'device':>9}{'(state':>9}"
+              f"{'+ temp)':>9}{'host':>9}{'fits':>6}{'comm MiB':>10}{'host<->dev MiB':>16}")
+        for c in rows:
+            lo = c.layout
+            print(f"  {lo['stage']:<6}{lo['offload']:<10}{lo['remat']:<8}{c.device / div:>9.2f}"
+                  f"{c.device_state / div:>9.2f}{c.temp / div:>9.2f}"
+                  f"{c.host_state * per_host / div:>9.2f}{'yes' if c.fits else 'no':>6}"
+                  f"{c.comm / 2**20:>10.2f}{c.host_traffic / 2**20:>16.2f}")
+        if best is None:
+            print("\nnothing fits: more devices, a smaller model or train.batch_size")
+        else:
+            lo = best.layout
+            flags = [f"--stage {lo['stage']}", f"--set model.remat={lo['remat']}"]
+            if lo["offload"] in ("optimizer", "params"):
+                flags.append("--set zero.offload_optimizer.device=cpu")
+            if lo["offload"] == "params":
+                flags.append("--set zero.offload_params=cpu")
+            print(f"\nfits and communicates least: stage {lo['stage']}, offload {lo['offload']}, "
+                  f"remat {lo['remat']}: {' '.join(flags)}")
+        if args.report and self.primary:
+            with open(args.report, "w") as f:
+                json.dump({"device_memory": device, "host_memory": host,
+                           "devices_per_host": per_host, "devices": mesh.size,
+                           "best": None if best is None else best.layout,
+                           "candidates": [{**c.layout, "device_bytes": c.device,
+                                           "device_state_bytes": c.device_state,
+                                           "temp_bytes": c.temp,
+                                           "host_bytes_per_host": c.host_state * per_host,
+                                           "fits": c.fits, "comm_bytes": c.comm,
+                                           "host_traffic_bytes": c.host_traffic}
+                                          for c in rows]}, f, indent=1)
         return 0
 
     def restore(self, target):

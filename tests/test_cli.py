@@ -8,6 +8,8 @@ import sys
 import pytest
 from conftest import SUBPROCESS_ENV
 
+from zero_jax.gpt.model import GPTConfig
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENV = SUBPROCESS_ENV
 
@@ -103,3 +105,38 @@ def test_user_data_files(tmp_path):
     assert run.returncode == 2 and "token id 4999 but model.vocab_size is 256" in run.stderr
     run = train("--data", str(ids), "--steps", "3", "--set", "model.vocab_size=5000")
     assert run.returncode == 0, run.stderr
+
+
+def test_planner_names_the_layout_that_fits(tmp_path):
+    """--dry-run --device-memory/--host-memory compiles each layout not fixed on the command
+    line (here: stage 3 and remat full, so the three offload settings) and reports, from the
+    compiled programs, what each keeps on the device and on the host; the one that fits and
+    moves least wins."""
+    report = tmp_path / "plan.json"
+    model = {"n_layers": 2, "d_model": 32, "d_ff": 64, "seq_len": 16}
+    sets = [x for k, v in model.items() for x in ("--set", f"model.{k}={v}")]
+    run = train("--dry-run", "--device-memory", "150KiB", "--host-memory", "1GB", "--stage", "3",
+                "--set", "model.remat=full", "--set", "train.batch_size=8", *sets,
+                "--report", str(report))
+    assert run.returncode == 0, run.stderr
+    r = json.loads(report.read_text())
+    psi = GPTConfig(**model).n_params
+    n, per_host = 8, r["devices_per_host"]
+    rows = {c["offload"]: c for c in r["candidates"]}
+    assert set(rows) == {"none", "optimizer", "params"}
+    # fp32 model states per device, ZeRO's formulas (plus a few scalars: step, counts):
+    # 4 Psi/N parameters and 8 Psi/N Adam moments; offloaded, the moments and a 4 Psi/N master
+    # move to the host, and with the parameters offloaded those too.
+    expect = {"none": (12, 0), "optimizer": (4, 12), "params": (0, 16)}
+    for name, (device, host) in expect.items():
+        c = rows[name]
+        assert c["device_state_bytes"] == pytest.approx(device * psi / n, abs=64)
+        assert c["host_bytes_per_host"] == pytest.approx(host * psi / n * per_host, abs=64 * 8)
+        assert c["device_bytes"] == c["device_state_bytes"] + c["temp_bytes"]
+        assert c["temp_bytes"] > 0 and c["fits"] == (c["device_bytes"] <= 0.9 * 150 * 1024)
+    assert not rows["none"]["fits"] and rows["optimizer"]["fits"] and rows["params"]["fits"]
+    # The same collectives for all three; the least host traffic decides.
+    assert len({c["comm_bytes"] for c in rows.values()}) == 1
+    assert r["best"] == {"stage": 3, "offload": "optimizer", "remat": "full"}
+    assert "--stage 3 --set model.remat=full --set zero.offload_optimizer.device=cpu" \
+        in run.stdout

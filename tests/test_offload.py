@@ -57,6 +57,17 @@ def test_update_is_one_host_computation_over_host_state(offloaded):
     assert "all_gather" not in body and "reduce_scatter" not in body  # no collective on host
 
 
+def test_stage2_gradients_leave_for_the_host_layer_by_layer(offloaded):
+    """ZeRO-Offload's gradient streaming: at stage 2 each layer's gradient shard moves to host
+    memory inside the backward loop, as that layer's backward ends, not after the loop."""
+    plan, step, state, batch = offloaded
+    puts = device_puts_per_loop(jax.make_jaxpr(step)(state, batch).jaxpr)
+    cut = [leaf for leaf in jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "axis"))
+           if leaf.axis is not None and not leaf.persistent]
+    in_blocks = sum(leaf.block is not None for leaf in cut)
+    assert puts["scans"] == 2 and puts[1, "Host"] == in_blocks > 0
+
+
 def test_gpu_program_keeps_the_host_placements(offloaded):
     """Exported for CUDA: the update is one host computation, every operand of which is in host
     memory (the state as the step's pinned_host arguments, the gradients annotated to move
@@ -126,3 +137,58 @@ def test_ratio_picks_the_largest_leaves(mesh, small):
             assert all(sizes[leaf.path] <= smallest for leaf in leaves if not leaf.offload)
     with pytest.raises(ValueError, match="0 to 1"):
         make_plan(shapes, mesh, 1, offload_optimizer=1.5)
+
+
+def device_puts_per_loop(jaxpr, loop=None, found=None) -> dict:
+    """``{(loop, "Device"|"Host"): count}`` of the device_puts in the program, ``loop`` being
+    the index of the scan they run in (in program order: the forward loop first), or None."""
+    found = {} if found is None else found
+    for eqn in jaxpr.eqns:
+        here = loop
+        if eqn.primitive.name == "scan":
+            here = found.setdefault("scans", 0)
+            found["scans"] += 1
+        if eqn.primitive.name == "device_put":
+            for dst in eqn.params["devices"]:
+                key = (here, getattr(dst, "name", str(dst)))
+                found[key] = found.get(key, 0) + 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    device_puts_per_loop(inner, here, found)
+    return found
+
+
+def test_parameter_offload_moves_each_layer_inside_both_loops(mesh, small):
+    """Stage 3 with ``offload_params``: the cut shards live in host memory; each layer's shard
+    is copied to the device inside the forward loop and again inside the backward loop, right
+    before its gathers, and each layer's gradient shard goes back to host memory inside the
+    backward loop."""
+    _, init, loss_fn, batches = small
+    tx = OPTIMIZERS["adamw"]()
+    shapes = jax.eval_shape(init, KEY)
+    plan = make_plan(shapes, mesh, 3, layers=LAYERS, offload_optimizer=1.0, offload_params=True)
+    state = abstract_state(plan, tx)
+    cut = [leaf for leaf in jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "axis"))
+           if leaf.axis is not None and not leaf.persistent]
+    in_blocks = sum(leaf.block is not None for leaf in cut)
+    kinds = [x.sharding.memory_kind for x in jax.tree.leaves(state.params)]
+    assert kinds.count("pinned_host") == len(cut) and in_blocks > 0
+    batch = jax.ShapeDtypeStruct(batches[0].shape, batches[0].dtype,
+                                 sharding=NamedSharding(mesh, P("data")))
+    step = make_train_step(plan, loss_fn, tx)
+    puts = device_puts_per_loop(jax.make_jaxpr(step)(state, batch).jaxpr)
+    assert puts["scans"] == 2  # the forward and the backward layer loops
+    assert puts[0, "Device"] == in_blocks  # forward: every cut leaf of the layer
+    # Backward: again before the re-gather (JAX drops those of biases the backward never
+    # reads), and every cut leaf's gradient shard back to the host.
+    assert in_blocks / 2 < puts[1, "Device"] <= in_blocks
+    assert puts[1, "Host"] == in_blocks
+    assert puts[None, "Device"] == len(cut) - in_blocks  # the rest, once per step
+    # The same program for CUDA carries each of those moves as a placement annotation.
+    text = export.export(step, platforms=["cuda"])(state, batch).mlir_module()
+    to_device = re.findall(r'_xla_buffer_placement = "device"', text)
+    assert len(to_device) >= puts[0, "Device"] + puts[1, "Device"] + puts[None, "Device"]
+    with pytest.raises(ValueError, match="offload_optimizer 1"):
+        make_plan(shapes, mesh, 3, layers=LAYERS, offload_optimizer=0.5, offload_params=True)

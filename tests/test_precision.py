@@ -227,8 +227,31 @@ def test_dry_run_of_7_5b_on_64_devices_matches_the_paper(tmp_path):
         if not row["offload"]:
             assert row["total"] / 1e9 == pytest.approx(paper_gb[row["stage"]] * scale, rel=0.02)
             assert row["host"] == 0
-        else:  # ZeRO-Offload: the 12 Psi (/N) of master and moments move to the host
+        else:  # ZeRO-Offload: the 12 Psi (/N) of master and moments move to the host, and at
+            # stage 2 the 16-bit gradient shards stream there too (2 Psi/N)
+            moved = (12 + 2 * (row["stage"] == 2)) * psi / n
             assert row["master"] == row["opt_state"] == 0
-            assert row["host"] == pytest.approx(12 * psi / n, rel=0.001)
-            assert row["total"] == pytest.approx(plain[row["stage"]] - 12 * psi / n, rel=0.001)
+            assert row["host"] == pytest.approx(moved, rel=0.001)
+            assert row["total"] == pytest.approx(plain[row["stage"]] - moved, rel=0.001)
     assert "model states per device at each stage" in run.stdout
+
+
+def test_zero_offload_puts_13b_on_one_device_in_2_psi(tmp_path):
+    """ZeRO-Offload's headline: 13B parameters on one 32 GB device. Stage 2, bf16, the optimizer
+    offloaded: the device keeps the 16-bit parameters (2 Psi, at most 27 GB); the host the
+    streamed 16-bit gradients, the fp32 master and Adam's moments (2 + 4 + 8 = 14 Psi)."""
+    out = tmp_path / "r.json"
+    root = pathlib.Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "train.py", "--dry-run", "--config", "gpt-13b",
+                          "--devices", "1", "--stage", "2", "--set", "precision.param_dtype=bf16",
+                          "--set", "zero.offload_optimizer.device=cpu", "--report", str(out)],
+                         cwd=root, env=SUBPROCESS_ENV, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    r = json.loads(out.read_text())
+    psi, device, host = r["n_params"], r["per_device_bytes"], r["per_device_host_bytes"]
+    assert 12.5e9 < psi < 13.5e9
+    assert device == {"params": 2 * psi, "grads": 0, "master": 0, "opt_state": 0}
+    assert sum(device.values()) <= 27e9
+    assert host["grads"] == 2 * psi and host["master"] == 4 * psi
+    assert host["opt_state"] == pytest.approx(8 * psi, abs=64)  # and Adam's count

@@ -11,7 +11,7 @@ The public API, in the order a training loop uses it::
 """
 
 from zero_jax.checkpoint import Checkpoints
-from zero_jax.gather import nnx_merge
+from zero_jax.gather import nnx_merge, remat_policy
 from zero_jax.mesh import make_mesh
 from zero_jax.rules import STAGES, Plan, make_plan, modules_pattern
 from zero_jax.step import (
@@ -22,9 +22,11 @@ from zero_jax.step import (
     init_state,
     make_grad_fn,
     make_train_step,
+    state_shardings,
     state_specs,
 )
 
 __all__ = ["STAGES", "Checkpoints", "Plan", "TrainState", "Weighted", "abstract_state",
            "device_key", "init_state", "make_grad_fn", "make_mesh", "make_plan",
-           "make_train_step", "modules_pattern", "nnx_merge", "state_specs"]
+           "make_train_step", "modules_pattern", "nnx_merge", "remat_policy", "state_shardings",
+           "state_specs"]

@@ -28,6 +28,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 PyTree = Any
 
@@ -98,8 +99,14 @@ def materialize(x: Any) -> Any:
         return x
     axis = x.axis % x.value.ndim  # counted from the end: the same in a scan's per-layer slice
     if x.whole is None:
-        return _gather(x.value, axis, x.mesh_axis, x.reduce_dtype)
-    return _read_whole(x.value, jax.lax.stop_gradient(x.whole), axis, x.mesh_axis,
+        # Offloaded parameters: this layer's shard is copied to the device right before its
+        # gather, and its gradient shard goes back to host memory as its backward ends.
+        value = jax.device_put(x.value, jax.memory.Space.Device)
+        return checkpoint_name(_gather(value, axis, x.mesh_axis, x.reduce_dtype), GATHERED)
+    # Stage 2 reads its whole copy; the shard only carries the gradient, which, when the shard
+    # is in host memory (optimizer offload), goes there as this layer's backward ends.
+    value = jax.device_put(x.value, jax.memory.Space.Device)
+    return _read_whole(value, jax.lax.stop_gradient(x.whole), axis, x.mesh_axis,
                        x.reduce_dtype)
 
 
@@ -123,11 +130,43 @@ def _after_inputs(tree: PyTree, args: tuple, kwargs: dict) -> PyTree:
     return jax.lax.optimization_barrier((tree, inputs))[0]
 
 
+# Names for remat policies: a block's input (its per-layer checkpoint) and a gathered weight.
+BLOCK_INPUT, GATHERED = "zero_jax_block_input", "zero_jax_gathered"
+REMAT = ("full", "dots", "none", "offload")
+
+
+def remat_policy(name: str, gathers: bool = False) -> Any:
+    """The ``jax.checkpoint`` policy of a block for ``model.remat`` ``name``:
+
+    - ``full``: save nothing but the block's input; recompute the rest in the backward;
+    - ``dots``: also save every matmul's output;
+    - ``none``: save everything, recompute nothing (``gathers``: except the gathered weights,
+      which stage 3 gathers again rather than keep whole through the step);
+    - ``offload``: as ``full``, with the block's input (named ``BLOCK_INPUT``) saved in host
+      memory: ZeRO-R's offloaded activation checkpoints.
+    """
+    cp = jax.checkpoint_policies
+    if name not in REMAT:
+        raise ValueError(f"remat policy must be one of {', '.join(REMAT)} (got {name!r})")
+    return {"full": cp.nothing_saveable, "dots": cp.dots_saveable,
+            "none": cp.save_anything_except_these_names(GATHERED) if gathers
+            else cp.everything_saveable,
+            "offload": cp.save_and_offload_only_these_names(
+                names_which_can_be_saved=[], names_which_can_be_offloaded=[BLOCK_INPUT],
+                offload_src="device", offload_dst="pinned_host")}[name]
+
+
+def name_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A block's array inputs named ``BLOCK_INPUT``, for the ``offload`` policy."""
+    name = lambda x: checkpoint_name(x, BLOCK_INPUT) if isinstance(x, jax.Array) else x
+    return jax.tree.map(name, args), jax.tree.map(name, kwargs)
+
+
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("zero_jax_blocks", default=None)
 
 
 @contextlib.contextmanager
-def per_block(blocks: Iterable[str]):
+def per_block(blocks: Iterable[str], remat: str = "full"):
     """Make each named block's ``Shard``s whole as the block runs; yields the set of blocks
     that ran.
 
@@ -137,9 +176,11 @@ def per_block(blocks: Iterable[str]):
     by ``zero_jax.nnx_merge`` do the same in their ``__call__``. When that gathers (stage 3),
     the block is also rematerialized, so the backward gathers again instead of keeping whole
     weights as residuals; on the CPU backend this needs XLA to keep remat's optimization
-    barriers (``zero_jax.mesh.simulate_cpu_devices``).
+    barriers (``zero_jax.mesh.simulate_cpu_devices``); ``remat`` names its policy
+    (``remat_policy``).
     """
     names, seen = frozenset(blocks), set()
+    policy = remat_policy(remat, gathers=True)
 
     def intercept(next_fun, args, kwargs, context):
         module = context.module
@@ -154,10 +195,14 @@ def per_block(blocks: Iterable[str]):
         if not _gathers(params):  # stage 2: reads its whole copy
             return nn.map_variables(run, "params", trans_in_fn=materialize_tree)(module)
         gather = lambda params: materialize_tree(_after_inputs(params, args, kwargs))
-        run = nn.map_variables(run, "params", trans_in_fn=gather)
-        return nn.remat(run, prevent_cse=True)(module)
 
-    token = _ACTIVE.set((names, seen))
+        def named(mdl):  # inside the checkpoint, where the policy sees the names
+            a, k = name_inputs(args, kwargs)
+            return getattr(mdl, context.method_name)(*a, **k)
+        run = nn.map_variables(named, "params", trans_in_fn=gather)
+        return nn.remat(run, prevent_cse=True, policy=policy)(module)
+
+    token = _ACTIVE.set((names, seen, policy))
     try:
         with nn.intercept_methods(intercept):
             yield seen
@@ -174,7 +219,7 @@ def nnx_merge(graphdef: Any, *states: Any) -> Any:
     active = _ACTIVE.get()
     if active is None:
         return model
-    names, seen = active
+    names, seen, _ = active
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module) and (name := "/".join(map(str, path))) in names:
             node.__class__ = _per_block_class(type(node))
@@ -212,7 +257,9 @@ def _per_block_class(cls: type) -> type:
         if not _gathers(shards):
             return run(self, args, kwargs, materialize_tree)
         gather = lambda s: materialize_tree(_after_inputs(s, args, kwargs))
-        return nnx.remat(lambda m: run(m, args, kwargs, gather), prevent_cse=True)(self)
+
+        named = lambda m: run(m, *name_inputs(args, kwargs), gather)
+        return nnx.remat(named, prevent_cse=True, policy=active[2])(self)
 
     return type(cls.__name__, (cls,), {"__call__": __call__, "_zero_jax_block": True,
                                        "__module__": cls.__module__,

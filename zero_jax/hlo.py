@@ -45,7 +45,10 @@ class Collective:
 
     @property
     def volume(self) -> int:
-        """Bytes per step in ZeRO's units (an all-reduce = reduce-scatter + all-gather)."""
+        """Bytes per step in ZeRO's units (an all-reduce = reduce-scatter + all-gather); over a
+        group of one device (one-device offload's shards), nothing moves."""
+        if self.group_size == 1:
+            return 0
         return self.count * self.bytes * (2 if self.kind == "all-reduce" else 1)
 
     @property

@@ -71,10 +71,11 @@ def _jaxpr_deps(jaxpr, in_deps: Sequence[set[int]]) -> list[set[int]]:
 
 def split_update(update: Callable, raw: Callable, grads: PyTree, opt_state: PyTree,
                  master: PyTree, state_host: PyTree, state_shared: PyTree, master_host: PyTree,
-                 compute_on_host: bool = False) -> Callable:
+                 compute_host: PyTree) -> Callable:
     """``update(grads, opt_state, master, finite) -> (master, opt_state, compute)`` run in two
     parts: the leaves marked host by the host, the rest by the device. ``raw(grads, opt_state,
-    master) -> (master, opt_state)`` is the optimizer alone, whose jaxpr is checked.
+    master) -> (master, opt_state)`` is the optimizer alone, whose jaxpr is checked. The new
+    compute copy of a leaf stays in host memory where ``compute_host`` says so.
 
     Each part runs the whole ``update`` on every gradient, its own leaves of the state and
     master, the shared state (counters) and zeros for the other part's leaves, and keeps only
@@ -85,7 +86,7 @@ def split_update(update: Callable, raw: Callable, grads: PyTree, opt_state: PyTr
     s_tree, m_tree = jax.tree.structure(opt_state), jax.tree.structure(master)
     s_shapes, m_shapes = jax.tree.leaves(opt_state), jax.tree.leaves(master)
     s_host, s_shared = jax.tree.leaves(state_host), jax.tree.leaves(state_shared)
-    m_host = jax.tree.leaves(master_host)
+    m_host, c_host = jax.tree.leaves(master_host), jax.tree.leaves(compute_host)
     if len(set(s_host + m_host)) > 1:  # both parts own something: check the split is exact
         # The owner of each input: True host, False device, None both (gradients, counters).
         owner = ([None] * len(jax.tree.leaves(grads)) +
@@ -120,11 +121,10 @@ def split_update(update: Callable, raw: Callable, grads: PyTree, opt_state: PyTr
 
         def call(grads, opt_state, master, finite):
             args = (grads, _pick(reads_s, opt_state), _pick(mine_m, master), finite)
-            if not host_side:
-                return run(*args)
+            if not host_side:  # gradients already in host memory come back (if read)
+                return run(jax.tree.map(lambda g: jax.device_put(g, DEVICE), grads), *args[1:])
             return on_host(run, lambda shapes: (
-                [True] * len(shapes[0]), [True] * len(shapes[1]),
-                [compute_on_host] * len(shapes[2])))(*args)
+                [True] * len(shapes[0]), [True] * len(shapes[1]), _pick(mine_m, c_host)))(*args)
 
         return call, mine_s, mine_m
 

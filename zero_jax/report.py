@@ -17,7 +17,7 @@ import numpy as np
 from zero_jax.distributed import processes_spanned
 from zero_jax.hlo import collectives
 from zero_jax.rules import Plan, path_str
-from zero_jax.step import abstract_state
+from zero_jax.step import abstract_state, grads_in_host_memory
 
 PyTree = Any
 MiB = 1 << 20
@@ -44,8 +44,10 @@ def model_states(plan: Plan, state: PyTree) -> tuple[dict, dict, dict, dict]:
     # Hierarchical: the backward reduce-scatters within the group (1/K, the accumulator's
     # layout too); the across-group cut to 1/N follows the last microbatch.
     grad_specs = plan.param_specs if plan.outer else plan.grad_specs
-    grads = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, plan.grad_dtype, sharding=s),
-                         state.params, plan.shardings(grad_specs))
+    grads = jax.tree.map(
+        lambda p, s, host: jax.ShapeDtypeStruct(p.shape, plan.grad_dtype, sharding=s if not host
+                                                else s.with_memory_kind("pinned_host")),
+        state.params, plan.shardings(grad_specs), grads_in_host_memory(plan))
     psi = sum(math.prod(p.shape) for p in jax.tree.leaves(state.params))
     c, g = prec.compute.itemsize, jnp.dtype(plan.grad_dtype).itemsize
     k_opt = total_bytes(state.opt_state) / psi  # optimizer bytes per parameter (Adam fp32: 8)
@@ -64,10 +66,12 @@ def model_states(plan: Plan, state: PyTree) -> tuple[dict, dict, dict, dict]:
     master = formula(4 * plan.has_master, rule.shard_opt_state)
     opt = formula(k_opt, rule.shard_opt_state)
     params = c * psi / (group if rule.shard_params else 1)
-    zero = {"params": 0 if plan.offload_params else params,
-            "grads": g * psi / group if plan.outer else formula(g, rule.shard_grads),
+    grads = g * psi / group if plan.outer else formula(g, rule.shard_grads)
+    streamed = plan.offload_params or (plan.stage == 2 and plan.accum_steps == 1)
+    grads_host = host if streamed else 0  # offloaded leaves' gradients stream to the host
+    zero = {"params": 0 if plan.offload_params else params, "grads": grads * (1 - grads_host),
             "master": master * (1 - host), "opt_state": opt * (1 - host)}
-    zero_host = {"params": params if plan.offload_params else 0, "grads": 0,
+    zero_host = {"params": params if plan.offload_params else 0, "grads": grads * grads_host,
                  "master": master * host, "opt_state": opt * host}
     return on_device, zero, on_host, zero_host
 
@@ -143,7 +147,7 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
     theory = {0: psi * (r + r), 1: psi * (r + r), 2: psi * (r * k + c),
               3: psi * (c + c + r) * k}
     formula = {0: "2 Psi", 1: "2 Psi", 2: f"{k + 1} Psi", 3: f"{3 * k} Psi"}[plan.stage]
-    by_axes = {plan.axis: theory[plan.stage]}
+    by_axes = {plan.axis: theory[plan.stage] if plan.dp_size > 1 else 0}
     if plan.outer:
         # Hierarchical: stage 3 within a group of K; across groups, once per step, the gradient
         # shards (Psi/K) reduce-scattered and the updated parameter shards all-gathered back.
@@ -282,7 +286,7 @@ def format_table(r: dict) -> str:
     measured, theory = r["comm_bytes_per_step"], r["comm_bytes_theory"]
     lines += ["", f"  communication per step: {measured / MiB:.2f} MiB, ZeRO theory "
               f"{theory / MiB:.2f} MiB ({r['comm_theory_formula']}), ratio "
-              f"{measured / theory:.2f} "
+              f"{measured / theory if theory else 1:.2f} "
               "(an all-reduce counted as reduce-scatter + all-gather)"]
     if len(r["mesh"]) > 1:
         names = {"data": "within groups", "replica": "across groups",

@@ -17,6 +17,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zero_jax.gather import REMAT
 from zero_jax.precision import Precision
 
 PyTree = Any
@@ -71,7 +72,9 @@ def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
     saves, so its parameter and gradient stay whole while its optimizer state is still cut.
     """
     first = 1 if stacked else 0
-    axis = next((a for a in range(first, len(shape)) if n > 1 and shape[a] % n == 0), None)
+    # n == 0 stands for one device that still cuts (into one shard), for offload: see make_plan.
+    axis = next((a for a in range(first, len(shape)) if n != 1 and shape[a] % max(n, 1) == 0),
+                None)
     if axis is None:
         reason = "one device" if n == 1 else f"no dimension divisible by {n}"
         return Leaf(path, shape, stacked, None, reason=reason)
@@ -141,6 +144,7 @@ class Plan:
     outer: str | None = None
     offload_grads: bool = False  # the accumulator waits in host memory between microbatches
     offload_params: bool = False  # stage 3 (ZeRO-Infinity's CPU tier): parameters in host memory
+    remat: str = "full"  # the policy of the blocks stage 3 rematerializes (gather.remat_policy)
 
     @property
     def data_axes(self) -> tuple[str, ...]:
@@ -265,7 +269,8 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
               precision: Precision | None = None, accum_steps: int = 1,
               outer: str | None = None, ignored: str | None = None,
               frozen: str | None = None, offload_grads: bool = False,
-              offload_optimizer: float = 0.0, offload_params: bool = False) -> Plan:
+              offload_optimizer: float = 0.0, offload_params: bool = False,
+              remat: str = "full") -> Plan:
     """Apply the rules to a parameter tree (arrays or ``jax.ShapeDtypeStruct``s).
 
     ``layers``, ``ignored`` and ``frozen`` are regular expressions over parameter paths
@@ -288,20 +293,32 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
     fp32 master and state live in host memory and are updated there, largest leaves first (as
     DeepSpeed's ZeRO-Offload++ and Megatron's offload fraction); ``offload_params`` keeps the
     parameter shards of stage 3 in host memory, each copied to the device as it is gathered.
+    ``remat`` is the policy of stage 3's rematerialized blocks: full, dots, none or offload
+    (``zero_jax.gather.remat_policy``).
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of 0, 1, 2, 3 (got {stage})")
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be at least 1 (got {accum_steps})")
+    if remat not in REMAT:
+        raise ValueError(f"remat must be one of {', '.join(REMAT)} (got {remat!r})")
     if not 0.0 <= offload_optimizer <= 1.0:
         raise ValueError(f"offload_optimizer is the fraction of optimizer state in host memory, "
                          f"0 to 1 (got {offload_optimizer})")
     if offload_params and stage != 3:
         raise ValueError(f"offload_params keeps stage 3's parameter shards in host memory; "
                          f"stage {stage} keeps whole parameters on every device: use stage 3")
+    if offload_params and (offload_optimizer != 1.0 or accum_steps > 1 or outer):
+        raise ValueError("offload_params brings each layer's gradient to the host, where the "
+                         "whole update must then run: it needs offload_optimizer 1, and is not "
+                         "built for accumulation or hierarchical ZeRO yet")
     if outer is not None and stage != 3:
         raise ValueError(f"hierarchical ZeRO (outer={outer!r}) is built on stage 3, not {stage}")
     n = mesh.shape[axis] * (mesh.shape[outer] if outer else 1)
+    # On one device nothing needs cutting, except to stream gradients and parameters to the
+    # host layer by layer: with offload every leaf is cut into one shard (its collectives over
+    # one device are no-ops), so it travels as stage 2's and 3's shards do.
+    cut_n = 0 if n == 1 and (offload_optimizer or offload_params) else n
     flat = {path_str(p): tuple(x.shape)
             for p, x in jax.tree_util.tree_flatten_with_path(params_shape)[0]}
     paths = list(flat)
@@ -324,7 +341,7 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
         if match("ignored", name):
             leaf = Leaf(name, tuple(x.shape), in_stack, None, reason="ignored_modules")
         else:
-            leaf = leaf_rule(name, tuple(x.shape), n, in_stack, min_shard_elems)
+            leaf = leaf_rule(name, tuple(x.shape), cut_n, in_stack, min_shard_elems)
         return dataclasses.replace(leaf, frozen=match("frozen", name), block=block)
 
     leaves = jax.tree_util.tree_map_with_path(rule, params_shape)
@@ -333,7 +350,7 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
                           leaves, is_leaf=_is_leaf)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_shape)
     return Plan(stage, mesh, axis, leaves, shapes, precision or Precision(), accum_steps, outer,
-                offload_grads, offload_params)
+                offload_grads, offload_params, remat)
 
 
 def offloaded(leaves: list[Leaf], ratio: float) -> set[str]:

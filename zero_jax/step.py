@@ -59,11 +59,29 @@ def state_shardings(plan: Plan, tx: optax.GradientTransformation) -> TrainState:
             is_leaf=is_spec)
 
     offload = jax.tree.map(lambda leaf: leaf.offload, plan.leaves, is_leaf=_is_leaf)
-    return TrainState(put(specs.step, False), put(specs.params, plan.offload_params),
+    return TrainState(put(specs.step, False), put(specs.params, params_in_host_memory(plan)),
                       None if specs.master is None else put(specs.master, offload),
                       put(specs.opt_state, plan.opt_state_offload(tx)),
                       None if specs.loss_scale is None else put(specs.loss_scale, False),
                       put(specs.skipped, False))
+
+
+def params_in_host_memory(plan: Plan) -> PyTree:
+    """Per parameter, whether its compute copy lives in host memory: with ``offload_params``,
+    the cut ones; whole ones (indivisible, persistent) stay on the device, as DeepSpeed keeps
+    its persistent parameters."""
+    return jax.tree.map(lambda leaf: plan.offload_params and leaf.axis is not None
+                        and not leaf.persistent, plan.leaves, is_leaf=_is_leaf)
+
+
+def grads_in_host_memory(plan: Plan) -> PyTree:
+    """Per parameter, whether its gradient leaves the backward in host memory, layer by layer:
+    a cut leaf whose parameter is offloaded (stage 3), or whose optimizer is at stage 2 without
+    accumulation (ZeRO-Offload's gradient streaming)."""
+    stage2 = plan.rule.shard_grads and not plan.rule.shard_params and plan.accum_steps == 1
+    return jax.tree.map(lambda leaf, host: host or (stage2 and leaf.offload and leaf.axis
+                                                    is not None and not leaf.persistent),
+                        plan.leaves, params_in_host_memory(plan), is_leaf=_is_leaf)
 
 
 def _new_state(plan: Plan, params: PyTree, tx: optax.GradientTransformation) -> TrainState:
@@ -109,7 +127,12 @@ def abstract_state(plan: Plan, tx: optax.GradientTransformation) -> TrainState:
 
 
 def _constrain(tree: PyTree, plan: Plan, specs: PyTree) -> PyTree:
-    return jax.lax.with_sharding_constraint(tree, plan.shardings(specs))
+    """Lay ``tree`` out by ``specs``, each array staying in the memory it is in."""
+    def one(x, spec):
+        host = jax.typeof(x).memory_space == jax.memory.Space.Host
+        return jax.lax.with_sharding_constraint(x, NamedSharding(
+            plan.mesh, spec, memory_kind="pinned_host" if host else None))
+    return jax.tree.map(one, tree, specs)
 
 
 def _is_leaf(x) -> bool:
@@ -169,6 +192,8 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
     batch_spec = batch_spec if batch_spec is not None else P(everywhere)
     route_tree = routes(plan)
     is_route = lambda x: isinstance(x, Route)
+    stage2 = plan.rule.shard_grads and not plan.rule.shard_params
+    grads_host = grads_in_host_memory(plan)
     blocks = plan.blocks
 
     def prepare(params):
@@ -176,8 +201,12 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
         # stays local until the one all-reduce after the backward (differentiating the
         # replicated value itself, JAX would all-reduce it at every use); likewise a
         # hierarchical shard, whole across groups until the across-group reduce-scatter.
-        return jax.tree.map(lambda r, p: jax.lax.pcast(p, r.local, to="varying") if r.local
-                            else p, route_tree, params, is_leaf=is_route)
+        # ZeRO-Offload at stage 2: the shard of an offloaded leaf is differentiated in host
+        # memory, so each layer's gradient shard leaves the device as its backward ends.
+        def one(r: Route, p, host):
+            p = jax.device_put(p, jax.memory.Space.Host) if host and stage2 else p
+            return jax.lax.pcast(p, r.local, to="varying") if r.local else p
+        return jax.tree.map(one, route_tree, params, grads_host, is_leaf=is_route)
 
     def model_params(params, whole):
         # Cut parameters become Shards; all but the declared blocks' are made whole here, once.
@@ -194,7 +223,7 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
             micro = jax.tree.map(lambda x: x.astype(prec.compute)
                                  if jnp.issubdtype(x.dtype, jnp.floating) else x, micro)
         args = (tree, micro) if key is None else (tree, micro, key)
-        with per_block(blocks) as seen:
+        with per_block(blocks, plan.remat) as seen:
             try:
                 out = loss_fn(*args)
             except ScopeParamShapeError as e:
@@ -294,7 +323,6 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
                  key: jax.Array | None = None):
         # Stage 2 differentiates the shards of its replicated parameters, and passes the whole
         # copy too, which the forward reads as is.
-        stage2 = plan.rule.shard_grads and not plan.rule.shard_params
         whole = params if stage2 else None
         out = ((P(), P()) if has_aux else P(), plan.grad_specs)
         return jax.shard_map(
@@ -360,7 +388,7 @@ def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformat
             update, optimize, f32, shapes.opt_state, f32, plan.opt_state_offload(tx),
             plan.map_opt_state(tx, lambda *_: False, plan.shapes, True),
             jax.tree.map(lambda leaf: leaf.offload, plan.leaves, is_leaf=_is_leaf),
-            compute_on_host=plan.offload_params)
+            params_in_host_memory(plan))
 
     def step(state: TrainState, batch: PyTree, *, key: jax.Array | None = None):
         scale = state.loss_scale.scale if state.loss_scale is not None else 1.0
@@ -372,7 +400,9 @@ def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformat
         # (no communication), stages 1-2 all-gather the updated shards into the compute copy.
         grads = _constrain(jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads),
                            plan, plan.opt_specs)
-        norm = optax.tree.norm(grads)
+        # optax.tree.norm, but also over gradients in host memory (offloaded parameters'),
+        # where its zeros for the imaginary part would be device arrays.
+        norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
         finite = jnp.isfinite(norm)
         if not prec.skip_nonfinite and prec.loss_scale is None:
             finite = jnp.asarray(True)

@@ -13,11 +13,13 @@ from typing import Any
 
 import yaml
 
+from zero_jax.gather import REMAT
+
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512,
-              "seq_len": 64, "remat": True},
+              "seq_len": 64, "remat": "full"},
     # frozen_modules: not trained (no gradient, no optimizer state), e.g. ["wpe"].
     "optimizer": {"name": "adamw", "lr": 3e-3, "warmup_steps": 20, "decay_steps": 0,
                   "b1": 0.9, "b2": 0.95,
@@ -31,10 +33,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # once per step); ignored_modules: left out of ZeRO, whole on every device;
     # offload_grads: the gradient accumulator waits in host memory between microbatches.
     # offload_optimizer (ZeRO-Offload): device cpu puts the fp32 master and optimizer state of
-    # that fraction (ratio) of the parameters in host memory and updates them there.
+    # that fraction (ratio) of the parameters in host memory and updates them there;
+    # offload_params cpu (stage 3, ZeRO-Infinity's CPU tier): the parameter shards too.
     "zero": {"stage": 3, "min_shard_elems": 0, "zero3_size": 0, "transformer_layers": ["blocks"],
              "ignored_modules": [], "offload_grads": False,
-             "offload_optimizer": {"device": "none", "ratio": 1.0}},
+             "offload_optimizer": {"device": "none", "ratio": 1.0}, "offload_params": "none"},
     # auto: bf16 compute on accelerators, fp32 on the CPU mesh; reduce_dtype auto = param_dtype.
     # fp16 turns on DeepSpeed's dynamic loss scaler, with its defaults below.
     "precision": {"param_dtype": "auto", "reduce_dtype": "auto", "accum_dtype": "fp32",
@@ -77,6 +80,8 @@ def _merge(base: dict, update: dict, where: str = "") -> None:
                                   f"e.g. {dotted}.{next(iter(base[key]))}")
             _merge(base[key], value, dotted + ".")
         else:
+            if dotted == "model.remat" and isinstance(value, bool):  # before policies: on/off
+                value = "full" if value else "none"
             base[key] = _check_type(dotted, base[key], value)
 
 
@@ -133,6 +138,9 @@ def validate(config: dict) -> None:
         if p[key] not in allowed:
             raise ConfigError(f"precision.{key} must be one of {', '.join(allowed)} "
                               f"(got {p[key]!r})")
+    if m["remat"] not in REMAT:
+        raise ConfigError(f"model.remat must be one of {', '.join(REMAT)} (got {m['remat']!r}): "
+                          f"what each block saves for its backward")
     if o["name"] not in OPTIMIZERS:
         raise ConfigError(f"optimizer.name {o['name']!r} is not one of {', '.join(OPTIMIZERS)}")
     if z["stage"] not in (0, 1, 2, 3):
@@ -157,6 +165,14 @@ def validate(config: dict) -> None:
     if off["device"] not in ("none", "cpu"):
         raise ConfigError(f"zero.offload_optimizer.device must be none or cpu (got "
                           f"{off['device']!r}); NVMe is not reachable through JAX's memory kinds")
+    if z["offload_params"] not in ("none", "cpu"):
+        raise ConfigError(f"zero.offload_params must be none or cpu (got "
+                          f"{z['offload_params']!r}); NVMe is not reachable through JAX's "
+                          f"memory kinds")
+    if z["offload_params"] == "cpu" and (z["stage"] != 3 or off["device"] != "cpu"
+                                         or off["ratio"] != 1):
+        raise ConfigError("zero.offload_params cpu needs stage 3 and the whole optimizer "
+                          "offloaded: --set zero.offload_optimizer.device=cpu (ratio 1)")
     if not 0 <= off["ratio"] <= 1:
         raise ConfigError(f"zero.offload_optimizer.ratio is the fraction of the optimizer state "
                           f"offloaded, 0 to 1 (got {off['ratio']})")

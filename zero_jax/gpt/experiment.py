@@ -50,7 +50,8 @@ class Experiment:
         z = cfg["zero"]
         # At stage 3 the step rematerializes each named block itself (to gather it again in
         # the backward); the model's own remat would recompute every block a second time.
-        own_remat = cfg["model"]["remat"] and not (z["stage"] == 3 and z["transformer_layers"])
+        own_remat = "none" if z["stage"] == 3 and z["transformer_layers"] else \
+            cfg["model"]["remat"]
         model_cfg = GPTConfig(**{**cfg["model"], "remat": own_remat})
         model = GPT(model_cfg)
         init = init_fn(model)
@@ -65,7 +66,9 @@ class Experiment:
                          ignored=modules_pattern(z["ignored_modules"]),
                          frozen=modules_pattern(cfg["optimizer"]["frozen_modules"]),
                          offload_grads=z["offload_grads"],
-                         offload_optimizer=offload_ratio(z["offload_optimizer"]))
+                         offload_optimizer=offload_ratio(z["offload_optimizer"]),
+                         offload_params=z["offload_params"] == "cpu",
+                         remat=cfg["model"]["remat"])
         loss = lm_loss(model, fp32_logits=precision.autocast_output)
         step = make_train_step(plan, loss, tx, lr_schedule=schedule)
         return cls(cfg, mesh, model_cfg, init, tx, plan, step)
@@ -145,7 +148,7 @@ def check_compatible(meta: dict, config: dict, platform: str | None = None) -> N
     (a stage of the optimizer chain) decide which arrays the state holds."""
     saved = meta["config"]
     for key, value in config["model"].items():
-        if saved["model"].get(key) != value:
+        if key != "remat" and saved["model"].get(key) != value:  # remat changes no state
             raise CheckpointError(
                 f"the checkpoint was written for model.{key}={saved['model'].get(key)} but the "
                 f"config says {value}: use the checkpoint's config or another --checkpoint-dir")

@@ -13,7 +13,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from jax.ad_checkpoint import checkpoint_name
 
+from zero_jax.gather import BLOCK_INPUT, remat_policy
 from zero_jax.rules import modules_pattern
 
 LAYER_STACKS = ("blocks",)  # this model's modules under nn.scan
@@ -28,7 +30,7 @@ class GPTConfig:
     n_heads: int = 4
     d_ff: int = 512
     seq_len: int = 64
-    remat: bool = True
+    remat: str = "full"  # policy of each block's remat (zero_jax.gather.remat_policy)
 
     @property
     def n_params(self) -> int:
@@ -43,6 +45,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, _) -> tuple[jax.Array, None]:
         c = self.cfg
+        x = checkpoint_name(x, BLOCK_INPUT)  # the layer's checkpoint, for remat "offload"
         b, t, d = x.shape
         dh = d // c.n_heads
         init = nn.initializers.normal(0.02)
@@ -75,8 +78,8 @@ class GPT(nn.Module):
         x = wte[tokens] + wpe[: tokens.shape[1]]
 
         block = Block
-        if c.remat:
-            block = nn.remat(block, prevent_cse=False)
+        if c.remat != "none":
+            block = nn.remat(block, prevent_cse=False, policy=remat_policy(c.remat))
         stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                         length=c.n_layers)
         x, _ = stack(c, name="blocks")(x, None)

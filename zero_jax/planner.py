@@ -1,0 +1,85 @@
+"""What fits: layouts compiled on abstract arrays, measured against a device's and a host's memory.
+
+DeepSpeed's estimator is formulas; this reads the compiled programs. A candidate needs, per
+device, the model state it keeps in device memory (from the shardings) plus the step's
+temporaries (XLA's ``memory_analysis``: activations, gradients, gathered layers); per host, the
+state its devices keep in host memory. It communicates what its collectives carry (from the
+compiled HLO) and, with offload, what crosses between host and device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import jax
+
+from zero_jax.fit import HEADROOM
+from zero_jax.report import shard_bytes
+
+UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10,
+         "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 2**10, "M": 2**20, "G": 2**30,
+         "T": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``"80GB"`` (1e9), ``"80GiB"`` or ``"80G"`` (2**30), ``"1TB"``, ``"512MiB"``: bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).upper() not in UNITS:
+        raise ValueError(f"{text!r} is not a memory size: write e.g. 80GB, 80GiB or 1TB")
+    return int(float(m.group(1)) * UNITS[m.group(2).upper()])
+
+
+@dataclasses.dataclass
+class Candidate:
+    layout: dict  # what to set: stage, offload, remat, ...
+    device_state: int  # model state in device memory, per device
+    temp: int  # the step's temporaries, per device
+    host_state: int  # model state in host memory, per device
+    comm: int  # bytes the collectives move per step, per device (ZeRO's units)
+    host_traffic: int  # bytes crossing between host and device per step, per device
+    fits: bool = False
+
+    @property
+    def device(self) -> int:
+        return self.device_state + self.temp
+
+
+def measure(layout: dict, state: Any, compiled: Any, comm: int, host_traffic: int) -> Candidate:
+    """A compiled candidate: ``state`` is its abstract train state (shardings with memory
+    kinds), ``comm`` its collective bytes per step."""
+    return Candidate(layout, shard_bytes(state, "device"),
+                     compiled.memory_analysis().temp_size_in_bytes,
+                     shard_bytes(state, "pinned_host"), comm, host_traffic)
+
+
+def offload_traffic(plan: Any, state: Any) -> int:
+    """Bytes one device moves between its memory and the host's per step: the offloaded leaves'
+    gradients out and their new compute copy back; with offloaded parameters, each layer's shard
+    in for the forward and again for the backward, its gradient shard out."""
+    total = 0
+    for leaf, p in zip(jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "offload")),
+                       jax.tree.leaves(state.params), strict=True):
+        if not leaf.offload:
+            continue
+        c = p.dtype.itemsize
+        if p.sharding.memory_kind == "pinned_host":  # shard in twice, gradient shard out
+            total += 3 * c * math.prod(p.sharding.shard_shape(p.shape))
+        else:  # the optimizer's share of the fp32 gradient out, of the compute copy back
+            share = math.prod(p.shape) / (plan.dp_size if plan.rule.shard_opt_state else 1)
+            total += (4 + c) * share
+    return int(total)
+
+
+def choose(candidates: list[Candidate], device_memory: int, host_memory: int,
+           devices_per_host: int) -> Candidate | None:
+    """Mark which fit (device and host figures within ``HEADROOM`` of the sizes) and return the
+    one that communicates least (then: crosses least between host and device, then holds least
+    on the device); None when none fits."""
+    for c in candidates:
+        c.fits = (c.device <= HEADROOM * device_memory and
+                  c.host_state * devices_per_host <= HEADROOM * host_memory)
+    fitting = [c for c in candidates if c.fits]
+    return min(fitting, key=lambda c: (c.comm, c.host_traffic, c.device), default=None)
