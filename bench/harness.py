@@ -16,7 +16,7 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from train import simulate_cpu_devices  # noqa: E402  (imports no jax)
+from zero_jax.mesh import simulate_cpu_devices  # noqa: E402  (before any backend starts)
 
 
 def parse_args(description: str) -> argparse.Namespace:

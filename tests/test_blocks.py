@@ -89,8 +89,11 @@ def test_blocks_found_by_path(mesh, net):
     assert plan.leaves["embed"]["embedding"].block is None  # gathered once per step
 
 
-@pytest.mark.parametrize("stage", range(4))
-@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+# SGD at every stage (it shows a gradient of the wrong scale, which Adam would hide); AdamW once:
+# the blocks' routing does not depend on the optimizer, and test_equivalence runs AdamW with
+# clipping at every stage.
+@pytest.mark.parametrize(("stage", "opt"), [(0, "sgd"), (1, "sgd"), (2, "sgd"), (3, "sgd"),
+                                            (3, "adamw")])
 def test_training_equals_one_device(stage, opt, mesh, net):
     model, init = net
     loss_fn = lambda params, toks: ce(model, params, toks).mean()

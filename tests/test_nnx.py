@@ -77,8 +77,11 @@ def put(mesh, batch):
     return jax.device_put(batch, NamedSharding(mesh, P("data")))
 
 
-@pytest.mark.parametrize("stage", range(4))
-@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+# SGD at every stage (it shows a gradient of the wrong scale, which Adam would hide); AdamW once:
+# the blocks' routing does not depend on the optimizer, and test_equivalence runs AdamW with
+# clipping at every stage.
+@pytest.mark.parametrize(("stage", "opt"), [(0, "sgd"), (1, "sgd"), (2, "sgd"), (3, "sgd"),
+                                            (3, "adamw")])
 def test_listed_blocks_train_like_one_device(stage, opt, mesh):
     init, loss_fn = problem(Listed)
     tx = optax.sgd(0.01) if opt == "sgd" else optax.adamw(1e-3, weight_decay=0.1)

@@ -21,7 +21,19 @@ from zero_jax.gpt.model import LAYERS
 from zero_jax.rules import path_str
 from zero_jax.step import abstract_state
 
-HOST_CALL = re.compile(r'call @(\w+)\(.*_xla_compute_type = "host"')
+HOST_CALL = re.compile(r'call @(\w+)\(([^)]*)\).*_xla_compute_type = "host"')
+
+
+def update_call(text: str, state) -> tuple[str, list[str]]:
+    """The host computation that runs the update: the one taking every gradient, the master,
+    the optimizer state and the finite flag (the others scale and convert the gradients that
+    streamed to the host)."""
+    n = len(jax.tree.leaves(state.params)) + len(jax.tree.leaves((state.master,
+                                                                  state.opt_state))) + 1
+    calls = [(name, [o.strip() for o in ops.split(",")]) for name, ops in HOST_CALL.findall(text)]
+    found = [c for c in calls if len(c[1]) == n]
+    assert len(found) == 1, [len(c[1]) for c in calls]
+    return found[0]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +52,7 @@ def offloaded(mesh, small):
 def test_update_is_one_host_computation_over_host_state(offloaded):
     plan, step, state, batch = offloaded
     text = step.lower(state, batch).as_text()
-    calls = HOST_CALL.findall(text)
-    assert len(calls) == 1  # the whole update, one host computation
+    name, _ = update_call(text, state)  # the whole update, one host computation
     # Master and optimizer state (moments, counts) enter and leave the step in host memory,
     # donated in place, and nothing else does.
     master_and_moments = len(jax.tree.leaves((state.master, state.opt_state)))
@@ -52,7 +63,7 @@ def test_update_is_one_host_computation_over_host_state(offloaded):
     assert len(host_args) == master_and_moments
     assert all("tf.aliasing_output" in a for a in host_args)
     # The compute copy comes back in the compute dtype, to the device.
-    body = text[text.index(f"func.func private @{calls[0]}("):]
+    body = text[text.index(f"func.func private @{name}("):]
     body = body[:body.index("\n  }")]
     assert "all_gather" not in body and "reduce_scatter" not in body  # no collective on host
 
@@ -70,13 +81,11 @@ def test_stage2_gradients_leave_for_the_host_layer_by_layer(offloaded):
 
 def test_gpu_program_keeps_the_host_placements(offloaded):
     """Exported for CUDA: the update is one host computation, every operand of which is in host
-    memory (the state as the step's pinned_host arguments, the gradients annotated to move
-    there), and nothing inside it moves data back to the device."""
+    memory (the state as the step's pinned_host arguments, the gradients streamed or annotated
+    to move there), and nothing inside it moves data back to the device."""
     plan, step, state, batch = offloaded
     text = export.export(step, platforms=["cuda"])(state, batch).mlir_module()
-    calls = re.findall(r'call @(\w+)\(([^)]*)\).*_xla_compute_type = "host"', text)
-    assert len(calls) == 1
-    name, operands = calls[0]
+    name, operands = update_call(text, state)
     main = text[text.index("func.func public @main("):]
     signature = main[:main.index(") -> (")]
     host_args = {"%arg" + a.split(":")[0] for a in signature.split("%arg")[1:]
@@ -89,10 +98,7 @@ def test_gpu_program_keeps_the_host_placements(offloaded):
         return ("annotate_device_placement" in defined and
                 '_xla_buffer_placement = "pinned_host"' in defined)
 
-    operands = [o.strip() for o in operands.split(",")]
-    n = len(jax.tree.leaves(state.params))
     # Gradients, master, optimizer state (and the finite flag): all in host memory.
-    assert len(operands) == n + len(jax.tree.leaves((state.master, state.opt_state))) + 1
     assert all(in_host_memory(o) for o in operands), operands
     body = text[text.index(f"func.func private @{name}("):]
     assert "annotate_device_placement" not in body[:body.index("\n  }")]
@@ -192,3 +198,43 @@ def test_parameter_offload_moves_each_layer_inside_both_loops(mesh, small):
     assert len(to_device) >= puts[0, "Device"] + puts[1, "Device"] + puts[None, "Device"]
     with pytest.raises(ValueError, match="offload_optimizer 1"):
         make_plan(shapes, mesh, 3, layers=LAYERS, offload_optimizer=0.5, offload_params=True)
+
+
+# What may take a host-memory value outside the host computation: moves, layout, and the
+# structure around them (loops, remat, shard_map, barriers); no arithmetic.
+MOVES = {"device_put", "sharding_constraint", "jit", "pjit", "scan", "remat2", "checkpoint",
+         "shard_map", "optimization_barrier", "custom_vjp_call", "custom_vjp_call_jaxpr"}
+
+
+def host_consumers(jaxpr, found=None) -> set:
+    """The primitives outside ``compute_on`` that read a value in host memory."""
+    found = set() if found is None else found
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "compute_on":
+            continue
+        if any(getattr(getattr(v, "aval", None), "memory_space", None) == jax.memory.Space.Host
+               for v in eqn.invars):
+            found.add(eqn.primitive.name)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    host_consumers(inner, found)
+    return found
+
+
+@pytest.mark.parametrize("offload", ["half at stage 2", "parameters at stage 3"])
+def test_no_device_computation_reads_host_memory(offload, mesh, small):
+    """Arithmetic on host memory happens only inside host computations (the update, the
+    scaling of streamed gradients); the device program only moves host data."""
+    _, init, loss_fn, batches = small
+    stage, kw = {"half at stage 2": (2, {"offload_optimizer": 0.5}),
+                 "parameters at stage 3": (3, {"offload_optimizer": 1.0,
+                                               "offload_params": True})}[offload]
+    tx = OPTIMIZERS["adamw"]()
+    plan = make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=LAYERS, **kw)
+    batch = jax.ShapeDtypeStruct(batches[0].shape, batches[0].dtype,
+                                 sharding=NamedSharding(mesh, P("data")))
+    jaxpr = jax.make_jaxpr(make_train_step(plan, loss_fn, tx))(abstract_state(plan, tx), batch)
+    consumers = host_consumers(jaxpr.jaxpr)
+    assert "device_put" in consumers and consumers <= MOVES, consumers - MOVES

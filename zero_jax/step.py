@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zero_jax.gather import Shard, materialize, per_block
-from zero_jax.offload import split_update
+from zero_jax.offload import on_host, split_update
 from zero_jax.precision import LossScale, update_loss_scale
 from zero_jax.rules import Leaf, Plan, path_str
 
@@ -129,7 +129,7 @@ def abstract_state(plan: Plan, tx: optax.GradientTransformation) -> TrainState:
 def _constrain(tree: PyTree, plan: Plan, specs: PyTree) -> PyTree:
     """Lay ``tree`` out by ``specs``, each array staying in the memory it is in."""
     def one(x, spec):
-        host = jax.typeof(x).memory_space == jax.memory.Space.Host
+        host = in_host_memory(x)
         return jax.lax.with_sharding_constraint(x, NamedSharding(
             plan.mesh, spec, memory_kind="pinned_host" if host else None))
     return jax.tree.map(one, tree, specs)
@@ -137,6 +137,10 @@ def _constrain(tree: PyTree, plan: Plan, specs: PyTree) -> PyTree:
 
 def _is_leaf(x) -> bool:
     return isinstance(x, Leaf)
+
+
+def in_host_memory(x: jax.Array) -> bool:
+    return jax.typeof(x).memory_space == jax.memory.Space.Host
 
 
 class Weighted(NamedTuple):
@@ -307,30 +311,47 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
             elif plan.outer:  # hierarchical: once per step, the across-group reduce-scatter
                 g = jax.lax.psum_scatter(g.astype(prec.reduce), plan.outer,
                                          scatter_dimension=r.leaf.axis, tiled=True)
+            if in_host_memory(g):  # streamed to the host: scaled there, after the shard_map
+                return g
             # From shares of n k to shares of the global weight: exactly 1 for a mean loss.
             return (g * (n * k / weight).astype(g.dtype)).astype(plan.grad_dtype)
 
         grads = jax.tree.map(one, route_tree, grads, params, is_leaf=is_route)
         loss = total / weight
-        return (loss, jax.tree.map(lambda a: a / weight, aux)) if has_aux else loss, grads
+        loss = (loss, jax.tree.map(lambda a: a / weight, aux)) if has_aux else loss
+        return loss, grads, (n * k / weight)
 
     def local_grads(params, whole, batch, key, scale):
         params = prepare(params)
         stats, grads = accumulate(params, whole, batch, key, scale)
         return reduce(stats, grads, params)
 
+    def on_host_scaled(grads, factor):
+        # The gradients that streamed to host memory get the same scaling there, in a host
+        # computation: no device op reads host memory.
+        host = [in_host_memory(g) for g in jax.tree.leaves(grads)]
+        if not any(host):
+            return grads
+        scaled = on_host(lambda gs, f: [(g * f.astype(g.dtype)).astype(plan.grad_dtype)
+                                        for g in gs], lambda shapes: [True] * len(shapes))(
+            [g for h, g in zip(host, jax.tree.leaves(grads), strict=True) if h], factor)
+        scaled = iter(scaled)
+        return jax.tree.unflatten(jax.tree.structure(grads), [
+            next(scaled) if h else g for h, g in zip(host, jax.tree.leaves(grads), strict=True)])
+
     def grads_fn(params: PyTree, batch: PyTree, scale: jax.Array | float = 1.0,
                  key: jax.Array | None = None):
         # Stage 2 differentiates the shards of its replicated parameters, and passes the whole
         # copy too, which the forward reads as is.
         whole = params if stage2 else None
-        out = ((P(), P()) if has_aux else P(), plan.grad_specs)
-        return jax.shard_map(
+        out = ((P(), P()) if has_aux else P(), plan.grad_specs, P())
+        loss, grads, factor = jax.shard_map(
             local_grads, mesh=plan.mesh,
             in_specs=(plan.grad_specs if stage2 else plan.param_specs,
                       None if whole is None else plan.param_specs, batch_spec, P(), P()),
             out_specs=out,
         )(params, whole, batch, key, jnp.asarray(scale, jnp.float32))
+        return loss, on_host_scaled(grads, factor)
 
     return grads_fn
 
@@ -390,6 +411,24 @@ def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformat
             jax.tree.map(lambda leaf: leaf.offload, plan.leaves, is_leaf=_is_leaf),
             params_in_host_memory(plan))
 
+    def unscaled(grads, scale):
+        # fp32 and divided by the loss scale; and the sum of their squares. Gradients that
+        # streamed to host memory are converted there, in one host computation.
+        flat, tree = jax.tree.flatten(grads)
+        host = [in_host_memory(g) for g in flat]
+        convert = lambda gs, scale: [g.astype(jnp.float32) / scale for g in gs]
+        squares = lambda gs: sum((jnp.sum(jnp.square(g)) for g in gs), jnp.zeros(()))
+        out = convert([g for h, g in zip(host, flat, strict=True) if not h], scale)
+        total = squares(out)
+        if any(host):
+            on = on_host(lambda gs, scale: (convert(gs, scale), squares(convert(gs, scale))),
+                         lambda shapes: ([True] * len(shapes[0]), False))
+            done, part = on([g for h, g in zip(host, flat, strict=True) if h], scale)
+            total = total + part
+            done, out = iter(done), iter(out)
+            out = [next(done) if h else next(out) for h in host]
+        return jax.tree.unflatten(tree, list(out)), total
+
     def step(state: TrainState, batch: PyTree, *, key: jax.Array | None = None):
         scale = state.loss_scale.scale if state.loss_scale is not None else 1.0
         if key is not None:
@@ -398,11 +437,8 @@ def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformat
         loss, aux = loss if has_aux else (loss, {})
         # The update runs on the optimizer's shards, in fp32: stage 1 slices its whole gradient
         # (no communication), stages 1-2 all-gather the updated shards into the compute copy.
-        grads = _constrain(jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads),
-                           plan, plan.opt_specs)
-        # optax.tree.norm, but also over gradients in host memory (offloaded parameters'),
-        # where its zeros for the imaginary part would be device arrays.
-        norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+        grads, squares = unscaled(_constrain(grads, plan, plan.opt_specs), scale)
+        norm = jnp.sqrt(squares)  # optax.tree.norm, over the host's gradients too
         finite = jnp.isfinite(norm)
         if not prec.skip_nonfinite and prec.loss_scale is None:
             finite = jnp.asarray(True)
