@@ -1,6 +1,7 @@
 """Eight simulated CPU devices, set before jax is imported, and the shared small model."""
 
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite compiles hundreds of small programs, where LLVM's optimizations cost more time than
@@ -8,6 +9,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # memory_analysis() are the same without them (checked for the stage 2 and 3 steps).
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 # For train.py and other programs the tests start: they choose their own device count.
+# The programs the suite runs and starts compile the same steps many times (train.py's default
+# run, above all): JAX's persistent compilation cache, one per test session, compiles each once.
+CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="zj-cache-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 SUBPROCESS_ENV = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
                   "XLA_FLAGS": FAST_COMPILE}
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
