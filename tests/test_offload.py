@@ -68,10 +68,19 @@ def test_update_is_one_host_computation_over_host_state(offloaded):
     assert "all_gather" not in body and "reduce_scatter" not in body  # no collective on host
 
 
-def test_stage2_gradients_leave_for_the_host_layer_by_layer(offloaded):
-    """ZeRO-Offload's gradient streaming: at stage 2 each layer's gradient shard moves to host
-    memory inside the backward loop, as that layer's backward ends, not after the loop."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradients_leave_for_the_host_layer_by_layer(stage, offloaded, mesh, small):
+    """ZeRO-Offload's gradient streaming: at stages 2 and 3 each layer's gradient shard moves to
+    host memory inside the backward loop, as that layer's backward ends, not after the loop
+    (stage 3 with its parameters on the device: the shard is gathered from the device, its
+    gradient carried by a host copy)."""
     plan, step, state, batch = offloaded
+    if stage == 3:
+        _, init, loss_fn, _ = small
+        tx = OPTIMIZERS["adamw"]()
+        plan = make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=LAYERS, offload_optimizer=1.0)
+        step, state = make_train_step(plan, loss_fn, tx), abstract_state(plan, tx)
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(state.params)} == {"device"}
     puts = device_puts_per_loop(jax.make_jaxpr(step)(state, batch).jaxpr)
     cut = [leaf for leaf in jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "axis"))
            if leaf.axis is not None and not leaf.persistent]

@@ -44,6 +44,9 @@ class Shard:
     axis: int = dataclasses.field(metadata=dict(static=True))
     mesh_axis: str = dataclasses.field(metadata=dict(static=True))
     reduce_dtype: str = dataclasses.field(metadata=dict(static=True))
+    # Stage 3 streaming its gradient to the host: the device shard the forward gathers, while
+    # ``value``, in host memory, only carries the gradient there.
+    gather_from: jax.Array | None = None
 
 
 def is_shard(x) -> bool:
@@ -75,6 +78,24 @@ _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _gather_for(shard: jax.Array, carrier: jax.Array, axis: int, mesh_axis: str,
+                reduce_dtype: str) -> jax.Array:
+    """``shard`` gathered; the gradient goes to ``carrier`` (reduce-scattered), not ``shard``."""
+    return jax.lax.all_gather(shard, mesh_axis, axis=axis, tiled=True)
+
+
+def _gather_for_fwd(shard, carrier, axis, mesh_axis, reduce_dtype):
+    return _gather_for(shard, carrier, axis, mesh_axis, reduce_dtype), jnp.zeros((), carrier.dtype)
+
+
+def _gather_for_bwd(axis, mesh_axis, reduce_dtype, like, g):
+    return None, _reduce_scatter(g, like, axis, mesh_axis, reduce_dtype)
+
+
+_gather_for.defvjp(_gather_for_fwd, _gather_for_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _read_whole(shard: jax.Array, whole: jax.Array, axis: int, mesh_axis: str,
                 reduce_dtype: str) -> jax.Array:
     # pcast marks the copy as per-device; without it JAX would all-reduce its gradient before
@@ -102,7 +123,12 @@ def materialize(x: Any) -> Any:
         # Offloaded parameters: this layer's shard is copied to the device right before its
         # gather, and its gradient shard goes back to host memory as its backward ends.
         value = jax.device_put(x.value, jax.memory.Space.Device)
-        return checkpoint_name(_gather(value, axis, x.mesh_axis, x.reduce_dtype), GATHERED)
+        if x.gather_from is None:
+            whole = _gather(value, axis, x.mesh_axis, x.reduce_dtype)
+        else:
+            whole = _gather_for(jax.lax.stop_gradient(x.gather_from), value, axis, x.mesh_axis,
+                                x.reduce_dtype)
+        return checkpoint_name(whole, GATHERED)
     # Stage 2 reads its whole copy; the shard only carries the gradient, which, when the shard
     # is in host memory (optimizer offload), goes there as this layer's backward ends.
     value = jax.device_put(x.value, jax.memory.Space.Device)

@@ -18,6 +18,7 @@ import jax
 
 from zero_jax.fit import HEADROOM
 from zero_jax.report import shard_bytes
+from zero_jax.step import grads_in_host_memory
 
 UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10,
          "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 2**10, "M": 2**20, "G": 2**30,
@@ -57,19 +58,22 @@ def measure(layout: dict, state: Any, compiled: Any, comm: int, host_traffic: in
 
 def offload_traffic(plan: Any, state: Any) -> int:
     """Bytes one device moves between its memory and the host's per step: the offloaded leaves'
-    gradients out and their new compute copy back; with offloaded parameters, each layer's shard
-    in for the forward and again for the backward, its gradient shard out."""
+    gradients out (streamed per layer in the compute dtype, else converted to fp32 first) and
+    their new compute copy back; with offloaded parameters, each layer's shard in for the
+    forward and again for the backward, its gradient shard out."""
     total = 0
-    for leaf, p in zip(jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "offload")),
-                       jax.tree.leaves(state.params), strict=True):
+    streamed = jax.tree.leaves(grads_in_host_memory(plan))
+    for leaf, p, stream in zip(jax.tree.leaves(plan.leaves,
+                                               is_leaf=lambda x: hasattr(x, "offload")),
+                               jax.tree.leaves(state.params), streamed, strict=True):
         if not leaf.offload:
             continue
         c = p.dtype.itemsize
         if p.sharding.memory_kind == "pinned_host":  # shard in twice, gradient shard out
             total += 3 * c * math.prod(p.sharding.shard_shape(p.shape))
-        else:  # the optimizer's share of the fp32 gradient out, of the compute copy back
+        else:  # the optimizer's share of the gradient out, of the compute copy back
             share = math.prod(p.shape) / (plan.dp_size if plan.rule.shard_opt_state else 1)
-            total += (4 + c) * share
+            total += ((c if stream else 4) + c) * share
     return int(total)
 
 

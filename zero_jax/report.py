@@ -67,7 +67,7 @@ def model_states(plan: Plan, state: PyTree) -> tuple[dict, dict, dict, dict]:
     opt = formula(k_opt, rule.shard_opt_state)
     params = c * psi / (group if rule.shard_params else 1)
     grads = g * psi / group if plan.outer else formula(g, rule.shard_grads)
-    streamed = plan.offload_params or (plan.stage == 2 and plan.accum_steps == 1)
+    streamed = plan.rule.shard_grads and plan.accum_steps == 1 and not plan.outer
     grads_host = host if streamed else 0  # offloaded leaves' gradients stream to the host
     zero = {"params": 0 if plan.offload_params else params, "grads": grads * (1 - grads_host),
             "master": master * (1 - host), "opt_state": opt * (1 - host)}

@@ -76,10 +76,10 @@ def params_in_host_memory(plan: Plan) -> PyTree:
 
 def grads_in_host_memory(plan: Plan) -> PyTree:
     """Per parameter, whether its gradient leaves the backward in host memory, layer by layer:
-    a cut leaf whose parameter is offloaded (stage 3), or whose optimizer is at stage 2 without
-    accumulation (ZeRO-Offload's gradient streaming)."""
-    stage2 = plan.rule.shard_grads and not plan.rule.shard_params and plan.accum_steps == 1
-    return jax.tree.map(lambda leaf, host: host or (stage2 and leaf.offload and leaf.axis
+    a cut leaf whose parameter or optimizer is offloaded, at stage 2 or 3 without accumulation
+    (ZeRO-Offload's gradient streaming)."""
+    streams = plan.rule.shard_grads and plan.accum_steps == 1 and plan.outer is None
+    return jax.tree.map(lambda leaf, host: host or (streams and leaf.offload and leaf.axis
                                                     is not None and not leaf.persistent),
                         plan.leaves, params_in_host_memory(plan), is_leaf=_is_leaf)
 
@@ -198,6 +198,11 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
     is_route = lambda x: isinstance(x, Route)
     stage2 = plan.rule.shard_grads and not plan.rule.shard_params
     grads_host = grads_in_host_memory(plan)
+    # Stage 3 with the optimizer offloaded (parameters on the device): the shard the forward
+    # gathers is passed beside the host-memory copy that carries its gradient.
+    streamed = jax.tree.map(lambda h, p: h and not p and plan.rule.shard_params, grads_host,
+                            params_in_host_memory(plan))
+    stage3_streams = plan.rule.shard_params and any(jax.tree.leaves(streamed))
     blocks = plan.blocks
 
     def prepare(params):
@@ -208,19 +213,23 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
         # ZeRO-Offload at stage 2: the shard of an offloaded leaf is differentiated in host
         # memory, so each layer's gradient shard leaves the device as its backward ends.
         def one(r: Route, p, host):
-            p = jax.device_put(p, jax.memory.Space.Host) if host and stage2 else p
+            p = jax.device_put(p, jax.memory.Space.Host) if host else p
             return jax.lax.pcast(p, r.local, to="varying") if r.local else p
         return jax.tree.map(one, route_tree, params, grads_host, is_leaf=is_route)
 
     def model_params(params, whole):
         # Cut parameters become Shards; all but the declared blocks' are made whole here, once.
-        def wrap(r: Route, p, w=None):
+        def wrap(r: Route, p, w=None, streamed=False):
             if not r.cut:
                 return p
-            shard = Shard(p, w, r.leaf.axis - len(r.leaf.shape), plan.axis, prec.reduce.name)
+            args = (r.leaf.axis - len(r.leaf.shape), plan.axis, prec.reduce.name)
+            # Stage 3 streaming to the host: ``p`` carries the gradient, ``w`` is gathered.
+            shard = Shard(p, None, *args, gather_from=w) if streamed else \
+                Shard(p, w if stage2 else None, *args)
             return shard if r.leaf.block else materialize(shard)
-        rest = () if whole is None else (whole,)
-        return jax.tree.map(wrap, route_tree, params, *rest, is_leaf=is_route)
+        if whole is None:
+            return jax.tree.map(wrap, route_tree, params, is_leaf=is_route)
+        return jax.tree.map(wrap, route_tree, params, whole, streamed, is_leaf=is_route)
 
     def call_loss(tree, micro, key):
         if prec.autocast_input:
@@ -343,7 +352,7 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
                  key: jax.Array | None = None):
         # Stage 2 differentiates the shards of its replicated parameters, and passes the whole
         # copy too, which the forward reads as is.
-        whole = params if stage2 else None
+        whole = params if stage2 or stage3_streams else None
         out = ((P(), P()) if has_aux else P(), plan.grad_specs, P())
         loss, grads, factor = jax.shard_map(
             local_grads, mesh=plan.mesh,
