@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import signal
 import sys
 import threading
@@ -100,10 +101,12 @@ def check_args(args: argparse.Namespace) -> str | None:
                 "e.g. --dry-run --device-memory 80GB --host-memory 1TB")
     if args.devices_per_host is not None and args.devices_per_host < 1:
         return f"--devices-per-host must be at least 1 (got {args.devices_per_host})"
-    for flag, size in [("--device-memory", args.device_memory),
-                       ("--host-memory", args.host_memory)]:
-        if size and (problem := bad_size(size)):
-            return f"{flag} {problem}"
+    for flag in ("device_memory", "host_memory"):
+        if (size := getattr(args, flag)) is not None:
+            if (value := memory_size(size)) is None:
+                return (f"--{flag.replace('_', '-')} {size!r} is not a memory size: write e.g. "
+                        "80GB, 80GiB or 1TB")
+            setattr(args, flag, value)
     if args.resume and not args.checkpoint_dir:
         return "--resume needs --checkpoint-dir DIR"
     if args.resume and args.overwrite:
@@ -117,11 +120,17 @@ def check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-def bad_size(text: str) -> str | None:
-    import re  # the planner's own parser needs jax; this one runs before jax is imported
+UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "K": 2**10, "M": 2**20,
+         "G": 2**30, "T": 2**40, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
-    m = re.fullmatch(r"\s*[0-9.]+\s*(|B|[KMGT]i?B?)\s*", text, re.IGNORECASE)
-    return None if m else f"{text!r} is not a memory size: write e.g. 80GB, 80GiB or 1TB"
+
+def memory_size(text: str) -> int | None:
+    """Bytes of ``"80GB"`` (1e9), ``"80GiB"`` or ``"80G"`` (2**30), ``"1TB"``; None if it is
+    not a size."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).upper() not in UNITS:
+        return None
+    return int(float(m.group(1)) * UNITS[m.group(2).upper()])
 
 
 def same_file(a: str, b: str) -> bool:
@@ -397,13 +406,12 @@ class Run:
         from zero_jax import planner
         from zero_jax.gather import REMAT
         from zero_jax.gpt.experiment import Experiment, mesh_for
-        from zero_jax.hlo import collectives
         from zero_jax.step import abstract_state
 
         if self.exp.plan.outer is not None:
             raise ValueError("the planner compares the flat stages; drop zero3_size")
         args = self.args
-        device, host = (planner.parse_size(x) for x in (args.device_memory, args.host_memory))
+        device, host = args.device_memory, args.host_memory  # bytes, from check_args
         per_host = args.devices_per_host or jax.local_device_count()
         # Varied: what the command line did not fix (--stage, model.remat, zero.offload_*).
         fixed = lambda key: any(s.startswith(key) for s in args.set)
@@ -428,10 +436,9 @@ class Run:
                     exp = Experiment.build(cfg, mesh_for(cfg, args.devices))
                     state = abstract_state(exp.plan, exp.tx)
                     compiled = exp.step.lower(state, exp.batch_shape).compile()
-                    comm = sum(c.volume for c in collectives(compiled.as_text(), mesh.size))
                     rows.append(planner.measure(
-                        {"stage": stage, "offload": offload, "remat": remat}, state, compiled,
-                        comm, planner.offload_traffic(exp.plan, state)))
+                        {"stage": stage, "offload": offload, "remat": remat}, exp.plan, state,
+                        compiled))
         best = planner.choose(rows, device, host, per_host)
         unit, div = ("GiB", 2**30) if device >= 2**30 else ("MiB", 2**20)
         print(f"layouts of {self.exp.model.n_params:,} parameters on {mesh.size} devices of "
@@ -465,6 +472,7 @@ class Run:
                            "candidates": [{**c.layout, "device_bytes": c.device,
                                            "device_state_bytes": c.device_state,
                                            "temp_bytes": c.temp,
+                                           "model_state_bytes": c.model_states,
                                            "host_bytes_per_host": c.host_state * per_host,
                                            "fits": c.fits, "comm_bytes": c.comm,
                                            "host_traffic_bytes": c.host_traffic}

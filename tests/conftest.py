@@ -110,3 +110,22 @@ def reference(small):
             grads.append(g)
         out[name] = {"losses": np.array(losses), "grads": grads, "params": params}
     return out
+
+
+def equations(jaxpr, skip: str | None = None, loop=None, scans=None):
+    """Every equation of a jaxpr and of the jaxprs inside it, with the index of the scan it runs
+    in (program order: the forward layer loop first), or None; ``skip`` names a primitive left
+    out, contents and all."""
+    scans = [0] if scans is None else scans
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == skip:
+            continue
+        yield eqn, loop
+        here = loop
+        if eqn.primitive.name == "scan":
+            here, scans[0] = scans[0], scans[0] + 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from equations(inner, skip, here, scans)

@@ -11,7 +11,7 @@ import re
 import jax
 import optax
 import pytest
-from conftest import KEY, OPTIMIZERS
+from conftest import KEY, OPTIMIZERS, equations
 from jax import export
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -154,24 +154,16 @@ def test_ratio_picks_the_largest_leaves(mesh, small):
         make_plan(shapes, mesh, 1, offload_optimizer=1.5)
 
 
-def device_puts_per_loop(jaxpr, loop=None, found=None) -> dict:
+def device_puts_per_loop(jaxpr) -> dict:
     """``{(loop, "Device"|"Host"): count}`` of the device_puts in the program, ``loop`` being
-    the index of the scan they run in (in program order: the forward loop first), or None."""
-    found = {} if found is None else found
-    for eqn in jaxpr.eqns:
-        here = loop
-        if eqn.primitive.name == "scan":
-            here = found.setdefault("scans", 0)
-            found["scans"] += 1
-        if eqn.primitive.name == "device_put":
-            for dst in eqn.params["devices"]:
-                key = (here, getattr(dst, "name", str(dst)))
-                found[key] = found.get(key, 0) + 1
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    device_puts_per_loop(inner, here, found)
+    the index of the scan they run in (in program order: the forward loop first), or None;
+    ``"scans"``: how many scans there are."""
+    found = {"scans": 0}
+    for eqn, loop in equations(jaxpr):
+        found["scans"] += eqn.primitive.name == "scan"
+        for dst in eqn.params["devices"] if eqn.primitive.name == "device_put" else ():
+            key = (loop, getattr(dst, "name", str(dst)))
+            found[key] = found.get(key, 0) + 1
     return found
 
 
@@ -215,21 +207,11 @@ MOVES = {"device_put", "sharding_constraint", "jit", "pjit", "scan", "remat2", "
          "shard_map", "optimization_barrier", "custom_vjp_call", "custom_vjp_call_jaxpr"}
 
 
-def host_consumers(jaxpr, found=None) -> set:
+def host_consumers(jaxpr) -> set:
     """The primitives outside ``compute_on`` that read a value in host memory."""
-    found = set() if found is None else found
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "compute_on":
-            continue
-        if any(getattr(getattr(v, "aval", None), "memory_space", None) == jax.memory.Space.Host
-               for v in eqn.invars):
-            found.add(eqn.primitive.name)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    host_consumers(inner, found)
-    return found
+    return {eqn.primitive.name for eqn, _ in equations(jaxpr, skip="compute_on")
+            if any(getattr(getattr(v, "aval", None), "memory_space", None) ==
+                   jax.memory.Space.Host for v in eqn.invars)}
 
 
 @pytest.mark.parametrize("offload", ["half at stage 2", "parameters at stage 3"])

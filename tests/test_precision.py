@@ -235,6 +235,24 @@ def test_dry_run_of_7_5b_on_64_devices_matches_the_paper(tmp_path):
             assert row["total"] == pytest.approx(plain[row["stage"]] - moved, rel=0.001)
     assert "model states per device at each stage" in run.stdout
 
+    # The planner compiles each stage's step (remat and offload fixed here, so stages 0-3 only)
+    # and reads the same model states off each candidate's shardings: the paper's figures.
+    plan = tmp_path / "plan.json"
+    run = subprocess.run([sys.executable, "train.py", "--dry-run", "--config", "gpt-7.5b",
+                          "--devices", "64", "--set", "precision.param_dtype=bf16",
+                          "--set", "model.remat=full",
+                          "--set", "zero.offload_optimizer.device=none",
+                          "--device-memory", "32GB", "--host-memory", "512GB",
+                          "--report", str(plan)], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(plan.read_text())["candidates"]
+    assert [c["stage"] for c in rows] == [0, 1, 2, 3]
+    for c in rows:
+        assert c["model_state_bytes"] / 1e9 == pytest.approx(paper_gb[c["stage"]] * scale,
+                                                             rel=0.02)
+        assert c["model_state_bytes"] == pytest.approx(plain[c["stage"]], rel=1e-9)
+
 
 def test_zero_offload_puts_13b_on_one_device_in_2_psi(tmp_path):
     """ZeRO-Offload's headline: 13B parameters on one 32 GB device. Stage 2, bf16, the optimizer

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import KEY, SMALL
+from conftest import KEY, SMALL, equations
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -24,17 +24,8 @@ POLICIES = ("full", "dots", "none", "offload")
 
 def scan_outputs_in_host_memory(jaxpr) -> list[int]:
     """Per scan in the program (forward first), how many of its outputs are in host memory."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan":
-            found.append(sum(v.aval.memory_space == jax.memory.Space.Host
-                             for v in eqn.outvars))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += scan_outputs_in_host_memory(inner)
-    return found
+    return [sum(v.aval.memory_space == jax.memory.Space.Host for v in eqn.outvars)
+            for eqn, _ in equations(jaxpr) if eqn.primitive.name == "scan"]
 
 
 @pytest.fixture(scope="module")

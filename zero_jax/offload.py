@@ -25,6 +25,26 @@ PyTree = Any
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 
 
+def in_host_memory(x: jax.Array) -> bool:
+    return jax.typeof(x).memory_space == HOST
+
+
+def on_host_leaves(fn: Callable, tree: PyTree, *args: Any) -> tuple[PyTree, Any]:
+    """``fn(host_leaves, *args) -> (new_host_leaves, extra)`` as one host computation over the
+    leaves of ``tree`` in host memory (the others are kept); returns the tree with them
+    replaced, in host memory, and ``extra`` on the device. ``(tree, None)`` if none is."""
+    flat, structure = jax.tree.flatten(tree)
+    host = [in_host_memory(x) for x in flat]
+    if not any(host):
+        return tree, None
+    on_device = lambda shapes: ([True] * len(shapes[0]), jax.tree.map(lambda _: False, shapes[1]))
+    new, extra = on_host(fn, on_device)(
+        [x for h, x in zip(host, flat, strict=True) if h], *args)
+    new = iter(new)
+    return jax.tree.unflatten(structure, [next(new) if h else x
+                                          for h, x in zip(host, flat, strict=True)]), extra
+
+
 def to_host(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jax.device_put(x, HOST), tree)
 

@@ -11,26 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Any
 
 import jax
 
 from zero_jax.fit import HEADROOM
-from zero_jax.report import shard_bytes
+from zero_jax.hlo import collectives
+from zero_jax.report import model_states, shard_bytes
 from zero_jax.step import grads_in_host_memory
-
-UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10,
-         "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 2**10, "M": 2**20, "G": 2**30,
-         "T": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """``"80GB"`` (1e9), ``"80GiB"`` or ``"80G"`` (2**30), ``"1TB"``, ``"512MiB"``: bytes."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).upper() not in UNITS:
-        raise ValueError(f"{text!r} is not a memory size: write e.g. 80GB, 80GiB or 1TB")
-    return int(float(m.group(1)) * UNITS[m.group(2).upper()])
 
 
 @dataclasses.dataclass
@@ -41,6 +29,8 @@ class Candidate:
     host_state: int  # model state in host memory, per device
     comm: int  # bytes the collectives move per step, per device (ZeRO's units)
     host_traffic: int  # bytes crossing between host and device per step, per device
+    model_states: int  # ZeRO's accounting in device memory (parameters, gradients, master,
+    # optimizer state), per device: the dry run's per-stage table; the gradient is in temp too
     fits: bool = False
 
     @property
@@ -48,12 +38,14 @@ class Candidate:
         return self.device_state + self.temp
 
 
-def measure(layout: dict, state: Any, compiled: Any, comm: int, host_traffic: int) -> Candidate:
+def measure(layout: dict, plan: Any, state: Any, compiled: Any) -> Candidate:
     """A compiled candidate: ``state`` is its abstract train state (shardings with memory
-    kinds), ``comm`` its collective bytes per step."""
+    kinds), ``compiled`` its step."""
+    comm = sum(c.volume for c in collectives(compiled.as_text(), plan.mesh.size))
     return Candidate(layout, shard_bytes(state, "device"),
                      compiled.memory_analysis().temp_size_in_bytes,
-                     shard_bytes(state, "pinned_host"), comm, host_traffic)
+                     shard_bytes(state, "pinned_host"), comm, offload_traffic(plan, state),
+                     sum(model_states(plan, state)[0].values()))
 
 
 def offload_traffic(plan: Any, state: Any) -> int:

@@ -52,7 +52,10 @@ def model_states(plan: Plan, state: PyTree) -> tuple[dict, dict, dict, dict]:
     c, g = prec.compute.itemsize, jnp.dtype(plan.grad_dtype).itemsize
     k_opt = total_bytes(state.opt_state) / psi  # optimizer bytes per parameter (Adam fp32: 8)
     leaves = jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "offload"))
-    host = sum(math.prod(x.shape) for x in leaves if x.offload) / psi  # offloaded fraction
+    fraction = lambda flags: sum(math.prod(x.shape) for x, f in zip(leaves, flags, strict=True)
+                                 if f) / psi
+    host = fraction(x.offload for x in leaves)  # master and optimizer state offloaded
+    grads_host = fraction(jax.tree.leaves(grads_in_host_memory(plan)))  # streamed gradients
 
     def formula(bytes_per_param: float, sharded: bool) -> float:
         return bytes_per_param * psi / (n if sharded else 1)
@@ -67,8 +70,6 @@ def model_states(plan: Plan, state: PyTree) -> tuple[dict, dict, dict, dict]:
     opt = formula(k_opt, rule.shard_opt_state)
     params = c * psi / (group if rule.shard_params else 1)
     grads = g * psi / group if plan.outer else formula(g, rule.shard_grads)
-    streamed = plan.rule.shard_grads and plan.accum_steps == 1 and not plan.outer
-    grads_host = host if streamed else 0  # offloaded leaves' gradients stream to the host
     zero = {"params": 0 if plan.offload_params else params, "grads": grads * (1 - grads_host),
             "master": master * (1 - host), "opt_state": opt * (1 - host)}
     zero_host = {"params": params if plan.offload_params else 0, "grads": grads * grads_host,
@@ -255,18 +256,18 @@ def format_table(r: dict) -> str:
              + (", fp16 loss scaling" if p["loss_scale"] else ""),
              f"  {r['rule']}", "",
              f"  {'per device':<12}{'actual MiB':>12}{'ZeRO formula':>14}"
-             + (f"{'host MiB':>10}{'formula':>9}" if offloaded else "")]
+             + (f"{'host MiB':>12}{'formula':>12}" if offloaded else "")]
     host, zero_host = r["per_device_host_bytes"], r["zero_formula_host_bytes"]
     for key, actual in r["per_device_bytes"].items():
         if key == "master" and not p["master"]:
             continue
         lines.append(f"  {key:<12}{actual / MiB:>12.2f}{r['zero_formula_bytes'][key] / MiB:>14.2f}"
-                     + (f"{host[key] / MiB:>10.2f}{zero_host[key] / MiB:>9.2f}"
+                     + (f"{host[key] / MiB:>12.2f}{zero_host[key] / MiB:>12.2f}"
                         if offloaded else ""))
     total = sum(r["per_device_bytes"].values())
     lines.append(f"  {'total':<12}{total / MiB:>12.2f}"
                  f"{sum(r['zero_formula_bytes'].values()) / MiB:>14.2f}"
-                 + (f"{sum(host.values()) / MiB:>10.2f}{sum(zero_host.values()) / MiB:>9.2f}"
+                 + (f"{sum(host.values()) / MiB:>12.2f}{sum(zero_host.values()) / MiB:>12.2f}"
                     if offloaded else ""))
     if offloaded:
         leaves = r["offload"]["optimizer_leaves"]

@@ -63,18 +63,18 @@ class Leaf:
 
 
 def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
-              min_shard_elems: int) -> Leaf:
+              min_shard_elems: int, cut_one: bool = False) -> Leaf:
     """Cut the first dimension (after the layer index) that ``n`` divides.
 
     A leaf with no such dimension stays whole everywhere, optimizer state included. A leaf
     smaller than ``min_shard_elems`` per layer is "persistent", as DeepSpeed's
     ``stage3_param_persistence_threshold``: gathering it would cost more in latency than it
     saves, so its parameter and gradient stay whole while its optimizer state is still cut.
+    On one device nothing is cut, unless ``cut_one`` (into one shard: see make_plan).
     """
     first = 1 if stacked else 0
-    # n == 0 stands for one device that still cuts (into one shard), for offload: see make_plan.
-    axis = next((a for a in range(first, len(shape)) if n != 1 and shape[a] % max(n, 1) == 0),
-                None)
+    axis = next((a for a in range(first, len(shape))
+                 if (n > 1 or cut_one) and shape[a] % n == 0), None)
     if axis is None:
         reason = "one device" if n == 1 else f"no dimension divisible by {n}"
         return Leaf(path, shape, stacked, None, reason=reason)
@@ -318,7 +318,7 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
     # On one device nothing needs cutting, except to stream gradients and parameters to the
     # host layer by layer: with offload every leaf is cut into one shard (its collectives over
     # one device are no-ops), so it travels as stage 2's and 3's shards do.
-    cut_n = 0 if n == 1 and (offload_optimizer or offload_params) else n
+    cut_one = bool(offload_optimizer or offload_params)
     flat = {path_str(p): tuple(x.shape)
             for p, x in jax.tree_util.tree_flatten_with_path(params_shape)[0]}
     paths = list(flat)
@@ -341,7 +341,7 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
         if match("ignored", name):
             leaf = Leaf(name, tuple(x.shape), in_stack, None, reason="ignored_modules")
         else:
-            leaf = leaf_rule(name, tuple(x.shape), cut_n, in_stack, min_shard_elems)
+            leaf = leaf_rule(name, tuple(x.shape), n, in_stack, min_shard_elems, cut_one)
         return dataclasses.replace(leaf, frozen=match("frozen", name), block=block)
 
     leaves = jax.tree_util.tree_map_with_path(rule, params_shape)

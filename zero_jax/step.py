@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zero_jax.gather import Shard, materialize, per_block
-from zero_jax.offload import on_host, split_update
+from zero_jax.offload import in_host_memory, on_host_leaves, split_update
 from zero_jax.precision import LossScale, update_loss_scale
 from zero_jax.rules import Leaf, Plan, path_str
 
@@ -137,10 +137,6 @@ def _constrain(tree: PyTree, plan: Plan, specs: PyTree) -> PyTree:
 
 def _is_leaf(x) -> bool:
     return isinstance(x, Leaf)
-
-
-def in_host_memory(x: jax.Array) -> bool:
-    return jax.typeof(x).memory_space == jax.memory.Space.Host
 
 
 class Weighted(NamedTuple):
@@ -338,15 +334,9 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
     def on_host_scaled(grads, factor):
         # The gradients that streamed to host memory get the same scaling there, in a host
         # computation: no device op reads host memory.
-        host = [in_host_memory(g) for g in jax.tree.leaves(grads)]
-        if not any(host):
-            return grads
-        scaled = on_host(lambda gs, f: [(g * f.astype(g.dtype)).astype(plan.grad_dtype)
-                                        for g in gs], lambda shapes: [True] * len(shapes))(
-            [g for h, g in zip(host, jax.tree.leaves(grads), strict=True) if h], factor)
-        scaled = iter(scaled)
-        return jax.tree.unflatten(jax.tree.structure(grads), [
-            next(scaled) if h else g for h, g in zip(host, jax.tree.leaves(grads), strict=True)])
+        scale = lambda gs, f: ([(g * f.astype(g.dtype)).astype(plan.grad_dtype) for g in gs],
+                               None)
+        return on_host_leaves(scale, grads, factor)[0]
 
     def grads_fn(params: PyTree, batch: PyTree, scale: jax.Array | float = 1.0,
                  key: jax.Array | None = None):
@@ -423,20 +413,16 @@ def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformat
     def unscaled(grads, scale):
         # fp32 and divided by the loss scale; and the sum of their squares. Gradients that
         # streamed to host memory are converted there, in one host computation.
-        flat, tree = jax.tree.flatten(grads)
-        host = [in_host_memory(g) for g in flat]
-        convert = lambda gs, scale: [g.astype(jnp.float32) / scale for g in gs]
+        convert = lambda g: g.astype(jnp.float32) / scale if not in_host_memory(g) else g
         squares = lambda gs: sum((jnp.sum(jnp.square(g)) for g in gs), jnp.zeros(()))
-        out = convert([g for h, g in zip(host, flat, strict=True) if not h], scale)
-        total = squares(out)
-        if any(host):
-            on = on_host(lambda gs, scale: (convert(gs, scale), squares(convert(gs, scale))),
-                         lambda shapes: ([True] * len(shapes[0]), False))
-            done, part = on([g for h, g in zip(host, flat, strict=True) if h], scale)
-            total = total + part
-            done, out = iter(done), iter(out)
-            out = [next(done) if h else next(out) for h in host]
-        return jax.tree.unflatten(tree, list(out)), total
+        grads = jax.tree.map(convert, grads)
+        on_device = squares(g for g in jax.tree.leaves(grads) if not in_host_memory(g))
+
+        def on_host(gs, scale):
+            gs = [g.astype(jnp.float32) / scale for g in gs]
+            return gs, squares(gs)
+        grads, in_host = on_host_leaves(on_host, grads, scale)
+        return grads, on_device if in_host is None else on_device + in_host
 
     def step(state: TrainState, batch: PyTree, *, key: jax.Array | None = None):
         scale = state.loss_scale.scale if state.loss_scale is not None else 1.0

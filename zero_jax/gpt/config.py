@@ -162,13 +162,11 @@ def validate(config: dict) -> None:
     for key in ("min_shard_elems", "zero3_size"):
         _at_least(config, "zero", key, 0)
     off = z["offload_optimizer"]
-    if off["device"] not in ("none", "cpu"):
-        raise ConfigError(f"zero.offload_optimizer.device must be none or cpu (got "
-                          f"{off['device']!r}); NVMe is not reachable through JAX's memory kinds")
-    if z["offload_params"] not in ("none", "cpu"):
-        raise ConfigError(f"zero.offload_params must be none or cpu (got "
-                          f"{z['offload_params']!r}); NVMe is not reachable through JAX's "
-                          f"memory kinds")
+    for key, device in [("offload_optimizer.device", off["device"]),
+                        ("offload_params", z["offload_params"])]:
+        if device not in ("none", "cpu"):
+            raise ConfigError(f"zero.{key} must be none or cpu (got {device!r}); NVMe is not "
+                              f"reachable through JAX's memory kinds")
     if z["offload_params"] == "cpu" and (z["stage"] != 3 or off["device"] != "cpu"
                                          or off["ratio"] != 1):
         raise ConfigError("zero.offload_params cpu needs stage 3 and the whole optimizer "
