@@ -10,7 +10,7 @@ HloModule jit_step, entry_computation_layout={()->()}
 }
 
 %body (p: (s32[], bf16[8,64])) -> (s32[], bf16[8,64]) {
-  %ags = (bf16[8,64]{1,0}, bf16[64,64]{1,0}) all-gather-start(bf16[8,64]{1,0} %w), channel_id=3, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true
+  %ags = (bf16[16,64]{1,0}, bf16[64,64]{1,0}) all-gather-start(bf16[16,64]{1,0} %w), channel_id=3, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true
   %agd = bf16[64,64]{1,0} all-gather-done(%ags)
   %rs = f32[16,64]{1,0} reduce-scatter(f32[64,64]{1,0} %g), channel_id=4, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, to_apply=%add
 }
@@ -48,3 +48,22 @@ def test_reads_which_devices_a_group_holds():
     assert found["all-gather"].group == (0, 4)
     assert found["reduce-scatter"].group == (0, 1, 2, 3)
     assert found["all-reduce"].group == tuple(range(8))
+
+
+def test_reads_the_payload_of_every_async_start_from_its_operands():
+    # GPU prints async starts with tuple shapes that differ per kind (operands, results and
+    # scalar context); the payload is read from the operands, as for the synchronous forms.
+    body = """\
+  %rss = ((f32[64,64]{1,0}), f32[16,64]{1,0}) reduce-scatter-start(f32[64,64]{1,0} %g), channel_id=4, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, to_apply=%add
+  %rsd = f32[16,64]{1,0} reduce-scatter-done(%rss)
+  %aas = ((s8[8,128]{1,0}), s8[8,128]{1,0}) all-to-all-start(s8[8,128]{1,0} %q), channel_id=5, replica_groups=[1,8]<=[8], dimensions={0}
+  %aad = s8[8,128]{1,0} all-to-all-done(%aas)
+  %cps = (f32[32]{0}, f32[32]{0}, u32[], u32[]) collective-permute-start(f32[32]{0} %x), channel_id=6, source_target_pairs={{0,1},{1,0}}
+  %cpd = f32[32]{0} collective-permute-done(%cps)
+"""
+    text = GPU_LIKE.replace("ENTRY %main (a: f32[1024]) -> f32[1024] {\n",
+                            "ENTRY %main (a: f32[1024]) -> f32[1024] {\n" + body)
+    found = {c.kind: c for c in collectives(text, n_devices=8) if not c.in_loop}
+    assert found["reduce-scatter"].bytes == 64 * 64 * 4  # the full input, once
+    assert (found["all-to-all"].dtype, found["all-to-all"].bytes) == ("s8", 8 * 128)
+    assert found["collective-permute"].bytes == 32 * 4

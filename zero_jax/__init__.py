@@ -10,6 +10,7 @@ The public API, in the order a training loop uses it::
     ckpts = Checkpoints(directory); ckpts.save(state, meta); ckpts.restore(abstract_state(...))
 """
 
+from zero_jax.buckets import Comm
 from zero_jax.checkpoint import Checkpoints
 from zero_jax.gather import nnx_merge, remat_policy
 from zero_jax.mesh import make_mesh
@@ -26,7 +27,7 @@ from zero_jax.step import (
     state_specs,
 )
 
-__all__ = ["STAGES", "Checkpoints", "Plan", "TrainState", "Weighted", "abstract_state",
+__all__ = ["STAGES", "Checkpoints", "Comm", "Plan", "TrainState", "Weighted", "abstract_state",
            "device_key", "init_state", "make_grad_fn", "make_mesh", "make_plan",
            "make_train_step", "modules_pattern", "nnx_merge", "remat_policy", "state_shardings",
            "state_specs"]

@@ -23,12 +23,14 @@ import contextvars
 import dataclasses
 import functools
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+
+from zero_jax import buckets
+from zero_jax.buckets import Comm
 
 PyTree = Any
 
@@ -36,108 +38,108 @@ PyTree = Any
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Shard:
-    """This device's piece of a parameter, cut along ``axis`` (negative: counted from the end)
-    over mesh axis ``mesh_axis``."""
+    """A parameter as a block receives it: this device's piece, cut along ``axis`` (negative:
+    counted from the end) over mesh axis ``mesh_axis``; ``axis`` None: a whole parameter whose
+    gradient is all-reduced inside the backward (stages 0-1, DDP's buckets)."""
 
     value: jax.Array  # the shard: what the gradient is taken with respect to
     whole: jax.Array | None  # stage 2: the replicated copy, which the forward reads as is
-    axis: int = dataclasses.field(metadata=dict(static=True))
-    mesh_axis: str = dataclasses.field(metadata=dict(static=True))
+    axis: int | None = dataclasses.field(metadata=dict(static=True))
+    mesh_axis: str | tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
     reduce_dtype: str = dataclasses.field(metadata=dict(static=True))
     # Stage 3 streaming its gradient to the host: the device shard the forward gathers, while
     # ``value``, in host memory, only carries the gradient there.
     gather_from: jax.Array | None = None
+    comm: Comm = dataclasses.field(default=Comm(), metadata=dict(static=True))
+
+    @property
+    def kind(self) -> str:
+        return "replica" if self.axis is None else "read" if self.whole is not None else "gather"
 
 
-def is_shard(x) -> bool:
-    return isinstance(x, Shard)
+class _How(NamedTuple):
+    """What one ``_whole`` call does, for leaves that share it (static)."""
+
+    kind: str  # gather (stage 3), read (stage 2: the whole copy), replica (stages 0-1)
+    axes: tuple[int | None, ...]
+    mesh_axis: str | tuple[str, ...]
+    reduce_dtype: str
+    dtypes: tuple[str, ...]  # the targets', which their gradients come back in
+    comm: Comm
 
 
-def _reduce_scatter(g: jax.Array, like: jax.Array, axis: int, mesh_axis: str,
-                    reduce_dtype: str) -> jax.Array:
-    """Sum ``g`` over devices in ``reduce_dtype``; keep this device's cut, in ``like``'s dtype."""
-    summed = jax.lax.psum_scatter(g.astype(reduce_dtype), mesh_axis, scatter_dimension=axis,
-                                  tiled=True)
-    return summed.astype(like.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _gather(shard: jax.Array, axis: int, mesh_axis: str, reduce_dtype: str) -> jax.Array:
-    return jax.lax.all_gather(shard, mesh_axis, axis=axis, tiled=True)
-
-
-def _gather_fwd(shard, axis, mesh_axis, reduce_dtype):
-    return _gather(shard, axis, mesh_axis, reduce_dtype), jnp.zeros((), shard.dtype)
-
-
-def _gather_bwd(axis, mesh_axis, reduce_dtype, like, g):
-    return (_reduce_scatter(g, like, axis, mesh_axis, reduce_dtype),)
-
-
-_gather.defvjp(_gather_fwd, _gather_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _gather_for(shard: jax.Array, carrier: jax.Array, axis: int, mesh_axis: str,
-                reduce_dtype: str) -> jax.Array:
-    """``shard`` gathered; the gradient goes to ``carrier`` (reduce-scattered), not ``shard``."""
-    return jax.lax.all_gather(shard, mesh_axis, axis=axis, tiled=True)
-
-
-def _gather_for_fwd(shard, carrier, axis, mesh_axis, reduce_dtype):
-    return _gather_for(shard, carrier, axis, mesh_axis, reduce_dtype), jnp.zeros((), carrier.dtype)
-
-
-def _gather_for_bwd(axis, mesh_axis, reduce_dtype, like, g):
-    return None, _reduce_scatter(g, like, axis, mesh_axis, reduce_dtype)
-
-
-_gather_for.defvjp(_gather_for_fwd, _gather_for_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _read_whole(shard: jax.Array, whole: jax.Array, axis: int, mesh_axis: str,
-                reduce_dtype: str) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _whole(targets: list, sources: list, how: _How) -> list:
+    """The whole leaves: ``sources`` gathered (stage 3) or read as they are; the gradients go
+    to ``targets`` (reduce-scattered, or all-reduced for replicas), never to ``sources``."""
+    if how.kind == "gather":
+        return buckets.all_gather(sources, list(how.axes), how.mesh_axis, how.comm)
     # pcast marks the copy as per-device; without it JAX would all-reduce its gradient before
-    # our reduce-scatter and the gradient would come out N times too large.
-    return jax.lax.pcast(whole, mesh_axis, to="varying")
+    # our reduce and the gradient would come out N times too large.
+    return [jax.lax.pcast(s, how.mesh_axis, to="varying") for s in sources]
 
 
-def _read_whole_fwd(shard, whole, axis, mesh_axis, reduce_dtype):
-    return _read_whole(shard, whole, axis, mesh_axis, reduce_dtype), jnp.zeros((), shard.dtype)
+def _whole_fwd(targets, sources, how):
+    return _whole(targets, sources, how), None
 
 
-def _read_whole_bwd(axis, mesh_axis, reduce_dtype, like, g):
-    return _reduce_scatter(g, like, axis, mesh_axis, reduce_dtype), None
+def _whole_bwd(how, _, gs):
+    if how.kind == "replica":
+        summed = buckets.all_reduce(gs, how.mesh_axis, how.reduce_dtype, how.comm)
+    else:
+        summed = buckets.reduce_scatter(gs, list(how.axes), how.mesh_axis, how.reduce_dtype,
+                                        how.comm)
+    return [g.astype(d) for g, d in zip(summed, how.dtypes, strict=True)], None
 
 
-_read_whole.defvjp(_read_whole_fwd, _read_whole_bwd)
+_whole.defvjp(_whole_fwd, _whole_bwd)
+
+
+def _materialize_group(xs: list[Shard]) -> list[jax.Array]:
+    """Leaves that travel together (same kind, axis, dtypes, comm) made whole in one call."""
+    first = xs[0]
+    # Offloaded parameters: each shard is copied to the device right before its gather, and
+    # its gradient shard goes back to host memory as the layer's backward ends; likewise the
+    # host-memory shard of stage 2 that only carries the gradient.
+    targets = [jax.device_put(x.value, jax.memory.Space.Device) for x in xs]
+    if first.kind == "gather":
+        sources = [t if x.gather_from is None else x.gather_from
+                   for x, t in zip(xs, targets, strict=True)]
+    elif first.kind == "read":
+        sources = [x.whole for x in xs]
+    else:
+        sources = targets
+    axes = tuple(None if x.axis is None else x.axis % x.value.ndim for x in xs)
+    how = _How(first.kind, axes, first.mesh_axis, first.reduce_dtype,
+               tuple(t.dtype.name for t in targets), first.comm)
+    wholes = _whole(targets, [jax.lax.stop_gradient(s) for s in sources], how)
+    if first.kind == "gather":  # the per-layer checkpoint name of remat policies
+        wholes = [checkpoint_name(w, GATHERED) for w in wholes]
+    return wholes
+
+
+def materialize_tree(tree: PyTree) -> PyTree:
+    """Every ``Shard`` in ``tree`` made whole; leaves that travel alike share buckets."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_shard)
+    groups: dict[tuple, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if is_shard(x):
+            key = (x.kind, x.mesh_axis, x.reduce_dtype, x.comm,
+                   (x.gather_from if x.gather_from is not None else x.value).dtype)
+            groups.setdefault(key, []).append(i)
+    for members in groups.values():
+        for i, w in zip(members, _materialize_group([leaves[i] for i in members]), strict=True):
+            leaves[i] = w
+    return treedef.unflatten(leaves)
 
 
 def materialize(x: Any) -> Any:
     """The whole parameter for a ``Shard``; anything else is returned unchanged."""
-    if not is_shard(x):
-        return x
-    axis = x.axis % x.value.ndim  # counted from the end: the same in a scan's per-layer slice
-    if x.whole is None:
-        # Offloaded parameters: this layer's shard is copied to the device right before its
-        # gather, and its gradient shard goes back to host memory as its backward ends.
-        value = jax.device_put(x.value, jax.memory.Space.Device)
-        if x.gather_from is None:
-            whole = _gather(value, axis, x.mesh_axis, x.reduce_dtype)
-        else:
-            whole = _gather_for(jax.lax.stop_gradient(x.gather_from), value, axis, x.mesh_axis,
-                                x.reduce_dtype)
-        return checkpoint_name(whole, GATHERED)
-    # Stage 2 reads its whole copy; the shard only carries the gradient, which, when the shard
-    # is in host memory (optimizer offload), goes there as this layer's backward ends.
-    value = jax.device_put(x.value, jax.memory.Space.Device)
-    return _read_whole(value, jax.lax.stop_gradient(x.whole), axis, x.mesh_axis,
-                       x.reduce_dtype)
+    return materialize_tree([x])[0]
 
 
-def materialize_tree(tree: PyTree) -> PyTree:
-    return jax.tree.map(materialize, tree, is_leaf=is_shard)
+def is_shard(x) -> bool:
+    return isinstance(x, Shard)
 
 
 def has_shards(tree: PyTree) -> bool:
@@ -146,14 +148,21 @@ def has_shards(tree: PyTree) -> bool:
 
 def _gathers(tree: PyTree) -> bool:
     """Whether making ``tree`` whole gathers (stage 3), rather than reading a copy (stage 2)."""
-    return any(x.whole is None for x in jax.tree.leaves(tree, is_leaf=is_shard) if is_shard(x))
+    return any(x.kind == "gather" for x in jax.tree.leaves(tree, is_leaf=is_shard) if is_shard(x))
 
 
 def _after_inputs(tree: PyTree, args: tuple, kwargs: dict) -> PyTree:
     # The block's inputs join its shards in a barrier, so its gathers wait for them: else the
     # scheduler may hoist every block's gather to the start and hold the whole model.
+    # Only what is gathered: a barrier marks its outputs per-device, and a replica (a whole
+    # parameter all-reduced in the backward) must stay the same on every device.
     inputs = [x for x in jax.tree.leaves((args, kwargs)) if isinstance(x, jax.Array)]
-    return jax.lax.optimization_barrier((tree, inputs))[0]
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_shard)
+    waiting = [i for i, x in enumerate(leaves) if not is_shard(x) or x.kind != "replica"]
+    done = jax.lax.optimization_barrier(([leaves[i] for i in waiting], inputs))[0]
+    for i, x in zip(waiting, done, strict=True):
+        leaves[i] = x
+    return treedef.unflatten(leaves)
 
 
 # Names for remat policies: a block's input (its per-layer checkpoint) and a gathered weight.

@@ -127,16 +127,18 @@ def collectives(hlo_text: str, n_devices: int) -> list[Collective]:
             kind = op.removesuffix("-start")
             if kind not in KINDS:
                 continue
-            arrays = _arrays(shape)
-            if op == "all-gather-start" and shape.startswith("(("):
-                arrays = arrays[len(arrays) // 2:]  # ((operands), (results))
-            elif op == "all-gather-start":
-                arrays = arrays[-1:]
             groups = _groups(rest, n_devices)
             group = groups[0]
-            size = sum(b for _, b in arrays)
-            if kind == "reduce-scatter":
-                size *= len(group)  # the instruction's shape is the scattered result
+            if op.endswith("-start"):
+                # An async start's shape is a tuple of operands, results and context, laid out
+                # per kind; its operands, printed with their shapes, say the payload for all.
+                arrays = _arrays(rest.split(")", 1)[0])
+                size = sum(b for _, b in arrays) * (len(group) if kind == "all-gather" else 1)
+            else:
+                arrays = _arrays(shape)
+                size = sum(b for _, b in arrays)
+                if kind == "reduce-scatter":
+                    size *= len(group)  # the instruction's shape is the scattered result
             found.append(Collective(kind, arrays[0][0] if arrays else "?", size, group,
                                     looped[name], runs[name], name, groups))
     return found

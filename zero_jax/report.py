@@ -206,6 +206,7 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
                        for leaf in plan.replicated],
         "frozen": [leaf.path for leaf in plan.frozen],
         "blocks": plan.blocks,
+        "comm": plan.comm._asdict(),
         "opt_state_whole": whole_opt_state(plan, state),
         "warnings": warnings(plan),
     }
@@ -289,6 +290,14 @@ def format_table(r: dict) -> str:
               f"{theory / MiB:.2f} MiB ({r['comm_theory_formula']}), ratio "
               f"{measured / theory if theory else 1:.2f} "
               "(an all-reduce counted as reduce-scatter + all-gather)"]
+    comm = r["comm"]
+    int8 = [what for what, on in (("weights", comm["quantize_weights"]),
+                                  ("gradients", comm["quantize_grads"])) if on]
+    how = "one collective per leaf" if not comm["bucket_bytes"] else \
+        f"each layer in flat buffers of at most {comm['bucket_bytes'] / MiB:g} MiB"
+    if int8:
+        how += f"; int8 {' and '.join(int8)} (one f32 scale per {comm['block']} elements)"
+    lines.append(f"  buckets: {how}")
     if len(r["mesh"]) > 1:
         names = {"data": "within groups", "replica": "across groups",
                  "replica+data": "whole mesh"}

@@ -17,6 +17,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zero_jax.buckets import Comm
 from zero_jax.gather import REMAT
 from zero_jax.precision import Precision
 
@@ -145,6 +146,7 @@ class Plan:
     offload_grads: bool = False  # the accumulator waits in host memory between microbatches
     offload_params: bool = False  # stage 3 (ZeRO-Infinity's CPU tier): parameters in host memory
     remat: str = "full"  # the policy of the blocks stage 3 rematerializes (gather.remat_policy)
+    comm: Comm = Comm()  # buckets and int8 collectives (zero_jax.buckets)
 
     @property
     def data_axes(self) -> tuple[str, ...]:
@@ -270,7 +272,7 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
               outer: str | None = None, ignored: str | None = None,
               frozen: str | None = None, offload_grads: bool = False,
               offload_optimizer: float = 0.0, offload_params: bool = False,
-              remat: str = "full") -> Plan:
+              remat: str = "full", comm: Comm | None = None) -> Plan:
     """Apply the rules to a parameter tree (arrays or ``jax.ShapeDtypeStruct``s).
 
     ``layers``, ``ignored`` and ``frozen`` are regular expressions over parameter paths
@@ -295,6 +297,10 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
     parameter shards of stage 3 in host memory, each copied to the device as it is gathered.
     ``remat`` is the policy of stage 3's rematerialized blocks: full, dots, none or offload
     (``zero_jax.gather.remat_policy``).
+
+    ``comm`` says how they travel (``zero_jax.buckets.Comm``): in buckets of a bounded size
+    (per layer one all-gather per dtype and direction, one reduce-scatter; at stages 0-1 the
+    gradient all-reduced inside the backward, layer by layer), and in int8.
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of 0, 1, 2, 3 (got {stage})")
@@ -314,6 +320,16 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
                          "built for accumulation or hierarchical ZeRO yet")
     if outer is not None and stage != 3:
         raise ValueError(f"hierarchical ZeRO (outer={outer!r}) is built on stage 3, not {stage}")
+    comm = comm or Comm()
+    if comm.quantize_weights and stage != 3:
+        raise ValueError(f"quantize_weights makes stage 3's parameter all-gathers int8; stage "
+                         f"{stage} gathers no parameters in its layers: use stage 3")
+    if comm.quantize_grads and stage < 2:
+        raise ValueError(f"quantize_grads makes the gradient reduce-scatters of stages 2-3 int8; "
+                         f"stage {stage} all-reduces: use stage 2 or 3")
+    if comm.block < 1 or comm.bucket_bytes < 0:
+        raise ValueError(f"comm: block must be at least 1 and bucket_bytes at least 0 (got "
+                         f"{comm.block}, {comm.bucket_bytes})")
     n = mesh.shape[axis] * (mesh.shape[outer] if outer else 1)
     # On one device nothing needs cutting, except to stream gradients and parameters to the
     # host layer by layer: with offload every leaf is cut into one shard (its collectives over
@@ -350,7 +366,7 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
                           leaves, is_leaf=_is_leaf)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_shape)
     return Plan(stage, mesh, axis, leaves, shapes, precision or Precision(), accum_steps, outer,
-                offload_grads, offload_params, remat)
+                offload_grads, offload_params, remat, comm)
 
 
 def offloaded(leaves: list[Leaf], ratio: float) -> set[str]:

@@ -20,7 +20,8 @@ from flax.errors import ScopeParamShapeError
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zero_jax.gather import Shard, materialize, per_block
+from zero_jax import buckets
+from zero_jax.gather import Shard, materialize_tree, per_block
 from zero_jax.offload import in_host_memory, on_host_leaves, split_update
 from zero_jax.precision import LossScale, update_loss_scale
 from zero_jax.rules import Leaf, Plan, path_str
@@ -139,6 +140,12 @@ def _is_leaf(x) -> bool:
     return isinstance(x, Leaf)
 
 
+def _put(flat: list, where: list[int], values: list) -> None:
+    """``flat[where[j]] = values[j]``: results of a bucketed collective back in their places."""
+    for i, v in zip(where, values, strict=True):
+        flat[i] = v
+
+
 class Weighted(NamedTuple):
     """A loss returned as a sum and what it sums over (say, valid tokens): the step then trains
     on the exact global mean, sum of totals over sum of weights, as one device would."""
@@ -153,15 +160,20 @@ class Route(NamedTuple):
     leaf: Leaf
     cut: bool  # reaches the loss as a Shard; its gradient leaves the backward already cut
     local: tuple[str, ...]  # axes its copy is marked per-device over, so nothing reduces early
+    # Whole, in a block, and bucketed: all-reduced inside the backward as its block's
+    # backward ends (DDP's buckets), rather than once after it.
+    in_backward: bool = False
 
 
 def routes(plan: Plan) -> PyTree:
     """The ``Route`` of every parameter, as a tree shaped like the parameters."""
     def route(leaf: Leaf) -> Route:
         cut = plan.rule.shard_grads and leaf.axis is not None and not leaf.persistent
-        local = () if leaf.frozen else (plan.outer,) if cut and plan.outer else \
-            () if cut else plan.data_axes
-        return Route(leaf, cut, local)
+        in_backward = (not cut and not leaf.frozen and leaf.block is not None
+                       and plan.comm.bucket_bytes > 0 and plan.accum_steps == 1)
+        local = () if leaf.frozen or in_backward else (plan.outer,) if cut and plan.outer \
+            else () if cut else plan.data_axes
+        return Route(leaf, cut, local, in_backward)
     return jax.tree.map(route, plan.leaves, is_leaf=_is_leaf)
 
 
@@ -214,18 +226,27 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
         return jax.tree.map(one, route_tree, params, grads_host, is_leaf=is_route)
 
     def model_params(params, whole):
-        # Cut parameters become Shards; all but the declared blocks' are made whole here, once.
+        # Cut parameters become Shards (and bucketed whole ones in blocks, whose gradient is
+        # all-reduced as the block's backward ends); all but the declared blocks' are made
+        # whole here, once, together.
         def wrap(r: Route, p, w=None, streamed=False):
+            if r.in_backward:
+                return Shard(p, None, None, everywhere, prec.reduce.name, comm=plan.comm)
             if not r.cut:
                 return p
             args = (r.leaf.axis - len(r.leaf.shape), plan.axis, prec.reduce.name)
             # Stage 3 streaming to the host: ``p`` carries the gradient, ``w`` is gathered.
-            shard = Shard(p, None, *args, gather_from=w) if streamed else \
-                Shard(p, w if stage2 else None, *args)
-            return shard if r.leaf.block else materialize(shard)
+            return Shard(p, None if streamed or not stage2 else w, *args,
+                         gather_from=w if streamed else None, comm=plan.comm)
         if whole is None:
-            return jax.tree.map(wrap, route_tree, params, is_leaf=is_route)
-        return jax.tree.map(wrap, route_tree, params, whole, streamed, is_leaf=is_route)
+            tree = jax.tree.map(wrap, route_tree, params, is_leaf=is_route)
+        else:
+            tree = jax.tree.map(wrap, route_tree, params, whole, streamed, is_leaf=is_route)
+        outside = jax.tree.map(lambda r, x: None if r.leaf.block else x, route_tree, tree,
+                               is_leaf=is_route)
+        outside = materialize_tree(outside)
+        return jax.tree.map(lambda r, x, o: x if r.leaf.block else o, route_tree, tree, outside,
+                            is_leaf=is_route)
 
     def call_loss(tree, micro, key):
         if prec.autocast_input:
@@ -302,8 +323,26 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
         (stats, grads), _ = jax.lax.scan(body, start, (jnp.arange(k), split))
         return stats, move(grads, device_space)
 
+    def reduce_once(grads):
+        # What the backward left unreduced, reduced once, in buckets: whole gradients
+        # all-reduced; hierarchical shards reduce-scattered across groups.
+        flat, tree = jax.tree.flatten(grads)
+        rs = jax.tree.leaves(route_tree, is_leaf=is_route)
+        whole = [i for i, r in enumerate(rs) if not r.leaf.frozen and not r.cut
+                 and not r.in_backward]
+        across = [i for i, r in enumerate(rs) if not r.leaf.frozen and r.cut and plan.outer]
+        comm = plan.comm._replace(quantize_grads=False)
+        _put(flat, whole, buckets.all_reduce([flat[i] for i in whole], everywhere,
+                                             prec.reduce.name, comm))
+        if across:
+            _put(flat, across, buckets.reduce_scatter(
+                [flat[i] for i in across], [rs[i].leaf.axis for i in across], plan.outer,
+                prec.reduce.name, comm))
+        return tree.unflatten(flat)
+
     def reduce(stats, grads, params):
         total, weight, aux = (jax.lax.psum(x, everywhere) for x in stats)
+        grads = reduce_once(grads)
 
         def one(r: Route, g, p):
             if r.leaf.frozen:  # zeros in the grad_specs layout, never communicated
@@ -311,11 +350,6 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
                 if r.cut and plan.outer:
                     shape[r.leaf.axis] //= plan.mesh.shape[plan.outer]
                 return jnp.zeros(shape, plan.grad_dtype)
-            if not r.cut:
-                g = jax.lax.psum(g.astype(prec.reduce), everywhere)
-            elif plan.outer:  # hierarchical: once per step, the across-group reduce-scatter
-                g = jax.lax.psum_scatter(g.astype(prec.reduce), plan.outer,
-                                         scatter_dimension=r.leaf.axis, tiled=True)
             if in_host_memory(g):  # streamed to the host: scaled there, after the shard_map
                 return g
             # From shares of n k to shares of the global weight: exactly 1 for a mean loss.
@@ -379,15 +413,21 @@ def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformat
             return _constrain(compute, plan, plan.param_specs)
 
         # Hierarchical: our own all-gather across groups (and, for leaves whose parameter is
-        # whole, within the group too), in the compute dtype, once per step.
-        def gather(leaf: Leaf, x):
-            if leaf.axis is None:
-                return x
-            axes = (plan.axis, plan.outer) if leaf.persistent else plan.outer
-            return jax.lax.all_gather(x, axes, axis=leaf.axis, tiled=True, to="invarying")
+        # whole, within the group too), in the compute dtype, once per step, in buckets.
+        def gather(tree):
+            flat, treedef = jax.tree.flatten(tree)
+            leaves = jax.tree.leaves(plan.leaves, is_leaf=_is_leaf)
+            comm = plan.comm._replace(quantize_weights=False)
+            for persistent in (False, True):
+                axes = (plan.axis, plan.outer) if persistent else plan.outer
+                idx = [i for i, leaf in enumerate(leaves)
+                       if leaf.axis is not None and bool(leaf.persistent) == persistent]
+                _put(flat, idx, buckets.all_gather([flat[i] for i in idx],
+                                                   [leaves[i].axis for i in idx], axes, comm,
+                                                   to="invarying"))
+            return treedef.unflatten(flat)
 
-        return jax.shard_map(lambda t: jax.tree.map(gather, plan.leaves, t, is_leaf=_is_leaf),
-                             mesh=plan.mesh, in_specs=(plan.opt_specs,),
+        return jax.shard_map(gather, mesh=plan.mesh, in_specs=(plan.opt_specs,),
                              out_specs=plan.param_specs)(compute)
 
     def optimize(grads, opt_state, master):

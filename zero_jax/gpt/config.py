@@ -35,9 +35,15 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # offload_optimizer (ZeRO-Offload): device cpu puts the fp32 master and optimizer state of
     # that fraction (ratio) of the parameters in host memory and updates them there;
     # offload_params cpu (stage 3, ZeRO-Infinity's CPU tier): the parameter shards too.
+    # bucket_mb: a layer's leaves travel in flat buffers of at most this many MiB (0: one
+    # collective per leaf); quantize_weights / quantize_grads int8 (ZeRO++'s qwZ / qgZ): stage
+    # 3's parameter all-gathers / stages 2-3's gradient reduce-scatters in int8, one fp32 scale
+    # per quantize_block elements.
     "zero": {"stage": 3, "min_shard_elems": 0, "zero3_size": 0, "transformer_layers": ["blocks"],
              "ignored_modules": [], "offload_grads": False,
-             "offload_optimizer": {"device": "none", "ratio": 1.0}, "offload_params": "none"},
+             "offload_optimizer": {"device": "none", "ratio": 1.0}, "offload_params": "none",
+             "bucket_mb": 25, "quantize_weights": "none", "quantize_grads": "none",
+             "quantize_block": 64},
     # auto: bf16 compute on accelerators, fp32 on the CPU mesh; reduce_dtype auto = param_dtype.
     # fp16 turns on DeepSpeed's dynamic loss scaler, with its defaults below.
     "precision": {"param_dtype": "auto", "reduce_dtype": "auto", "accum_dtype": "fp32",
@@ -159,8 +165,16 @@ def validate(config: dict) -> None:
     for key in ("b1", "b2"):
         if not 0 <= o[key] < 1:
             raise ConfigError(f"optimizer.{key} must be in [0, 1) (got {o[key]})")
-    for key in ("min_shard_elems", "zero3_size"):
+    for key in ("min_shard_elems", "zero3_size", "bucket_mb"):
         _at_least(config, "zero", key, 0)
+    _at_least(config, "zero", "quantize_block", 1)
+    for key, least in (("quantize_weights", 3), ("quantize_grads", 2)):
+        if z[key] not in ("none", "int8"):
+            raise ConfigError(f"zero.{key} must be none or int8 (got {z[key]!r})")
+        if z[key] == "int8" and z["stage"] < least:
+            raise ConfigError(f"zero.{key} int8 quantizes what stage {least}"
+                              f"{'' if least == 3 else '-3'} communicates; stage {z['stage']} "
+                              f"does not: use --stage {least} or --set zero.{key}=none")
     off = z["offload_optimizer"]
     for key, device in [("offload_optimizer.device", off["device"]),
                         ("offload_params", z["offload_params"])]:

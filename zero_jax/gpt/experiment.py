@@ -15,6 +15,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zero_jax.buckets import Comm
 from zero_jax.checkpoint import CheckpointError
 from zero_jax.gpt.model import GPT, LAYER_STACKS, GPTConfig, init_fn, lm_loss
 from zero_jax.gpt.optim import make_optimizer
@@ -68,7 +69,7 @@ class Experiment:
                          offload_grads=z["offload_grads"],
                          offload_optimizer=offload_ratio(z["offload_optimizer"]),
                          offload_params=z["offload_params"] == "cpu",
-                         remat=cfg["model"]["remat"])
+                         remat=cfg["model"]["remat"], comm=comm_from(z))
         loss = lm_loss(model, fp32_logits=precision.autocast_output)
         step = make_train_step(plan, loss, tx, lr_schedule=schedule)
         return cls(cfg, mesh, model_cfg, init, tx, plan, step)
@@ -120,6 +121,12 @@ def mesh_for(cfg: dict, devices: int | None) -> Mesh:
         raise ValueError(f"hierarchical ZeRO (zero3_size {k}) is built on stage 3; drop "
                          f"--stage {cfg['zero']['stage']} or zero3_size")
     return make_mesh(devices, axes={"replica": n // k, "data": k})
+
+
+def comm_from(z: dict) -> Comm:
+    """The ``zero`` section's buckets and int8 collectives."""
+    return Comm(int(z["bucket_mb"] * 2 ** 20), z["quantize_weights"] == "int8",
+                z["quantize_grads"] == "int8", z["quantize_block"])
 
 
 def offload_ratio(cfg: dict) -> float:

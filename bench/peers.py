@@ -1,0 +1,339 @@
+"""zero_jax beside the peers a JAX user would otherwise pick: plain-jit DDP and MaxText-style
+GSPMD FSDP, same model, optimizer, initial parameters and batches; step time, memory and the
+collectives of each compiled step.
+
+    python bench/peers.py [--config tiny] [--devices 8] [--steps 20] [--rounds 5] [--set K=V]
+
+A wider model (``d_ff`` does not follow ``d_model`` by itself: keep GPT's 4x by hand):
+
+    python bench/peers.py --rounds 3 --steps 10 --set model.d_model=512 --set model.d_ff=2048
+
+Rows: zero_jax stages 0-3 (built from the config as ``bench/stages.py`` builds them), the
+``VARIANTS`` below, then three baselines written here with plain ``jax.jit``:
+
+* DDP: parameters and AdamW state replicated (``P()``), the batch cut on the data axis; the
+  partitioner all-reduces the gradients.
+* GSPMD FSDP, MaxText style: every parameter and its AdamW moments cut along their largest
+  dimension the device count divides (never a scanned stack's layer axis; whole if none
+  divides), the batch cut on the data axis, and the activations pinned batch-sharded
+  (``with_sharding_constraint`` to ``P('data', None, None)`` on each block's input and output
+  and on the logits), so that the partitioner gathers the weights, not the activations.
+* The same FSDP without the activation constraints: the partitioner is free to gather
+  activations instead (the point of the constraints).
+
+Before timing, every run takes its first step on the same batch from the same parameters: each
+baseline's loss must equal zero_jax stage 0's within 1e-5, or the script stops (exit 1). The
+comparison is in fp32 (``precision.param_dtype=fp32`` unless you ``--set`` otherwise, and the
+baselines refuse anything else).
+
+Columns: step ms (median over rounds, interleaved, ``bench/harness.py``); the median over rounds
+of the step time over zero_jax stage 0's in the same round; the compiled step's temp memory
+(``memory_analysis().temp_size_in_bytes``); model
+states per device (parameters, fp32 master if any, optimizer state: the bytes of each array's
+shard on one device); the collectives of the compiled step (``zero_jax.hlo``) per kind, as
+executions per step / payload MiB per step (the full-size buffer; an all-reduce counted once).
+On the simulated CPU mesh only the ratios mean something; there, too, XLA reduces the FSDP
+baselines' gradients with all-reduce (each device then keeps its slice), where the GPU
+backend's passes would turn that into a reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import harness  # bench/harness.py, beside this script
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+# Extra zero_jax rows: a name and its --set overrides (on top of the command line's). Not
+# checked against stage 0's loss: a quantized variant computes another loss by design.
+VARIANTS: dict[str, list[str]] = {
+    # bucket_mb=0: one collective per leaf, against the default 25 MiB buckets (stage 0: one
+    # all-reduce after the backward instead of one per layer inside it); ZeRO++'s int8.
+    "zero_jax stage 0, no buckets": ["zero.stage=0", "zero.bucket_mb=0"],
+    "zero_jax stage 3, no buckets": ["zero.stage=3", "zero.bucket_mb=0"],
+    "zero_jax stage 3, int8 weights": ["zero.stage=3", "zero.quantize_weights=int8"],
+    "zero_jax stage 3, int8 grads": ["zero.stage=3", "zero.quantize_grads=int8"],
+}
+
+LOSS_TOLERANCE = 1e-5
+SEED_KEY = 0  # harness.build initializes zero_jax with jax.random.key(0): the same here
+COLLECTIVES = {"all-gather": "AG", "reduce-scatter": "RS", "all-reduce": "AR",
+               "all-to-all": "A2A", "collective-permute": "CP"}
+PyTree = Any
+
+
+class State(NamedTuple):
+    """A baseline's train state: what an optax loop carries."""
+
+    params: PyTree
+    opt_state: PyTree
+
+
+def _setup(cfg: dict, mesh: Mesh):
+    """The model, init, loss and optimizer of ``cfg`` exactly as the experiment builds them (at
+    stage 0, where the model keeps the config's own remat)."""
+    from zero_jax.gpt.experiment import Experiment
+    from zero_jax.gpt.model import GPT, lm_loss
+
+    cfg = copy.deepcopy(cfg)
+    cfg["zero"]["stage"] = 0
+    exp = Experiment.build(cfg, mesh)
+    if exp.plan.precision.compute != np.float32:
+        raise ValueError("the baselines compute in fp32: pass --set precision.param_dtype=fp32 "
+                         "(peers.py does, unless told otherwise)")
+    model = GPT(exp.model)
+    return exp, model, lm_loss(model, fp32_logits=exp.plan.precision.autocast_output)
+
+
+def _axes(mesh: Mesh) -> str | tuple[str, ...]:
+    """Every mesh axis is data-parallel: the batch, and FSDP's shards, span them all."""
+    return mesh.axis_names[0] if len(mesh.axis_names) == 1 else tuple(mesh.axis_names)
+
+
+def fsdp_spec(shape: tuple[int, ...], n: int, axes, stacked: bool = False) -> P:
+    """Cut along the largest dimension ``n`` divides (the first of equals; a scanned stack's
+    layer axis, dimension 0 when ``stacked``, never); whole if none divides."""
+    dims = [i for i, d in enumerate(shape) if d % n == 0 and not (stacked and i == 0)]
+    if not dims or n == 1:
+        return P()
+    cut = max(dims, key=lambda i: (shape[i], -i))
+    return P(*(axes if i == cut else None for i in range(len(shape))))
+
+
+def fsdp_param_specs(shapes: PyTree, mesh: Mesh) -> PyTree:
+    from zero_jax.gpt.model import LAYER_STACKS
+    from zero_jax.rules import path_str
+
+    def spec(path, x):
+        stacked = path_str(path).split("/")[0] in LAYER_STACKS
+        return fsdp_spec(tuple(x.shape), mesh.size, _axes(mesh), stacked)
+    return jax.tree_util.tree_map_with_path(spec, shapes)
+
+
+def opt_state_specs(tx: optax.GradientTransformation, params: PyTree, specs: PyTree) -> PyTree:
+    """Each optimizer-state leaf laid out as the parameter its path ends in (Adam's moments);
+    anything else (step counts) whole."""
+    from zero_jax.rules import path_str
+
+    by_path = {path_str(p): s for p, s in
+               jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]}
+    shapes = {path_str(p): tuple(x.shape) for p, x in
+              jax.tree_util.tree_flatten_with_path(params)[0]}
+
+    def spec(path, x):
+        name = path_str(path)
+        for p, s in by_path.items():
+            if (name == p or name.endswith("/" + p)) and tuple(x.shape) == shapes[p]:
+                return s
+        return P()
+    return jax.tree_util.tree_map_with_path(spec, jax.eval_shape(tx.init, params))
+
+
+def activation_constraints(mesh: Mesh) -> Callable:
+    """A flax method interceptor pinning each block's input and output, and the logits, to
+    ``P(data, None, None)``: batch-sharded, as MaxText constrains its activations."""
+    from zero_jax.gpt.model import GPT, Block
+
+    batch_sharded = NamedSharding(mesh, P(_axes(mesh), None, None))
+    pin = lambda x: jax.lax.with_sharding_constraint(x, batch_sharded)
+
+    def interceptor(next_fun, args, kwargs, context):
+        if context.method_name != "__call__":
+            return next_fun(*args, **kwargs)
+        if type(context.module) is Block:  # inside the scan (and remat) wrappers
+            x, carry = args
+            out, carry = next_fun(pin(x), carry, **kwargs)
+            return pin(out), carry
+        if type(context.module) is GPT:
+            return pin(next_fun(*args, **kwargs))
+        return next_fun(*args, **kwargs)
+    return interceptor
+
+
+@functools.cache
+def _init(model) -> Callable[[jax.Array], PyTree]:
+    """The init of the model ``model`` (a ``GPTConfig``) configures, compiled once for all the
+    baselines (threefry draws the same numbers whatever the layout: these are zero_jax's
+    sharded initial parameters, bit for bit)."""
+    from zero_jax.gpt.model import GPT, init_fn
+
+    return jax.jit(init_fn(GPT(model)))
+
+
+def _baseline(cfg: dict, mesh: Mesh, param_specs: Callable[[PyTree], PyTree],
+              constrain: bool, params: PyTree | None):
+    exp, _, loss_fn = _setup(cfg, mesh)
+    tx = exp.tx
+    shapes = jax.eval_shape(exp.init, jax.random.key(SEED_KEY))
+    p_specs = param_specs(shapes)
+    specs = State(p_specs, opt_state_specs(tx, shapes, p_specs))
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                             is_leaf=lambda x: isinstance(x, P))
+    if params is None:  # the same init function and key as zero_jax's (harness.build)
+        params = _init(exp.model)(jax.random.key(SEED_KEY))
+    # Copies, in this layout: the caller's arrays may be donated later.
+    params = jax.tree.map(lambda x, s: jax.device_put(np.asarray(x), s), params,
+                          shardings.params)
+    state = State(params, jax.jit(tx.init, out_shardings=shardings.opt_state)(params))
+    interceptor = activation_constraints(mesh) if constrain else None
+
+    def loss(p, tokens):
+        if interceptor is None:
+            return loss_fn(p, tokens)
+        with nn.intercept_methods(interceptor):
+            return loss_fn(p, tokens)
+
+    def step(state: State, batch: jax.Array):
+        value, grads = jax.value_and_grad(loss)(state.params, batch)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        return State(optax.apply_updates(state.params, updates), opt_state), {"loss": value}
+
+    replicated = NamedSharding(mesh, P())
+    jitted = jax.jit(step, out_shardings=(shardings, replicated), donate_argnums=0)
+    compiled = jitted.lower(state, exp.batch_shape).compile()
+    return jitted, state, compiled
+
+
+def ddp_step(cfg: dict, mesh: Mesh, params: PyTree | None = None):
+    """``(jitted step, state, compiled step)`` of plain-jit data parallelism: parameters and
+    optimizer state replicated, batch sharded. ``params``: initial parameters to copy (default:
+    the config's init at ``jax.random.key(0)``, as zero_jax's)."""
+    return _baseline(cfg, mesh, lambda shapes: jax.tree.map(lambda _: P(), shapes), False,
+                     params)
+
+
+def fsdp_step(cfg: dict, mesh: Mesh, constrain: bool = True, params: PyTree | None = None):
+    """``(jitted step, state, compiled step)`` of MaxText-style GSPMD FSDP: parameters and AdamW
+    moments cut on the data axis (``fsdp_spec``), batch sharded; with ``constrain``, the
+    activations pinned batch-sharded (``activation_constraints``)."""
+    return _baseline(cfg, mesh, lambda shapes: fsdp_param_specs(shapes, mesh), constrain,
+                     params)
+
+
+def model_state_bytes(tree: PyTree) -> int:
+    """What one device holds of ``tree``: its addressable shard of each array."""
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def collectives_summary(hlo_text: str, n_devices: int) -> dict[str, tuple[int, int]]:
+    """``{kind: (executions per step, payload bytes per step)}`` of the collectives that move
+    data (groups of more than one device)."""
+    from zero_jax.hlo import collectives
+
+    out: dict[str, tuple[int, int]] = {}
+    for c in collectives(hlo_text, n_devices):
+        if c.group_size > 1:
+            count, size = out.get(c.kind, (0, 0))
+            out[c.kind] = (count + c.count, size + c.count * c.bytes)
+    return out
+
+
+_GATHER = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.*?) all-gather(-start)?\(")
+
+
+def gathered_shapes(hlo_text: str) -> list[tuple[int, ...]]:
+    """The shape of each array the all-gathers in ``hlo_text`` produce (an async start's shape
+    is (operands, results): its second half)."""
+    out = []
+    for line in hlo_text.splitlines():
+        if m := _GATHER.match(line):
+            arrays = re.findall(r"\[([\d,]*)\]", m.group(1))
+            for dims in arrays[len(arrays) // 2:] if m.group(2) else arrays:
+                out.append(tuple(int(d) for d in dims.split(",") if d))
+    return out
+
+
+def format_collectives(summary: dict[str, tuple[int, int]]) -> str:
+    return ", ".join(f"{COLLECTIVES.get(kind, kind)} {count} / {size / 2 ** 20:.3g} MiB"
+                     for kind, (count, size) in sorted(summary.items())) or "none"
+
+
+def _baseline_run(name: str, built, batches: list) -> dict:
+    _, state, compiled = built
+    return dict(name=name, step=compiled, state=state, batches=batches, times=[],
+                compiled=compiled, states_bytes=model_state_bytes(state), checked=True)
+
+
+def main() -> None:
+    args = harness.parse_args(__doc__.splitlines()[0])
+
+    from zero_jax.gpt import config, data
+    from zero_jax.mesh import make_mesh
+
+    mesh = make_mesh(args.devices)
+    print(harness.header(args.config, mesh, args.rounds, args.steps), flush=True)
+    sets = ["precision.param_dtype=fp32", *args.set]
+    tokens = data.stdlib_corpus()
+    runs = []
+    for stage in range(4):
+        runs.append(dict(name=f"zero_jax stage {stage}", checked=False, **harness.build(
+            config.load(args.config, [*sets, f"zero.stage={stage}"]), mesh, tokens, args.steps)))
+    for name, extra in VARIANTS.items():
+        runs.append(dict(name=name, checked=False, **harness.build(
+            config.load(args.config, [*sets, *extra]), mesh, tokens, args.steps)))
+    for r in runs:
+        r["compiled"] = r["step"]
+        s = r["state"]
+        r["states_bytes"] = model_state_bytes((s.params, s.master, s.opt_state))
+    base = runs[0]
+    cfg = base["exp"].cfg
+    init = jax.tree.map(np.asarray, base["state"].params)  # before any step donates it
+    runs += [_baseline_run("DDP (jit, replicated)", ddp_step(cfg, mesh), base["batches"]),
+             _baseline_run("GSPMD FSDP, activations constrained",
+                           fsdp_step(cfg, mesh, constrain=True), base["batches"]),
+             _baseline_run("GSPMD FSDP, unconstrained", fsdp_step(cfg, mesh, constrain=False),
+                           base["batches"])]
+
+    # The same first step everywhere: same parameters, same batch, the same loss.
+    failures = []
+    for r in runs:
+        if r["checked"]:
+            same = all(np.array_equal(a, b) for a, b in zip(
+                jax.tree.leaves(init), jax.tree.leaves(r["state"].params), strict=True))
+            if not same:
+                failures.append(f"{r['name']}: initial parameters differ from zero_jax stage 0's")
+        r["state"], metrics = r["step"](r["state"], base["batches"][0])
+        r["loss1"] = float(metrics["loss"])
+    print(f"step 1 loss, zero_jax stage 0: {base['loss1']:.7f}; difference of each run "
+          f"(baselines must be within {LOSS_TOLERANCE:g}):")
+    for r in runs[1:]:
+        diff = r["loss1"] - base["loss1"]
+        bad = r["checked"] and not abs(diff) <= LOSS_TOLERANCE
+        print(f"  {r['name']}: {diff:+.2e}{'  FAILED' if bad else ''}")
+        if bad:
+            failures.append(f"{r['name']}: step-1 loss {r['loss1']:.7f} differs from zero_jax "
+                            f"stage 0's {base['loss1']:.7f} by {diff:+.2e}")
+    if failures:
+        print("\n".join(f"error: {f}" for f in failures), file=sys.stderr)
+        raise SystemExit(1)
+    print(flush=True)
+
+    harness.time_interleaved(runs, args.rounds)
+
+    mib = 2 ** 20
+    print("| run | step ms | time / stage 0 (same round) | temp MiB | model states MiB/device "
+          "| collectives per step (count / MiB) |")
+    print("|---|---|---|---|---|---|")
+    for r in runs:
+        temp = r["compiled"].memory_analysis().temp_size_in_bytes
+        comm = collectives_summary(r["compiled"].as_text(), mesh.size)
+        # The median of same-round ratios: a slow round slows every run in it alike.
+        ratio = statistics.median(t / b for t, b in zip(r["times"][1:], base["times"][1:],
+                                                         strict=True))
+        print(f"| {r['name']} | {r['ms']:.1f} | {ratio:.2f} | {temp / mib:.2f} "
+              f"| {r['states_bytes'] / mib:.2f} | {format_collectives(comm)} |")
+
+
+if __name__ == "__main__":
+    main()

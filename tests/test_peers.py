@@ -1,0 +1,135 @@
+"""The baselines of ``bench/peers.py`` compute what zero_jax computes, and its FSDP gathers
+weights, not activations; ``bench/gpu.py`` reads async collective pairs."""
+
+import math
+import pathlib
+import sys
+
+import jax
+import numpy as np
+import pytest
+from conftest import N, tree_rel
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
+import peers  # noqa: E402  (bench/ is not a package)
+
+from zero_jax.gpt import config, data  # noqa: E402
+from zero_jax.gpt.experiment import Experiment  # noqa: E402
+from zero_jax.hlo import collectives  # noqa: E402
+from zero_jax.step import init_state  # noqa: E402
+
+# Two layers, a small batch; no warmup, so the first step moves the parameters. Global batch
+# 16 and seq_len 64 are no parameter's dimensions: an all-gathered (16, 64, ...) is activations.
+SETS = ["model.n_layers=2", "train.batch_size=16", "optimizer.warmup_steps=0", "zero.stage=0",
+        "precision.param_dtype=fp32"]
+B, T = 16, 64
+
+
+@pytest.fixture(scope="module")
+def runs(mesh):
+    """Stage 0 and each baseline, before and after one step on the same batch."""
+    cfg = config.load("tiny", SETS)
+    exp = Experiment.build(cfg, mesh)  # what bench/harness.py builds, less its report
+    state = init_state(exp.plan, exp.init, exp.tx, jax.random.key(0))
+    tokens = data.stdlib_corpus(1 << 18)
+    assert (exp.cfg["train"]["batch_size"], exp.model.seq_len) == (B, T)
+    batch = jax.device_put(data.batch(tokens, 0, B, T, 0), exp.batch_sharding)
+    init = jax.tree.map(np.asarray, state.params)
+    out = {"init": init}
+    state, metrics = exp.step(state, batch)
+    out["zero_jax"] = (float(metrics["loss"]), state.params, exp.step)
+    for name, (_, state, compiled) in [("ddp", peers.ddp_step(cfg, mesh)),
+                                       ("fsdp", peers.fsdp_step(cfg, mesh, constrain=True))]:
+        out[name + " init"] = jax.tree.map(np.asarray, state.params)
+        state, metrics = compiled(state, batch)
+        out[name] = (float(metrics["loss"]), state.params, compiled)
+    out["shapes"] = jax.tree.map(lambda x: x.shape, init)
+    return out
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp"])
+def test_baseline_steps_as_zero_jax_stage_0(runs, name):
+    """Same initial parameters bit for bit, the same step-1 loss, the same update."""
+    assert jax.tree.structure(runs[name + " init"]) == jax.tree.structure(runs["init"])
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(runs[name + " init"]),
+                                                    jax.tree.leaves(runs["init"]), strict=True))
+    loss, params, _ = runs[name]
+    zero_loss, zero_params, _ = runs["zero_jax"]
+    assert abs(loss - zero_loss) < 1e-5
+    # Over the whole tree: Adam's first step is lr * g / (|g| + eps), so a leaf whose gradient
+    # is all rounding noise (the key bias: softmax ignores it) differs relatively on its own.
+    assert tree_rel(params, zero_params) < 1e-5
+    assert tree_rel(params, runs["init"]) > 1e-3  # the step really moved them
+
+
+def test_fsdp_gathers_weights_not_activations(runs, mesh):
+    """Pinned batch-sharded activations: every all-gather is a weight's (whole, one layer's, or
+    transposed), and together they move at least the parameters; unpinned, the partitioner
+    gathers whole-batch activations."""
+    _, _, compiled = runs["fsdp"]
+    text = compiled.as_text()
+    weights = set()
+    for path, shape in jax.tree_util.tree_flatten_with_path(
+            runs["shapes"], is_leaf=lambda x: isinstance(x, tuple))[0]:
+        weights.add(tuple(sorted(shape)))
+        if path[0].key == "blocks":
+            weights.add(tuple(sorted(shape[1:])))
+    gathered = peers.gathered_shapes(text)
+    assert gathered and all(tuple(sorted(s)) in weights for s in gathered), gathered
+    param_bytes = sum(math.prod(s) * 4 for s in jax.tree.leaves(
+        runs["shapes"], is_leaf=lambda x: isinstance(x, tuple)))
+    gather_bytes = sum(c.count * c.bytes for c in collectives(text, N) if c.kind == "all-gather")
+    assert gather_bytes >= param_bytes
+
+    _, _, free = peers.fsdp_step(config.load("tiny", SETS), mesh, constrain=False)
+    assert any(s[:2] == (B, T) for s in peers.gathered_shapes(free.as_text()))
+
+
+# The forms the GPU backend prints: an all-gather pair with a fusion between (in a 12-trip
+# loop), a reduce-scatter wrapped in async-start/done with nothing between, the sugared
+# reduce-scatter-start ((operands), result) with a fusion between, a synchronous all-reduce.
+ASYNC_HLO = """\
+HloModule jit_step, is_scheduled=true
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  ROOT %s = f32[] add(f32[] %x, f32[] %y)
+}
+
+%wrapped_rs (p: f32[64,64]) -> f32[8,64] {
+  %p = f32[64,64]{1,0} parameter(0)
+  ROOT %rs = f32[8,64]{1,0} reduce-scatter(%p), replica_groups=[1,8]<=[8], to_apply=%add
+}
+
+%body (p: (s32[], bf16[8,64])) -> (s32[], bf16[8,64]) {
+  %w = bf16[8,64]{1,0} get-tuple-element(%p), index=1
+  %ags = (bf16[8,64]{1,0}, bf16[64,64]{1,0}) all-gather-start(%w), replica_groups=[1,8]<=[8]
+  %f = bf16[64,64]{1,0} fusion(bf16[8,64]{1,0} %w), kind=kLoop, calls=%add
+  %agd = bf16[64,64]{1,0} all-gather-done((bf16[8,64]{1,0}, bf16[64,64]{1,0}) %ags)
+  %g = f32[64,64]{1,0} custom-call(%agd), custom_call_target="__cublas$gemm"
+  %rss = ((f32[64,64]{1,0}), f32[8,64]{1,0}) async-start(%g), calls=%wrapped_rs
+  %rsd = f32[8,64]{1,0} async-done(((f32[64,64]{1,0}), f32[8,64]{1,0}) %rss)
+}
+
+ENTRY %main (a: f32[1024]) -> f32[1024] {
+  %w = (s32[], bf16[8,64]) while(%t), condition=%c, body=%body, backend_config={"known_trip_count":{"n":"12"}}
+  %ars = f32[1024]{0} all-reduce-start(%a), replica_groups=[1,8]<=[8], to_apply=%add
+  %ard = f32[1024]{0} all-reduce-done(f32[1024]{0} %ars)
+  %rs2 = ((f32[4096]{0}), f32[512]{0}) reduce-scatter-start(%b), replica_groups=[1,8]<=[8]
+  %c = f32[4096]{0} fusion(%b), kind=kLoop, calls=%add
+  ROOT %rs2d = f32[512]{0} reduce-scatter-done(((f32[4096]{0}), f32[512]{0}) %rs2)
+}
+"""  # noqa: E501
+
+
+def test_gpu_script_reads_async_pairs():
+    """bench/gpu.py's own reading of GPU-style text (payload: the full-size side), and which
+    start/done pairs have compute scheduled between them."""
+    import gpu
+
+    assert gpu.own_reading(ASYNC_HLO, N) == {
+        "all-gather": [12, 12 * 64 * 64 * 2],
+        "reduce-scatter": [13, 12 * 64 * 64 * 4 + 4096 * 4],
+        "all-reduce": [1, 1024 * 4]}
+    pairs = gpu.overlap(ASYNC_HLO)
+    assert {k: (v["pairs"], v["overlapped"], v["overlapped_in_loop"]) for k, v in pairs.items()} \
+        == {"all-gather": (1, 1, 1), "reduce-scatter": (2, 1, 0), "all-reduce": (1, 0, 0)}

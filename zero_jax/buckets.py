@@ -1,0 +1,162 @@
+"""Many leaves, one collective: ZeRO-R's constant-size buffers, and ZeRO++'s int8 ones.
+
+A bucket lays this device's pieces of several leaves end to end in one flat buffer, so that
+one all-gather, reduce-scatter or all-reduce moves them all: one synchronization per layer
+instead of one per leaf. A leaf cut along its own ``axis`` into N shards is, in the flat layout,
+N rows, row i being device i's shard flattened (``rows`` / ``unrows``); concatenating leaves
+along the rows keeps each device's chunk of the buffer exactly its shards, so every element is
+moved and summed as by the leaf's own collective: bit-identical results.
+
+Int8 (ZeRO++): weights are gathered as int8 blocks with one fp32 scale per ``block`` elements
+(qwZ), dequantized on arrival; gradients are cut into the rows each device will own, quantized,
+exchanged all-to-all and summed locally in fp32 (qgZ), so nothing is summed in int8.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+AxisName = str | tuple[str, ...]
+
+
+class Comm(NamedTuple):
+    """How the leaves of one layer travel; static, part of a ``Shard``'s type."""
+
+    bucket_bytes: int = 0  # a bucket's bound, in gathered (whole-leaf) bytes; 0: one per leaf
+    quantize_weights: bool = False  # stage 3's parameter all-gathers in int8
+    quantize_grads: bool = False  # gradient reduce-scatters in int8 (all-to-all, fp32 sum)
+    block: int = 64  # elements per int8 scale
+
+
+def buckets(sizes: list[int], bound: int) -> list[list[int]]:
+    """Consecutive indices grouped so that each group's bytes stay within ``bound``; a leaf
+    larger than the bound is a group of its own. ``bound`` 0: every leaf alone."""
+    groups: list[list[int]] = []
+    total = 0
+    for i, size in enumerate(sizes):
+        if not groups or bound <= 0 or total + size > bound:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += size
+    return groups
+
+
+def rows(x: jax.Array, axis: int, n: int) -> jax.Array:
+    """A whole leaf as ``n`` rows, row i the flattened shard of device i (cut along ``axis``)."""
+    shape = x.shape
+    x = x.reshape(*shape[:axis], n, shape[axis] // n, *shape[axis + 1:])
+    return jnp.moveaxis(x, axis, 0).reshape(n, -1)
+
+
+def unrows(r: jax.Array, axis: int, shard_shape: tuple[int, ...]) -> jax.Array:
+    """The inverse of ``rows``: ``n`` rows of shards back into the whole leaf."""
+    n = r.shape[0]
+    x = jnp.moveaxis(r.reshape(n, *shard_shape), 0, axis)
+    return x.reshape(*shard_shape[:axis], n * shard_shape[axis], *shard_shape[axis + 1:])
+
+
+def _split(flat: jax.Array, shapes: list[tuple[int, ...]]) -> list[jax.Array]:
+    """``flat``'s last axis cut into consecutive pieces of the sizes of ``shapes``."""
+    out, start = [], 0
+    for shape in shapes:
+        size = 1
+        for d in shape:
+            size *= d
+        out.append(jax.lax.slice_in_dim(flat, start, start + size, axis=-1))
+        start += size
+    return out
+
+
+def quantize(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 per block of ``block`` elements along the last axis (padded with zeros):
+    ``(q[..., blocks, block] int8, scales[..., blocks] fp32)``."""
+    pad = -x.shape[-1] % block
+    x = jnp.pad(x.astype(jnp.float32), [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    x = x.reshape(*x.shape[:-1], -1, block)
+    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    q = jnp.round(x / jnp.where(scale == 0, 1.0, scale)[..., None]).astype(jnp.int8)
+    return q, scale
+
+
+def dequantize(q: jax.Array, scale: jax.Array, size: int) -> jax.Array:
+    """fp32 values of ``quantize``'s output, the padding cut back to ``size`` elements."""
+    x = q.astype(jnp.float32) * scale[..., None]
+    return x.reshape(*x.shape[:-2], -1)[..., :size]
+
+
+def all_gather(xs: list[jax.Array], axes: list[int], mesh_axis: AxisName, comm: Comm,
+               to: str = "varying") -> list[jax.Array]:
+    """Whole leaves from this device's shards (each cut along its ``axes`` entry): one
+    all-gather per bucket, in int8 with ``comm.quantize_weights``; ``to="invarying"``: the
+    result is marked the same on every device (``jax.lax.all_gather``'s ``to``)."""
+    n = jax.lax.axis_size(mesh_axis)
+    out: list[jax.Array] = [None] * len(xs)
+    for group in buckets([x.size * x.dtype.itemsize * n for x in xs], comm.bucket_bytes):
+        if len(group) == 1 and not comm.quantize_weights:
+            i = group[0]
+            out[i] = jax.lax.all_gather(xs[i], mesh_axis, axis=axes[i], tiled=True, to=to)
+            continue
+        flat = jnp.concatenate([xs[i].reshape(-1) for i in group])
+        if comm.quantize_weights:
+            q, scale = quantize(flat, comm.block)
+            q = jax.lax.all_gather(q, mesh_axis, axis=0, tiled=False, to=to)
+            scale = jax.lax.all_gather(scale, mesh_axis, axis=0, tiled=False, to=to)
+            gathered = dequantize(q, scale, flat.size).astype(flat.dtype)
+        else:
+            gathered = jax.lax.all_gather(flat, mesh_axis, axis=0, tiled=False, to=to)  # n x L
+        shapes = [xs[i].shape for i in group]
+        for i, r in zip(group, _split(gathered, shapes), strict=True):
+            out[i] = unrows(r, axes[i], xs[i].shape)
+    return out
+
+
+def reduce_scatter(gs: list[jax.Array], axes: list[int], mesh_axis: AxisName, dtype: str,
+                   comm: Comm) -> list[jax.Array]:
+    """This device's shard of each leaf's sum over devices, summed in ``dtype``: one
+    reduce-scatter per bucket, or with ``comm.quantize_grads`` an int8 all-to-all of the
+    rows each device owns and an fp32 sum where they arrive."""
+    n = jax.lax.axis_size(mesh_axis)
+    out: list[jax.Array] = [None] * len(gs)
+    sizes = [g.size * jnp.dtype(dtype).itemsize for g in gs]
+    for group in buckets(sizes, comm.bucket_bytes):
+        if len(group) == 1 and not comm.quantize_grads:
+            i = group[0]
+            out[i] = jax.lax.psum_scatter(gs[i].astype(dtype), mesh_axis,
+                                          scatter_dimension=axes[i], tiled=True)
+            continue
+        buf = jnp.concatenate([rows(gs[i].astype(dtype), axes[i], n) for i in group], axis=1)
+        if comm.quantize_grads:
+            q, scale = quantize(buf, comm.block)  # n rows, each cut in blocks
+            q = jax.lax.all_to_all(q, mesh_axis, 0, 0, tiled=True)
+            scale = jax.lax.all_to_all(scale, mesh_axis, 0, 0, tiled=True)
+            mine = jnp.sum(dequantize(q, scale, buf.shape[1]), axis=0).astype(dtype)
+        else:
+            mine = jax.lax.psum_scatter(buf, mesh_axis, scatter_dimension=0, tiled=True)[0]
+        shard_shapes = []
+        for i in group:
+            shape = list(gs[i].shape)
+            shape[axes[i]] //= n
+            shard_shapes.append(tuple(shape))
+        for i, piece, shape in zip(group, _split(mine, shard_shapes), shard_shapes, strict=True):
+            out[i] = piece.reshape(shape)
+    return out
+
+
+def all_reduce(gs: list[jax.Array], mesh_axis: AxisName, dtype: str,
+               comm: Comm) -> list[jax.Array]:
+    """Each leaf summed over devices in ``dtype``: one all-reduce per bucket (DDP's)."""
+    out: list[jax.Array] = [None] * len(gs)
+    sizes = [g.size * jnp.dtype(dtype).itemsize for g in gs]
+    for group in buckets(sizes, comm.bucket_bytes):
+        if len(group) == 1:
+            out[group[0]] = jax.lax.psum(gs[group[0]].astype(dtype), mesh_axis)
+            continue
+        flat = jax.lax.psum(jnp.concatenate([gs[i].astype(dtype).reshape(-1) for i in group]),
+                            mesh_axis)
+        for i, piece in zip(group, _split(flat, [gs[i].shape for i in group]), strict=True):
+            out[i] = piece.reshape(gs[i].shape)
+    return out
