@@ -10,8 +10,11 @@ where a layer needs it; its backward is the reduce-scatter of that layer's gradi
   reduce-scatters the gradient.
 
 Parameters that are not cut (every parameter at stages 0 and 1; leaves that do not divide or
-are persistent at 2 and 3) are not ``Shard``s: their gradients are summed locally and
-all-reduced once, after the backward (``zero_jax.step``).
+are persistent at 2 and 3) are, inside a block and with buckets on, ``Shard``s without an axis
+("replicas"): read as they are, their gradient all-reduced as the block's backward ends (DDP's
+buckets). Elsewhere they are plain arrays, their gradients summed locally and all-reduced once,
+after the backward (``zero_jax.step``). The leaves one block makes whole together share their
+collectives (``zero_jax.buckets``).
 
 ``per_block`` makes this happen block by block in any Flax linen model, by module path.
 """
