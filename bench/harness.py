@@ -75,3 +75,26 @@ def header(config: str, mesh, rounds: int, steps: int) -> str:
     return (f"{config} config, {mesh.size} x {device.device_kind} ({device.platform}), "
             f"host {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
             f"jax {jax.__version__}; median of {rounds} rounds x {steps} steps\n")
+
+
+SHORT = {"all-gather": "AG", "reduce-scatter": "RS", "all-reduce": "AR", "all-to-all": "A2A",
+         "collective-permute": "CP"}
+
+
+def collectives_summary(hlo_text: str, n_devices: int) -> dict[str, tuple[int, int]]:
+    """``{kind: (executions per step, payload bytes per step)}`` of the collectives that move
+    data (groups of more than one device), read by ``zero_jax.hlo``."""
+    from zero_jax.hlo import collectives
+
+    out: dict[str, tuple[int, int]] = {}
+    for c in collectives(hlo_text, n_devices):
+        if c.group_size > 1:
+            count, size = out.get(c.kind, (0, 0))
+            out[c.kind] = (count + c.count, size + c.count * c.bytes)
+    return out
+
+
+def format_collectives(summary: dict[str, tuple[int, int]]) -> str:
+    """"AG 9 / 6.21 MiB, RS 5 / 3.18 MiB": executions and MiB per step, per kind."""
+    return ", ".join(f"{SHORT.get(kind, kind)} {count} / {size / 2 ** 20:.3g} MiB"
+                     for kind, (count, size) in sorted(summary.items())) or "none"

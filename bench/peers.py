@@ -68,8 +68,6 @@ VARIANTS: dict[str, list[str]] = {
 
 LOSS_TOLERANCE = 1e-5
 SEED_KEY = 0  # harness.build initializes zero_jax with jax.random.key(0): the same here
-COLLECTIVES = {"all-gather": "AG", "reduce-scatter": "RS", "all-reduce": "AR",
-               "all-to-all": "A2A", "collective-permute": "CP"}
 PyTree = Any
 
 
@@ -226,37 +224,19 @@ def model_state_bytes(tree: PyTree) -> int:
     return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
 
-def collectives_summary(hlo_text: str, n_devices: int) -> dict[str, tuple[int, int]]:
-    """``{kind: (executions per step, payload bytes per step)}`` of the collectives that move
-    data (groups of more than one device)."""
-    from zero_jax.hlo import collectives
-
-    out: dict[str, tuple[int, int]] = {}
-    for c in collectives(hlo_text, n_devices):
-        if c.group_size > 1:
-            count, size = out.get(c.kind, (0, 0))
-            out[c.kind] = (count + c.count, size + c.count * c.bytes)
-    return out
-
-
-_GATHER = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.*?) all-gather(-start)?\(")
-
-
 def gathered_shapes(hlo_text: str) -> list[tuple[int, ...]]:
     """The shape of each array the all-gathers in ``hlo_text`` produce (an async start's shape
-    is (operands, results): its second half)."""
+    is (operands, results): its last part)."""
+    from zero_jax.hlo import computations, instruction, top_level
+
     out = []
-    for line in hlo_text.splitlines():
-        if m := _GATHER.match(line):
-            arrays = re.findall(r"\[([\d,]*)\]", m.group(1))
-            for dims in arrays[len(arrays) // 2:] if m.group(2) else arrays:
-                out.append(tuple(int(d) for d in dims.split(",") if d))
+    for lines in computations(hlo_text)[0].values():
+        for _, shape, op, _ in filter(None, map(instruction, lines)):
+            if op in ("all-gather", "all-gather-start"):
+                result = top_level(shape)[-1] if op.endswith("-start") else shape
+                out += [tuple(int(d) for d in dims.split(",") if d)
+                        for dims in re.findall(r"\[([\d,]*)\]", result)]
     return out
-
-
-def format_collectives(summary: dict[str, tuple[int, int]]) -> str:
-    return ", ".join(f"{COLLECTIVES.get(kind, kind)} {count} / {size / 2 ** 20:.3g} MiB"
-                     for kind, (count, size) in sorted(summary.items())) or "none"
 
 
 def _baseline_run(name: str, built, batches: list) -> dict:
@@ -327,12 +307,12 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for r in runs:
         temp = r["compiled"].memory_analysis().temp_size_in_bytes
-        comm = collectives_summary(r["compiled"].as_text(), mesh.size)
+        comm = harness.collectives_summary(r["compiled"].as_text(), mesh.size)
         # The median of same-round ratios: a slow round slows every run in it alike.
         ratio = statistics.median(t / b for t, b in zip(r["times"][1:], base["times"][1:],
                                                          strict=True))
         print(f"| {r['name']} | {r['ms']:.1f} | {ratio:.2f} | {temp / mib:.2f} "
-              f"| {r['states_bytes'] / mib:.2f} | {format_collectives(comm)} |")
+              f"| {r['states_bytes'] / mib:.2f} | {harness.format_collectives(comm)} |")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The baselines of ``bench/peers.py`` compute what zero_jax computes, and its FSDP gathers
 weights, not activations; ``bench/gpu.py`` reads async collective pairs."""
 
+import collections
 import math
 import pathlib
 import sys
@@ -121,12 +122,17 @@ ENTRY %main (a: f32[1024]) -> f32[1024] {
 """  # noqa: E501
 
 
-def test_gpu_script_reads_async_pairs():
-    """bench/gpu.py's own reading of GPU-style text (payload: the full-size side), and which
-    start/done pairs have compute scheduled between them."""
+def test_gpu_forms_are_read_and_pairs_with_compute_between_found():
+    """zero_jax.hlo on GPU-style text (payload: the full-size side; a reduce-scatter wrapped in
+    async-start read through its computation), and bench/gpu.py's start/done pairs with
+    compute scheduled between them."""
     import gpu
 
-    assert gpu.own_reading(ASYNC_HLO, N) == {
+    found = collections.defaultdict(lambda: [0, 0])
+    for c in collectives(ASYNC_HLO, N):
+        found[c.kind][0] += c.count
+        found[c.kind][1] += c.count * c.bytes
+    assert dict(found) == {
         "all-gather": [12, 12 * 64 * 64 * 2],
         "reduce-scatter": [13, 12 * 64 * 64 * 4 + 4096 * 4],
         "all-reduce": [1, 1024 * 4]}

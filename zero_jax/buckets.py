@@ -14,6 +14,7 @@ exchanged all-to-all and summed locally in fp32 (qgZ), so nothing is summed in i
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -63,11 +64,8 @@ def _split(flat: jax.Array, shapes: list[tuple[int, ...]]) -> list[jax.Array]:
     """``flat``'s last axis cut into consecutive pieces of the sizes of ``shapes``."""
     out, start = [], 0
     for shape in shapes:
-        size = 1
-        for d in shape:
-            size *= d
-        out.append(jax.lax.slice_in_dim(flat, start, start + size, axis=-1))
-        start += size
+        out.append(jax.lax.slice_in_dim(flat, start, start + math.prod(shape), axis=-1))
+        start += math.prod(shape)
     return out
 
 

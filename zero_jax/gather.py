@@ -1,6 +1,6 @@
 """Making a device's parameter shards whole inside ``shard_map``, and reducing their gradients.
 
-A cut parameter reaches the model as a ``Shard``. ``materialize`` makes the whole array right
+A cut parameter reaches the model as a ``Shard``. ``materialize_tree`` makes the whole array right
 where a layer needs it; its backward is the reduce-scatter of that layer's gradient, in
 ``reduce_dtype``, so each layer's gradient leaves the layer already cut into shards:
 
@@ -134,11 +134,6 @@ def materialize_tree(tree: PyTree) -> PyTree:
         for i, w in zip(members, _materialize_group([leaves[i] for i in members]), strict=True):
             leaves[i] = w
     return treedef.unflatten(leaves)
-
-
-def materialize(x: Any) -> Any:
-    """The whole parameter for a ``Shard``; anything else is returned unchanged."""
-    return materialize_tree([x])[0]
 
 
 def is_shard(x) -> bool:

@@ -22,7 +22,7 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16"
 
 # A computation's header: at column 0, "[ENTRY ]name[ (signature) -> result] {".
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+)(?: \(.*)? \{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.*?) ([\w\-]+)\((.*)$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([\w\-]+)\((.*)$")
 _ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16)\[([\d,]*)\]")
 _CALLS = re.compile(r"(?:to_apply|body|condition|calls|branch_computations|called_computations)"
                     r"=(?:\{([^}]*)\}|(%?[\w.\-]+))")
@@ -80,8 +80,9 @@ def _groups(rest: str, n_devices: int) -> tuple[tuple[int, ...], ...]:
 
 
 
-def collectives(hlo_text: str, n_devices: int) -> list[Collective]:
-    """Every collective instruction in ``hlo_text`` (async ``-start`` forms included)."""
+def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+    """Each computation's instruction lines in text order (in a scheduled module, the order
+    they run in), and the entry computation's name."""
     bodies: dict[str, list[str]] = collections.defaultdict(list)
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -93,6 +94,44 @@ def collectives(hlo_text: str, n_devices: int) -> list[Collective]:
             current = None
         elif current:
             bodies[current].append(line)
+    return bodies, entry
+
+
+def instruction(line: str) -> tuple[str, str, str, str] | None:
+    """``(name, shape, opcode, rest)`` of an instruction line, or None."""
+    m = _INSTRUCTION.match(line)
+    return m.groups() if m else None
+
+
+def top_level(shape: str) -> list[str]:
+    """The elements of a tuple shape ("((f32[8]{0}), f32[1]{0})" -> ["(f32[8]{0})",
+    "f32[1]{0}"]); an array shape is one element."""
+    shape = shape.strip()
+    if not shape.startswith("("):
+        return [shape]
+    out, depth, start = [], 0, 1
+    for i, ch in enumerate(shape):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+            out.append(shape[start:i].strip())
+            start = i + 1
+    return [x for x in out if x]
+
+
+def _payload(kind: str, op: str, shape: str) -> str:
+    """The part of an instruction's shape that is its full-size payload, before multiplying a
+    scattered result by the group size. An async start's shape is (operands, results[,
+    context]) for every kind but all-reduce, whose start has its results' shape."""
+    parts = top_level(shape)
+    if not op.endswith("-start") or kind == "all-reduce" or len(parts) < 2:
+        return shape
+    return parts[0] if kind == "reduce-scatter" else parts[1]
+
+
+def collectives(hlo_text: str, n_devices: int) -> list[Collective]:
+    """Every collective instruction in ``hlo_text`` (async ``-start`` forms included)."""
+    bodies, entry = computations(hlo_text)
 
     # How often each computation runs per step, and whether it runs inside a loop.
     runs: dict[str, int] = {}
@@ -120,25 +159,19 @@ def collectives(hlo_text: str, n_devices: int) -> list[Collective]:
         if name not in runs:
             continue
         for line in lines:
-            m = _INSTRUCTION.match(line)
-            if not m:
+            parsed = instruction(line)
+            if not parsed:
                 continue
-            shape, op, rest = m.groups()
+            _, shape, op, rest = parsed
             kind = op.removesuffix("-start")
             if kind not in KINDS:
                 continue
             groups = _groups(rest, n_devices)
             group = groups[0]
-            if op.endswith("-start"):
-                # An async start's shape is a tuple of operands, results and context, laid out
-                # per kind; its operands, printed with their shapes, say the payload for all.
-                arrays = _arrays(rest.split(")", 1)[0])
-                size = sum(b for _, b in arrays) * (len(group) if kind == "all-gather" else 1)
-            else:
-                arrays = _arrays(shape)
-                size = sum(b for _, b in arrays)
-                if kind == "reduce-scatter":
-                    size *= len(group)  # the instruction's shape is the scattered result
+            arrays = _arrays(_payload(kind, op, shape))
+            size = sum(b for _, b in arrays)
+            if kind == "reduce-scatter" and not op.endswith("-start"):
+                size *= len(group)  # the instruction's shape is the scattered result
             found.append(Collective(kind, arrays[0][0] if arrays else "?", size, group,
                                     looped[name], runs[name], name, groups))
     return found
