@@ -1,5 +1,6 @@
-"""ZeRO stages 0-3 of GPT-2 small (124M) on every visible GPU: step time, tokens/s, model FLOPs
-utilization, the compiled step's collectives, and whether its async collectives overlap compute.
+"""ZeRO stages 0-3 of GPT-2 small (124M) on every visible GPU, and stage 3 without prefetch: step
+time, tokens/s, model FLOPs utilization, the compiled step's collectives, and whether its async
+collectives overlap compute.
 
     python bench/gpu.py [--config gpt2-124m] [--devices N] [--steps 10] [--rounds 5] [--set K=V]
         [--json results.json]
@@ -48,6 +49,10 @@ NOT_COMPUTE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                "add-dependency", "opt-barrier", "partition-id", "replica-id", "async-start",
                "async-update", "async-done"}
 MiB = 2 ** 20
+# Stages 0-3 as configured (stage 3 prefetches the next layer's gather by default), and stage 3
+# without prefetch: what prefetch buys where collectives can overlap compute.
+RUNS = [(str(s), [f"zero.stage={s}"]) for s in range(4)] + [
+    ("3, no prefetch", ["zero.stage=3", "zero.prefetch=false"])]
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 
@@ -177,8 +182,8 @@ def main() -> None:
 
     tokens = data.stdlib_corpus()
     runs = []
-    for stage in range(4):
-        cfg = config.load(name, [*args.set, f"zero.stage={stage}"])
+    for stage, sets in RUNS:
+        cfg = config.load(name, [*args.set, *sets])
         try:
             r = harness.build(cfg, mesh, tokens, args.steps)
             r["state"], _ = r["step"](r["state"], r["batches"][0])  # fails here if no memory

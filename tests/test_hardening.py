@@ -177,6 +177,8 @@ ROWS = [
      "zero.quantize_weights int8 quantizes what stage 3 communicates; stage 2 does not"),
     ("int8 grads stage 1", [*T, "--stage", "1", "--set", "zero.quantize_grads=int8"], None,
      "zero.quantize_grads int8 quantizes what stage 2-3 communicates; stage 1 does not"),
+    ("prefetch maybe", [*T, "--set", "zero.prefetch=maybe"], None,
+     "config key zero.prefetch must be a bool, got 'maybe'"),
     ("planner size", [*T, "--dry-run", "--device-memory", "80XB", "--host-memory", "1TB"], None,
      "--device-memory '80XB' is not a memory size"),
     ("planner one size", [*T, "--dry-run", "--device-memory", "80GB"], None,

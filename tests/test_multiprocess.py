@@ -54,8 +54,10 @@ def test_hierarchical_keeps_the_loop_within_a_process(runs):
     _, _, one, two = runs
     r = two["report"]
     assert r["processes"] == 2 and r["mesh"] == {"replica": 2, "data": 4}
-    looped = [g for g in r["collectives"] if g["in_loop"]]
-    assert looped and all(g["processes"] == 1 for g in looped)  # per-layer gathers: one host
+    # The per-layer gathers and reduce-scatters run within a group: one host. (Read by axes,
+    # not by loop: with two layers and prefetch, XLA unrolls the one-iteration layer loops.)
+    within = [g for g in r["collectives"] if g["axes"] == "data"]
+    assert within and all(g["processes"] == 1 for g in within)
     crossing = [g for g in r["collectives"] if g["processes"] > 1]
     sync = sum(g["volume"] for g in crossing if g["kind"] != "all-reduce")
     assert sync == r["comm_bytes_theory_by_axes"]["replica"] > 0  # 2 Psi/K, once per step

@@ -30,6 +30,7 @@ class Comm(NamedTuple):
     quantize_weights: bool = False  # stage 3's parameter all-gathers in int8
     quantize_grads: bool = False  # gradient reduce-scatters in int8 (all-to-all, fp32 sum)
     block: int = 64  # elements per int8 scale
+    prefetch: bool = False  # stage 3: layer i+1 gathered while layer i computes (prefetch.py)
 
 
 def buckets(sizes: list[int], bound: int) -> list[list[int]]:

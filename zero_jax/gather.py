@@ -86,20 +86,44 @@ def _whole_fwd(targets, sources, how):
     return _whole(targets, sources, how), None
 
 
-def _whole_bwd(how, _, gs):
+def _reduce(how: _How, gs: list) -> list:
+    """The gradients of whole leaves back to their targets: reduce-scattered into shards, or
+    all-reduced for replicas, in the targets' dtypes."""
     if how.kind == "replica":
         summed = buckets.all_reduce(gs, how.mesh_axis, how.reduce_dtype, how.comm)
     else:
         summed = buckets.reduce_scatter(gs, list(how.axes), how.mesh_axis, how.reduce_dtype,
                                         how.comm)
-    return [g.astype(d) for g, d in zip(summed, how.dtypes, strict=True)], None
+    return [g.astype(d) for g, d in zip(summed, how.dtypes, strict=True)]
+
+
+def _whole_bwd(how, _, gs):
+    return _reduce(how, gs), None
 
 
 _whole.defvjp(_whole_fwd, _whole_bwd)
 
 
+def _how(xs: list[Shard]) -> _How:
+    first = xs[0]
+    axes = tuple(None if x.axis is None else x.axis % x.value.ndim for x in xs)
+    return _How(first.kind, axes, first.mesh_axis, first.reduce_dtype,
+                tuple(x.value.dtype.name for x in xs), first.comm)
+
+
+def _groups(leaves: list) -> list[list[int]]:
+    """The ``Shard``s among ``leaves`` that travel together: same kind, axes, dtypes, comm."""
+    groups: dict[tuple, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if is_shard(x):
+            key = (x.kind, x.mesh_axis, x.reduce_dtype, x.comm,
+                   (x.gather_from if x.gather_from is not None else x.value).dtype)
+            groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
 def _materialize_group(xs: list[Shard]) -> list[jax.Array]:
-    """Leaves that travel together (same kind, axis, dtypes, comm) made whole in one call."""
+    """Leaves that travel together made whole in one call."""
     first = xs[0]
     # Offloaded parameters: each shard is copied to the device right before its gather, and
     # its gradient shard goes back to host memory as the layer's backward ends; likewise the
@@ -112,10 +136,7 @@ def _materialize_group(xs: list[Shard]) -> list[jax.Array]:
         sources = [x.whole for x in xs]
     else:
         sources = targets
-    axes = tuple(None if x.axis is None else x.axis % x.value.ndim for x in xs)
-    how = _How(first.kind, axes, first.mesh_axis, first.reduce_dtype,
-               tuple(t.dtype.name for t in targets), first.comm)
-    wholes = _whole(targets, [jax.lax.stop_gradient(s) for s in sources], how)
+    wholes = _whole(targets, [jax.lax.stop_gradient(s) for s in sources], _how(xs))
     if first.kind == "gather":  # the per-layer checkpoint name of remat policies
         wholes = [checkpoint_name(w, GATHERED) for w in wholes]
     return wholes
@@ -124,16 +145,24 @@ def _materialize_group(xs: list[Shard]) -> list[jax.Array]:
 def materialize_tree(tree: PyTree) -> PyTree:
     """Every ``Shard`` in ``tree`` made whole; leaves that travel alike share buckets."""
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_shard)
-    groups: dict[tuple, list[int]] = {}
-    for i, x in enumerate(leaves):
-        if is_shard(x):
-            key = (x.kind, x.mesh_axis, x.reduce_dtype, x.comm,
-                   (x.gather_from if x.gather_from is not None else x.value).dtype)
-            groups.setdefault(key, []).append(i)
-    for members in groups.values():
+    for members in _groups(leaves):
         for i, w in zip(members, _materialize_group([leaves[i] for i in members]), strict=True):
             leaves[i] = w
     return treedef.unflatten(leaves)
+
+
+def reduce_tree(tree: PyTree, grads: PyTree) -> PyTree:
+    """The gradient of ``tree`` (with ``Shard``s) from ``grads``, that of its whole leaves as
+    ``materialize_tree`` made them: what the backward of ``materialize_tree`` does, for a loop
+    that differentiates the whole leaves itself (``zero_jax.prefetch``)."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_shard)
+    out = list(jax.tree.leaves(grads))
+    for members in _groups(leaves):
+        xs = [leaves[i] for i in members]
+        for i, x, g in zip(members, xs, _reduce(_how(xs), [out[i] for i in members]),
+                           strict=True):
+            out[i] = dataclasses.replace(x, value=g, whole=None, gather_from=None)
+    return treedef.unflatten(out)
 
 
 def is_shard(x) -> bool:
@@ -149,9 +178,10 @@ def _gathers(tree: PyTree) -> bool:
     return any(x.kind == "gather" for x in jax.tree.leaves(tree, is_leaf=is_shard) if is_shard(x))
 
 
-def _after_inputs(tree: PyTree, args: tuple, kwargs: dict) -> PyTree:
-    # The block's inputs join its shards in a barrier, so its gathers wait for them: else the
-    # scheduler may hoist every block's gather to the start and hold the whole model.
+def after_inputs(tree: PyTree, args: tuple, kwargs: dict) -> PyTree:
+    """``tree`` (a block's ``Shard``s) made to wait for the arrays in ``args`` and ``kwargs``
+    (the block's inputs), so that its gathers do too: else the scheduler may hoist every
+    block's gather to the start and hold the whole model."""
     # Only what is gathered: a barrier marks its outputs per-device, and a replica (a whole
     # parameter all-reduced in the backward) must stay the same on every device.
     inputs = [x for x in jax.tree.leaves((args, kwargs)) if isinstance(x, jax.Array)]
@@ -227,7 +257,7 @@ def per_block(blocks: Iterable[str], remat: str = "full"):
         run = lambda mdl: getattr(mdl, context.method_name)(*args, **kwargs)
         if not _gathers(params):  # stage 2: reads its whole copy
             return nn.map_variables(run, "params", trans_in_fn=materialize_tree)(module)
-        gather = lambda params: materialize_tree(_after_inputs(params, args, kwargs))
+        gather = lambda params: materialize_tree(after_inputs(params, args, kwargs))
 
         def named(mdl):  # inside the checkpoint, where the policy sees the names
             a, k = name_inputs(args, kwargs)
@@ -289,7 +319,7 @@ def _per_block_class(cls: type) -> type:
             return cls.__call__(self, *args, **kwargs)
         if not _gathers(shards):
             return run(self, args, kwargs, materialize_tree)
-        gather = lambda s: materialize_tree(_after_inputs(s, args, kwargs))
+        gather = lambda s: materialize_tree(after_inputs(s, args, kwargs))
 
         named = lambda m: run(m, *name_inputs(args, kwargs), gather)
         return nnx.remat(named, prevent_cse=True, policy=active[2])(self)

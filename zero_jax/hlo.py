@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import re
 
@@ -175,3 +176,69 @@ def collectives(hlo_text: str, n_devices: int) -> list[Collective]:
             found.append(Collective(kind, arrays[0][0] if arrays else "?", size, group,
                                     looped[name], runs[name], name, groups))
     return found
+
+
+_NAME = re.compile(r"%([\w.\-]+)")
+_MATMULS = ("dot", "convolution")
+
+
+def gathered_ahead(hlo_text: str) -> dict[str, list[bool]]:
+    """For every innermost loop body with all-gathers (a layer loop, not the microbatch loop
+    around it): per all-gather, whether its result only travels to the next iteration (the
+    body's ROOT, the loop's carry) rather than feeding a matmul in this one. All True: the loop
+    gathers one iteration ahead (prefetch)."""
+    bodies, _ = computations(hlo_text)
+    loops = {m.group(1) for lines in bodies.values() for line in lines
+             if (m := _BODY.search(line))}
+
+    @functools.cache
+    def has_matmul(name: str) -> bool:
+        for line in bodies.get(name, ()):
+            parsed = instruction(line)
+            if parsed and parsed[2] in _MATMULS:
+                return True
+            if any(has_matmul(c.strip().lstrip("%")) for listed, single in _CALLS.findall(line)
+                   for c in (listed or single).split(",")):
+                return True
+        return False
+
+    out: dict[str, list[bool]] = {}
+    for body in loops:
+        users: dict[str, list[str]] = collections.defaultdict(list)
+        matmul: dict[str, bool] = {}
+        gathers = []
+        for line in bodies.get(body, ()):
+            parsed = instruction(line)
+            if not parsed:
+                continue
+            name, _, op, rest = parsed
+            for operand in _NAME.findall(rest):
+                users[operand].append(name)
+            callees = [c.strip().lstrip("%") for listed, single in _CALLS.findall(line)
+                       for c in (listed or single).split(",")]
+            matmul[name] = op in _MATMULS or any(has_matmul(c) for c in callees)
+            if op.removesuffix("-start") == "all-gather":
+                gathers.append(name)
+        if not gathers or "while" in opcodes(bodies[body]):
+            continue
+
+        out[body] = [not _reaches(g, users, matmul) for g in gathers]
+    return out
+
+
+def _reaches(start: str, users: dict[str, list[str]], target: dict[str, bool]) -> bool:
+    """Whether any instruction that uses ``start``'s result, directly or not, is a target."""
+    todo, seen = [start], {start}
+    while todo:
+        for user in users.get(todo.pop(), ()):
+            if target.get(user):
+                return True
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return False
+
+
+def opcodes(lines: list[str]) -> set[str]:
+    """The opcodes of a computation's instructions."""
+    return {parsed[2] for line in lines if (parsed := instruction(line))}

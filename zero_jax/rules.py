@@ -331,6 +331,11 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
         raise ValueError(f"comm: block must be at least 1 and bucket_bytes at least 0 (got "
                          f"{comm.block}, {comm.bucket_bytes})")
     n = mesh.shape[axis] * (mesh.shape[outer] if outer else 1)
+    if comm.prefetch and (stage != 3 or not layers or remat not in ("full", "offload")
+                          or offload_optimizer or offload_params):
+        raise ValueError("prefetch overlaps stage 3's per-layer gathers with the layer before: "
+                         "it needs stage 3, layers=, remat full or offload, and no offload "
+                         f"(got stage {stage}, layers={layers!r}, remat {remat!r})")
     # On one device nothing needs cutting, except to stream gradients and parameters to the
     # host layer by layer: with offload every leaf is cut into one shard (its collectives over
     # one device are no-ops), so it travels as stage 2's and 3's shards do.
@@ -341,6 +346,9 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
     blocks = find_blocks(paths, layers) if layers else {}
     stacked = {b: scanned([flat[p] for p in blocks if blocks[p] == b])
                for b in set(blocks.values())}
+    if comm.prefetch and (unrolled := sorted(b for b, s in stacked.items() if not s)):
+        raise ValueError(f"prefetch runs the layer loop of nn.scan stacks; {unrolled[0]!r} is "
+                         f"not one (an unrolled block): turn prefetch off")
     patterns = {}
     for name, regex in (("ignored", ignored), ("frozen", frozen)):
         if regex:

@@ -10,6 +10,7 @@ the parameter all-gather of stages 1-2 (updated shards back to whole) is left to
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -20,7 +21,7 @@ from flax.errors import ScopeParamShapeError
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zero_jax import buckets
+from zero_jax import buckets, prefetch
 from zero_jax.gather import Shard, materialize_tree, per_block
 from zero_jax.offload import in_host_memory, on_host_leaves, split_update
 from zero_jax.precision import LossScale, update_loss_scale
@@ -253,7 +254,10 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
             micro = jax.tree.map(lambda x: x.astype(prec.compute)
                                  if jnp.issubdtype(x.dtype, jnp.floating) else x, micro)
         args = (tree, micro) if key is None else (tree, micro, key)
-        with per_block(blocks, plan.remat) as seen:
+        prefetched: set[str] = set()
+        fetch = prefetch.stacks(frozenset(blocks), prefetched, plan.remat == "offload") \
+            if plan.comm.prefetch else contextlib.nullcontext()
+        with per_block(blocks, plan.remat) as seen, fetch:
             try:
                 out = loss_fn(*args)
             except ScopeParamShapeError as e:
@@ -261,7 +265,11 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
                                  f"plan's layers= names blocks {blocks}, and a module reading "
                                  f"one of their parameters is not one of them or inside one "
                                  f"({e.__class__.__name__}: {str(e).splitlines()[0]})") from e
-        if missing := [b for b in blocks if b not in seen]:
+        if plan.comm.prefetch and (missing := [b for b in blocks if b not in prefetched]):
+            raise ValueError(f"prefetch runs the loop of linen nn.scan stacks; {missing[0]!r} "
+                             f"did not run as one (an NNX model, or its nn.scan class made "
+                             f"before the step): turn prefetch off")
+        if missing := [b for b in blocks if b not in seen | prefetched]:
             raise ValueError(f"layers= names {missing[0]!r}, which never ran as a Flax linen "
                              f"module during the loss; name modules that are called (their "
                              f"paths: {blocks[:3]}...)")

@@ -38,12 +38,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # bucket_mb: a layer's leaves travel in flat buffers of at most this many MiB (0: one
     # collective per leaf); quantize_weights / quantize_grads int8 (ZeRO++'s qwZ / qgZ): stage
     # 3's parameter all-gathers / stages 2-3's gradient reduce-scatters in int8, one fp32 scale
-    # per quantize_block elements.
+    # per quantize_block elements. prefetch: at stage 3, each scanned stack's loop gathers layer
+    # i+1 while layer i computes (and i-1 in the backward), for one more gathered layer; on
+    # where it applies (remat full or offload, no offload of parameters or optimizer).
     "zero": {"stage": 3, "min_shard_elems": 0, "zero3_size": 0, "transformer_layers": ["blocks"],
              "ignored_modules": [], "offload_grads": False,
              "offload_optimizer": {"device": "none", "ratio": 1.0}, "offload_params": "none",
              "bucket_mb": 25, "quantize_weights": "none", "quantize_grads": "none",
-             "quantize_block": 64},
+             "quantize_block": 64, "prefetch": True},
     # auto: bf16 compute on accelerators, fp32 on the CPU mesh; reduce_dtype auto = param_dtype.
     # fp16 turns on DeepSpeed's dynamic loss scaler, with its defaults below.
     "precision": {"param_dtype": "auto", "reduce_dtype": "auto", "accum_dtype": "fp32",

@@ -69,7 +69,7 @@ class Experiment:
                          offload_grads=z["offload_grads"],
                          offload_optimizer=offload_ratio(z["offload_optimizer"]),
                          offload_params=z["offload_params"] == "cpu",
-                         remat=cfg["model"]["remat"], comm=comm_from(z))
+                         remat=cfg["model"]["remat"], comm=comm_from(z, cfg["model"]["remat"]))
         loss = lm_loss(model, fp32_logits=precision.autocast_output)
         step = make_train_step(plan, loss, tx, lr_schedule=schedule)
         return cls(cfg, mesh, model_cfg, init, tx, plan, step)
@@ -123,10 +123,14 @@ def mesh_for(cfg: dict, devices: int | None) -> Mesh:
     return make_mesh(devices, axes={"replica": n // k, "data": k})
 
 
-def comm_from(z: dict) -> Comm:
-    """The ``zero`` section's buckets and int8 collectives."""
+def comm_from(z: dict, remat: str) -> Comm:
+    """The ``zero`` section's buckets, int8 collectives and prefetch; prefetch where it applies
+    (as DeepSpeed reads its prefetch settings at stage 3 only)."""
+    prefetch = (z["prefetch"] and z["stage"] == 3 and bool(z["transformer_layers"])
+                and remat in ("full", "offload") and z["offload_params"] == "none"
+                and z["offload_optimizer"]["device"] == "none")
     return Comm(int(z["bucket_mb"] * 2 ** 20), z["quantize_weights"] == "int8",
-                z["quantize_grads"] == "int8", z["quantize_block"])
+                z["quantize_grads"] == "int8", z["quantize_block"], prefetch)
 
 
 def offload_ratio(cfg: dict) -> float:

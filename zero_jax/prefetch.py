@@ -1,0 +1,164 @@
+"""Prefetch: the layer loop of a scanned stack, owned so that layer i+1's gather runs beside
+layer i.
+
+Inside ``nn.scan`` a block sees one layer's slice of the stack, and the only way from one
+iteration to the next is the scan's carry, which is the model's. So for the stacks it prefetches
+zero_jax runs the loop itself, as FSDP2 does: a ``custom_vjp`` over the whole stack whose
+forward loop carries the next layer's gathered weights (issued at the top of the iteration, so
+nothing in it waits on the layer's compute), and whose backward loop carries the previous
+layer's, recomputing each layer from its saved input (remat ``full``; ``offload`` keeps those
+inputs in host memory). A forward iteration then holds two gathered layers, and the backward's
+re-gather starts a layer ahead. The first gather of each loop runs before it and the last layer
+after it, so nothing is gathered twice: the bytes are those of the plain step.
+
+Linen gives no hook at a scan's boundary (``intercept_methods`` sees only the per-layer calls),
+so ``stacks`` wraps ``flax.core.lift.scan`` while the loss is traced: the scans of the named
+blocks that it can run run here; for every other scan it changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import flax.core
+import flax.core.lift
+import jax
+import jax.numpy as jnp
+
+from zero_jax.gather import after_inputs, materialize_tree, reduce_tree
+
+PyTree = Any
+
+
+def _slice(tree: PyTree, i) -> PyTree:
+    """Layer ``i`` of a stack (``Shard``s stay ``Shard``s)."""
+    return jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, i, keepdims=False), tree)
+
+
+def _stacked(first: PyTree, rest: PyTree) -> PyTree:
+    return jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
+
+
+def _appended(rest: PyTree, last: PyTree) -> PyTree:
+    return jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), rest, last)
+
+
+def _to(tree: PyTree, space) -> PyTree:
+    return jax.tree.map(lambda x: jax.device_put(x, space), tree)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def run_stack(layer: Callable, offload: bool, params_L: PyTree, carry: PyTree,
+              xs_L: PyTree) -> tuple[PyTree, PyTree]:
+    """``layer(params, carry, x) -> (carry, y)`` over the ``L`` layers of ``params_L`` (whose
+    cut leaves are ``Shard``s) and ``xs_L``, as ``jax.lax.scan``; each layer's weights gathered
+    one layer ahead. ``offload``: the layer inputs saved for the backward wait in host memory."""
+    return _forward(layer, offload, params_L, carry, xs_L)[0]
+
+
+def _forward(layer, offload, params_L, carry, xs_L):
+    n = jax.tree.leaves(params_L)[0].shape[0]
+    save = (lambda c: _to(c, jax.memory.Space.Host)) if offload else (lambda c: c)
+    # The first gather of each loop waits for the loop's inputs, like every block's gather: else
+    # the scheduler may start it anywhere, and XLA may merge the backward's with the forward's.
+    whole = materialize_tree(after_inputs(_slice(params_L, 0), (carry, xs_L), {}))
+
+    def body(state, i):
+        c, w = state
+        ahead = materialize_tree(_slice(params_L, i + 1))  # layer i+1, while i computes
+        c, y = layer(w, c, _slice(xs_L, i))
+        return (c, ahead), (save(c), y)  # saved: layer i+1's input
+
+    (c, whole), (inputs, ys) = jax.lax.scan(body, (carry, whole), jnp.arange(n - 1))
+    c, y = layer(whole, c, _slice(xs_L, n - 1))
+    return (c, _appended(ys, y)), (params_L, save(carry), inputs, xs_L)
+
+
+def _backward(layer, offload, saved, cts):
+    params_L, first, inputs, xs_L = saved
+    dc, dys = cts
+    n = jax.tree.leaves(params_L)[0].shape[0]
+
+    def one(w, i, c, dc):  # layer i's backward: recomputed from its input c
+        c = _to(c, jax.memory.Space.Device) if offload else c
+        _, pull = jax.vjp(layer, w, c, _slice(xs_L, i))
+        dw, dc, dx = pull((dc, _slice(dys, i)))
+        return reduce_tree(_slice(params_L, i), dw), dc, dx
+
+    def body(state, xs):
+        dc, w = state
+        i, c = xs
+        behind = materialize_tree(_slice(params_L, i - 1))  # layer i-1, while i computes
+        dp, dc, dx = one(w, i, c, dc)
+        return (dc, behind), (dp, dx)
+
+    whole = materialize_tree(after_inputs(_slice(params_L, n - 1), cts, {}))
+    (dc, whole), (dps, dxs) = jax.lax.scan(body, (dc, whole), (jnp.arange(1, n), inputs),
+                                           reverse=True)
+    dp, dc, dx = one(whole, 0, first, dc)
+    return _stacked(dp, dps), dc, _stacked(dx, dxs)
+
+
+run_stack.defvjp(_forward, _backward)
+
+
+_SCAN_ARGS = ("variable_axes", "variable_broadcast", "variable_carry", "in_axes", "out_axes",
+              "reverse")
+
+
+def _refusal(scopes, carry, xs, variable_axes, variable_broadcast, variable_carry, in_axes,
+             out_axes, reverse) -> str | None:
+    """Why this ``nn.scan`` cannot run as a prefetching loop (``None``: it can)."""
+    scope = scopes[0] if isinstance(scopes, (list, tuple)) and len(scopes) == 1 else None
+    if scope is None:
+        return "it takes modules as arguments"
+    if set(scope.variables()) != {"params"} or scope.rngs:
+        return "it uses collections or random streams besides params"
+    if (dict(variable_axes) not in ({"params": 0}, {True: 0}) or variable_broadcast
+            or variable_carry or in_axes != 0 or out_axes != 0 or reverse):
+        return "prefetch runs scans with variable_axes={'params': 0} and in/out axes 0, forward"
+    if not all(jnp.issubdtype(x.dtype, jnp.inexact) for x in jax.tree.leaves((carry, xs))):
+        return "its carry or inputs hold integers"
+    return None
+
+
+@contextlib.contextmanager
+def stacks(names: frozenset[str], seen: set[str], offload: bool = False):
+    """While tracing: the ``nn.scan`` stacks named in ``names`` run as ``run_stack``; each one
+    that does is added to ``seen``. A named stack that cannot raises ``ValueError``. (It swaps
+    a module attribute of Flax's: trace one such loss at a time.)"""
+    original = flax.core.lift.scan
+
+    def scan(fn, *args, **kwargs):
+        plain = original(fn, *args, **kwargs)
+        how = inspect.signature(original).bind(fn, *args, **kwargs)
+        how.apply_defaults()
+        how = how.arguments
+
+        def run(scopes, carry, *xs):
+            scope = scopes[0] if isinstance(scopes, (list, tuple)) else scopes
+            name = "/".join(scope.path)
+            if name not in names or scope.is_mutable_collection("params"):  # or initializing
+                return plain(scopes, carry, *xs)
+            why = _refusal(scopes, carry, xs, **{k: how[k] for k in _SCAN_ARGS})
+            if why:
+                raise ValueError(f"prefetch cannot run the layer stack {name!r}: {why}; turn "
+                                 f"prefetch off (zero.prefetch: false)")
+            seen.add(name)
+
+            def layer(params, c, x):
+                per_layer = lambda s, c, *x: fn([s], c, *x)
+                return flax.core.apply(per_layer)({"params": params}, c, *x)
+            return run_stack(layer, offload, scope.variables()["params"], carry, xs)
+        return run
+
+    flax.core.lift.scan = scan
+    try:
+        yield
+    finally:
+        flax.core.lift.scan = original
+
