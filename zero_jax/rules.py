@@ -331,8 +331,8 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
         raise ValueError(f"comm: block must be at least 1 and bucket_bytes at least 0 (got "
                          f"{comm.block}, {comm.bucket_bytes})")
     n = mesh.shape[axis] * (mesh.shape[outer] if outer else 1)
-    if comm.prefetch and (stage != 3 or not layers or remat not in ("full", "offload")
-                          or offload_optimizer or offload_params):
+    if comm.prefetch and not prefetchable(stage, bool(layers), remat,
+                                          bool(offload_optimizer or offload_params)):
         raise ValueError("prefetch overlaps stage 3's per-layer gathers with the layer before: "
                          "it needs stage 3, layers=, remat full or offload, and no offload "
                          f"(got stage {stage}, layers={layers!r}, remat {remat!r})")
@@ -375,6 +375,12 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_shape)
     return Plan(stage, mesh, axis, leaves, shapes, precision or Precision(), accum_steps, outer,
                 offload_grads, offload_params, remat, comm)
+
+
+def prefetchable(stage: int, has_layers: bool, remat: str, offload: bool) -> bool:
+    """Whether prefetch (``zero_jax.prefetch``) can run: stage 3's per-layer gathers, each layer
+    recomputed whole in the backward (remat full or offload), nothing offloaded."""
+    return stage == 3 and has_layers and remat in ("full", "offload") and not offload
 
 
 def offloaded(leaves: list[Leaf], ratio: float) -> set[str]:

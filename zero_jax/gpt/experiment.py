@@ -21,7 +21,7 @@ from zero_jax.gpt.model import GPT, LAYER_STACKS, GPTConfig, init_fn, lm_loss
 from zero_jax.gpt.optim import make_optimizer
 from zero_jax.mesh import make_mesh
 from zero_jax.precision import LossScaleConfig, Precision, default_param_dtype
-from zero_jax.rules import Plan, make_plan, modules_pattern, path_str
+from zero_jax.rules import Plan, make_plan, modules_pattern, path_str, prefetchable
 from zero_jax.step import make_train_step
 
 
@@ -126,9 +126,9 @@ def mesh_for(cfg: dict, devices: int | None) -> Mesh:
 def comm_from(z: dict, remat: str) -> Comm:
     """The ``zero`` section's buckets, int8 collectives and prefetch; prefetch where it applies
     (as DeepSpeed reads its prefetch settings at stage 3 only)."""
-    prefetch = (z["prefetch"] and z["stage"] == 3 and bool(z["transformer_layers"])
-                and remat in ("full", "offload") and z["offload_params"] == "none"
-                and z["offload_optimizer"]["device"] == "none")
+    offload = z["offload_params"] != "none" or z["offload_optimizer"]["device"] != "none"
+    prefetch = z["prefetch"] and prefetchable(z["stage"], bool(z["transformer_layers"]), remat,
+                                              offload)
     return Comm(int(z["bucket_mb"] * 2 ** 20), z["quantize_weights"] == "int8",
                 z["quantize_grads"] == "int8", z["quantize_block"], prefetch)
 
