@@ -81,6 +81,12 @@ def _groups(rest: str, n_devices: int) -> tuple[tuple[int, ...], ...]:
 
 
 
+def _callees(line: str) -> list[str]:
+    """The computations an instruction line calls (loop body and condition, fusion, ...)."""
+    return [c.strip().lstrip("%") for listed, single in _CALLS.findall(line)
+            for c in (listed or single).split(",")]
+
+
 def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
     """Each computation's instruction lines in text order (in a scheduled module, the order
     they run in), and the entry computation's name."""
@@ -144,12 +150,11 @@ def collectives(hlo_text: str, n_devices: int) -> list[Collective]:
         for line in bodies.get(name, ()):
             body = _BODY.search(line)
             trip = _TRIP.search(line)
-            for listed, single in _CALLS.findall(line):
-                for callee in (c.strip().lstrip("%") for c in (listed or single).split(",")):
-                    if body and callee == body.group(1):
-                        visit(callee, times * (int(trip.group(1)) if trip else 1), True)
-                    elif callee in bodies:
-                        visit(callee, times, in_loop)
+            for callee in _callees(line):
+                if body and callee == body.group(1):
+                    visit(callee, times * (int(trip.group(1)) if trip else 1), True)
+                elif callee in bodies:
+                    visit(callee, times, in_loop)
 
     if entry is None:
         return []
@@ -197,8 +202,7 @@ def gathered_ahead(hlo_text: str) -> dict[str, list[bool]]:
             parsed = instruction(line)
             if parsed and parsed[2] in _MATMULS:
                 return True
-            if any(has_matmul(c.strip().lstrip("%")) for listed, single in _CALLS.findall(line)
-                   for c in (listed or single).split(",")):
+            if any(has_matmul(c) for c in _callees(line)):
                 return True
         return False
 
@@ -206,23 +210,20 @@ def gathered_ahead(hlo_text: str) -> dict[str, list[bool]]:
     for body in loops:
         users: dict[str, list[str]] = collections.defaultdict(list)
         matmul: dict[str, bool] = {}
-        gathers = []
+        gathers, ops = [], set()
         for line in bodies.get(body, ()):
             parsed = instruction(line)
             if not parsed:
                 continue
             name, _, op, rest = parsed
+            ops.add(op)
             for operand in _NAME.findall(rest):
                 users[operand].append(name)
-            callees = [c.strip().lstrip("%") for listed, single in _CALLS.findall(line)
-                       for c in (listed or single).split(",")]
-            matmul[name] = op in _MATMULS or any(has_matmul(c) for c in callees)
+            matmul[name] = op in _MATMULS or any(has_matmul(c) for c in _callees(line))
             if op.removesuffix("-start") == "all-gather":
                 gathers.append(name)
-        if not gathers or "while" in opcodes(bodies[body]):
-            continue
-
-        out[body] = [not _reaches(g, users, matmul) for g in gathers]
+        if gathers and "while" not in ops:  # innermost loops only
+            out[body] = [not _reaches(g, users, matmul) for g in gathers]
     return out
 
 
@@ -237,8 +238,3 @@ def _reaches(start: str, users: dict[str, list[str]], target: dict[str, bool]) -
                 seen.add(user)
                 todo.append(user)
     return False
-
-
-def opcodes(lines: list[str]) -> set[str]:
-    """The opcodes of a computation's instructions."""
-    return {parsed[2] for line in lines if (parsed := instruction(line))}

@@ -208,13 +208,13 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
         "blocks": plan.blocks,
         "comm": plan.comm._asdict(),
         # What prefetch holds more: the largest scanned layer, gathered in the compute dtype.
-        "prefetch_bytes": layer_bytes(plan) * c if plan.comm.prefetch else 0,
+        "prefetch_bytes": layer_elements(plan) * c if plan.comm.prefetch else 0,
         "opt_state_whole": whole_opt_state(plan, state),
         "warnings": warnings(plan),
     }
 
 
-def layer_bytes(plan: Plan) -> int:
+def layer_elements(plan: Plan) -> int:
     """Elements of the largest layer of a scanned stack (one layer of each stacked leaf)."""
     per_block: dict[str, int] = {}
     for leaf in jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "stacked")):
@@ -309,11 +309,13 @@ def format_table(r: dict) -> str:
     if int8:
         how += f"; int8 {' and '.join(int8)} (one f32 scale per {comm['block']} elements)"
     lines.append(f"  buckets: {how}")
-    lines.append("  prefetch: " + (
-        f"layer i+1 gathered while layer i computes (i-1 in the backward): one more gathered "
-        f"layer, {r['prefetch_bytes'] / MiB:.2f} MiB"
-        + (" (with buckets up to twice that: its flat buffer too)" if comm["bucket_bytes"]
-           else "") if comm["prefetch"] else "off"))
+    prefetch = "off"
+    if comm["prefetch"]:
+        prefetch = (f"layer i+1 gathered while layer i computes (i-1 in the backward): one more "
+                    f"gathered layer, {r['prefetch_bytes'] / MiB:.2f} MiB")
+        if comm["bucket_bytes"]:
+            prefetch += " (with buckets up to twice that: its flat buffer too)"
+    lines.append(f"  prefetch: {prefetch}")
     if len(r["mesh"]) > 1:
         names = {"data": "within groups", "replica": "across groups",
                  "replica+data": "whole mesh"}
