@@ -150,8 +150,8 @@ def unwritable(path: str) -> str | None:
         open(p, "a").close()
     except OSError as e:
         return f"cannot be written ({e.strerror}): pass a writable path"
-    if not existed:
-        p.unlink()
+    if not existed:  # another process of the same run may have removed its probe already
+        p.unlink(missing_ok=True)
     return None
 
 
