@@ -8,8 +8,8 @@ along the rows keeps each device's chunk of the buffer exactly its shards, so ev
 moved and summed as by the leaf's own collective: bit-identical results.
 
 Int8 (ZeRO++): weights are gathered as int8 blocks with one fp32 scale per ``block`` elements
-(qwZ), dequantized on arrival; gradients are cut into the rows each device will own, quantized,
-exchanged all-to-all and summed locally in fp32 (qgZ), so nothing is summed in int8.
+of a leaf (qwZ), dequantized on arrival; gradients are cut into the rows each device will own,
+quantized, exchanged all-to-all and summed locally in fp32 (qgZ), so nothing is summed in int8.
 """
 
 from __future__ import annotations
@@ -70,21 +70,36 @@ def _split(flat: jax.Array, shapes: list[tuple[int, ...]]) -> list[jax.Array]:
     return out
 
 
-def quantize(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
-    """Symmetric int8 per block of ``block`` elements along the last axis (padded with zeros):
-    ``(q[..., blocks, block] int8, scales[..., blocks] fp32)``."""
-    pad = -x.shape[-1] % block
-    x = jnp.pad(x.astype(jnp.float32), [(0, 0)] * (x.ndim - 1) + [(0, pad)])
-    x = x.reshape(*x.shape[:-1], -1, block)
-    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
-    q = jnp.round(x / jnp.where(scale == 0, 1.0, scale)[..., None]).astype(jnp.int8)
-    return q, scale
+def quantize(x: jax.Array, sizes: list[int], block: int) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 along the last axis, one fp32 scale per ``block`` elements, blocks cut
+    within each leaf's piece (``sizes``, consecutive), never across two: a bucket packs a layer
+    norm's gains (about 1) beside weights (about 0.02), and a shared scale would round the
+    small ones away. A piece shorter than ``block`` is one short block; a longer one is padded
+    with zeros to whole blocks. ``(q[..., Q] int8, scales[..., S] fp32)``."""
+    qs, scales = [], []
+    for piece in _split(x.astype(jnp.float32), [(n,) for n in sizes]):
+        b = min(block, piece.shape[-1])
+        piece = jnp.pad(piece, [(0, 0)] * (x.ndim - 1) + [(0, -piece.shape[-1] % b)])
+        piece = piece.reshape(*piece.shape[:-1], -1, b)
+        scale = jnp.max(jnp.abs(piece), axis=-1) / 127.0
+        q = jnp.round(piece / jnp.where(scale == 0, 1.0, scale)[..., None]).astype(jnp.int8)
+        qs.append(q.reshape(*q.shape[:-2], -1))
+        scales.append(scale)
+    return jnp.concatenate(qs, axis=-1), jnp.concatenate(scales, axis=-1)
 
 
-def dequantize(q: jax.Array, scale: jax.Array, size: int) -> jax.Array:
-    """fp32 values of ``quantize``'s output, the padding cut back to ``size`` elements."""
-    x = q.astype(jnp.float32) * scale[..., None]
-    return x.reshape(*x.shape[:-2], -1)[..., :size]
+def dequantize(q: jax.Array, scale: jax.Array, sizes: list[int], block: int) -> jax.Array:
+    """fp32 values of ``quantize``'s output, each piece's padding cut back off."""
+    out, at, at_scale = [], 0, 0
+    for n in sizes:
+        b = min(block, n)
+        blocks = -(-n // b)
+        piece = jax.lax.slice_in_dim(q, at, at + blocks * b, axis=-1)
+        s = jax.lax.slice_in_dim(scale, at_scale, at_scale + blocks, axis=-1)
+        x = piece.reshape(*piece.shape[:-1], blocks, b).astype(jnp.float32) * s[..., None]
+        out.append(x.reshape(*x.shape[:-2], -1)[..., :n])
+        at, at_scale = at + blocks * b, at_scale + blocks
+    return jnp.concatenate(out, axis=-1)
 
 
 def all_gather(xs: list[jax.Array], axes: list[int], mesh_axis: AxisName, comm: Comm,
@@ -101,10 +116,11 @@ def all_gather(xs: list[jax.Array], axes: list[int], mesh_axis: AxisName, comm: 
             continue
         flat = jnp.concatenate([xs[i].reshape(-1) for i in group])
         if comm.quantize_weights:
-            q, scale = quantize(flat, comm.block)
+            sizes = [xs[i].size for i in group]
+            q, scale = quantize(flat, sizes, comm.block)
             q = jax.lax.all_gather(q, mesh_axis, axis=0, tiled=False, to=to)
             scale = jax.lax.all_gather(scale, mesh_axis, axis=0, tiled=False, to=to)
-            gathered = dequantize(q, scale, flat.size).astype(flat.dtype)
+            gathered = dequantize(q, scale, sizes, comm.block).astype(flat.dtype)
         else:
             gathered = jax.lax.all_gather(flat, mesh_axis, axis=0, tiled=False, to=to)  # n x L
         shapes = [xs[i].shape for i in group]
@@ -129,10 +145,11 @@ def reduce_scatter(gs: list[jax.Array], axes: list[int], mesh_axis: AxisName, dt
             continue
         buf = jnp.concatenate([rows(gs[i].astype(dtype), axes[i], n) for i in group], axis=1)
         if comm.quantize_grads:
-            q, scale = quantize(buf, comm.block)  # n rows, each cut in blocks
+            sizes = [gs[i].size // n for i in group]  # each leaf's piece of a row
+            q, scale = quantize(buf, sizes, comm.block)  # n rows, each cut in blocks
             q = jax.lax.all_to_all(q, mesh_axis, 0, 0, tiled=True)
             scale = jax.lax.all_to_all(scale, mesh_axis, 0, 0, tiled=True)
-            mine = jnp.sum(dequantize(q, scale, buf.shape[1]), axis=0).astype(dtype)
+            mine = jnp.sum(dequantize(q, scale, sizes, comm.block), axis=0).astype(dtype)
         else:
             mine = jax.lax.psum_scatter(buf, mesh_axis, scatter_dimension=0, tiled=True)[0]
         shard_shapes = []
