@@ -10,7 +10,6 @@ import collections
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from conftest import KEY, OPTIMIZERS, tree_rel
 from jax.sharding import NamedSharding
@@ -18,9 +17,9 @@ from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
 from zero_jax import buckets, report
-from zero_jax.gpt import config, data
+from zero_jax.gpt import config
 from zero_jax.gpt.experiment import Experiment
-from zero_jax.gpt.model import GPT, LAYERS, GPTConfig, init_fn, lm_loss
+from zero_jax.gpt.model import LAYERS
 from zero_jax.hlo import collectives
 
 STEPS = 5
@@ -138,50 +137,17 @@ def test_int8_collectives_carry_int8_and_half_of_bf16s_bytes():
     grads = in_loop([*bf16, "zero.quantize_grads=int8"])  # ZeRO++'s qgZ: all-to-all, no sum
     assert "reduce-scatter" not in grads and grads["all-to-all"][1] == {"s8", "f32"}
     assert grads["all-to-all"][0] <= 0.55 * plain["reduce-scatter"][0]
+    # That they train like unquantized: test_precision.py, on the default model.
 
 
 def test_int8_blocks_never_straddle_two_leaves():
     # A bucket packs a layer norm's gains (about 1) beside weights (about 0.02): with a scale
     # shared across the two, the weights would round to a few levels of 1/127.
     gains, weights = jnp.ones(16), 0.02 * jax.random.normal(jax.random.key(0), (100,))
-    x = jnp.concatenate([gains, weights])
-    q, scale = buckets.quantize(x, [16, 100], block=64)
+    q, scale = buckets.quantize([gains, weights], block=64)
     assert q.dtype == jnp.int8 and q.size == 16 + 128 and scale.size == 1 + 2
     back = buckets.dequantize(q, scale, [16, 100], block=64)
-    assert back.shape == x.shape
+    assert back.shape == (116,)
     np.testing.assert_array_equal(back[:16], gains)
     err = jnp.abs(back[16:] - weights) / jnp.abs(weights).max()
     assert err.max() <= 0.5 / 127 + 1e-6
-
-
-def test_int8_trains_the_default_model_like_unquantized(mesh):
-    """ZeRO++'s int8 weight all-gathers, and its int8 gradient reduction, each at stage 3 over
-    50 AdamW steps of train.py's default run (model, seed 0, data, batch 32; lr 1e-3): within
-    0.05 nats of the unquantized stage 3 at every step, while the loss falls by over 2 nats.
-    Measured 0.026 and 0.026. Only what crosses the wire is rounded; the master copy and the
-    optimizer stay exact.
-
-    Two runs of this small model part by chance as much as by rounding: at seeds 42 and 7 the
-    same comparison gives 0.061 / 0.051 and 0.095 / 0.093, and bf16 compute alone (no int8)
-    0.020 and 0.090. At train.py's own lr (3e-3 after 20 warmup steps) its loss spikes, and a
-    spike's timing, moved by any rounding, dominates. README says which figure is which; the
-    gradients themselves are checked directly above."""
-    cfg = GPTConfig()
-    model = GPT(cfg)
-    init, loss_fn, tx = init_fn(model), lm_loss(model), optax.adamw(1e-3)
-    key, tokens = jax.random.key(0), data.stdlib_corpus(1 << 20)
-
-    def losses(comm):
-        plan = zj.make_plan(jax.eval_shape(init, key), mesh, 3, layers=LAYERS, comm=comm)
-        state = zj.init_state(plan, init, tx, key)
-        step = zj.make_train_step(plan, loss_fn, tx)
-        out = []
-        for i in range(50):
-            state, m = step(state, data.batch(tokens, i, 32, cfg.seq_len, seed=0))
-            out.append(float(m["loss"]))
-        return np.array(out)
-
-    plain = losses(BUCKET)
-    assert plain[0] - plain[-5:].mean() > 2
-    for comm in (BUCKET._replace(quantize_weights=True), BUCKET._replace(quantize_grads=True)):
-        assert np.abs(losses(comm) - plain).max() < 0.05, comm

@@ -70,17 +70,22 @@ def _split(flat: jax.Array, shapes: list[tuple[int, ...]]) -> list[jax.Array]:
     return out
 
 
-def quantize(x: jax.Array, sizes: list[int], block: int) -> tuple[jax.Array, jax.Array]:
-    """Symmetric int8 along the last axis, one fp32 scale per ``block`` elements, blocks cut
-    within each leaf's piece (``sizes``, consecutive), never across two: a bucket packs a layer
-    norm's gains (about 1) beside weights (about 0.02), and a shared scale would round the
-    small ones away. A piece shorter than ``block`` is one short block; a longer one is padded
-    with zeros to whole blocks. ``(q[..., Q] int8, scales[..., S] fp32)``."""
+def _blocking(sizes: list[int], block: int) -> list[tuple[int, int]]:
+    """(block length, blocks) of each piece: a piece shorter than ``block`` is one short block."""
+    return [(min(block, n), -(-n // min(block, n))) for n in sizes]
+
+
+def quantize(pieces: list[jax.Array], block: int) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 along the last axis, one fp32 scale per ``block`` elements, the blocks cut
+    within each piece (a leaf's), never across two: a bucket packs a layer norm's gains (about
+    1) beside weights (about 0.02), and a shared scale would round the small ones away. A
+    piece is padded with zeros to whole blocks. ``(q[..., Q] int8, scales[..., S] fp32)``."""
     qs, scales = [], []
-    for piece in _split(x.astype(jnp.float32), [(n,) for n in sizes]):
-        b = min(block, piece.shape[-1])
-        piece = jnp.pad(piece, [(0, 0)] * (x.ndim - 1) + [(0, -piece.shape[-1] % b)])
-        piece = piece.reshape(*piece.shape[:-1], -1, b)
+    for piece, (b, blocks) in zip(pieces, _blocking([p.shape[-1] for p in pieces], block),
+                                  strict=True):
+        piece = piece.astype(jnp.float32)
+        piece = jnp.pad(piece, [(0, 0)] * (piece.ndim - 1) + [(0, b * blocks - piece.shape[-1])])
+        piece = piece.reshape(*piece.shape[:-1], blocks, b)
         scale = jnp.max(jnp.abs(piece), axis=-1) / 127.0
         q = jnp.round(piece / jnp.where(scale == 0, 1.0, scale)[..., None]).astype(jnp.int8)
         qs.append(q.reshape(*q.shape[:-2], -1))
@@ -89,16 +94,14 @@ def quantize(x: jax.Array, sizes: list[int], block: int) -> tuple[jax.Array, jax
 
 
 def dequantize(q: jax.Array, scale: jax.Array, sizes: list[int], block: int) -> jax.Array:
-    """fp32 values of ``quantize``'s output, each piece's padding cut back off."""
-    out, at, at_scale = [], 0, 0
-    for n in sizes:
-        b = min(block, n)
-        blocks = -(-n // b)
-        piece = jax.lax.slice_in_dim(q, at, at + blocks * b, axis=-1)
-        s = jax.lax.slice_in_dim(scale, at_scale, at_scale + blocks, axis=-1)
+    """fp32 values of ``quantize``'s output for pieces of ``sizes``, concatenated, each piece's
+    padding cut back off."""
+    how = _blocking(sizes, block)
+    out = []
+    for n, (b, blocks), piece, s in zip(sizes, how, _split(q, [(b * k,) for b, k in how]),
+                                        _split(scale, [(k,) for _, k in how]), strict=True):
         x = piece.reshape(*piece.shape[:-1], blocks, b).astype(jnp.float32) * s[..., None]
         out.append(x.reshape(*x.shape[:-2], -1)[..., :n])
-        at, at_scale = at + blocks * b, at_scale + blocks
     return jnp.concatenate(out, axis=-1)
 
 
@@ -114,15 +117,16 @@ def all_gather(xs: list[jax.Array], axes: list[int], mesh_axis: AxisName, comm: 
             i = group[0]
             out[i] = jax.lax.all_gather(xs[i], mesh_axis, axis=axes[i], tiled=True, to=to)
             continue
-        flat = jnp.concatenate([xs[i].reshape(-1) for i in group])
+        pieces = [xs[i].reshape(-1) for i in group]
         if comm.quantize_weights:
-            sizes = [xs[i].size for i in group]
-            q, scale = quantize(flat, sizes, comm.block)
+            q, scale = quantize(pieces, comm.block)
             q = jax.lax.all_gather(q, mesh_axis, axis=0, tiled=False, to=to)
             scale = jax.lax.all_gather(scale, mesh_axis, axis=0, tiled=False, to=to)
-            gathered = dequantize(q, scale, sizes, comm.block).astype(flat.dtype)
+            gathered = dequantize(q, scale, [p.size for p in pieces],
+                                  comm.block).astype(pieces[0].dtype)
         else:
-            gathered = jax.lax.all_gather(flat, mesh_axis, axis=0, tiled=False, to=to)  # n x L
+            gathered = jax.lax.all_gather(jnp.concatenate(pieces), mesh_axis, axis=0,
+                                          tiled=False, to=to)  # n x L
         shapes = [xs[i].shape for i in group]
         for i, r in zip(group, _split(gathered, shapes), strict=True):
             out[i] = unrows(r, axes[i], xs[i].shape)
@@ -143,15 +147,16 @@ def reduce_scatter(gs: list[jax.Array], axes: list[int], mesh_axis: AxisName, dt
             out[i] = jax.lax.psum_scatter(gs[i].astype(dtype), mesh_axis,
                                           scatter_dimension=axes[i], tiled=True)
             continue
-        buf = jnp.concatenate([rows(gs[i].astype(dtype), axes[i], n) for i in group], axis=1)
+        pieces = [rows(gs[i].astype(dtype), axes[i], n) for i in group]  # n rows each
         if comm.quantize_grads:
-            sizes = [gs[i].size // n for i in group]  # each leaf's piece of a row
-            q, scale = quantize(buf, sizes, comm.block)  # n rows, each cut in blocks
+            q, scale = quantize(pieces, comm.block)
             q = jax.lax.all_to_all(q, mesh_axis, 0, 0, tiled=True)
             scale = jax.lax.all_to_all(scale, mesh_axis, 0, 0, tiled=True)
-            mine = jnp.sum(dequantize(q, scale, sizes, comm.block), axis=0).astype(dtype)
+            mine = jnp.sum(dequantize(q, scale, [p.shape[1] for p in pieces], comm.block),
+                           axis=0).astype(dtype)
         else:
-            mine = jax.lax.psum_scatter(buf, mesh_axis, scatter_dimension=0, tiled=True)[0]
+            mine = jax.lax.psum_scatter(jnp.concatenate(pieces, axis=1), mesh_axis,
+                                        scatter_dimension=0, tiled=True)[0]
         shard_shapes = []
         for i in group:
             shape = list(gs[i].shape)
