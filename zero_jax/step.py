@@ -339,13 +339,12 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
         whole = [i for i, r in enumerate(rs) if not r.leaf.frozen and not r.cut
                  and not r.in_backward]
         across = [i for i, r in enumerate(rs) if not r.leaf.frozen and r.cut and plan.outer]
-        comm = plan.comm._replace(quantize_grads=False)
         _put(flat, whole, buckets.all_reduce([flat[i] for i in whole], everywhere,
-                                             prec.reduce.name, comm))
-        if across:
+                                             prec.reduce.name, plan.comm))
+        if across:  # in int8 with quantize_grads: what crosses groups is ZeRO++'s target
             _put(flat, across, buckets.reduce_scatter(
                 [flat[i] for i in across], [rs[i].leaf.axis for i in across], plan.outer,
-                prec.reduce.name, comm))
+                prec.reduce.name, plan.comm))
         return tree.unflatten(flat)
 
     def reduce(stats, grads, params):
@@ -421,18 +420,18 @@ def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformat
             return _constrain(compute, plan, plan.param_specs)
 
         # Hierarchical: our own all-gather across groups (and, for leaves whose parameter is
-        # whole, within the group too), in the compute dtype, once per step, in buckets.
+        # whole, within the group too), in the compute dtype, once per step, in buckets; in
+        # int8 with quantize_weights (ZeRO++'s qwZ where it matters: the cross-node traffic).
         def gather(tree):
             flat, treedef = jax.tree.flatten(tree)
             leaves = jax.tree.leaves(plan.leaves, is_leaf=_is_leaf)
-            comm = plan.comm._replace(quantize_weights=False)
             for persistent in (False, True):
                 axes = (plan.axis, plan.outer) if persistent else plan.outer
                 idx = [i for i, leaf in enumerate(leaves)
                        if leaf.axis is not None and bool(leaf.persistent) == persistent]
                 _put(flat, idx, buckets.all_gather([flat[i] for i in idx],
-                                                   [leaves[i].axis for i in idx], axes, comm,
-                                                   to="invarying"))
+                                                   [leaves[i].axis for i in idx], axes,
+                                                   plan.comm, to="invarying"))
             return treedef.unflatten(flat)
 
         return jax.shard_map(gather, mesh=plan.mesh, in_specs=(plan.opt_specs,),
