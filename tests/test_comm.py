@@ -65,7 +65,7 @@ def test_buckets_train_bit_identically_with_one_collective_per_layer(layout, sma
             losses.append(float(m["loss"]))
         return losses, jax.device_get(state.params), found
 
-    plain, bucketed = train(zj.Comm()), train(BUCKET)
+    plain, bucketed = train(zj.Comm(bucket_bytes=0)), train(BUCKET)
     assert plain[0] == bucketed[0]
     for a, b in zip(jax.tree.leaves(plain[1]), jax.tree.leaves(bucketed[1]), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -82,6 +82,8 @@ def test_buckets_train_bit_identically_with_one_collective_per_layer(layout, sma
               2: {("reduce-scatter", "f32"): layers, ("all-reduce", "f32"): layers},
               3: {("all-gather", "f32"): 2 * layers, ("reduce-scatter", "f32"): layers,
                   ("all-reduce", "f32"): layers}}[stage]
+    if outer:  # whole leaves cross groups once per step, after the backward, not per layer
+        del expect["all-reduce", "f32"]
     assert looped == expect
     if stage >= 2:  # one per leaf per layer before
         assert sum(per_kind(plain[2], in_loop=True).values()) > 2 * sum(looped.values())

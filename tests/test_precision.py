@@ -137,7 +137,7 @@ def test_int8_trains_the_default_model_like_unquantized(mesh):
     0.020 and 0.090. At train.py's own lr (3e-3 after 20 warmup steps) its loss spikes, and a
     spike's timing, moved by any rounding, dominates. README says which figure is which; the
     gradients themselves are checked directly in test_comm.py."""
-    bucket = zj.Comm(25 << 20)
+    bucket = zj.Comm()  # buckets of 25 MiB
     losses = lambda comm: np.array([m["loss"] for m in train_losses(mesh, 3, Precision(),
                                                                      comm=comm)[1]])
     plain = losses(bucket)

@@ -34,7 +34,7 @@ MODEL = GPT(dataclasses.replace(SMALL, n_layers=3))
 # AdamW with accumulation, buckets and int8 weights and gradients (exact too: prefetch gathers
 # the same int8 blocks, only earlier).
 LAYOUTS = {
-    "sgd, hierarchical, per leaf": ("sgd", "replica", 1, zj.Comm()),
+    "sgd, hierarchical, per leaf": ("sgd", "replica", 1, zj.Comm(bucket_bytes=0)),
     "adamw, accumulation, buckets, int8": ("adamw", None, 2, zj.Comm(25 << 20, True, True)),
 }
 

@@ -26,7 +26,7 @@ AxisName = str | tuple[str, ...]
 class Comm(NamedTuple):
     """How the leaves of one layer travel; static, part of a ``Shard``'s type."""
 
-    bucket_bytes: int = 0  # a bucket's bound, in gathered (whole-leaf) bytes; 0: one per leaf
+    bucket_bytes: int = 25 << 20  # a bucket's bound in gathered (whole-leaf) bytes; 0: per leaf
     quantize_weights: bool = False  # stage 3's parameter all-gathers in int8
     quantize_grads: bool = False  # gradient reduce-scatters in int8 (all-to-all, fp32 sum)
     block: int = 64  # elements per int8 scale

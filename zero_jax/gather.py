@@ -34,6 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from zero_jax import buckets
 from zero_jax.buckets import Comm
+from zero_jax.offload import in_host_memory
 
 PyTree = Any
 
@@ -54,6 +55,9 @@ class Shard:
     # ``value``, in host memory, only carries the gradient there.
     gather_from: jax.Array | None = None
     comm: Comm = dataclasses.field(default=Comm(), metadata=dict(static=True))
+    # Not trained: it travels in buckets of its own, whose gradient reduction is then dead code
+    # that XLA drops, as it drops a lone leaf's; in a shared bucket it would be reduced.
+    frozen: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def kind(self) -> str:
@@ -112,11 +116,12 @@ def _how(xs: list[Shard]) -> _How:
 
 
 def _groups(leaves: list) -> list[list[int]]:
-    """The ``Shard``s among ``leaves`` that travel together: same kind, axes, dtypes, comm."""
+    """The ``Shard``s among ``leaves`` that travel together: same kind, axes, dtypes, comm,
+    and trained or frozen."""
     groups: dict[tuple, list[int]] = {}
     for i, x in enumerate(leaves):
         if is_shard(x):
-            key = (x.kind, x.mesh_axis, x.reduce_dtype, x.comm,
+            key = (x.kind, x.mesh_axis, x.reduce_dtype, x.comm, x.frozen,
                    (x.gather_from if x.gather_from is not None else x.value).dtype)
             groups.setdefault(key, []).append(i)
     return list(groups.values())
@@ -128,7 +133,8 @@ def _materialize_group(xs: list[Shard]) -> list[jax.Array]:
     # Offloaded parameters: each shard is copied to the device right before its gather, and
     # its gradient shard goes back to host memory as the layer's backward ends; likewise the
     # host-memory shard of stage 2 that only carries the gradient.
-    targets = [jax.device_put(x.value, jax.memory.Space.Device) for x in xs]
+    targets = [jax.device_put(x.value, jax.memory.Space.Device) if in_host_memory(x.value)
+               else x.value for x in xs]
     if first.kind == "gather":
         sources = [t if x.gather_from is None else x.gather_from
                    for x, t in zip(xs, targets, strict=True)]

@@ -35,10 +35,12 @@ class Stage(NamedTuple):
 
 STAGES: dict[int, Stage] = {
     0: Stage(False, False, False,
-             "gradients all-reduced once, after the backward; every device runs the full update"),
+             "gradients all-reduced, each layer's as its backward ends (in buckets; else once, "
+             "after the backward); every device runs the full update"),
     1: Stage(True, False, False,
-             "gradients all-reduced once, after the backward; each device updates its optimizer "
-             "shard; updated parameters all-gathered"),
+             "gradients all-reduced, each layer's as its backward ends (in buckets; else once, "
+             "after the backward); each device updates its optimizer shard; updated parameters "
+             "all-gathered"),
     2: Stage(True, True, False,
              "each layer's gradients reduce-scattered as its backward ends; "
              "updated parameter shards all-gathered"),

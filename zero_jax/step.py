@@ -162,7 +162,8 @@ class Route(NamedTuple):
     cut: bool  # reaches the loss as a Shard; its gradient leaves the backward already cut
     local: tuple[str, ...]  # axes its copy is marked per-device over, so nothing reduces early
     # Whole, in a block, and bucketed: all-reduced inside the backward as its block's
-    # backward ends (DDP's buckets), rather than once after it.
+    # backward ends (DDP's buckets), rather than once after it. Not under hierarchical ZeRO,
+    # where what crosses groups does so once per step.
     in_backward: bool = False
 
 
@@ -171,7 +172,8 @@ def routes(plan: Plan) -> PyTree:
     def route(leaf: Leaf) -> Route:
         cut = plan.rule.shard_grads and leaf.axis is not None and not leaf.persistent
         in_backward = (not cut and not leaf.frozen and leaf.block is not None
-                       and plan.comm.bucket_bytes > 0 and plan.accum_steps == 1)
+                       and plan.comm.bucket_bytes > 0 and plan.accum_steps == 1
+                       and plan.outer is None)
         local = () if leaf.frozen or in_backward else (plan.outer,) if cut and plan.outer \
             else () if cut else plan.data_axes
         return Route(leaf, cut, local, in_backward)
@@ -238,7 +240,8 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
             args = (r.leaf.axis - len(r.leaf.shape), plan.axis, prec.reduce.name)
             # Stage 3 streaming to the host: ``p`` carries the gradient, ``w`` is gathered.
             return Shard(p, None if streamed or not stage2 else w, *args,
-                         gather_from=w if streamed else None, comm=plan.comm)
+                         gather_from=w if streamed else None, comm=plan.comm,
+                         frozen=r.leaf.frozen)
         if whole is None:
             tree = jax.tree.map(wrap, route_tree, params, is_leaf=is_route)
         else:
