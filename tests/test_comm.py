@@ -87,9 +87,6 @@ def test_buckets_train_bit_identically_with_one_collective_per_layer(layout, sma
     assert looped == expect
     if stage >= 2:  # one per leaf per layer before
         assert sum(per_kind(plain[2], in_loop=True).values()) > 2 * sum(looped.values())
-    if stage in (1, 2):  # the updated shards gathered after the update: one, not one per leaf
-        assert per_kind(found, in_loop=False)["all-gather", "f32"] == 1
-        assert per_kind(plain[2], in_loop=False)["all-gather", "f32"] > 4
     if outer:  # the across-group sync in buckets too: one reduce-scatter, two all-gathers
         across = [c for c in found if not c.in_loop and "replica" in
                   report.mesh_axes(c.group, mesh) and c.kind != "all-reduce"]

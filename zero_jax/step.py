@@ -418,32 +418,23 @@ def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformat
     trained_tx = plan.optimizer(tx)  # frozen leaves: zero update, no state
 
     def to_params(compute: PyTree) -> PyTree:
-        """The updated compute copy, from the optimizer's layout back to the parameters': our
-        own all-gathers, once per step, in buckets (the partitioner's would be one per leaf).
-        Whole parameters (stages 1-2, persistent leaves) are gathered over every data axis;
-        hierarchical ZeRO's cut ones across groups, in int8 with quantize_weights (ZeRO++'s
-        qwZ where it matters: the links between nodes)."""
-        leaves = jax.tree.leaves(plan.leaves, is_leaf=_is_leaf)
-        everywhere = (plan.axis, plan.outer) if plan.outer else plan.axis
+        """The updated compute copy, from the optimizer's layout back to the parameters'."""
+        if plan.outer is None:  # stages 1-2: the partitioner all-gathers the updated shards
+            return _constrain(compute, plan, plan.param_specs)
 
-        def over(leaf: Leaf):  # the axes its updated shard is gathered over; None: in place
-            if not plan.rule.shard_opt_state or leaf.axis is None:
-                return None
-            return plan.outer if plan.rule.shard_params and not leaf.persistent else everywhere
-
-        kinds = [axes for axes in dict.fromkeys(map(over, leaves)) if axes is not None]
-        if not kinds:
-            return compute
-
+        # Hierarchical: our own all-gather across groups (and, for leaves whose parameter is
+        # whole, within the group too), in the compute dtype, once per step, in buckets; in
+        # int8 with quantize_weights (ZeRO++'s qwZ where it matters: the cross-node traffic).
         def gather(tree):
             flat, treedef = jax.tree.flatten(tree)
-            for axes in kinds:
-                idx = [i for i, leaf in enumerate(leaves) if over(leaf) == axes]
-                comm = plan.comm._replace(quantize_weights=plan.comm.quantize_weights
-                                          and axes == plan.outer)
+            leaves = jax.tree.leaves(plan.leaves, is_leaf=_is_leaf)
+            for persistent in (False, True):
+                axes = (plan.axis, plan.outer) if persistent else plan.outer
+                idx = [i for i, leaf in enumerate(leaves)
+                       if leaf.axis is not None and bool(leaf.persistent) == persistent]
                 _put(flat, idx, buckets.all_gather([flat[i] for i in idx],
-                                                   [leaves[i].axis for i in idx], axes, comm,
-                                                   to="invarying"))
+                                                   [leaves[i].axis for i in idx], axes,
+                                                   plan.comm, to="invarying"))
             return treedef.unflatten(flat)
 
         return jax.shard_map(gather, mesh=plan.mesh, in_specs=(plan.opt_specs,),
