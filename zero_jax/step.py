@@ -432,9 +432,11 @@ def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformat
                 axes = (plan.axis, plan.outer) if persistent else plan.outer
                 idx = [i for i, leaf in enumerate(leaves)
                        if leaf.axis is not None and bool(leaf.persistent) == persistent]
+                # Persistent leaves are small: int8 would save nothing and round norms' gains.
+                comm = plan.comm._replace(quantize_weights=False) if persistent else plan.comm
                 _put(flat, idx, buckets.all_gather([flat[i] for i in idx],
-                                                   [leaves[i].axis for i in idx], axes,
-                                                   plan.comm, to="invarying"))
+                                                   [leaves[i].axis for i in idx], axes, comm,
+                                                   to="invarying"))
             return treedef.unflatten(flat)
 
         return jax.shard_map(gather, mesh=plan.mesh, in_specs=(plan.opt_specs,),
