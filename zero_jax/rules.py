@@ -166,9 +166,12 @@ class Plan:
 
     @property
     def has_master(self) -> bool:
-        """A separate fp32 master copy: with 16-bit compute, or when the optimizer is offloaded
-        (the master is updated on the host while the compute copy stays on the device)."""
-        return self.precision.has_master or self.offloads_optimizer
+        """A separate fp32 master copy: with 16-bit compute, when the optimizer is offloaded
+        (the master is updated on the host while the compute copy stays on the device), and when
+        hierarchical ZeRO gathers the compute copy across groups in int8 (else the optimizer
+        would read back the rounded copy and lose every update under half an int8 level)."""
+        return (self.precision.has_master or self.offloads_optimizer
+                or bool(self.outer and self.comm.quantize_weights))
 
     @property
     def offloads_optimizer(self) -> bool:
