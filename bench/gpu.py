@@ -5,8 +5,16 @@ collectives overlap compute.
     python bench/gpu.py [--config gpt2-124m] [--devices N] [--steps 10] [--rounds 5] [--set K=V]
         [--json results.json]
     python bench/gpu.py --allow-cpu     # the same code path on 8 simulated CPU devices (tiny)
+    python bench/gpu.py --compile-for h100 [--devices 8]   # no GPU needed: compile, not run
 
-Without a GPU (and without ``--allow-cpu``) it says so in one line and exits 0.
+Without a GPU (and without ``--allow-cpu`` or ``--compile-for``) it says so in one line and
+exits 0.
+
+* ``--compile-for h100``: XLA's GPU compiler, given an H100's description (``TARGETS``) and a
+  topology of ``--devices`` GPUs on one host, compiles the same steps on a machine with no GPU
+  (deviceless ahead-of-time compilation; it needs jax's CUDA plugin installed, e.g.
+  ``pip install "jax[cuda13]"``, not a driver). Nothing runs: the table has no times, only what
+  the compiled program says (collectives, overlap, temp memory). Runs of the variants too.
 
 * Step time: the median over rounds of the mean step time, stages interleaved
   (``bench/harness.py``); tokens/s from it.
@@ -23,7 +31,9 @@ Without a GPU (and without ``--allow-cpu``) it says so in one line and exits 0.
   ``all-gather-done`` pairs (``async-start`` / ``async-done`` around a reduce-scatter). The
   compiled module is scheduled, so its text order is the execution order: a pair overlaps
   compute when other compute instructions (fusions, custom calls such as GEMMs, loops, ...) are
-  scheduled between start and done, in the entry computation or in a loop body.
+  scheduled between start and done, in the entry computation or in a loop body. A layer norm
+  between them hides little: the column counts the pairs with a matmul between start and done
+  (a dot, or a fusion or GEMM custom call doing one), the work that can hide a layer's gather.
 """
 
 from __future__ import annotations
@@ -53,6 +63,26 @@ MiB = 2 ** 20
 # without prefetch: what prefetch buys where collectives can overlap compute.
 RUNS = [(str(s), [f"zero.stage={s}"]) for s in range(4)] + [
     ("3, no prefetch", ["zero.stage=3", "zero.prefetch=false"])]
+# Compiled only (--compile-for), so cheap: buckets off and ZeRO++'s int8 too.
+VARIANTS = [("3, no buckets", ["zero.stage=3", "zero.bucket_mb=0"]),
+            ("3, int8 weights", ["zero.stage=3", "zero.quantize_weights=int8"]),
+            ("3, int8 grads", ["zero.stage=3", "zero.quantize_grads=int8"])]
+# What XLA's GPU compiler needs to know of a device to compile for it without one: an H100
+# SXM's figures, as XLA's own gpu_specs/h100_sxm lists them.
+TARGETS = {"h100": """\
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 3352320000000 l2_cache_size: 52428800
+  clock_rate_ghz: 1.98 device_memory_size: 84978434048 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""}
+_GEMM_CALL = re.compile(r'custom_call_target="[^"]*(gemm|matmul|conv)', re.IGNORECASE)
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 
@@ -67,7 +97,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="also write the results here")
     p.add_argument("--allow-cpu", action="store_true",
                    help="no GPU: run on simulated CPU devices (to test this script)")
+    p.add_argument("--compile-for", choices=sorted(TARGETS),
+                   help="no GPU: compile (not run) for --devices (default 8) GPUs of this kind")
     args = p.parse_args()
+    if args.compile_for:  # the CUDA plugin without a driver: skip its checks, run nothing on it
+        import os
+
+        import jax
+
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+        jax.config.update("jax_platforms", "cpu")
     if args.allow_cpu:  # before jax starts a backend (harness.parse_args always does it)
         from zero_jax.mesh import simulate_cpu_devices
 
@@ -104,9 +143,18 @@ def _collective_of(bodies: dict, op: str, rest: str) -> str | None:
     return None
 
 
+def _matmul(bodies: dict, op: str, rest: str) -> bool:
+    """A dot or convolution, a GEMM custom call, or a fusion (any call) that contains one."""
+    if op in ("dot", "convolution") or (op == "custom-call" and _GEMM_CALL.search(rest)):
+        return True
+    m = _CALLS.search(rest) if op in ("fusion", "call", "async-start") else None
+    return bool(m) and any(_matmul(bodies, o, r) for _, _, o, r in bodies.get(m.group(1), ()))
+
+
 def overlap(hlo_text: str) -> dict[str, dict[str, int]]:
     """Per collective kind: async start/done pairs, how many have compute scheduled between
-    them, how many of those are in a loop body, and how many XLA marked synchronous."""
+    them, how many a matmul, how many of those are in a loop body, and how many XLA marked
+    synchronous."""
     bodies = parsed(hlo_text)
     loop_bodies = {m.group(1) for body in bodies.values() for _, _, op, rest in body
                    if op == "while" and (m := _BODY.search(rest))}
@@ -124,17 +172,21 @@ def overlap(hlo_text: str) -> dict[str, dict[str, int]]:
             elif op.endswith("-done") or op == "async-done":
                 for o in operands & starts.keys():
                     kind, j, start_rest = starts[o]
-                    between = [b[2] for b in body[j + 1:i]]
-                    compute = [b for b in between if b not in NOT_COMPUTE
-                               and not re.search(r"-(start|update|done)$", b)]
-                    row = out.setdefault(kind, {"pairs": 0, "overlapped": 0, "in_loop": 0,
-                                                "overlapped_in_loop": 0, "sync": 0})
+                    between = body[j + 1:i]
+                    compute = [b for b in between if b[2] not in NOT_COMPUTE
+                               and not re.search(r"-(start|update|done)$", b[2])]
+                    row = out.setdefault(kind, dict.fromkeys(
+                        ("pairs", "overlapped", "in_loop", "overlapped_in_loop", "matmul",
+                         "matmul_in_loop", "sync"), 0))
                     row["pairs"] += 1
                     row["in_loop"] += name in loop_bodies
                     row["sync"] += bool(re.search(r'"is_sync":\s*true', start_rest))
                     if compute:
                         row["overlapped"] += 1
                         row["overlapped_in_loop"] += name in loop_bodies
+                    if any(_matmul(bodies, b[2], b[3]) for b in compute):
+                        row["matmul"] += 1
+                        row["matmul_in_loop"] += name in loop_bodies
                     break
     return out
 
@@ -155,8 +207,88 @@ def forms(hlo_text: str) -> dict[str, int]:
 
 # --- the benchmark -------------------------------------------------------------------------
 
+def compile_for(args: argparse.Namespace) -> None:
+    """``--compile-for``: every run compiled for GPUs this machine does not have; the program's
+    collectives, overlap and temp memory, no times."""
+    import jax
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import AxisType, Mesh
+
+    from zero_jax import report
+    from zero_jax.gpt import config
+    from zero_jax.gpt.experiment import Experiment
+    from zero_jax.step import abstract_state
+
+    n = args.devices or 8
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{n}",
+                                                target_config=TARGETS[args.compile_for])
+    except Exception as e:  # noqa: BLE001  (no CUDA plugin, or one too old for this)
+        raise SystemExit(f"error: cannot compile for {args.compile_for} here "
+                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); install jax's "
+                         'CUDA plugin into this environment: pip install "jax[cuda13]"') from e
+    mesh = Mesh(np.array(topology.devices), ("data",), axis_types=(AxisType.Auto,))
+    name = args.config or "gpt2-124m"
+    print(f"{name} config, compiled (not run) for {n} x {topology.devices[0].device_kind} "
+          f"(XLA's GPU compiler, no GPU present); jax {jax.__version__}\n")
+    print("| stage | temp MiB | collectives per step (count / MiB) | read / ZeRO theory "
+          "| async pairs with a matmul between start and done (in loop bodies) |")
+    print("|---|---|---|---|---|")
+    results = []
+    for stage, sets in RUNS + VARIANTS:
+        exp = Experiment.build(config.load(name, [*args.set, *sets]), mesh)
+        state = abstract_state(exp.plan, exp.tx)
+        lowered = exp.step.lower(state, exp.batch_shape)
+        compiled = lowered.compile()
+        res = program(stage, compiled, report.build(exp.plan, state, lowered, compiled), n)
+        results.append(res)
+        theory = res["comm_theory"]
+        ratio = f"{res['comm_bytes'] / theory:.2f}" if theory else "-"
+        pairs = ", ".join(f"{harness.SHORT[k]} {v['matmul']}/{v['pairs']} "
+                          f"({v['matmul_in_loop']}/{v['in_loop']})"
+                          for k, v in sorted(res["overlap"].items()))
+        print(f"| {stage} | {res['temp_bytes'] / MiB:.0f} "
+              f"| {harness.format_collectives(res['collectives'])} | {ratio} "
+              f"| {pairs or 'no async collectives'} |", flush=True)
+    details(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": name, "devices": n, "compiled_for": args.compile_for,
+                       "device_kind": topology.devices[0].device_kind, "stages": results},
+                      f, indent=1)
+
+
+def program(stage: str, compiled, rep: dict, n_devices: int) -> dict:
+    """What one compiled step says: collectives, the reader's bytes against theory, overlap."""
+    text = compiled.as_text()
+    return {"stage": stage, "collectives": harness.collectives_summary(text, n_devices),
+            "comm_bytes": rep["comm_bytes_per_step"], "comm_theory": rep["comm_bytes_theory"],
+            "overlap": overlap(text), "forms": forms(text),
+            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+
+
+def details(results: list[dict]) -> None:
+    print("\nThe reader on this compile: opcode forms in the text, and the bytes zero_jax.hlo "
+          "reads per step against ZeRO's theory for the stage (on the CPU mesh: 1.00, 1.50, 1.00, "
+          "0.98 for stages 0-3; stage 1 all-reduces, then gathers the updated parameters):")
+    for res in results:
+        print(f"  stage {res['stage']}: forms "
+              + (", ".join(f"{k} x{v}" for k, v in sorted(res["forms"].items())) or "none"))
+        theory = res["comm_theory"]
+        print(f"    read {res['comm_bytes'] / MiB:.2f} MiB, theory {theory / MiB:.2f} MiB"
+              + (f", ratio {res['comm_bytes'] / theory:.2f}" if theory else ""))
+        for kind, v in sorted(res["overlap"].items()):
+            print(f"    {kind:<19} async pairs {v['pairs']}: {v['overlapped']} with compute "
+                  f"between start and done, {v['matmul']} with a matmul ({v['in_loop']} pairs "
+                  f"in loop bodies: {v['overlapped_in_loop']} with compute, "
+                  f"{v['matmul_in_loop']} with a matmul), {v['sync']} marked is_sync")
+
+
 def main() -> None:
     args = parse_args()
+    if args.compile_for:
+        return compile_for(args)
 
     import jax
 
@@ -168,7 +300,8 @@ def main() -> None:
     platform = devices[0].platform
     if platform != "gpu" and not args.allow_cpu:
         print(f"no GPU found (jax sees {len(devices)} {platform} device(s)): nothing to measure; "
-              "--allow-cpu runs the same code on simulated CPU devices")
+              "--allow-cpu runs the same code on simulated CPU devices, --compile-for h100 "
+              "compiles for GPUs without running")
         return
 
     from zero_jax.gpt import config, data
@@ -205,41 +338,22 @@ def main() -> None:
           + (f"{peak / 1e12:.0f} TFLOP/s ({device.device_kind})" if peak
              else f"unknown for {device.device_kind!r}") + "\n")
     print("| stage | step ms | tokens/s | MFU | collectives per step (count / MiB) "
-          "| async pairs overlapping compute |")
+          "| async pairs with a matmul between start and done |")
     print("|---|---|---|---|---|---|")
     results = []
     for r in runs:
-        text = r["step"].as_text()
+        res = program(r["stage"], r["step"], r["report"], mesh.size)
         tps = r["exp"].tokens_per_step / r["ms"] * 1e3
         mfu = per_token * tps / (peak * mesh.size) if peak else None
-        by_kind = harness.collectives_summary(text, mesh.size)
-        ov = overlap(text)
-        comm = harness.format_collectives(by_kind)
-        pairs = ", ".join(f"{harness.SHORT[k]} {v['overlapped']}/{v['pairs']}"
-                          for k, v in sorted(ov.items()))
+        res.update(step_ms=r["ms"], tokens_per_s=tps, mfu=mfu)
+        results.append(res)
+        pairs = ", ".join(f"{harness.SHORT[k]} {v['matmul']}/{v['pairs']}"
+                          for k, v in sorted(res["overlap"].items()))
         print(f"| {r['stage']} | {r['ms']:.1f} | {tps:,.0f} | "
-              f"{f'{mfu:.1%}' if mfu is not None else 'unknown'} | {comm} "
+              f"{f'{mfu:.1%}' if mfu is not None else 'unknown'} "
+              f"| {harness.format_collectives(res['collectives'])} "
               f"| {pairs or 'no async collectives'} |")
-        results.append({"stage": r["stage"], "step_ms": r["ms"], "tokens_per_s": tps,
-                        "mfu": mfu, "collectives": by_kind,
-                        "comm_bytes": r["report"]["comm_bytes_per_step"],
-                        "comm_theory": r["report"]["comm_bytes_theory"],
-                        "overlap": ov, "forms": forms(text),
-                        "temp_bytes": r["step"].memory_analysis().temp_size_in_bytes})
-
-    print("\nThe reader on this compile: opcode forms in the text, and the bytes zero_jax.hlo "
-          "reads per step against ZeRO's theory for the stage (on the CPU mesh: 1.00, 1.50, 1.00, "
-          "0.98 for stages 0-3; stage 1 all-reduces, then gathers the updated parameters):")
-    for res in results:
-        print(f"  stage {res['stage']}: forms "
-              + (", ".join(f"{k} x{v}" for k, v in sorted(res["forms"].items())) or "none"))
-        theory = res["comm_theory"]
-        print(f"    read {res['comm_bytes'] / MiB:.2f} MiB, theory {theory / MiB:.2f} MiB"
-              + (f", ratio {res['comm_bytes'] / theory:.2f}" if theory else ""))
-        for kind, v in sorted(res["overlap"].items()):
-            print(f"    {kind:<19} async pairs {v['pairs']}: {v['overlapped']} with compute "
-                  f"between start and done ({v['overlapped_in_loop']} of them in a loop body; "
-                  f"{v['in_loop']} pairs in loop bodies), {v['sync']} marked is_sync")
+    details(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": name, "devices": mesh.size, "device_kind": device.device_kind,

@@ -88,7 +88,8 @@ def test_fsdp_gathers_weights_not_activations(runs, mesh):
 
 # The forms the GPU backend prints: an all-gather pair with a fusion between (in a 12-trip
 # loop), a reduce-scatter wrapped in async-start/done with nothing between, the sugared
-# reduce-scatter-start ((operands), result) with a fusion between, a synchronous all-reduce.
+# reduce-scatter-start ((operands), result) with a fusion between, a synchronous all-reduce,
+# and an all-gather pair with a GEMM fusion (a dot inside) between.
 ASYNC_HLO = """\
 HloModule jit_step, is_scheduled=true
 
@@ -99,6 +100,11 @@ HloModule jit_step, is_scheduled=true
 %wrapped_rs (p: f32[64,64]) -> f32[8,64] {
   %p = f32[64,64]{1,0} parameter(0)
   ROOT %rs = f32[8,64]{1,0} reduce-scatter(%p), replica_groups=[1,8]<=[8], to_apply=%add
+}
+
+%gemm (x: bf16[64,64]) -> bf16[64,64] {
+  %x = bf16[64,64]{1,0} parameter(0)
+  ROOT %d = bf16[64,64]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 }
 
 %body (p: (s32[], bf16[8,64])) -> (s32[], bf16[8,64]) {
@@ -117,7 +123,10 @@ ENTRY %main (a: f32[1024]) -> f32[1024] {
   %ard = f32[1024]{0} all-reduce-done(f32[1024]{0} %ars)
   %rs2 = ((f32[4096]{0}), f32[512]{0}) reduce-scatter-start(%b), replica_groups=[1,8]<=[8]
   %c = f32[4096]{0} fusion(%b), kind=kLoop, calls=%add
-  ROOT %rs2d = f32[512]{0} reduce-scatter-done(((f32[4096]{0}), f32[512]{0}) %rs2)
+  %rs2d = f32[512]{0} reduce-scatter-done(((f32[4096]{0}), f32[512]{0}) %rs2)
+  %ag2 = (bf16[8,64]{1,0}, bf16[64,64]{1,0}) all-gather-start(%v), replica_groups=[1,8]<=[8]
+  %mm = bf16[64,64]{1,0} fusion(%y), kind=kCustom, calls=%gemm
+  ROOT %ag2d = bf16[64,64]{1,0} all-gather-done((bf16[8,64]{1,0}, bf16[64,64]{1,0}) %ag2)
 }
 """  # noqa: E501
 
@@ -125,7 +134,7 @@ ENTRY %main (a: f32[1024]) -> f32[1024] {
 def test_gpu_forms_are_read_and_pairs_with_compute_between_found():
     """zero_jax.hlo on GPU-style text (payload: the full-size side; a reduce-scatter wrapped in
     async-start read through its computation), and bench/gpu.py's start/done pairs with
-    compute scheduled between them."""
+    compute, and a matmul, scheduled between them."""
     import gpu
 
     found = collections.defaultdict(lambda: [0, 0])
@@ -133,9 +142,12 @@ def test_gpu_forms_are_read_and_pairs_with_compute_between_found():
         found[c.kind][0] += c.count
         found[c.kind][1] += c.count * c.bytes
     assert dict(found) == {
-        "all-gather": [12, 12 * 64 * 64 * 2],
+        "all-gather": [13, 13 * 64 * 64 * 2],
         "reduce-scatter": [13, 12 * 64 * 64 * 4 + 4096 * 4],
         "all-reduce": [1, 1024 * 4]}
     pairs = gpu.overlap(ASYNC_HLO)
     assert {k: (v["pairs"], v["overlapped"], v["overlapped_in_loop"]) for k, v in pairs.items()} \
-        == {"all-gather": (1, 1, 1), "reduce-scatter": (2, 1, 0), "all-reduce": (1, 0, 0)}
+        == {"all-gather": (2, 2, 1), "reduce-scatter": (2, 1, 0), "all-reduce": (1, 0, 0)}
+    # The loop's gather hides a plain fusion, the entry's a GEMM: only that one hides a matmul.
+    assert {k: (v["matmul"], v["matmul_in_loop"]) for k, v in pairs.items()} \
+        == {"all-gather": (1, 0), "reduce-scatter": (0, 0), "all-reduce": (0, 0)}
