@@ -1,7 +1,8 @@
 """Prefetch: stage 3's scanned stacks gather layer i+1 while layer i computes (i-1 in the
-backward). It changes when bytes travel, not what is computed: the prefetched step must train
-bit-identically to the plain one, move the same bytes, and its program's loops must gather
-one iteration ahead; the price is one more gathered layer, which the report states."""
+backward, while layer i+1's gradient is reduce-scattered). It changes when bytes travel, not
+what is computed: the prefetched step must train bit-identically to the plain one, move the
+same bytes, and its program's loops must gather one iteration ahead and reduce one behind; the
+price is one more gathered layer and one more whole layer gradient, which the report states."""
 
 import dataclasses
 import re
@@ -24,12 +25,13 @@ import zero_jax as zj
 from zero_jax import report
 from zero_jax.gpt import data
 from zero_jax.gpt.model import GPT, LAYERS, init_fn, lm_loss
-from zero_jax.hlo import collectives, gathered_ahead
+from zero_jax.hlo import collectives, gathered_ahead, reduced_behind
 
 STEPS = 5
-# Three layers: the loops run layers 0-1 (forward) and 2-1 (backward), the last one after them
-# (two layers would leave XLA a loop of one iteration, which it removes).
-MODEL = GPT(dataclasses.replace(SMALL, n_layers=3))
+# Four layers: the forward loop runs layers 0-2 (3 after it), the backward loop layers 2-1 (3
+# before it, 0 after it); fewer would leave XLA a backward loop of one iteration, which it
+# removes.
+MODEL = GPT(dataclasses.replace(SMALL, n_layers=4))
 # (optimizer, hierarchical, accumulation, comm): SGD, hierarchical, one collective per leaf;
 # AdamW with accumulation, buckets and int8 weights and gradients (exact too: prefetch gathers
 # the same int8 blocks, only earlier).
@@ -74,23 +76,29 @@ def test_prefetch_trains_bit_identically_and_gathers_a_layer_ahead(layout, probl
 
     # Read from the programs: every all-gather in the prefetched loops (forward and backward)
     # only feeds the next iteration; in the plain loops each feeds this iteration's matmuls.
+    # Every gradient reduction in the prefetched backward loop reduces what the iteration
+    # before computed; in the plain one, what this iteration's matmuls did.
     loops = gathered_ahead(ahead[2].as_text())
     assert len(loops) == 2 and all(all(x) for x in loops.values()), loops
     plain_loops = gathered_ahead(plain[2].as_text())
     assert len(plain_loops) == 2 and not any(any(x) for x in plain_loops.values())
+    behind = reduced_behind(ahead[2].as_text())
+    assert len(behind) == 1 and all(all(x) for x in behind.values()), behind
+    plain_behind = reduced_behind(plain[2].as_text())
+    assert len(plain_behind) == 1 and not any(any(x) for x in plain_behind.values())
     # The same bytes of each kind; one layer's gathers per direction moved out of the layer loops.
     found, before = collectives(ahead[2].as_text(), 8), collectives(plain[2].as_text(), 8)
     assert volume(found) == volume(before)
     count = lambda cs, bodies: sum(c.count for c in cs if c.kind == "all-gather"
                                    and c.computation in bodies)
-    assert count(found, loops) * 3 == count(before, plain_loops) * 2
-    # The price, stated in the report: one more gathered layer (14,860 f32 elements here),
-    # and XLA's temp grows by at most that; with buckets, by at most twice that (the layer's
-    # flat buffer and the leaves cut out of it coexist).
+    assert count(found, loops) * 8 == count(before, plain_loops) * 5  # 3 + 2 of 4 + 4 layers
+    # The price, stated in the report: one more gathered layer and one more whole gradient
+    # (14,860 f32 elements each here), and XLA's temp grows by at most that; with buckets, by
+    # at most a layer more (the layer's flat buffer and the leaves cut out of it coexist).
     layer = 14_860 * 4
-    assert ahead[3]["prefetch_bytes"] == layer and plain[3]["prefetch_bytes"] == 0
+    assert ahead[3]["prefetch_bytes"] == 2 * layer and plain[3]["prefetch_bytes"] == 0
     grown = ahead[3]["compiled"]["temp_bytes"] - plain[3]["compiled"]["temp_bytes"]
-    assert 0 < grown <= layer * (2 if comm.bucket_bytes else 1), grown
+    assert 0 < grown <= layer * (3 if comm.bucket_bytes else 2), grown
 
 
 def test_remat_offload_keeps_the_saved_layer_inputs_in_host_memory(mesh, problem):

@@ -192,6 +192,23 @@ def gathered_ahead(hlo_text: str) -> dict[str, list[bool]]:
     around it): per all-gather, whether its result only travels to the next iteration (the
     body's ROOT, the loop's carry) rather than feeding a matmul in this one. All True: the loop
     gathers one iteration ahead (prefetch)."""
+    return {body: [not _reaches(g, users, matmul) for g in found]
+            for body, found, users, _, matmul in _layer_loops(hlo_text, ("all-gather",))}
+
+
+def reduced_behind(hlo_text: str) -> dict[str, list[bool]]:
+    """For every innermost loop body with gradient reductions (reduce-scatters, or int8's
+    all-to-alls): per reduction, whether its operand comes from the previous iteration (the
+    loop's carry) rather than from a matmul in this one. All True: the loop reduces one
+    iteration behind, beside the next layer's compute."""
+    return {body: [not _reaches(r, operands, matmul) for r in found]
+            for body, found, _, operands, matmul in _layer_loops(
+                hlo_text, ("reduce-scatter", "all-to-all"))}
+
+
+def _layer_loops(hlo_text: str, kinds: tuple[str, ...]):
+    """``(body, collectives of kinds, users, operands, is-matmul)`` of every innermost loop body
+    holding a collective of ``kinds``: the instruction graph both ways."""
     bodies, _ = computations(hlo_text)
     loops = {m.group(1) for lines in bodies.values() for line in lines
              if (m := _BODY.search(line))}
@@ -206,11 +223,11 @@ def gathered_ahead(hlo_text: str) -> dict[str, list[bool]]:
                 return True
         return False
 
-    out: dict[str, list[bool]] = {}
-    for body in loops:
+    for body in sorted(loops):
         users: dict[str, list[str]] = collections.defaultdict(list)
+        operands: dict[str, list[str]] = collections.defaultdict(list)
         matmul: dict[str, bool] = {}
-        gathers, ops = [], set()
+        found, ops = [], set()
         for line in bodies.get(body, ()):
             parsed = instruction(line)
             if not parsed:
@@ -219,16 +236,17 @@ def gathered_ahead(hlo_text: str) -> dict[str, list[bool]]:
             ops.add(op)
             for operand in _NAME.findall(rest):
                 users[operand].append(name)
+                operands[name].append(operand)
             matmul[name] = op in _MATMULS or any(has_matmul(c) for c in _callees(line))
-            if op.removesuffix("-start") == "all-gather":
-                gathers.append(name)
-        if gathers and "while" not in ops:  # innermost loops only
-            out[body] = [not _reaches(g, users, matmul) for g in gathers]
-    return out
+            if op.removesuffix("-start") in kinds:
+                found.append(name)
+        if found and "while" not in ops:  # innermost loops only
+            yield body, found, users, operands, matmul
 
 
 def _reaches(start: str, users: dict[str, list[str]], target: dict[str, bool]) -> bool:
-    """Whether any instruction that uses ``start``'s result, directly or not, is a target."""
+    """Whether any instruction that ``users`` leads to from ``start``, directly or not, is a
+    target (``users``: who uses each result, or, the other way, what each one uses)."""
     todo, seen = [start], {start}
     while todo:
         for user in users.get(todo.pop(), ()):

@@ -1,15 +1,18 @@
 """Prefetch: the layer loop of a scanned stack, owned so that layer i+1's gather runs beside
-layer i.
+layer i, and layer i+1's gradient reduction beside layer i's backward.
 
 Inside ``nn.scan`` a block sees one layer's slice of the stack, and the only way from one
 iteration to the next is the scan's carry, which is the model's. So for the stacks it prefetches
 zero_jax runs the loop itself, as FSDP2 does: a ``custom_vjp`` over the whole stack whose
 forward loop carries the next layer's gathered weights (issued at the top of the iteration, so
 nothing in it waits on the layer's compute), and whose backward loop carries the previous
-layer's, recomputing each layer from its saved input (remat ``full``; ``offload`` keeps those
-inputs in host memory). A forward iteration then holds two gathered layers, and the backward's
-re-gather starts a layer ahead. The first gather of each loop runs before it and the last layer
-after it, so nothing is gathered twice: the bytes are those of the plain step.
+layer's weights and the next layer's whole gradient, recomputing each layer from its saved
+input (remat ``full``; ``offload`` keeps those inputs in host memory). Each iteration's
+collectives then need nothing it computes, and XLA's scheduler can run them under its matmuls
+(on GPU; read from the compiled program in bench/gpu.py). A forward iteration holds two gathered
+layers, a backward one also two whole layer gradients. The first gather of each loop runs
+before it, the last layer after it, the last layer of the backward also before it: nothing is
+gathered or reduced twice, the bytes are those of the plain step.
 
 Linen gives no hook at a scan's boundary (``intercept_methods`` sees only the per-layer calls),
 so ``stacks`` wraps ``flax.core.lift.scan`` while the loss is traced: the scans of the named
@@ -56,7 +59,8 @@ def run_stack(layer: Callable, offload: bool, params_L: PyTree, carry: PyTree,
               xs_L: PyTree) -> tuple[PyTree, PyTree]:
     """``layer(params, carry, x) -> (carry, y)`` over the ``L`` layers of ``params_L`` (whose
     cut leaves are ``Shard``s) and ``xs_L``, as ``jax.lax.scan``; each layer's weights gathered
-    one layer ahead. ``offload``: the layer inputs saved for the backward wait in host memory."""
+    one layer ahead, its gradient reduced one layer behind. ``offload``: the layer inputs saved
+    for the backward wait in host memory."""
     return _forward(layer, offload, params_L, carry, xs_L)[0]
 
 
@@ -83,24 +87,36 @@ def _backward(layer, offload, saved, cts):
     dc, dys = cts
     n = jax.tree.leaves(params_L)[0].shape[0]
 
-    def one(w, i, c, dc):  # layer i's backward: recomputed from its input c
+    def one(w, i, c, dc):  # layer i's backward, recomputed from its input c; dw still whole
         c = _to(c, jax.memory.Space.Device) if offload else c
         _, pull = jax.vjp(layer, w, c, _slice(xs_L, i))
-        dw, dc, dx = pull((dc, _slice(dys, i)))
-        return reduce_tree(_slice(params_L, i), dw), dc, dx
+        return pull((dc, _slice(dys, i)))
+
+    reduce = lambda i, dw: reduce_tree(_slice(params_L, i), dw)
+    whole = materialize_tree(after_inputs(_slice(params_L, n - 1), cts, {}))
+    if n == 1:
+        dw, dc, dx = one(whole, 0, first, dc)
+        one_layer = lambda tree: jax.tree.map(lambda x: x[None], tree)
+        return one_layer(reduce(0, dw)), dc, one_layer(dx)
+    # Layer n-1 before the loop, layer n-2's gather beside it; then iteration i gathers layer
+    # i-1 and reduce-scatters layer i+1's gradient while layer i computes.
+    behind = materialize_tree(after_inputs(_slice(params_L, n - 2), cts, {}))
+    dw, dc, dx_last = one(whole, n - 1, _slice(inputs, n - 2), dc)
 
     def body(state, xs):
-        dc, w = state
+        dc, w, pending = state  # pending: layer i+1's gradient, whole
         i, c = xs
-        behind = materialize_tree(_slice(params_L, i - 1))  # layer i-1, while i computes
-        dp, dc, dx = one(w, i, c, dc)
-        return (dc, behind), (dp, dx)
+        behind = materialize_tree(_slice(params_L, i - 1))
+        reduced = reduce(i + 1, pending)
+        dw, dc, dx = one(w, i, c, dc)
+        return (dc, behind, dw), (reduced, dx)
 
-    whole = materialize_tree(after_inputs(_slice(params_L, n - 1), cts, {}))
-    (dc, whole), (dps, dxs) = jax.lax.scan(body, (dc, whole), (jnp.arange(1, n), inputs),
-                                           reverse=True)
-    dp, dc, dx = one(whole, 0, first, dc)
-    return _stacked(dp, dps), dc, _stacked(dx, dxs)
+    rest = jax.tree.map(lambda x: x[:n - 2], inputs)
+    (dc, whole, pending), (dps, dxs) = jax.lax.scan(body, (dc, behind, dw),
+                                                    (jnp.arange(1, n - 1), rest), reverse=True)
+    dw, dc, dx = one(whole, 0, first, dc)
+    dps = _stacked(reduce(0, dw), _stacked(reduce(1, pending), dps))
+    return dps, dc, _stacked(dx, _appended(dxs, dx_last))
 
 
 run_stack.defvjp(_forward, _backward)

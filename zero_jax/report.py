@@ -207,8 +207,9 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
         "frozen": [leaf.path for leaf in plan.frozen],
         "blocks": plan.blocks,
         "comm": plan.comm._asdict(),
-        # What prefetch holds more: the largest scanned layer, gathered in the compute dtype.
-        "prefetch_bytes": layer_elements(plan) * c if plan.comm.prefetch else 0,
+        # What prefetch holds more: the largest scanned layer gathered, and its whole gradient
+        # waiting a layer to be reduced, both in the compute dtype.
+        "prefetch_bytes": 2 * layer_elements(plan) * c if plan.comm.prefetch else 0,
         "opt_state_whole": whole_opt_state(plan, state),
         "warnings": warnings(plan),
     }
@@ -311,10 +312,11 @@ def format_table(r: dict) -> str:
     lines.append(f"  buckets: {how}")
     prefetch = "off"
     if comm["prefetch"]:
-        prefetch = (f"layer i+1 gathered while layer i computes (i-1 in the backward): one more "
-                    f"gathered layer, {r['prefetch_bytes'] / MiB:.2f} MiB")
+        prefetch = (f"layer i+1 gathered while layer i computes (i-1 in the backward, while "
+                    f"layer i+1's gradient is reduce-scattered): one more gathered layer and "
+                    f"one more whole layer gradient, {r['prefetch_bytes'] / MiB:.2f} MiB")
         if comm["bucket_bytes"]:
-            prefetch += " (with buckets up to twice that: its flat buffer too)"
+            prefetch += " (with buckets up to a layer more: its flat buffer too)"
     lines.append(f"  prefetch: {prefetch}")
     if len(r["mesh"]) > 1:
         names = {"data": "within groups", "replica": "across groups",
