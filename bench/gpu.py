@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
+import os
 import re
 import sys
 
@@ -99,10 +101,10 @@ def parse_args() -> argparse.Namespace:
                    help="no GPU: run on simulated CPU devices (to test this script)")
     p.add_argument("--compile-for", choices=sorted(TARGETS),
                    help="no GPU: compile (not run) for --devices (default 8) GPUs of this kind")
+    p.add_argument("--save-hlo", metavar="DIR",
+                   help="with --compile-for: also write each compiled program's text, gzipped")
     args = p.parse_args()
     if args.compile_for:  # the CUDA plugin without a driver: skip its checks, run nothing on it
-        import os
-
         import jax
 
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
@@ -241,6 +243,12 @@ def compile_for(args: argparse.Namespace) -> None:
         state = abstract_state(exp.plan, exp.tx)
         lowered = exp.step.lower(state, exp.batch_shape)
         compiled = lowered.compile()
+        if args.save_hlo:
+            os.makedirs(args.save_hlo, exist_ok=True)
+            path = os.path.join(args.save_hlo, f"{name}-stage-{stage}.hlo.gz".replace(", ", "-")
+                                .replace(" ", "-"))
+            with gzip.open(path, "wt") as f:
+                f.write(compiled.as_text())
         res = program(stage, compiled, report.build(exp.plan, state, lowered, compiled), n)
         results.append(res)
         theory = res["comm_theory"]

@@ -1,5 +1,6 @@
 """The baselines of ``bench/peers.py`` compute what zero_jax computes, and its FSDP gathers
-weights, not activations; ``bench/gpu.py`` reads async collective pairs."""
+weights, not activations; ``bench/gpu.py`` reads async collective pairs, on a real GPU compile
+too."""
 
 import collections
 import math
@@ -151,3 +152,41 @@ def test_gpu_forms_are_read_and_pairs_with_compute_between_found():
     # The loop's gather hides a plain fusion, the entry's a GEMM: only that one hides a matmul.
     assert {k: (v["matmul"], v["matmul_in_loop"]) for k, v in pairs.items()} \
         == {"all-gather": (1, 0), "reduce-scatter": (0, 0), "all-reduce": (0, 0)}
+
+
+def test_a_real_gpu_compile_is_read_and_prefetch_overlaps_there():
+    """The default model's stage 3 step as XLA's GPU compiler built it for 8 H100s, with and
+    without prefetch (tests/data, made with no GPU present by ``python bench/gpu.py
+    --compile-for h100 --config tiny --save-hlo DIR``; jax and its CUDA plugin 0.10.2). The
+    reader finds ZeRO's bytes in bf16: the blocks' parameters gathered twice, the leaves
+    outside them once, every parameter's gradient reduce-scattered once. With prefetch, XLA's
+    schedule puts GEMMs between start and done of both layer loops' gathers and of the
+    backward loop's reduce-scatter, which reads only the carry; without, none."""
+    import gzip
+
+    import gpu
+
+    from zero_jax.gpt.model import GPT, GPTConfig, init_fn
+    from zero_jax.hlo import gathered_ahead, reduced_behind
+
+    shapes = jax.eval_shape(init_fn(GPT(GPTConfig())), jax.random.key(0))
+    sizes = [(p[0].key == "blocks", math.prod(x.shape))
+             for p, x in jax.tree_util.tree_flatten_with_path(shapes)[0]]
+    psi, blocks = sum(n for _, n in sizes), sum(n for b, n in sizes if b)
+    data = pathlib.Path(__file__).resolve().parent / "data"
+    for name, ahead in (("tiny-stage-3-h100", True), ("tiny-stage-3-no-prefetch-h100", False)):
+        text = gzip.open(data / f"{name}.hlo.gz", "rt").read()
+        assert "all-gather-start" in text and "reduce-scatter-start" in text  # GPU's async forms
+        moved = collections.Counter()
+        for c in collectives(text, N):
+            moved[c.kind, c.dtype] += c.count * c.bytes
+        assert moved["all-gather", "bf16"] == 2 * (2 * blocks + (psi - blocks)), name
+        assert moved["reduce-scatter", "bf16"] == 2 * psi, name
+        gathers, reductions = gathered_ahead(text), reduced_behind(text)
+        assert len(gathers) == 2 and len(reductions) == 1
+        assert all(all(x) == ahead and any(x) == ahead
+                   for x in [*gathers.values(), *reductions.values()]), name
+        pairs = gpu.overlap(text)
+        assert (pairs["all-gather"]["in_loop"], pairs["reduce-scatter"]["in_loop"]) == (2, 1)
+        assert pairs["all-gather"]["matmul_in_loop"] == (2 if ahead else 0), name
+        assert pairs["reduce-scatter"]["matmul_in_loop"] == (1 if ahead else 0), name
