@@ -48,7 +48,7 @@ import sys
 
 import harness  # bench/harness.py, beside this script (puts the repository on sys.path)
 
-from zero_jax.hlo import KINDS, computations, instruction  # noqa: E402
+from zero_jax.hlo import KINDS, computations, instruction, matmul_finder  # noqa: E402
 
 # Peak dense bf16 FLOP/s, by a lowercase substring of ``device.device_kind``; the first match
 # wins ("NVIDIA H100 80GB HBM3" is the SXM part, "NVIDIA H100 PCIe" and "NVIDIA H100 NVL" not).
@@ -84,7 +84,6 @@ gpu_device_info {
 platform_name: "CUDA"
 device_description_str: "NVIDIA H100 80GB HBM3"
 """}
-_GEMM_CALL = re.compile(r'custom_call_target="[^"]*(gemm|matmul|conv)', re.IGNORECASE)
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 
@@ -145,23 +144,18 @@ def _collective_of(bodies: dict, op: str, rest: str) -> str | None:
     return None
 
 
-def _matmul(bodies: dict, op: str, rest: str) -> bool:
-    """A dot or convolution, a GEMM custom call, or a fusion (any call) that contains one."""
-    if op in ("dot", "convolution") or (op == "custom-call" and _GEMM_CALL.search(rest)):
-        return True
-    m = _CALLS.search(rest) if op in ("fusion", "call", "async-start") else None
-    return bool(m) and any(_matmul(bodies, o, r) for _, _, o, r in bodies.get(m.group(1), ()))
-
-
 def overlap(hlo_text: str) -> dict[str, dict[str, int]]:
     """Per collective kind: async start/done pairs, how many have compute scheduled between
     them, how many a matmul, how many of those are in a loop body, and how many XLA marked
     synchronous."""
     bodies = parsed(hlo_text)
+    text, _ = computations(hlo_text)
+    is_matmul = matmul_finder(text)
     loop_bodies = {m.group(1) for body in bodies.values() for _, _, op, rest in body
                    if op == "while" and (m := _BODY.search(rest))}
     out: dict[str, dict[str, int]] = {}
     for name, body in bodies.items():
+        lines = {p[0]: line for line in text[name] if (p := instruction(line))}
         starts: dict[str, tuple[str, int, str]] = {}  # start or update name -> (kind, index)
         for i, (inst, _, op, rest) in enumerate(body):
             operands = set(re.findall(r"%?([\w.\-]+)", rest))
@@ -186,7 +180,7 @@ def overlap(hlo_text: str) -> dict[str, dict[str, int]]:
                     if compute:
                         row["overlapped"] += 1
                         row["overlapped_in_loop"] += name in loop_bodies
-                    if any(_matmul(bodies, b[2], b[3]) for b in compute):
+                    if any(is_matmul(lines[b[0]]) for b in compute):
                         row["matmul"] += 1
                         row["matmul_in_loop"] += name in loop_bodies
                     break

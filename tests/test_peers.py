@@ -138,6 +138,8 @@ def test_gpu_forms_are_read_and_pairs_with_compute_between_found():
     compute, and a matmul, scheduled between them."""
     import gpu
 
+    from zero_jax.hlo import gathered_ahead
+
     found = collections.defaultdict(lambda: [0, 0])
     for c in collectives(ASYNC_HLO, N):
         found[c.kind][0] += c.count
@@ -152,6 +154,9 @@ def test_gpu_forms_are_read_and_pairs_with_compute_between_found():
     # The loop's gather hides a plain fusion, the entry's a GEMM: only that one hides a matmul.
     assert {k: (v["matmul"], v["matmul_in_loop"]) for k, v in pairs.items()} \
         == {"all-gather": (1, 0), "reduce-scatter": (0, 0), "all-reduce": (0, 0)}
+    # The loop's gathered weights feed a cuBLAS GEMM custom call in the same iteration: a
+    # matmul to zero_jax.hlo too, so that loop does not gather ahead.
+    assert gathered_ahead(ASYNC_HLO) == {"body": [False]}
 
 
 def test_a_real_gpu_compile_is_read_and_prefetch_overlaps_there():

@@ -185,6 +185,24 @@ def collectives(hlo_text: str, n_devices: int) -> list[Collective]:
 
 _NAME = re.compile(r"%([\w.\-]+)")
 _MATMULS = ("dot", "convolution")
+_GEMM_CALL = re.compile(r'custom_call_target="[^"]*(gemm|matmul|conv)', re.IGNORECASE)
+
+
+def matmul_finder(bodies: dict[str, list[str]]):
+    """``is_matmul(line)`` over the computations ``bodies`` (``computations``' first result):
+    whether an instruction line is a dot, a convolution or a GEMM custom call (cuBLAS, on GPU),
+    or calls a computation (a fusion's, a loop's) that holds one."""
+    @functools.cache
+    def holds(name: str) -> bool:
+        return any(is_matmul(line) for line in bodies.get(name, ()))
+
+    def is_matmul(line: str) -> bool:
+        parsed = instruction(line)
+        if parsed and (parsed[2] in _MATMULS
+                       or (parsed[2] == "custom-call" and _GEMM_CALL.search(parsed[3]))):
+            return True
+        return any(holds(c) for c in _callees(line))
+    return is_matmul
 
 
 def gathered_ahead(hlo_text: str) -> dict[str, list[bool]]:
@@ -213,16 +231,7 @@ def _layer_loops(hlo_text: str, kinds: tuple[str, ...]):
     loops = {m.group(1) for lines in bodies.values() for line in lines
              if (m := _BODY.search(line))}
 
-    @functools.cache
-    def has_matmul(name: str) -> bool:
-        for line in bodies.get(name, ()):
-            parsed = instruction(line)
-            if parsed and parsed[2] in _MATMULS:
-                return True
-            if any(has_matmul(c) for c in _callees(line)):
-                return True
-        return False
-
+    is_matmul = matmul_finder(bodies)
     for body in sorted(loops):
         users: dict[str, list[str]] = collections.defaultdict(list)
         operands: dict[str, list[str]] = collections.defaultdict(list)
@@ -237,22 +246,22 @@ def _layer_loops(hlo_text: str, kinds: tuple[str, ...]):
             for operand in _NAME.findall(rest):
                 users[operand].append(name)
                 operands[name].append(operand)
-            matmul[name] = op in _MATMULS or any(has_matmul(c) for c in _callees(line))
+            matmul[name] = is_matmul(line)
             if op.removesuffix("-start") in kinds:
                 found.append(name)
         if found and "while" not in ops:  # innermost loops only
             yield body, found, users, operands, matmul
 
 
-def _reaches(start: str, users: dict[str, list[str]], target: dict[str, bool]) -> bool:
-    """Whether any instruction that ``users`` leads to from ``start``, directly or not, is a
-    target (``users``: who uses each result, or, the other way, what each one uses)."""
+def _reaches(start: str, edges: dict[str, list[str]], target: dict[str, bool]) -> bool:
+    """Whether any instruction ``edges`` lead to from ``start``, directly or not, is a target
+    (``edges``: who uses each result, or, the other way, what each one uses)."""
     todo, seen = [start], {start}
     while todo:
-        for user in users.get(todo.pop(), ()):
-            if target.get(user):
+        for nxt in edges.get(todo.pop(), ()):
+            if target.get(nxt):
                 return True
-            if user not in seen:
-                seen.add(user)
-                todo.append(user)
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
     return False
