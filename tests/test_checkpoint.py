@@ -11,14 +11,14 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import SUBPROCESS_ENV
+from conftest import TRAIN_ENV
 
 import zero_jax as zj
 from zero_jax.checkpoint import CheckpointError, Checkpoints
 from zero_jax.gpt.model import LAYERS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ENV = SUBPROCESS_ENV
+ENV = TRAIN_ENV
 
 
 def train(*args, cwd=ROOT, timeout=300, prefix=None) -> subprocess.CompletedProcess:
@@ -181,7 +181,8 @@ def test_cli_refuses_contradicting_or_unusable_checkpoints(tmp_path):
 def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
     """A save killed half-way is never listed; --resume takes the last complete one."""
     ckpt = tmp_path / "ckpt"
-    big = ["--set", "model.d_model=512", "--set", "model.d_ff=2048"]  # 150 MB per checkpoint
+    big = ["--set", "model.d_model=512", "--set", "model.d_ff=2048",  # 150 MB per checkpoint
+           "--set", "train.batch_size=8", "--set", "model.seq_len=16"]  # a cheap step
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *big, "--steps", "1000",
                              "--save-every", "3", "--checkpoint-dir", str(ckpt)],
                             cwd=ROOT, env={**ENV, "PYTHONUNBUFFERED": "1"},

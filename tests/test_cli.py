@@ -6,12 +6,12 @@ import subprocess
 import sys
 
 import pytest
-from conftest import SUBPROCESS_ENV
+from conftest import TRAIN_ENV
 
 from zero_jax.gpt.model import GPTConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ENV = SUBPROCESS_ENV
+ENV = TRAIN_ENV
 
 
 def train(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:

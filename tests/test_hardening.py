@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SUBPROCESS_ENV
+from conftest import TRAIN_ENV
 
 from zero_jax import export, integrity
 from zero_jax.checkpoint import Checkpoints, NonFiniteStateError
@@ -30,7 +30,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import train  # noqa: E402
 
-ENV = SUBPROCESS_ENV
+ENV = TRAIN_ENV
 MODEL = ["--set", "model.n_layers=1", "--set", "optimizer.decay_steps=20"]  # schedule fixed
 REF_STEPS = 40  # saved every 8: checkpoints 24, 32, 40 are kept
 
