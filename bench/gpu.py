@@ -127,10 +127,9 @@ def flops_per_token(model) -> float:
 
 # --- reading the compiled HLO text ---------------------------------------------------------
 
-def parsed(hlo_text: str) -> dict[str, list[tuple[str, str, str, str]]]:
-    """``{computation: [(name, shape, opcode, rest), ...]}`` in schedule order
-    (``zero_jax.hlo``'s reading of the text)."""
-    bodies, _ = computations(hlo_text)
+def parsed(bodies: dict[str, list[str]]) -> dict[str, list[tuple[str, str, str, str]]]:
+    """``{computation: [(name, shape, opcode, rest), ...]}`` in schedule order, from
+    ``zero_jax.hlo.computations``' lines."""
     return {name: [i for i in map(instruction, lines) if i] for name, lines in bodies.items()}
 
 
@@ -148,8 +147,8 @@ def overlap(hlo_text: str) -> dict[str, dict[str, int]]:
     """Per collective kind: async start/done pairs, how many have compute scheduled between
     them, how many a matmul, how many of those are in a loop body, and how many XLA marked
     synchronous."""
-    bodies = parsed(hlo_text)
     text, _ = computations(hlo_text)
+    bodies = parsed(text)
     is_matmul = matmul_finder(text)
     loop_bodies = {m.group(1) for body in bodies.values() for _, _, op, rest in body
                    if op == "while" and (m := _BODY.search(rest))}
@@ -189,7 +188,7 @@ def overlap(hlo_text: str) -> dict[str, dict[str, int]]:
 
 def forms(hlo_text: str) -> dict[str, int]:
     """How often each collective opcode form appears in the text (static count)."""
-    bodies = parsed(hlo_text)
+    bodies = parsed(computations(hlo_text)[0])
     count: dict[str, int] = collections.Counter()
     for body in bodies.values():
         for _, _, op, rest in body:

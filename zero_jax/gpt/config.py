@@ -40,8 +40,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # 3's parameter all-gathers / stages 2-3's gradient reduce-scatters in int8, one fp32 scale
     # per quantize_block elements. prefetch: at stage 3, each scanned stack's loop gathers layer
     # i+1 while layer i computes (and i-1 in the backward, reducing layer i+1's gradient), for
-    # one more gathered layer and one more whole layer gradient; on
-    # where it applies (remat full or offload, no offload of parameters or optimizer).
+    # one more gathered layer and one more whole layer gradient; on wherever it applies (remat
+    # full or offload, no offload of parameters or optimizer).
     "zero": {"stage": 3, "min_shard_elems": 0, "zero3_size": 0, "transformer_layers": ["blocks"],
              "ignored_modules": [], "offload_grads": False,
              "offload_optimizer": {"device": "none", "ratio": 1.0}, "offload_params": "none",
