@@ -5,6 +5,7 @@ same bytes, and its program's loops must gather one iteration ahead and reduce o
 price is one more gathered layer and one more whole layer gradient, which the report states."""
 
 import dataclasses
+import math
 import re
 
 import flax.linen as nn
@@ -25,7 +26,14 @@ import zero_jax as zj
 from zero_jax import report
 from zero_jax.gpt import data
 from zero_jax.gpt.model import GPT, LAYERS, init_fn, lm_loss
-from zero_jax.hlo import collectives, gathered_ahead, reduced_behind
+from zero_jax.hlo import (
+    DTYPE_BYTES,
+    collectives,
+    computations,
+    gathered_ahead,
+    instruction,
+    reduced_behind,
+)
 
 STEPS = 5
 # Four layers: the forward loop runs layers 0-2 (3 after it), the backward loop layers 2-1 (3
@@ -99,6 +107,22 @@ def test_prefetch_trains_bit_identically_and_gathers_a_layer_ahead(layout, probl
     assert ahead[3]["prefetch_bytes"] == 2 * layer and plain[3]["prefetch_bytes"] == 0
     grown = ahead[3]["compiled"]["temp_bytes"] - plain[3]["compiled"]["temp_bytes"]
     assert 0 < grown <= layer * (3 if comm.bucket_bytes else 2), grown
+    # What the loops carry to the next iteration (a gathered layer; in the backward also a
+    # whole gradient) is written over the last one, not copied in and out beside it: with
+    # buckets no layer is copied at all (the layer is cut out of its bucket, and the next
+    # gradient begins, once the old value is dead); per leaf, where the collective's own
+    # result is carried, once (3 layers in all). Without that, 6 layers are copied here.
+    copied = loop_copy_bytes(ahead[2].as_text(), loops)
+    assert copied < (layer // 4 if comm.bucket_bytes else 3.5 * layer), copied
+
+
+def loop_copy_bytes(hlo_text: str, bodies) -> int:
+    """Bytes the ``copy`` instructions of the loop ``bodies`` write per iteration, summed."""
+    lines = computations(hlo_text)[0]
+    return sum(DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
+               for body in bodies for parsed in map(instruction, lines[body])
+               if parsed and parsed[2] == "copy"
+               for dt, dims in re.findall(r"\b(pred|[subf]\d+|bf16)\[([\d,]*)\]", parsed[1]))
 
 
 def test_remat_offload_keeps_the_saved_layer_inputs_in_host_memory(mesh, problem):

@@ -15,7 +15,7 @@ quantized, exchanged all-to-all and summed locally in fp32 (qgZ), so nothing is 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -106,57 +106,82 @@ def dequantize(q: jax.Array, scale: jax.Array, sizes: list[int], block: int) -> 
 
 
 def all_gather(xs: list[jax.Array], axes: list[int], mesh_axis: AxisName, comm: Comm,
-               to: str = "varying") -> list[jax.Array]:
+               to: str = "varying", after: tuple = ()) -> list[jax.Array]:
     """Whole leaves from this device's shards (each cut along its ``axes`` entry): one
     all-gather per bucket, in int8 with ``comm.quantize_weights``; ``to="invarying"``: the
-    result is marked the same on every device (``jax.lax.all_gather``'s ``to``)."""
+    result is marked the same on every device (``jax.lax.all_gather``'s ``to``).
+
+    ``after``: arrays that the gathered buckets wait for before they are cut into leaves. A
+    loop that carries the leaves to its next iteration (prefetch) passes what its iteration
+    computes from the old ones: the new leaves then come into being once the old are dead,
+    and XLA writes them over the old in place, where it would otherwise copy both.
+    """
     n = jax.lax.axis_size(mesh_axis)
-    out: list[jax.Array] = [None] * len(xs)
-    for group in buckets([x.size * x.dtype.itemsize * n for x in xs], comm.bucket_bytes):
+    groups = buckets([x.size * x.dtype.itemsize * n for x in xs], comm.bucket_bytes)
+    moved = []
+    for group in groups:
         if len(group) == 1 and not comm.quantize_weights:
             i = group[0]
-            out[i] = jax.lax.all_gather(xs[i], mesh_axis, axis=axes[i], tiled=True, to=to)
-            continue
-        pieces = [xs[i].reshape(-1) for i in group]
-        if comm.quantize_weights:
-            q, scale = quantize(pieces, comm.block)
-            q = jax.lax.all_gather(q, mesh_axis, axis=0, tiled=False, to=to)
-            scale = jax.lax.all_gather(scale, mesh_axis, axis=0, tiled=False, to=to)
-            gathered = dequantize(q, scale, [p.size for p in pieces],
-                                  comm.block).astype(pieces[0].dtype)
+            moved.append(jax.lax.all_gather(xs[i], mesh_axis, axis=axes[i], tiled=True, to=to))
+        elif comm.quantize_weights:
+            q, scale = quantize([xs[i].reshape(-1) for i in group], comm.block)
+            moved.append((jax.lax.all_gather(q, mesh_axis, axis=0, tiled=False, to=to),
+                          jax.lax.all_gather(scale, mesh_axis, axis=0, tiled=False, to=to)))
         else:
-            gathered = jax.lax.all_gather(jnp.concatenate(pieces), mesh_axis, axis=0,
-                                          tiled=False, to=to)  # n x L
-        shapes = [xs[i].shape for i in group]
-        for i, r in zip(group, _split(gathered, shapes), strict=True):
+            moved.append(jax.lax.all_gather(jnp.concatenate([xs[i].reshape(-1) for i in group]),
+                                            mesh_axis, axis=0, tiled=False, to=to))  # n x L
+    if after:
+        moved = jax.lax.optimization_barrier((moved, after))[0]
+    out: list[jax.Array] = [None] * len(xs)
+    for group, gathered in zip(groups, moved, strict=True):
+        if len(group) == 1 and not comm.quantize_weights:
+            out[group[0]] = gathered
+            continue
+        if comm.quantize_weights:
+            gathered = dequantize(*gathered, [xs[i].size for i in group],
+                                  comm.block).astype(xs[group[0]].dtype)
+        for i, r in zip(group, _split(gathered, [xs[i].shape for i in group]), strict=True):
             out[i] = unrows(r, axes[i], xs[i].shape)
     return out
 
 
 def reduce_scatter(gs: list[jax.Array], axes: list[int], mesh_axis: AxisName, dtype: str,
-                   comm: Comm) -> list[jax.Array]:
+                   comm: Comm, hold: Any = ()) -> tuple[list[jax.Array], Any]:
     """This device's shard of each leaf's sum over devices, summed in ``dtype``: one
     reduce-scatter per bucket, or with ``comm.quantize_grads`` an int8 all-to-all of the
-    rows each device owns and an fp32 sum where they arrive."""
+    rows each device owns and an fp32 sum where they arrive. Returns ``(shards, hold)``.
+
+    ``hold``: arrays (any tree) passed back once every bucket is packed. A loop that carries
+    the whole gradients to its next iteration (prefetch) computes the next ones from what it
+    gets back: they then come into being once the old are packed, and XLA writes them over
+    the old in place, where it would otherwise copy both.
+    """
     n = jax.lax.axis_size(mesh_axis)
-    out: list[jax.Array] = [None] * len(gs)
-    sizes = [g.size * jnp.dtype(dtype).itemsize for g in gs]
-    for group in buckets(sizes, comm.bucket_bytes):
-        if len(group) == 1 and not comm.quantize_grads:
-            i = group[0]
-            out[i] = jax.lax.psum_scatter(gs[i].astype(dtype), mesh_axis,
-                                          scatter_dimension=axes[i], tiled=True)
+    groups = buckets([g.size * jnp.dtype(dtype).itemsize for g in gs], comm.bucket_bytes)
+    alone = lambda group: len(group) == 1 and not comm.quantize_grads
+    packed = []
+    for group in groups:
+        if alone(group):
+            packed.append(gs[group[0]].astype(dtype))
             continue
         pieces = [rows(gs[i].astype(dtype), axes[i], n) for i in group]  # n rows each
+        packed.append(quantize(pieces, comm.block) if comm.quantize_grads
+                      else jnp.concatenate(pieces, axis=1))
+    if jax.tree.leaves(hold):
+        packed, hold = jax.lax.optimization_barrier((packed, hold))
+    out: list[jax.Array] = [None] * len(gs)
+    for group, buffer in zip(groups, packed, strict=True):
+        if alone(group):
+            i = group[0]
+            out[i] = jax.lax.psum_scatter(buffer, mesh_axis, scatter_dimension=axes[i],
+                                          tiled=True)
+            continue
         if comm.quantize_grads:
-            q, scale = quantize(pieces, comm.block)
-            q = jax.lax.all_to_all(q, mesh_axis, 0, 0, tiled=True)
-            scale = jax.lax.all_to_all(scale, mesh_axis, 0, 0, tiled=True)
-            mine = jnp.sum(dequantize(q, scale, [p.shape[1] for p in pieces], comm.block),
+            q, scale = (jax.lax.all_to_all(x, mesh_axis, 0, 0, tiled=True) for x in buffer)
+            mine = jnp.sum(dequantize(q, scale, [gs[i].size // n for i in group], comm.block),
                            axis=0).astype(dtype)
         else:
-            mine = jax.lax.psum_scatter(jnp.concatenate(pieces, axis=1), mesh_axis,
-                                        scatter_dimension=0, tiled=True)[0]
+            mine = jax.lax.psum_scatter(buffer, mesh_axis, scatter_dimension=0, tiled=True)[0]
         shard_shapes = []
         for i in group:
             shape = list(gs[i].shape)
@@ -164,7 +189,7 @@ def reduce_scatter(gs: list[jax.Array], axes: list[int], mesh_axis: AxisName, dt
             shard_shapes.append(tuple(shape))
         for i, piece, shape in zip(group, _split(mine, shard_shapes), shard_shapes, strict=True):
             out[i] = piece.reshape(shape)
-    return out
+    return out, hold
 
 
 def all_reduce(gs: list[jax.Array], mesh_axis: AxisName, dtype: str,

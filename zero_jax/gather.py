@@ -76,33 +76,35 @@ class _How(NamedTuple):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _whole(targets: list, sources: list, how: _How) -> list:
+def _whole(targets: list, sources: list, how: _How, after: tuple) -> list:
     """The whole leaves: ``sources`` gathered (stage 3) or read as they are; the gradients go
-    to ``targets`` (reduce-scattered, or all-reduced for replicas), never to ``sources``."""
+    to ``targets`` (reduce-scattered, or all-reduced for replicas), never to ``sources`` nor
+    ``after`` (``buckets.all_gather``'s)."""
     if how.kind == "gather":
-        return buckets.all_gather(sources, list(how.axes), how.mesh_axis, how.comm)
+        return buckets.all_gather(sources, list(how.axes), how.mesh_axis, how.comm,
+                                  after=after)
     # pcast marks the copy as per-device; without it JAX would all-reduce its gradient before
     # our reduce and the gradient would come out N times too large.
     return [jax.lax.pcast(s, how.mesh_axis, to="varying") for s in sources]
 
 
-def _whole_fwd(targets, sources, how):
-    return _whole(targets, sources, how), None
+def _whole_fwd(targets, sources, how, after):
+    return _whole(targets, sources, how, after), None
 
 
-def _reduce(how: _How, gs: list) -> list:
+def _reduce(how: _How, gs: list, hold: PyTree = ()) -> tuple[list, PyTree]:
     """The gradients of whole leaves back to their targets: reduce-scattered into shards, or
-    all-reduced for replicas, in the targets' dtypes."""
+    all-reduced for replicas, in the targets' dtypes; and ``hold`` (``buckets.reduce_scatter``)."""
     if how.kind == "replica":
         summed = buckets.all_reduce(gs, how.mesh_axis, how.reduce_dtype, how.comm)
     else:
-        summed = buckets.reduce_scatter(gs, list(how.axes), how.mesh_axis, how.reduce_dtype,
-                                        how.comm)
-    return [g.astype(d) for g, d in zip(summed, how.dtypes, strict=True)]
+        summed, hold = buckets.reduce_scatter(gs, list(how.axes), how.mesh_axis,
+                                              how.reduce_dtype, how.comm, hold)
+    return [g.astype(d) for g, d in zip(summed, how.dtypes, strict=True)], hold
 
 
 def _whole_bwd(how, _, gs):
-    return _reduce(how, gs), None
+    return _reduce(how, gs)[0], None, None
 
 
 _whole.defvjp(_whole_fwd, _whole_bwd)
@@ -127,7 +129,7 @@ def _groups(leaves: list) -> list[list[int]]:
     return list(groups.values())
 
 
-def _materialize_group(xs: list[Shard]) -> list[jax.Array]:
+def _materialize_group(xs: list[Shard], after: tuple) -> list[jax.Array]:
     """Leaves that travel together made whole in one call."""
     first = xs[0]
     # Offloaded parameters: each shard is copied to the device right before its gather, and
@@ -142,33 +144,40 @@ def _materialize_group(xs: list[Shard]) -> list[jax.Array]:
         sources = [x.whole for x in xs]
     else:
         sources = targets
-    wholes = _whole(targets, [jax.lax.stop_gradient(s) for s in sources], _how(xs))
+    wholes = _whole(targets, [jax.lax.stop_gradient(s) for s in sources], _how(xs),
+                    jax.lax.stop_gradient(after))
     if first.kind == "gather":  # the per-layer checkpoint name of remat policies
         wholes = [checkpoint_name(w, GATHERED) for w in wholes]
     return wholes
 
 
-def materialize_tree(tree: PyTree) -> PyTree:
-    """Every ``Shard`` in ``tree`` made whole; leaves that travel alike share buckets."""
+def materialize_tree(tree: PyTree, after: tuple = ()) -> PyTree:
+    """Every ``Shard`` in ``tree`` made whole; leaves that travel alike share buckets. Gathered
+    leaves are cut out of their buckets only once ``after`` is computed (``buckets.all_gather``:
+    for a loop that carries them)."""
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_shard)
+    after = tuple(x for x in jax.tree.leaves(after) if isinstance(x, jax.Array))
     for members in _groups(leaves):
-        for i, w in zip(members, _materialize_group([leaves[i] for i in members]), strict=True):
+        for i, w in zip(members, _materialize_group([leaves[i] for i in members], after),
+                        strict=True):
             leaves[i] = w
     return treedef.unflatten(leaves)
 
 
-def reduce_tree(tree: PyTree, grads: PyTree) -> PyTree:
+def reduce_tree(tree: PyTree, grads: PyTree, hold: PyTree = ()) -> tuple[PyTree, PyTree]:
     """The gradient of ``tree`` (with ``Shard``s) from ``grads``, that of its whole leaves as
     ``materialize_tree`` made them: what the backward of ``materialize_tree`` does, for a loop
-    that differentiates the whole leaves itself (``zero_jax.prefetch``)."""
+    that differentiates the whole leaves itself (``zero_jax.prefetch``). Returns it and
+    ``hold``, passed back once the gradients are packed into their buckets (for a loop that
+    carries them: ``buckets.reduce_scatter``)."""
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_shard)
     out = list(jax.tree.leaves(grads))
     for members in _groups(leaves):
         xs = [leaves[i] for i in members]
-        for i, x, g in zip(members, xs, _reduce(_how(xs), [out[i] for i in members]),
-                           strict=True):
+        reduced, hold = _reduce(_how(xs), [out[i] for i in members], hold)
+        for i, x, g in zip(members, xs, reduced, strict=True):
             out[i] = dataclasses.replace(x, value=g, whole=None, gather_from=None)
-    return treedef.unflatten(out)
+    return treedef.unflatten(out), hold
 
 
 def is_shard(x) -> bool:

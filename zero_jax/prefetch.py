@@ -10,9 +10,13 @@ layer's weights and the next layer's whole gradient, recomputing each layer from
 input (remat ``full``; ``offload`` keeps those inputs in host memory). Each iteration's
 collectives then need nothing it computes, and XLA's scheduler can run them under its matmuls
 (on GPU; read from the compiled program in bench/gpu.py). A forward iteration holds two gathered
-layers, a backward one also two whole layer gradients. The first gather of each loop runs
-before it, the last layer after it, the last layer of the backward also before it: nothing is
-gathered or reduced twice, the bytes are those of the plain step.
+layers, a backward one also two whole layer gradients. What the loops carry is replaced in
+place: each layer is cut out of its bucket once the layer before is done with its weights, and
+each backward iteration starts once the gradient it carried in is packed for its reduction, so
+XLA writes the new value over the old rather than copying both in and out of the carry. The
+first gather of each loop runs before it, the last layer after it, the last layer of the
+backward also before it: nothing is gathered or reduced twice, the bytes are those of the plain
+step.
 
 Linen gives no hook at a scan's boundary (``intercept_methods`` sees only the per-layer calls),
 so ``stacks`` wraps ``flax.core.lift.scan`` while the loss is traced: the scans of the named
@@ -73,8 +77,10 @@ def _forward(layer, offload, params_L, carry, xs_L):
 
     def body(state, i):
         c, w = state
-        ahead = materialize_tree(_slice(params_L, i + 1))  # layer i+1, while i computes
         c, y = layer(w, c, _slice(xs_L, i))
+        # Layer i+1 gathered while layer i computes, cut out of its bucket once layer i is
+        # done with its weights: in place of them.
+        ahead = materialize_tree(_slice(params_L, i + 1), after=(c, y))
         return (c, ahead), (save(c), y)  # saved: layer i+1's input
 
     (c, whole), (inputs, ys) = jax.lax.scan(body, (carry, whole), jnp.arange(n - 1))
@@ -92,12 +98,12 @@ def _backward(layer, offload, saved, cts):
         _, pull = jax.vjp(layer, w, c, _slice(xs_L, i))
         return pull((dc, _slice(dys, i)))
 
-    reduce = lambda i, dw: reduce_tree(_slice(params_L, i), dw)
+    reduce = lambda i, dw, hold=(): reduce_tree(_slice(params_L, i), dw, hold)
     whole = materialize_tree(after_inputs(_slice(params_L, n - 1), cts, {}))
     if n == 1:
         dw, dc, dx = one(whole, 0, first, dc)
         one_layer = lambda tree: jax.tree.map(lambda x: x[None], tree)
-        return one_layer(reduce(0, dw)), dc, one_layer(dx)
+        return one_layer(reduce(0, dw)[0]), dc, one_layer(dx)
     # Layer n-1 before the loop, layer n-2's gather beside it; then iteration i gathers layer
     # i-1 and reduce-scatters layer i+1's gradient while layer i computes.
     behind = materialize_tree(after_inputs(_slice(params_L, n - 2), cts, {}))
@@ -106,16 +112,19 @@ def _backward(layer, offload, saved, cts):
     def body(state, xs):
         dc, w, pending = state  # pending: layer i+1's gradient, whole
         i, c = xs
-        behind = materialize_tree(_slice(params_L, i - 1))
-        reduced = reduce(i + 1, pending)
+        # Layer i's backward starts (from dc) once layer i+1's gradient is packed into its
+        # buckets, and layer i-1's weights are cut out of theirs once it is done: each new
+        # value then takes the place of the old one in the loop's carry.
+        reduced, dc = reduce(i + 1, pending, dc)
         dw, dc, dx = one(w, i, c, dc)
+        behind = materialize_tree(_slice(params_L, i - 1), after=(dw, dc, dx))
         return (dc, behind, dw), (reduced, dx)
 
     rest = jax.tree.map(lambda x: x[:n - 2], inputs)
     (dc, whole, pending), (dps, dxs) = jax.lax.scan(body, (dc, behind, dw),
                                                     (jnp.arange(1, n - 1), rest), reverse=True)
     dw, dc, dx = one(whole, 0, first, dc)
-    dps = _stacked(reduce(0, dw), _stacked(reduce(1, pending), dps))
+    dps = _stacked(reduce(0, dw)[0], _stacked(reduce(1, pending)[0], dps))
     return dps, dc, _stacked(dx, _appended(dxs, dx_last))
 
 

@@ -347,7 +347,7 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
         if across:  # in int8 with quantize_grads: what crosses groups is ZeRO++'s target
             _put(flat, across, buckets.reduce_scatter(
                 [flat[i] for i in across], [rs[i].leaf.axis for i in across], plan.outer,
-                prec.reduce.name, plan.comm))
+                prec.reduce.name, plan.comm)[0])
         return tree.unflatten(flat)
 
     def reduce(stats, grads, params):
