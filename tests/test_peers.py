@@ -166,10 +166,12 @@ def test_a_real_gpu_compile_is_read_and_prefetch_overlaps_there():
     reader finds ZeRO's bytes in bf16: the blocks' parameters gathered twice, the leaves
     outside them once, every parameter's gradient reduce-scattered once. With prefetch, XLA's
     schedule puts GEMMs between start and done of both layer loops' gathers and of the
-    backward loop's reduce-scatter, which reads only the carry; without, none."""
+    backward loop's reduce-scatter, which reads only the carry; without, none; and the loops
+    copy nothing they carry."""
     import gzip
 
     import gpu
+    from test_prefetch import loop_copy_bytes
 
     from zero_jax.gpt.model import GPT, GPTConfig, init_fn
     from zero_jax.hlo import gathered_ahead, reduced_behind
@@ -195,3 +197,6 @@ def test_a_real_gpu_compile_is_read_and_prefetch_overlaps_there():
         assert (pairs["all-gather"]["in_loop"], pairs["reduce-scatter"]["in_loop"]) == (2, 1)
         assert pairs["all-gather"]["matmul_in_loop"] == (2 if ahead else 0), name
         assert pairs["reduce-scatter"]["matmul_in_loop"] == (1 if ahead else 0), name
+        # The prefetched loops' carry is replaced in place there too (before: a layer's
+        # gradient, 260 KiB, copied per backward iteration).
+        assert loop_copy_bytes(text, {*gathers, *reductions}) < 1024, name
