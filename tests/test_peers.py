@@ -171,10 +171,9 @@ def test_a_real_gpu_compile_is_read_and_prefetch_overlaps_there():
     import gzip
 
     import gpu
-    from test_prefetch import loop_copy_bytes
 
     from zero_jax.gpt.model import GPT, GPTConfig, init_fn
-    from zero_jax.hlo import gathered_ahead, reduced_behind
+    from zero_jax.hlo import copied_bytes, gathered_ahead, reduced_behind
 
     shapes = jax.eval_shape(init_fn(GPT(GPTConfig())), jax.random.key(0))
     sizes = [(p[0].key == "blocks", math.prod(x.shape))
@@ -199,4 +198,4 @@ def test_a_real_gpu_compile_is_read_and_prefetch_overlaps_there():
         assert pairs["reduce-scatter"]["matmul_in_loop"] == (1 if ahead else 0), name
         # The prefetched loops' carry is replaced in place there too (before: a layer's
         # gradient, 260 KiB, copied per backward iteration).
-        assert loop_copy_bytes(text, {*gathers, *reductions}) < 1024, name
+        assert copied_bytes(text, {*gathers, *reductions}) < 1024, name

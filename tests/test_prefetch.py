@@ -5,7 +5,6 @@ same bytes, and its program's loops must gather one iteration ahead and reduce o
 price is one more gathered layer and one more whole layer gradient, which the report states."""
 
 import dataclasses
-import math
 import re
 
 import flax.linen as nn
@@ -26,14 +25,7 @@ import zero_jax as zj
 from zero_jax import report
 from zero_jax.gpt import data
 from zero_jax.gpt.model import GPT, LAYERS, init_fn, lm_loss
-from zero_jax.hlo import (
-    DTYPE_BYTES,
-    collectives,
-    computations,
-    gathered_ahead,
-    instruction,
-    reduced_behind,
-)
+from zero_jax.hlo import collectives, copied_bytes, gathered_ahead, reduced_behind
 
 STEPS = 5
 # Four layers: the forward loop runs layers 0-2 (3 after it), the backward loop layers 2-1 (3
@@ -112,17 +104,8 @@ def test_prefetch_trains_bit_identically_and_gathers_a_layer_ahead(layout, probl
     # buckets no layer is copied at all (the layer is cut out of its bucket, and the next
     # gradient begins, once the old value is dead); per leaf, where the collective's own
     # result is carried, once (3 layers in all). Without that, 6 layers are copied here.
-    copied = loop_copy_bytes(ahead[2].as_text(), loops)
+    copied = copied_bytes(ahead[2].as_text(), loops)
     assert copied < (layer // 4 if comm.bucket_bytes else 3.5 * layer), copied
-
-
-def loop_copy_bytes(hlo_text: str, bodies) -> int:
-    """Bytes the ``copy`` instructions of the loop ``bodies`` write per iteration, summed."""
-    lines = computations(hlo_text)[0]
-    return sum(DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
-               for body in bodies for parsed in map(instruction, lines[body])
-               if parsed and parsed[2] == "copy"
-               for dt, dims in re.findall(r"\b(pred|[subf]\d+|bf16)\[([\d,]*)\]", parsed[1]))
 
 
 def test_remat_offload_keeps_the_saved_layer_inputs_in_host_memory(mesh, problem):

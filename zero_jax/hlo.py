@@ -224,6 +224,14 @@ def reduced_behind(hlo_text: str) -> dict[str, list[bool]]:
                 hlo_text, ("reduce-scatter", "all-to-all"))}
 
 
+def copied_bytes(hlo_text: str, bodies) -> int:
+    """Bytes the ``copy`` instructions of the computations ``bodies`` write, summed: for a loop
+    body, what each iteration copies (of its carry, above all; prefetch replaces it in place)."""
+    lines = computations(hlo_text)[0]
+    return sum(size for body in bodies for parsed in map(instruction, lines[body])
+               if parsed and parsed[2] == "copy" for _, size in _arrays(parsed[1]))
+
+
 def _layer_loops(hlo_text: str, kinds: tuple[str, ...]):
     """``(body, collectives of kinds, users, operands, is-matmul)`` of every innermost loop body
     holding a collective of ``kinds``: the instruction graph both ways."""
