@@ -53,7 +53,7 @@ def test_buckets_train_bit_identically_with_one_collective_per_layer(layout, sma
 
     def train(comm):
         plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=LAYERS,
-                            min_shard_elems=64, outer=outer, comm=comm)
+                            rules=[zj.Rule("", min_shard_elems=64)], comm=comm)
         state = zj.init_state(plan, init, tx, KEY)
         step = zj.make_train_step(plan, loss_fn, tx)
         put = lambda b: jax.device_put(b, NamedSharding(mesh, P(plan.data_axes)))
@@ -102,7 +102,7 @@ def test_int8_gradients_are_the_gradient_within_quantization_error(small):
     params = init(KEY)
     ref = jax.grad(lambda p: loss_fn(p, batches[0]))(params)
     mesh = zj.make_mesh(8)
-    for comm in (BUCKET._replace(quantize_grads=True), BUCKET._replace(quantize_weights=True)):
+    for comm in (zj.Comm(quantize_grads=True), zj.Comm(quantize_weights=True)):  # 25 MiB buckets
         plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=LAYERS, comm=comm)
         sharded = jax.device_put(params, plan.shardings(plan.param_specs))
         _, grads = jax.jit(zj.make_grad_fn(plan, loss_fn))(sharded, batches[0])

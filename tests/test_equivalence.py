@@ -12,7 +12,15 @@ from conftest import CLIP, KEY, OPTIMIZERS, max_rel, rel, tree_rel
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zero_jax import init_state, make_grad_fn, make_plan, make_train_step, modules_pattern
+from zero_jax import (
+    Offload,
+    Rule,
+    init_state,
+    make_grad_fn,
+    make_plan,
+    make_train_step,
+    modules_pattern,
+)
 from zero_jax.gpt.model import LAYERS
 from zero_jax.hlo import collectives
 from zero_jax.rules import path_str
@@ -44,7 +52,7 @@ def shard(mesh, batch):
 def test_gradients_equal_single_device(stage, mesh, small, reference):
     _, init, loss_fn, batches = small
     plan = make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=LAYERS,
-                     min_shard_elems=MIN_SHARD)
+                     rules=[Rule("", min_shard_elems=MIN_SHARD)])
     params = jax.device_put(init(KEY), plan.shardings(plan.param_specs))
     grad_fn = jax.jit(make_grad_fn(plan, loss_fn))
     ref = reference["sgd"]  # its first step's gradient is at the initial parameters
@@ -69,7 +77,7 @@ def test_training_equals_single_device(stage, opt, mesh, small, reference):
     _, init, loss_fn, batches = small
     tx = OPTIMIZERS[opt]()
     plan = make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=LAYERS,
-                     min_shard_elems=MIN_SHARD)
+                     rules=[Rule("", min_shard_elems=MIN_SHARD)])
     state = init_state(plan, init, tx, KEY)
     step = make_train_step(plan, loss_fn, tx)
     losses, norms = [], []
@@ -100,8 +108,8 @@ def test_training_equals_single_device(stage, opt, mesh, small, reference):
     ratio = OFFLOAD_RATIO[stage, opt]
     params_too = stage == 3 and ratio == 1  # ZeRO-Infinity's CPU tier: parameters offloaded
     plan = make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=LAYERS,
-                     min_shard_elems=MIN_SHARD, offload_optimizer=ratio,
-                     offload_params=params_too)
+                     rules=[Rule("", min_shard_elems=MIN_SHARD)],
+                     offload=Offload(optimizer=ratio, params=params_too))
     offloaded = {leaf.path for leaf in jax.tree.leaves(plan.leaves, is_leaf=is_leaf)
                  if leaf.offload}
     assert 0 < len(offloaded) <= plan_leaves(plan) and (len(offloaded) == plan_leaves(plan)) \
@@ -138,7 +146,8 @@ def test_ignored_and_frozen_modules_at_every_stage(stage, mesh, small, reference
 
     def grad_fn(frozen):
         plan = make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=LAYERS,
-                         ignored=modules_pattern(["wpe"]), frozen=frozen)
+                         rules=[Rule(modules_pattern(["wpe"]), shard=False),
+                                *([Rule(frozen, frozen=True)] if frozen else [])])
         params = jax.device_put(init(KEY), plan.shardings(plan.param_specs))
         return jax.jit(make_grad_fn(plan, loss_fn)), params
 

@@ -1,5 +1,6 @@
 """Hierarchical ZeRO on 2 groups x 4: stage 3 within a group, optimizer state over all 8."""
 
+import dataclasses
 import math
 
 import jax
@@ -26,8 +27,7 @@ def grid():
 
 def make(grid, small, **options):
     _, init, loss_fn, _ = small
-    return zj.make_plan(jax.eval_shape(init, KEY), grid, 3, layers=LAYERS, outer="replica",
-                        **options)
+    return zj.make_plan(jax.eval_shape(init, KEY), grid, 3, layers=LAYERS, **options)
 
 
 def train(plan, small, tx) -> tuple:
@@ -114,9 +114,10 @@ def test_accumulation_offload_ignored_and_frozen(grid, small):
     (whole parameter, optimizer state cut over all 8): SGD with momentum, which carries state
     and, unlike Adam, shows a gradient of the wrong scale, as on one device; fc2 untouched."""
     _, init, loss_fn, batches = small
-    plan = make(grid, small, accum_steps=2, offload_grads=True, min_shard_elems=64,
-                ignored=modules_pattern(["wpe", "blocks/ln1"]),
-                frozen=modules_pattern(["blocks/fc2"]))
+    plan = make(grid, small, accum_steps=2, offload=zj.Offload(grads=True),
+                rules=[zj.Rule(modules_pattern(["wpe", "blocks/ln1"]), shard=False),
+                       zj.Rule(modules_pattern(["blocks/fc2"]), frozen=True),
+                       zj.Rule("", min_shard_elems=64)])
     tx = optax.sgd(0.5, momentum=0.9)
     state = zj.init_state(plan, init, tx, KEY)
     assert state.params["wpe"].sharding.spec == P()
@@ -239,7 +240,7 @@ def test_int8_crosses_groups_in_int8(grid, small, reference):
     volume = lambda found: sum(c.count * c.bytes for c in found)
     assert volume(quantized) <= 0.55 * volume(plain)
 
-    plan = make(grid, small, comm=int8._replace(quantize_weights=False))
+    plan = make(grid, small, comm=dataclasses.replace(int8, quantize_weights=False))
     params = jax.device_put(init(KEY), plan.shardings(plan.param_specs))
     _, grads = jax.jit(zj.make_grad_fn(plan, loss_fn))(params, batches[0])
     assert tree_rel(grads, reference["sgd"]["grads"][0]) < 0.01

@@ -16,7 +16,7 @@ from jax import export
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zero_jax import make_plan, make_train_step
+from zero_jax import Offload, make_plan, make_train_step
 from zero_jax.gpt.model import LAYERS
 from zero_jax.rules import path_str
 from zero_jax.step import abstract_state
@@ -41,7 +41,8 @@ def offloaded(mesh, small):
     """The stage-2 step with the whole optimizer offloaded, lowered on abstract arrays."""
     _, init, loss_fn, batches = small
     tx = OPTIMIZERS["adamw"]()
-    plan = make_plan(jax.eval_shape(init, KEY), mesh, 2, layers=LAYERS, offload_optimizer=1.0)
+    plan = make_plan(jax.eval_shape(init, KEY), mesh, 2, layers=LAYERS,
+                     offload=Offload(optimizer=1.0))
     state = abstract_state(plan, tx)
     batch = jax.ShapeDtypeStruct(batches[0].shape, batches[0].dtype,
                                  sharding=NamedSharding(mesh, P("data")))
@@ -78,7 +79,8 @@ def test_gradients_leave_for_the_host_layer_by_layer(stage, offloaded, mesh, sma
     if stage == 3:
         _, init, loss_fn, _ = small
         tx = OPTIMIZERS["adamw"]()
-        plan = make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=LAYERS, offload_optimizer=1.0)
+        plan = make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=LAYERS,
+                         offload=Offload(optimizer=1.0))
         step, state = make_train_step(plan, loss_fn, tx), abstract_state(plan, tx)
         assert {x.sharding.memory_kind for x in jax.tree.leaves(state.params)} == {"device"}
     puts = device_puts_per_loop(jax.make_jaxpr(step)(state, batch).jaxpr)
@@ -126,10 +128,10 @@ def test_an_optimizer_that_couples_leaves_is_refused_below_ratio_1(mesh, small):
 
     shapes = jax.eval_shape(init, KEY)
     coupled = optax.chain(scale_by_param_norm(), optax.sgd(0.1))
-    half = make_plan(shapes, mesh, 3, layers=LAYERS, offload_optimizer=0.5)
+    half = make_plan(shapes, mesh, 3, layers=LAYERS, offload=Offload(optimizer=0.5))
     with pytest.raises(ValueError, match="not separable"):
         make_train_step(half, loss_fn, coupled)
-    make_train_step(make_plan(shapes, mesh, 3, layers=LAYERS, offload_optimizer=1.0), loss_fn,
+    make_train_step(make_plan(shapes, mesh, 3, layers=LAYERS, offload=Offload(1.0)), loss_fn,
                     coupled)  # all on the host: nothing to split
     make_train_step(half, loss_fn, OPTIMIZERS["adamw"]())  # clipping reads only gradients
 
@@ -141,7 +143,7 @@ def test_ratio_picks_the_largest_leaves(mesh, small):
              for path, x in jax.tree_util.tree_flatten_with_path(shapes)[0]}
     total = sum(sizes.values())
     for ratio in (0.0, 0.3, 0.5, 1.0):
-        plan = make_plan(shapes, mesh, 1, offload_optimizer=ratio)
+        plan = make_plan(shapes, mesh, 1, offload=Offload(optimizer=ratio))
         leaves = jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "offload"))
         host = [leaf for leaf in leaves if leaf.offload]
         taken = sum(sizes[leaf.path] for leaf in host)
@@ -151,7 +153,7 @@ def test_ratio_picks_the_largest_leaves(mesh, small):
             assert taken - smallest < ratio * total
             assert all(sizes[leaf.path] <= smallest for leaf in leaves if not leaf.offload)
     with pytest.raises(ValueError, match="0 to 1"):
-        make_plan(shapes, mesh, 1, offload_optimizer=1.5)
+        Offload(optimizer=1.5)
 
 
 def device_puts_per_loop(jaxpr) -> dict:
@@ -175,7 +177,7 @@ def test_parameter_offload_moves_each_layer_inside_both_loops(mesh, small):
     _, init, loss_fn, batches = small
     tx = OPTIMIZERS["adamw"]()
     shapes = jax.eval_shape(init, KEY)
-    plan = make_plan(shapes, mesh, 3, layers=LAYERS, offload_optimizer=1.0, offload_params=True)
+    plan = make_plan(shapes, mesh, 3, layers=LAYERS, offload=Offload(1.0, params=True))
     state = abstract_state(plan, tx)
     cut = [leaf for leaf in jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "axis"))
            if leaf.axis is not None and not leaf.persistent]
@@ -197,8 +199,8 @@ def test_parameter_offload_moves_each_layer_inside_both_loops(mesh, small):
     text = export.export(step, platforms=["cuda"])(state, batch).mlir_module()
     to_device = re.findall(r'_xla_buffer_placement = "device"', text)
     assert len(to_device) >= puts[0, "Device"] + puts[1, "Device"] + puts[None, "Device"]
-    with pytest.raises(ValueError, match="offload_optimizer 1"):
-        make_plan(shapes, mesh, 3, layers=LAYERS, offload_optimizer=0.5, offload_params=True)
+    with pytest.raises(ValueError, match=r"Offload\(optimizer=1.0\)"):
+        Offload(optimizer=0.5, params=True)
 
 
 # What may take a host-memory value outside the host computation: moves, layout, and the
@@ -219,9 +221,8 @@ def test_no_device_computation_reads_host_memory(offload, mesh, small):
     """Arithmetic on host memory happens only inside host computations (the update, the
     scaling of streamed gradients); the device program only moves host data."""
     _, init, loss_fn, batches = small
-    stage, kw = {"half at stage 2": (2, {"offload_optimizer": 0.5}),
-                 "parameters at stage 3": (3, {"offload_optimizer": 1.0,
-                                               "offload_params": True})}[offload]
+    stage, kw = {"half at stage 2": (2, {"offload": Offload(optimizer=0.5)}),
+                 "parameters at stage 3": (3, {"offload": Offload(1.0, params=True)})}[offload]
     tx = OPTIMIZERS["adamw"]()
     plan = make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=LAYERS, **kw)
     batch = jax.ShapeDtypeStruct(batches[0].shape, batches[0].dtype,

@@ -56,8 +56,9 @@ def test_prefetch_trains_bit_identically_and_gathers_a_layer_ahead(layout, probl
     tx = OPTIMIZERS[opt]()
 
     def train(comm):
-        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=LAYERS, outer=outer,
-                            accum_steps=accum, min_shard_elems=64, comm=comm)
+        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=LAYERS,
+                            rules=[zj.Rule("", min_shard_elems=64)], comm=comm,
+                            accum_steps=accum)
         state = zj.init_state(plan, init, tx, KEY)
         put = lambda b: jax.device_put(b, NamedSharding(mesh, P(plan.data_axes)))
         lowered = zj.make_train_step(plan, loss_fn, tx).lower(state, put(batches[0]))
@@ -69,7 +70,7 @@ def test_prefetch_trains_bit_identically_and_gathers_a_layer_ahead(layout, probl
         return losses, jax.device_get(state.params), compiled, report.build(
             plan, state, lowered, compiled)
 
-    plain, ahead = train(comm), train(comm._replace(prefetch=True))
+    plain, ahead = train(comm), train(dataclasses.replace(comm, prefetch=True))
     assert plain[0] == ahead[0]
     for a, b in zip(jax.tree.leaves(plain[1]), jax.tree.leaves(ahead[1]), strict=True):
         np.testing.assert_array_equal(a, b)

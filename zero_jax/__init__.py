@@ -3,7 +3,9 @@ r"""zero_jax: ZeRO stages 0-3 as partition specs and explicit collectives on a J
 The public API, in the order a training loop uses it::
 
     mesh = make_mesh()                               # all devices on the "data" axis
-    plan = make_plan(params_shape, mesh, stage=3, layers=r"h/\d+")  # the blocks, by path
+    plan = make_plan(params_shape, mesh, stage=3, layers=r"h/\d+",  # the blocks, by path
+                     rules=[Rule("embed", shard=False)],        # a placement table over paths
+                     precision=Precision("bf16"), offload=Offload(optimizer=1.0), comm=Comm())
     state = init_state(plan, init_params, tx, key)   # born sharded
     step = make_train_step(plan, loss_fn, tx)        # jitted, state donated
     state, metrics = step(state, batch)
@@ -14,7 +16,9 @@ from zero_jax.buckets import Comm
 from zero_jax.checkpoint import Checkpoints
 from zero_jax.gather import nnx_merge, remat_policy
 from zero_jax.mesh import make_mesh
-from zero_jax.rules import STAGES, Plan, make_plan, modules_pattern
+from zero_jax.offload import Offload
+from zero_jax.precision import Precision
+from zero_jax.rules import STAGES, Plan, Rule, make_plan, modules_pattern
 from zero_jax.step import (
     TrainState,
     Weighted,
@@ -27,7 +31,7 @@ from zero_jax.step import (
     state_specs,
 )
 
-__all__ = ["STAGES", "Checkpoints", "Comm", "Plan", "TrainState", "Weighted", "abstract_state",
-           "device_key", "init_state", "make_grad_fn", "make_mesh", "make_plan",
-           "make_train_step", "modules_pattern", "nnx_merge", "remat_policy", "state_shardings",
-           "state_specs"]
+__all__ = ["STAGES", "Checkpoints", "Comm", "Offload", "Plan", "Precision", "Rule", "TrainState",
+           "Weighted", "abstract_state", "device_key", "init_state", "make_grad_fn", "make_mesh",
+           "make_plan", "make_train_step", "modules_pattern", "nnx_merge", "remat_policy",
+           "state_shardings", "state_specs"]

@@ -14,8 +14,9 @@ quantized, exchanged all-to-all and summed locally in fp32 (qgZ), so nothing is 
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,14 +24,20 @@ import jax.numpy as jnp
 AxisName = str | tuple[str, ...]
 
 
-class Comm(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Comm:
     """How the leaves of one layer travel; static, part of a ``Shard``'s type."""
 
     bucket_bytes: int = 25 << 20  # a bucket's bound in gathered (whole-leaf) bytes; 0: per leaf
     quantize_weights: bool = False  # stage 3's parameter all-gathers in int8
     quantize_grads: bool = False  # gradient reduce-scatters in int8 (all-to-all, fp32 sum)
-    block: int = 64  # elements per int8 scale
+    quantize_block: int = 64  # elements per int8 scale
     prefetch: bool = False  # stage 3: layer i+1 gathered while layer i computes (prefetch.py)
+
+    def __post_init__(self):
+        if self.quantize_block < 1 or self.bucket_bytes < 0:
+            raise ValueError(f"Comm: quantize_block must be at least 1 and bucket_bytes at "
+                             f"least 0 (got {self.quantize_block}, {self.bucket_bytes})")
 
 
 def buckets(sizes: list[int], bound: int) -> list[list[int]]:
@@ -124,7 +131,7 @@ def all_gather(xs: list[jax.Array], axes: list[int], mesh_axis: AxisName, comm: 
             i = group[0]
             moved.append(jax.lax.all_gather(xs[i], mesh_axis, axis=axes[i], tiled=True, to=to))
         elif comm.quantize_weights:
-            q, scale = quantize([xs[i].reshape(-1) for i in group], comm.block)
+            q, scale = quantize([xs[i].reshape(-1) for i in group], comm.quantize_block)
             moved.append((jax.lax.all_gather(q, mesh_axis, axis=0, tiled=False, to=to),
                           jax.lax.all_gather(scale, mesh_axis, axis=0, tiled=False, to=to)))
         else:
@@ -139,7 +146,7 @@ def all_gather(xs: list[jax.Array], axes: list[int], mesh_axis: AxisName, comm: 
             continue
         if comm.quantize_weights:
             gathered = dequantize(*gathered, [xs[i].size for i in group],
-                                  comm.block).astype(xs[group[0]].dtype)
+                                  comm.quantize_block).astype(xs[group[0]].dtype)
         for i, r in zip(group, _split(gathered, [xs[i].shape for i in group]), strict=True):
             out[i] = unrows(r, axes[i], xs[i].shape)
     return out
@@ -165,7 +172,7 @@ def reduce_scatter(gs: list[jax.Array], axes: list[int], mesh_axis: AxisName, dt
             packed.append(gs[group[0]].astype(dtype))
             continue
         pieces = [rows(gs[i].astype(dtype), axes[i], n) for i in group]  # n rows each
-        packed.append(quantize(pieces, comm.block) if comm.quantize_grads
+        packed.append(quantize(pieces, comm.quantize_block) if comm.quantize_grads
                       else jnp.concatenate(pieces, axis=1))
     if jax.tree.leaves(hold):
         packed, hold = jax.lax.optimization_barrier((packed, hold))
@@ -178,8 +185,8 @@ def reduce_scatter(gs: list[jax.Array], axes: list[int], mesh_axis: AxisName, dt
             continue
         if comm.quantize_grads:
             q, scale = (jax.lax.all_to_all(x, mesh_axis, 0, 0, tiled=True) for x in buffer)
-            mine = jnp.sum(dequantize(q, scale, [gs[i].size // n for i in group], comm.block),
-                           axis=0).astype(dtype)
+            sizes = [gs[i].size // n for i in group]
+            mine = jnp.sum(dequantize(q, scale, sizes, comm.quantize_block), axis=0).astype(dtype)
         else:
             mine = jax.lax.psum_scatter(buffer, mesh_axis, scatter_dimension=0, tiled=True)[0]
         shard_shapes = []

@@ -14,6 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+DATA, REPLICA = "data", "replica"  # the axis parameters are cut over; hierarchical's outer one
+
 # Keep remat's optimization barriers on the CPU backend: without them CSE merges a block's
 # backward re-gather into its forward gather, and stage 3 holds every block's whole weights
 # (measured, 8 unrolled blocks: 16 weight gathers instead of 32, temp 1.6 MB instead of 0.41).
@@ -48,7 +50,7 @@ def make_mesh(devices: int | None = None, axes: dict[str, int] | None = None) ->
         raise ValueError(f"cannot build a mesh of {n} devices: {len(available)} "
                          f"{available[0].platform} device(s) available; pass --devices between "
                          f"1 and {len(available)}")
-    axes = dict(axes or {"data": -1})
+    axes = dict(axes or {DATA: -1})
     fixed = int(np.prod([s for s in axes.values() if s != -1]))
     for name, size in axes.items():
         if size == -1:

@@ -13,6 +13,7 @@ nothing on CPU but to a host-to-device annotation on GPU and TPU.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -168,3 +169,33 @@ def split_update(update: Callable, raw: Callable, grads: PyTree, opt_state: PyTr
 
 def _pick(flags: list[bool], tree: PyTree) -> list:
     return [x for f, x in zip(flags, jax.tree.leaves(tree), strict=True) if f]
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload:
+    """What lives in host memory (ZeRO-Offload, and ZeRO-Infinity's CPU tier).
+
+    ``optimizer``: the fraction (0..1) of the optimizer's bytes whose fp32 master and state live
+    in host memory and are updated there, largest leaves first (DeepSpeed's ZeRO-Offload++,
+    Megatron's offload fraction). ``params``: stage 3's parameter shards in host memory, each
+    copied to the device as it is gathered; the gradients then reach the host layer by layer,
+    so the whole update runs there (``optimizer`` 1). ``grads``: the gradient accumulator waits
+    in host memory between microbatches.
+    """
+
+    optimizer: float = 0.0
+    params: bool = False
+    grads: bool = False
+
+    def __post_init__(self):
+        if not 0.0 <= self.optimizer <= 1.0:
+            raise ValueError(f"Offload.optimizer is the fraction of optimizer state in host "
+                             f"memory, 0 to 1 (got {self.optimizer})")
+        if self.params and self.optimizer != 1.0:
+            raise ValueError("Offload.params brings each layer's gradient to the host, where "
+                             "the whole update must then run: it needs Offload(optimizer=1.0)")
+
+    @property
+    def any(self) -> bool:
+        """Whether anything of the optimizer or parameters is in host memory."""
+        return bool(self.optimizer or self.params)

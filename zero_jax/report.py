@@ -70,9 +70,9 @@ def model_states(plan: Plan, state: PyTree) -> tuple[dict, dict, dict, dict]:
     opt = formula(k_opt, rule.shard_opt_state)
     params = c * psi / (group if rule.shard_params else 1)
     grads = g * psi / group if plan.outer else formula(g, rule.shard_grads)
-    zero = {"params": 0 if plan.offload_params else params, "grads": grads * (1 - grads_host),
+    zero = {"params": 0 if plan.offload.params else params, "grads": grads * (1 - grads_host),
             "master": master * (1 - host), "opt_state": opt * (1 - host)}
-    zero_host = {"params": params if plan.offload_params else 0, "grads": grads * grads_host,
+    zero_host = {"params": params if plan.offload.params else 0, "grads": grads * grads_host,
                  "master": master * host, "opt_state": opt * host}
     return on_device, zero, on_host, zero_host
 
@@ -86,7 +86,8 @@ def stages_table(plan: Plan, tx: Any) -> list[dict]:
             leaves = jax.tree.map(
                 lambda leaf, o=offload: dataclasses.replace(leaf, offload=o and not leaf.frozen),
                 plan.leaves, is_leaf=lambda x: hasattr(x, "offload"))
-            other = dataclasses.replace(plan, stage=stage, offload_params=False, leaves=leaves)
+            no_params = dataclasses.replace(plan.offload, params=False)
+            other = dataclasses.replace(plan, stage=stage, leaves=leaves, offload=no_params)
             device, zero, host, zero_host = model_states(other, abstract_state(other, tx))
             rows.append({"stage": stage, "offload": offload, **device,
                          "total": sum(device.values()),
@@ -176,7 +177,7 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
         "zero_formula_host_bytes": zero_host,
         "offload": {"optimizer_leaves": [leaf.path for leaf in jax.tree.leaves(
                         plan.leaves, is_leaf=lambda x: hasattr(x, "offload")) if leaf.offload],
-                    "params": plan.offload_params},
+                    "params": plan.offload.params},
         # XLA's figures; the CPU backend counts host buffers as device ones (its host_* are 0).
         "compiled": {"argument_bytes": memory.argument_size_in_bytes,
                      "output_bytes": memory.output_size_in_bytes,
@@ -206,7 +207,7 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
                        for leaf in plan.replicated],
         "frozen": [leaf.path for leaf in plan.frozen],
         "blocks": plan.blocks,
-        "comm": plan.comm._asdict(),
+        "comm": dataclasses.asdict(plan.comm),
         # What prefetch holds more: the largest scanned layer gathered, and its whole gradient
         # waiting a layer to be reduced, both in the compute dtype.
         "prefetch_bytes": 2 * layer_elements(plan) * c if plan.comm.prefetch else 0,

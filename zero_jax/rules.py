@@ -19,6 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 from zero_jax.buckets import Comm
 from zero_jax.gather import REMAT
+from zero_jax.mesh import DATA, REPLICA
+from zero_jax.offload import Offload
 from zero_jax.precision import Precision
 
 PyTree = Any
@@ -88,6 +90,57 @@ def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
     return Leaf(path, shape, stacked, axis)
 
 
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One row of the placement table over parameter paths ("blocks/attn/qkv/kernel").
+
+    A path takes each field from the first rule whose ``pattern`` it contains (``re.search``)
+    and that sets the field (not None); a field no rule sets keeps its default. So
+    ``Rule("wpe", frozen=True)`` and ``Rule("", min_shard_elems=2048)`` compose: the threshold
+    holds for ``wpe`` too. ``shard=False`` leaves a parameter out of ZeRO (DeepSpeed's and FSDP's
+    ``ignored_modules``): whole on every device, gradient all-reduced, optimizer state whole.
+    ``frozen``: not trained, no gradient computed or communicated, no optimizer state.
+    ``min_shard_elems``: smaller parameters (per layer) are persistent, DeepSpeed's
+    ``stage3_param_persistence_threshold``: whole parameter and gradient, optimizer state cut.
+    """
+
+    pattern: str
+    shard: bool | None = None
+    frozen: bool | None = None
+    min_shard_elems: int | None = None
+
+    def __post_init__(self):
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise ValueError(f"Rule({self.pattern!r}): not a regular expression: {e}") from None
+        if self.min_shard_elems is not None and self.min_shard_elems < 0:
+            raise ValueError(f"Rule({self.pattern!r}): min_shard_elems must be at least 0 "
+                             f"(got {self.min_shard_elems})")
+
+
+FIELDS = {"shard": True, "frozen": False, "min_shard_elems": 0}  # what no rule sets
+
+
+def match_rules(rules: tuple[Rule, ...] | list[Rule], paths: list[str]) -> dict[str, dict]:
+    """Each path's fields, first match per field. A rule that matches no path is a mistake
+    (a typo would silently train or shard what it meant to leave alone): it raises."""
+    for r in rules:
+        if not any(re.search(r.pattern, p) for p in paths):
+            raise ValueError(f"Rule({r.pattern!r}) matches no parameter path; paths look like "
+                             f"{paths[0]!r}")
+    out = {}
+    for path in paths:
+        found = dict.fromkeys(FIELDS)
+        for r in rules:
+            if re.search(r.pattern, path):
+                for name in FIELDS:
+                    if found[name] is None:
+                        found[name] = getattr(r, name)
+        out[path] = {k: FIELDS[k] if v is None else v for k, v in found.items()}
+    return out
+
+
 def find_blocks(paths: list[str], pattern: str) -> dict[str, str]:
     """Each parameter path under a block -> the block's module path.
 
@@ -145,8 +198,7 @@ class Plan:
     # Hierarchical ZeRO: a second data axis, across groups of ``axis``. Parameters are cut
     # within a group only; gradients and optimizer state over both axes.
     outer: str | None = None
-    offload_grads: bool = False  # the accumulator waits in host memory between microbatches
-    offload_params: bool = False  # stage 3 (ZeRO-Infinity's CPU tier): parameters in host memory
+    offload: Offload = Offload()  # what lives in host memory (zero_jax.offload)
     remat: str = "full"  # the policy of the blocks stage 3 rematerializes (gather.remat_policy)
     comm: Comm = Comm()  # buckets and int8 collectives (zero_jax.buckets)
 
@@ -271,115 +323,100 @@ def _is_leaf(x) -> bool:
     return isinstance(x, Leaf)
 
 
-def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, axis: str = "data",
-              layers: str | None = None, min_shard_elems: int = 0,
-              precision: Precision | None = None, accum_steps: int = 1,
-              outer: str | None = None, ignored: str | None = None,
-              frozen: str | None = None, offload_grads: bool = False,
-              offload_optimizer: float = 0.0, offload_params: bool = False,
-              remat: str = "full", comm: Comm | None = None) -> Plan:
+def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, layers: str | None = None,
+              rules: tuple[Rule, ...] | list[Rule] = (), precision: Precision = Precision(),
+              offload: Offload = Offload(), comm: Comm = Comm(), remat: str = "full",
+              accum_steps: int = 1) -> Plan:
     """Apply the rules to a parameter tree (arrays or ``jax.ShapeDtypeStruct``s).
 
-    ``layers``, ``ignored`` and ``frozen`` are regular expressions over parameter paths
-    ("blocks/attn/qkv/kernel"; ``modules_pattern`` builds one from module names):
+    ``mesh`` (``make_mesh``) has a ``data`` axis that parameters are cut over, and for
+    hierarchical ZeRO a ``replica`` axis across groups of ``data`` (stage 3 within a group,
+    gradients and optimizer state over both).
 
-    - ``layers``: the model's blocks, by module path: unrolled blocks ("h/\\d+") or an
-      ``nn.scan`` stack ("blocks", leading dimension = layer). At stage 3 each block's
-      parameters are gathered as it runs and again in its backward (``zero_jax.gather``); at
-      stage 2 its gradient is reduce-scattered as its backward ends. Other cut leaves are
-      gathered once per step.
-    - ``ignored``: left out of ZeRO, as DeepSpeed's and FSDP's ``ignored_modules``: whole on
-      every device, gradient all-reduced, optimizer state whole (plain data parallelism).
-    - ``frozen``: not trained: no gradient is computed or communicated, no optimizer state.
-
-    ``outer`` names a second data axis for hierarchical ZeRO (stage 3 within ``axis``,
-    optimizer state over both); ``offload_grads`` keeps the gradient accumulator in host memory
-    between microbatches.
-
-    ZeRO-Offload: ``offload_optimizer`` is the fraction (0..1) of the optimizer's bytes whose
-    fp32 master and state live in host memory and are updated there, largest leaves first (as
-    DeepSpeed's ZeRO-Offload++ and Megatron's offload fraction); ``offload_params`` keeps the
-    parameter shards of stage 3 in host memory, each copied to the device as it is gathered.
-    ``remat`` is the policy of stage 3's rematerialized blocks: full, dots, none or offload
-    (``zero_jax.gather.remat_policy``).
-
-    ``comm`` says how they travel (``zero_jax.buckets.Comm``): in buckets of a bounded size
-    (per layer one all-gather per dtype and direction, one reduce-scatter; at stages 0-1 the
-    gradient all-reduced inside the backward, layer by layer), and in int8.
+    ``layers``: the model's blocks, a regular expression over module paths: unrolled blocks
+    ("h/\\d+") or an ``nn.scan`` stack ("blocks", leading dimension = layer). At stage 3 each
+    block's parameters are gathered as it runs and again in its backward (``zero_jax.gather``);
+    at stage 2 its gradient is reduce-scattered as its backward ends. Other cut leaves are
+    gathered once per step. ``rules``: the placement table over parameter paths (``Rule``:
+    left out of ZeRO, frozen, persistence threshold). ``remat``: the policy of stage 3's
+    rematerialized blocks (full, dots, none, offload; ``zero_jax.gather.remat_policy``).
+    ``precision``, ``offload`` and ``comm`` are policies that check themselves when built.
     """
+    axis, outer = data_axes(mesh)
+    _check_combination(stage, layers, offload, comm, remat, accum_steps, outer)
+    n = mesh.shape[axis] * (mesh.shape[outer] if outer else 1)
+    flat = {path_str(p): tuple(x.shape)
+            for p, x in jax.tree_util.tree_flatten_with_path(params_shape)[0]}
+    blocks = find_blocks(list(flat), layers) if layers else {}
+    stacked = {b: scanned([flat[p] for p in blocks if blocks[p] == b])
+               for b in set(blocks.values())}
+    if comm.prefetch and (unrolled := sorted(b for b, s in stacked.items() if not s)):
+        raise ValueError(f"prefetch runs the layer loop of nn.scan stacks; {unrolled[0]!r} is "
+                         f"not one (an unrolled block): turn prefetch off")
+    fields = match_rules(rules, list(flat))
+    # On one device nothing needs cutting, except to stream gradients and parameters to the
+    # host layer by layer: with offload every leaf is cut into one shard (its collectives over
+    # one device are no-ops), so it travels as stage 2's and 3's shards do.
+    cut_one = offload.any
+
+    def rule(path, x):
+        name, f = path_str(path), fields[path_str(path)]
+        block = blocks.get(name)
+        in_stack = block is not None and stacked[block]
+        if not f["shard"]:
+            leaf = Leaf(name, tuple(x.shape), in_stack, None, reason="ignored_modules")
+        else:
+            leaf = leaf_rule(name, tuple(x.shape), n, in_stack, f["min_shard_elems"], cut_one)
+        return dataclasses.replace(leaf, frozen=f["frozen"], block=block)
+
+    leaves = jax.tree_util.tree_map_with_path(rule, params_shape)
+    host = offloaded(jax.tree.leaves(leaves, is_leaf=_is_leaf), offload.optimizer)
+    leaves = jax.tree.map(lambda leaf: dataclasses.replace(leaf, offload=leaf.path in host),
+                          leaves, is_leaf=_is_leaf)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_shape)
+    return Plan(stage, mesh, axis, leaves, shapes, precision, accum_steps, outer, offload,
+                remat, comm)
+
+
+def data_axes(mesh: Mesh) -> tuple[str, str | None]:
+    """The mesh's data axis, and hierarchical ZeRO's across-group axis if it has one."""
+    names = set(mesh.axis_names)
+    if DATA not in names or names - {DATA, REPLICA}:
+        raise ValueError(f"make_plan needs a mesh of axes {DATA!r} (and {REPLICA!r} for "
+                         f"hierarchical ZeRO), got {mesh.axis_names}: build it with "
+                         f"zero_jax.make_mesh(axes={{{REPLICA!r}: groups, {DATA!r}: -1}})")
+    return DATA, REPLICA if REPLICA in names else None
+
+
+def _check_combination(stage: int, layers: str | None, offload: Offload, comm: Comm,
+                       remat: str, accum_steps: int, outer: str | None) -> None:
+    """The options that are valid alone but not together (each policy checks itself)."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of 0, 1, 2, 3 (got {stage})")
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be at least 1 (got {accum_steps})")
     if remat not in REMAT:
         raise ValueError(f"remat must be one of {', '.join(REMAT)} (got {remat!r})")
-    if not 0.0 <= offload_optimizer <= 1.0:
-        raise ValueError(f"offload_optimizer is the fraction of optimizer state in host memory, "
-                         f"0 to 1 (got {offload_optimizer})")
-    if offload_params and stage != 3:
-        raise ValueError(f"offload_params keeps stage 3's parameter shards in host memory; "
+    if offload.params and stage != 3:
+        raise ValueError(f"Offload.params keeps stage 3's parameter shards in host memory; "
                          f"stage {stage} keeps whole parameters on every device: use stage 3")
-    if offload_params and (offload_optimizer != 1.0 or accum_steps > 1 or outer):
-        raise ValueError("offload_params brings each layer's gradient to the host, where the "
-                         "whole update must then run: it needs offload_optimizer 1, and is not "
-                         "built for accumulation or hierarchical ZeRO yet")
+    if offload.params and (accum_steps > 1 or outer):
+        raise ValueError("Offload.params runs the whole update on the host as each layer's "
+                         "gradient arrives: it is not built for accumulation or hierarchical "
+                         "ZeRO yet")
     if outer is not None and stage != 3:
-        raise ValueError(f"hierarchical ZeRO (outer={outer!r}) is built on stage 3, not {stage}")
-    comm = comm or Comm()
+        raise ValueError(f"hierarchical ZeRO (a {outer!r} mesh axis) is built on stage 3, not "
+                         f"{stage}")
     if comm.quantize_weights and stage != 3:
         raise ValueError(f"quantize_weights makes stage 3's parameter all-gathers int8; stage "
                          f"{stage} gathers no parameters in its layers: use stage 3")
     if comm.quantize_grads and stage < 2:
         raise ValueError(f"quantize_grads makes the gradient reduce-scatters of stages 2-3 int8; "
                          f"stage {stage} all-reduces: use stage 2 or 3")
-    if comm.block < 1 or comm.bucket_bytes < 0:
-        raise ValueError(f"comm: block must be at least 1 and bucket_bytes at least 0 (got "
-                         f"{comm.block}, {comm.bucket_bytes})")
-    n = mesh.shape[axis] * (mesh.shape[outer] if outer else 1)
-    if comm.prefetch and not prefetchable(stage, bool(layers), remat,
-                                          bool(offload_optimizer or offload_params)):
+    if comm.prefetch and not prefetchable(stage, bool(layers), remat, offload.any):
         raise ValueError("prefetch overlaps stage 3's per-layer gathers with the layer before: "
                          "it needs stage 3, layers=, remat full or offload, and no offload "
                          f"(got stage {stage}, layers={layers!r}, remat {remat!r})")
-    # On one device nothing needs cutting, except to stream gradients and parameters to the
-    # host layer by layer: with offload every leaf is cut into one shard (its collectives over
-    # one device are no-ops), so it travels as stage 2's and 3's shards do.
-    cut_one = bool(offload_optimizer or offload_params)
-    flat = {path_str(p): tuple(x.shape)
-            for p, x in jax.tree_util.tree_flatten_with_path(params_shape)[0]}
-    paths = list(flat)
-    blocks = find_blocks(paths, layers) if layers else {}
-    stacked = {b: scanned([flat[p] for p in blocks if blocks[p] == b])
-               for b in set(blocks.values())}
-    if comm.prefetch and (unrolled := sorted(b for b, s in stacked.items() if not s)):
-        raise ValueError(f"prefetch runs the layer loop of nn.scan stacks; {unrolled[0]!r} is "
-                         f"not one (an unrolled block): turn prefetch off")
-    patterns = {}
-    for name, regex in (("ignored", ignored), ("frozen", frozen)):
-        if regex:
-            patterns[name] = re.compile(regex)
-            if not any(patterns[name].search(p) for p in paths):
-                raise ValueError(f"{name}={regex!r} matches no parameter path; paths look like "
-                                 f"{paths[0]!r}")
-    match = lambda name, path: name in patterns and bool(patterns[name].search(path))
-
-    def rule(path, x):
-        name = path_str(path)
-        block = blocks.get(name)
-        in_stack = block is not None and stacked[block]
-        if match("ignored", name):
-            leaf = Leaf(name, tuple(x.shape), in_stack, None, reason="ignored_modules")
-        else:
-            leaf = leaf_rule(name, tuple(x.shape), n, in_stack, min_shard_elems, cut_one)
-        return dataclasses.replace(leaf, frozen=match("frozen", name), block=block)
-
-    leaves = jax.tree_util.tree_map_with_path(rule, params_shape)
-    host = offloaded(jax.tree.leaves(leaves, is_leaf=_is_leaf), offload_optimizer)
-    leaves = jax.tree.map(lambda leaf: dataclasses.replace(leaf, offload=leaf.path in host),
-                          leaves, is_leaf=_is_leaf)
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_shape)
-    return Plan(stage, mesh, axis, leaves, shapes, precision or Precision(), accum_steps, outer,
-                offload_grads, offload_params, remat, comm)
 
 
 def prefetchable(stage: int, has_layers: bool, remat: str, offload: bool) -> bool:
@@ -403,7 +440,8 @@ def offloaded(leaves: list[Leaf], ratio: float) -> set[str]:
 
 
 def modules_pattern(names: list[str] | tuple[str, ...]) -> str | None:
-    """A path pattern for the parameters of the named modules ("blocks", "encoder/proj")."""
+    """A path pattern for the parameters of the named modules ("blocks", "encoder/proj"), for
+    ``layers=`` or a ``Rule``; None for no names."""
     if not names:
         return None
     return "^(?:" + "|".join(re.escape(n.strip("/")) for n in names) + ")(?:/|$)"

@@ -11,6 +11,7 @@ the parameter all-gather of stages 1-2 (updated shards back to whole) is left to
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -50,7 +51,7 @@ def state_specs(plan: Plan, tx: optax.GradientTransformation) -> TrainState:
 def state_shardings(plan: Plan, tx: optax.GradientTransformation) -> TrainState:
     """The shardings of the whole train state, with their memory: ``pinned_host`` for what is
     offloaded (the master and optimizer state of ``Leaf.offload`` leaves, stage 3's parameters
-    with ``offload_params``)."""
+    with ``Offload.params``)."""
     specs = state_specs(plan, tx)
     is_spec = lambda x: isinstance(x, P)
 
@@ -69,10 +70,10 @@ def state_shardings(plan: Plan, tx: optax.GradientTransformation) -> TrainState:
 
 
 def params_in_host_memory(plan: Plan) -> PyTree:
-    """Per parameter, whether its compute copy lives in host memory: with ``offload_params``,
+    """Per parameter, whether its compute copy lives in host memory: with ``Offload.params``,
     the cut ones; whole ones (indivisible, persistent) stay on the device, as DeepSpeed keeps
     its persistent parameters."""
-    return jax.tree.map(lambda leaf: plan.offload_params and leaf.axis is not None
+    return jax.tree.map(lambda leaf: plan.offload.params and leaf.axis is not None
                         and not leaf.persistent, plan.leaves, is_leaf=_is_leaf)
 
 
@@ -309,8 +310,8 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
                              is_leaf=lambda x: isinstance(x, P))
         host, device_space = jax.memory.Space.Host, jax.memory.Space.Device
 
-        def move(tree, space):  # offload_grads: the accumulator waits in host memory
-            return jax.device_put(tree, space) if plan.offload_grads else tree
+        def move(tree, space):  # Offload.grads: the accumulator waits in host memory
+            return jax.device_put(tree, space) if plan.offload.grads else tree
 
         def body(carry, xs):
             m, micro = xs
@@ -433,7 +434,8 @@ def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformat
                 idx = [i for i, leaf in enumerate(leaves)
                        if leaf.axis is not None and bool(leaf.persistent) == persistent]
                 # Persistent leaves are small: int8 would save nothing and round norms' gains.
-                comm = plan.comm._replace(quantize_weights=False) if persistent else plan.comm
+                comm = dataclasses.replace(plan.comm, quantize_weights=False) if persistent \
+                    else plan.comm
                 _put(flat, idx, buckets.all_gather([flat[i] for i in idx],
                                                    [leaves[i].axis for i in idx], axes, comm,
                                                    to="invarying"))

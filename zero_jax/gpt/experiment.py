@@ -20,8 +20,9 @@ from zero_jax.checkpoint import CheckpointError
 from zero_jax.gpt.model import GPT, LAYER_STACKS, GPTConfig, init_fn, lm_loss
 from zero_jax.gpt.optim import make_optimizer
 from zero_jax.mesh import make_mesh
+from zero_jax.offload import Offload
 from zero_jax.precision import LossScaleConfig, Precision, default_param_dtype
-from zero_jax.rules import Plan, make_plan, modules_pattern, path_str, prefetchable
+from zero_jax.rules import Plan, Rule, make_plan, modules_pattern, path_str, prefetchable
 from zero_jax.step import make_train_step
 
 
@@ -60,16 +61,10 @@ class Experiment:
         shapes = jax.eval_shape(init, jax.random.key(0))
         _check_modules(cfg, shapes)
         plan = make_plan(shapes, mesh, z["stage"],
-                         layers=modules_pattern(z["transformer_layers"]),
-                         min_shard_elems=z["min_shard_elems"],
-                         precision=precision, accum_steps=t["accum_steps"],
-                         outer="replica" if "replica" in mesh.shape else None,
-                         ignored=modules_pattern(z["ignored_modules"]),
-                         frozen=modules_pattern(cfg["optimizer"]["frozen_modules"]),
-                         offload_grads=z["offload_grads"],
-                         offload_optimizer=offload_ratio(z["offload_optimizer"]),
-                         offload_params=z["offload_params"] == "cpu",
-                         remat=cfg["model"]["remat"], comm=comm_from(z, cfg["model"]["remat"]))
+                         layers=modules_pattern(z["transformer_layers"]), rules=rules_from(cfg),
+                         precision=precision, offload=offload_from(z),
+                         comm=comm_from(z, cfg["model"]["remat"]), remat=cfg["model"]["remat"],
+                         accum_steps=t["accum_steps"])
         loss = lm_loss(model, fp32_logits=precision.autocast_output)
         step = make_train_step(plan, loss, tx, lr_schedule=schedule)
         return cls(cfg, mesh, model_cfg, init, tx, plan, step)
@@ -131,6 +126,24 @@ def comm_from(z: dict, remat: str) -> Comm:
                                               offload)
     return Comm(int(z["bucket_mb"] * 2 ** 20), z["quantize_weights"] == "int8",
                 z["quantize_grads"] == "int8", z["quantize_block"], prefetch)
+
+
+def rules_from(cfg: dict) -> list[Rule]:
+    """``zero.ignored_modules``, ``optimizer.frozen_modules`` and ``zero.min_shard_elems`` as
+    the plan's rule table."""
+    rules = [Rule(modules_pattern(names), **{field: value})
+             for names, field, value in ((cfg["zero"]["ignored_modules"], "shard", False),
+                                         (cfg["optimizer"]["frozen_modules"], "frozen", True))
+             if names]
+    if cfg["zero"]["min_shard_elems"]:
+        rules.append(Rule("", min_shard_elems=cfg["zero"]["min_shard_elems"]))
+    return rules
+
+
+def offload_from(z: dict) -> Offload:
+    """The ``zero`` section's offload keys as the plan's policy."""
+    return Offload(offload_ratio(z["offload_optimizer"]), z["offload_params"] == "cpu",
+                   z["offload_grads"])
 
 
 def offload_ratio(cfg: dict) -> float:

@@ -1,0 +1,134 @@
+"""The placement rules alone, in milliseconds: no step is compiled.
+
+The rule table (first match per field), the leaf rule, block finding, the policies' own checks
+and the combinations ``make_plan`` refuses, on ``ShapeDtypeStruct`` trees.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import zero_jax as zj
+from zero_jax.rules import find_blocks, leaf_rule, match_rules
+
+F32 = jnp.float32
+# A scanned stack of 4 layers beside unrolled-looking and odd-shaped leaves.
+SHAPES = {
+    "wte": {"embedding": jax.ShapeDtypeStruct((256, 64), F32)},
+    "wpe": {"embedding": jax.ShapeDtypeStruct((16, 64), F32)},
+    "blocks": {"qkv": {"kernel": jax.ShapeDtypeStruct((4, 64, 192), F32)},
+               "ln": {"scale": jax.ShapeDtypeStruct((4, 64), F32)}},
+    "head": {"bias": jax.ShapeDtypeStruct((13,), F32)},
+    "h": {"0": {"kernel": jax.ShapeDtypeStruct((64, 128), F32),
+                "bias": jax.ShapeDtypeStruct((128,), F32)}},  # an unrolled block
+}
+PATHS = ["wte/embedding", "wpe/embedding", "blocks/qkv/kernel", "blocks/ln/scale", "head/bias",
+         "h/0/kernel", "h/0/bias"]
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return zj.make_mesh(8)
+
+
+def test_each_field_from_its_first_matching_rule():
+    rules = [zj.Rule("^wpe/", frozen=True), zj.Rule("^w", shard=False),
+             zj.Rule("", min_shard_elems=100), zj.Rule("^wpe/", frozen=False, shard=True)]
+    fields = match_rules(rules, PATHS)
+    assert fields["wpe/embedding"] == {"shard": False, "frozen": True, "min_shard_elems": 100}
+    assert fields["wte/embedding"] == {"shard": False, "frozen": False, "min_shard_elems": 100}
+    assert fields["blocks/qkv/kernel"] == {"shard": True, "frozen": False,
+                                           "min_shard_elems": 100}
+    assert match_rules([], PATHS)["head/bias"] == {"shard": True, "frozen": False,
+                                                   "min_shard_elems": 0}
+
+
+def test_a_rule_that_matches_nothing_or_is_no_regex_is_refused():
+    with pytest.raises(ValueError, match=r"Rule\('\^embed/'\) matches no parameter path"):
+        match_rules([zj.Rule("^embed/", shard=False)], PATHS)
+    with pytest.raises(ValueError, match="not a regular expression"):
+        zj.Rule("blocks/(", frozen=True)
+    with pytest.raises(ValueError, match="min_shard_elems must be at least 0"):
+        zj.Rule("", min_shard_elems=-1)
+
+
+def test_leaf_rule_cuts_the_first_divisible_dimension_after_the_layer_index():
+    assert leaf_rule("k", (4, 64, 192), 8, stacked=True, min_shard_elems=0).axis == 1
+    assert leaf_rule("k", (4, 64, 192), 8, stacked=False, min_shard_elems=0).axis == 1  # 4 % 8
+    whole = leaf_rule("b", (13,), 8, stacked=False, min_shard_elems=0)
+    assert whole.axis is None and "divisible by 8" in whole.reason
+    small = leaf_rule("s", (4, 64), 8, stacked=True, min_shard_elems=100)
+    assert small.axis == 1 and small.persistent
+    assert leaf_rule("k", (64,), 1, stacked=False, min_shard_elems=0).axis is None
+    assert leaf_rule("k", (64,), 1, stacked=False, min_shard_elems=0, cut_one=True).axis == 0
+
+
+def test_find_blocks_takes_the_shortest_module_path():
+    paths = ["h/0/attn/kernel", "h/0/mlp/kernel", "h/1/attn/kernel", "ln_f/scale"]
+    assert find_blocks(paths, r"h/\d+") == {"h/0/attn/kernel": "h/0", "h/0/mlp/kernel": "h/0",
+                                            "h/1/attn/kernel": "h/1"}
+    assert find_blocks(paths, r"^h/\d+/") == find_blocks(paths, r"h/\d+")
+    with pytest.raises(ValueError, match="only parameters"):
+        find_blocks(paths, "scale$")
+    with pytest.raises(ValueError, match="no parameter path"):
+        find_blocks(paths, "blocks")
+
+
+def test_make_plan_applies_the_table(mesh):
+    plan = zj.make_plan(SHAPES, mesh, 3, layers="^blocks$",
+                        rules=[zj.Rule("^wpe/", shard=False), zj.Rule("^wte/", frozen=True),
+                               zj.Rule("", min_shard_elems=300)])
+    leaves = {leaf.path: leaf for leaf in jax.tree.leaves(
+        plan.leaves, is_leaf=lambda x: isinstance(x, zj.rules.Leaf))}
+    assert leaves["wpe/embedding"].axis is None and leaves["wpe/embedding"].reason == \
+        "ignored_modules"
+    assert leaves["wte/embedding"].frozen and leaves["wte/embedding"].axis == 0
+    assert leaves["blocks/qkv/kernel"].stacked and leaves["blocks/qkv/kernel"].block == "blocks"
+    assert leaves["blocks/ln/scale"].persistent  # 64 < 300 elements per layer
+    assert leaves["head/bias"].axis is None
+    assert plan.param_specs["blocks"]["qkv"]["kernel"] == P(None, "data", None)
+    assert plan.param_specs["blocks"]["ln"]["scale"] == P()  # persistent: whole parameter
+    assert plan.opt_specs["blocks"]["ln"]["scale"] == P(None, "data")  # ... state still cut
+    assert plan.data_axes == ("data",) and plan.outer is None
+
+
+def test_hierarchical_comes_from_the_mesh():
+    grid = zj.make_mesh(8, axes={"replica": 2, "data": 4})
+    plan = zj.make_plan(SHAPES, grid, 3, layers="^blocks$")
+    assert plan.data_axes == ("replica", "data") and plan.dp_size == 8
+    assert plan.param_specs["wte"]["embedding"] == P("data", None)
+    assert plan.opt_specs["wte"]["embedding"] == P(("data", "replica"), None)
+    with pytest.raises(ValueError, match="built on stage 3"):
+        zj.make_plan(SHAPES, grid, 2)
+    with pytest.raises(ValueError, match="make_plan needs a mesh of axes 'data'"):
+        zj.make_plan(SHAPES, zj.make_mesh(8, axes={"batch": 8}), 3)
+
+
+def test_policies_check_themselves():
+    with pytest.raises(ValueError, match="0 to 1"):
+        zj.Offload(optimizer=1.5)
+    with pytest.raises(ValueError, match=r"Offload\(optimizer=1.0\)"):
+        zj.Offload(optimizer=0.5, params=True)
+    with pytest.raises(ValueError, match="quantize_block must be at least 1"):
+        zj.Comm(quantize_block=0)
+    with pytest.raises(ValueError, match="precision.param_dtype"):
+        zj.Precision("fp64")
+    assert zj.Offload().any is False and zj.Offload(0.3).any
+
+
+@pytest.mark.parametrize("stage, options, message", [
+    (4, {}, "stage must be one of"),
+    (3, {"accum_steps": 0}, "accum_steps must be at least 1"),
+    (3, {"remat": "some"}, "remat must be one of"),
+    (2, {"offload": zj.Offload(1.0, params=True)}, "use stage 3"),
+    (3, {"offload": zj.Offload(1.0, params=True), "accum_steps": 2}, "not built for accumul"),
+    (2, {"comm": zj.Comm(quantize_weights=True)}, "quantize_weights makes stage 3"),
+    (1, {"comm": zj.Comm(quantize_grads=True)}, "use stage 2 or 3"),
+    (3, {"comm": zj.Comm(prefetch=True), "remat": "dots"}, "prefetch overlaps"),
+    (3, {"comm": zj.Comm(prefetch=True), "layers": r"^h/\d+$"}, "not one \\(an unrolled block"),
+])
+def test_make_plan_refuses_combinations(mesh, stage, options, message):
+    options = {"layers": "^blocks$", **options}
+    with pytest.raises(ValueError, match=message):
+        zj.make_plan(SHAPES, mesh, stage, **options)
