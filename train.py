@@ -384,7 +384,7 @@ class Run:
 
     def dry_run(self) -> int:
         from zero_jax import report
-        from zero_jax.step import abstract_state
+        from zero_jax.state import abstract_state
 
         plan = self.exp.plan
         if self.args.device_memory:
@@ -406,7 +406,7 @@ class Run:
         from zero_jax import planner
         from zero_jax.gather import REMAT
         from zero_jax.gpt.experiment import Experiment, mesh_for
-        from zero_jax.step import abstract_state
+        from zero_jax.state import abstract_state
 
         if self.exp.plan.outer is not None:
             raise ValueError("the planner compares the flat stages; drop zero3_size")
@@ -520,7 +520,7 @@ class Run:
         from zero_jax import distributed, fit
         from zero_jax.checkpoint import CheckpointError
         from zero_jax.gpt import data
-        from zero_jax.step import abstract_state, init_state
+        from zero_jax.state import abstract_state, init_state
 
         t, exp, ckpts, stop = self.cfg["train"], self.exp, self.ckpts, self.stop
         target = abstract_state(exp.plan, exp.tx)

@@ -213,7 +213,7 @@ def compile_for(args: argparse.Namespace) -> None:
     from zero_jax import report
     from zero_jax.gpt import config
     from zero_jax.gpt.experiment import Experiment
-    from zero_jax.step import abstract_state
+    from zero_jax.state import abstract_state
 
     n = args.devices or 8
     try:

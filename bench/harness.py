@@ -39,7 +39,7 @@ def build(cfg: dict, mesh, tokens, steps: int) -> dict:
     from zero_jax import report
     from zero_jax.gpt import data
     from zero_jax.gpt.experiment import Experiment
-    from zero_jax.step import init_state
+    from zero_jax.state import init_state
 
     exp = Experiment.build(cfg, mesh)
     state = init_state(exp.plan, exp.init, exp.tx, jax.random.key(0))

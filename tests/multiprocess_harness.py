@@ -25,7 +25,7 @@ from zero_jax.gpt import config as configs
 from zero_jax.gpt import data
 from zero_jax.gpt.experiment import Experiment, mesh_for
 from zero_jax.mesh import simulate_cpu_devices
-from zero_jax.step import abstract_state, init_state
+from zero_jax.state import abstract_state, init_state
 
 TINY = ["model.n_layers=2", "model.d_model=32", "model.d_ff=64", "model.seq_len=16",
         "model.n_heads=2", "train.batch_size=16", "optimizer.warmup_steps=0",

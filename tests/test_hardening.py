@@ -24,7 +24,7 @@ from conftest import TRAIN_ENV
 from zero_jax import export, integrity
 from zero_jax.checkpoint import Checkpoints, NonFiniteStateError
 from zero_jax.lock import WriterLock
-from zero_jax.step import TrainState
+from zero_jax.state import TrainState
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

@@ -21,7 +21,7 @@ from conftest import SUBPROCESS_ENV
 from zero_jax.checkpoint import Checkpoints
 from zero_jax.gpt import data
 from zero_jax.launch import free_port, spawn, wait
-from zero_jax.step import abstract_state
+from zero_jax.state import abstract_state
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENV = {**SUBPROCESS_ENV, "PYTHONPATH": str(ROOT)}

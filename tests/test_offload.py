@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from zero_jax import Offload, make_plan, make_train_step
 from zero_jax.gpt.model import LAYERS
 from zero_jax.rules import path_str
-from zero_jax.step import abstract_state
+from zero_jax.state import abstract_state
 
 HOST_CALL = re.compile(r'call @(\w+)\(([^)]*)\).*_xla_compute_type = "host"')
 

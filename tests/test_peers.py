@@ -18,7 +18,7 @@ import peers  # noqa: E402  (bench/ is not a package)
 from zero_jax.gpt import config, data  # noqa: E402
 from zero_jax.gpt.experiment import Experiment  # noqa: E402
 from zero_jax.hlo import collectives  # noqa: E402
-from zero_jax.step import init_state  # noqa: E402
+from zero_jax.state import init_state  # noqa: E402
 
 # Two layers, a small batch; no warmup, so the first step moves the parameters. Global batch
 # 16 and seq_len 64 are no parameter's dimensions: an all-gathered (16, 64, ...) is activations.

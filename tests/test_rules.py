@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
+from zero_jax.grads import GradStep, Route, normalize, reduce, routes
 from zero_jax.rules import find_blocks, leaf_rule, match_rules
 
 F32 = jnp.float32
@@ -132,3 +133,41 @@ def test_make_plan_refuses_combinations(mesh, stage, options, message):
     options = {"layers": "^blocks$", **options}
     with pytest.raises(ValueError, match=message):
         zj.make_plan(SHAPES, mesh, stage, **options)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_routes_per_stage(mesh, stage):
+    plan = zj.make_plan(SHAPES, mesh, stage, layers="^blocks$",
+                        rules=[zj.Rule("^wpe/", frozen=True)])
+    rs = {r.leaf.path: r for r in jax.tree.leaves(routes(plan), is_leaf=lambda x:
+                                                   isinstance(x, Route))}
+    qkv, bias, wpe = rs["blocks/qkv/kernel"], rs["head/bias"], rs["wpe/embedding"]
+    assert qkv.cut == (stage >= 2) and bias.cut is False
+    # Whole in a block with buckets: all-reduced inside the backward, so not marked per-device.
+    assert qkv.in_backward == (stage < 2) and qkv.local == ()
+    assert bias.local == ("data",)  # whole, outside the blocks: reduced once, after
+    assert wpe.local == () and not wpe.in_backward  # frozen: nothing to reduce
+    assert not any(r.host or r.streamed for r in rs.values())
+
+
+def test_reduce_and_normalize_under_shard_map(mesh):
+    """Stage 0: each device's whole gradient all-reduced in buckets, then scaled from shares of
+    n (the mean of 8 devices' means) to the global mean; the frozen one zeros, never sent."""
+    plan = zj.make_plan(SHAPES, mesh, 0, rules=[zj.Rule("^wpe/", frozen=True)])
+    g = GradStep(plan, routes(plan), None, False, P("data"))
+    per_device = jax.tree.map(
+        lambda s: jnp.arange(8, dtype=F32).reshape(8, *[1] * len(s.shape))
+        * jnp.ones((8, *s.shape), F32), plan.shapes)
+
+    def local(stacked):
+        grads = jax.tree.map(lambda x: x[0], stacked)
+        grads = g.map(lambda r, x: jnp.zeros((), F32) if r.leaf.frozen else x, grads)
+        weight = jnp.ones((), F32)
+        stats = tuple(jax.lax.psum(x, "data") for x in (weight * 2.0, weight, {}))
+        return normalize(g, stats, reduce(g, grads), plan.shapes)
+
+    loss, grads, factor = jax.jit(jax.shard_map(
+        local, mesh=mesh, in_specs=(P("data"),), out_specs=(P(), P(), P())))(per_device)
+    assert float(loss) == 2.0 and float(factor) == 1.0
+    assert float(grads["wte"]["embedding"][0, 0]) == sum(range(8))
+    assert grads["wpe"]["embedding"].shape == (16, 64) and not grads["wpe"]["embedding"].any()

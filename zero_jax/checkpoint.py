@@ -33,7 +33,7 @@ from flax import serialization
 
 from zero_jax import integrity
 from zero_jax.lock import LockedError, WriterLock
-from zero_jax.step import TrainState
+from zero_jax.state import TrainState
 
 PyTree = Any
 FORMAT = 2  # 2: meta holds "digests"; format 1 checkpoints restore unverified

@@ -13,7 +13,7 @@ Parameters that are not cut (every parameter at stages 0 and 1; leaves that do n
 are persistent at 2 and 3) are, inside a block and with buckets on, ``Shard``s without an axis
 ("replicas"): read as they are, their gradient all-reduced as the block's backward ends (DDP's
 buckets). Elsewhere they are plain arrays, their gradients summed locally and all-reduced once,
-after the backward (``zero_jax.step``). The leaves one block makes whole together share their
+after the backward (``zero_jax.grads``). The leaves one block makes whole together share their
 collectives (``zero_jax.buckets``).
 
 ``per_block`` makes this happen block by block in any Flax linen model, by module path.

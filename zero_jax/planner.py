@@ -18,7 +18,7 @@ import jax
 from zero_jax.fit import HEADROOM
 from zero_jax.hlo import collectives
 from zero_jax.report import model_states, shard_bytes
-from zero_jax.step import grads_in_host_memory
+from zero_jax.state import grads_in_host_memory
 
 
 @dataclasses.dataclass

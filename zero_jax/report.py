@@ -17,7 +17,7 @@ import numpy as np
 from zero_jax.distributed import processes_spanned
 from zero_jax.hlo import collectives
 from zero_jax.rules import Plan, path_str
-from zero_jax.step import abstract_state, grads_in_host_memory
+from zero_jax.state import abstract_state, grads_in_host_memory
 
 PyTree = Any
 MiB = 1 << 20

@@ -1,0 +1,329 @@
+"""The gradient half of the step: a pipeline of named phases over a per-leaf record.
+
+It runs under ``shard_map`` over the data axes, so the collectives are exactly the ones
+``zero_jax.gather`` and this module write (XLA's partitioner on CPU would neither
+reduce-scatter nor gather weights by itself). Each parameter's ``Route`` is decided once, from
+its ``Leaf`` and the stage; the phases only read it:
+
+    prepare -> [accumulate: per microbatch, differentiate(wrap -> run_loss)] -> reduce
+            -> normalize
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax.errors import ScopeParamShapeError
+from jax.sharding import PartitionSpec as P
+
+from zero_jax import buckets, prefetch
+from zero_jax.gather import Shard, materialize_tree, per_block
+from zero_jax.offload import in_host_memory, on_host_leaves
+from zero_jax.rules import Leaf, Plan
+from zero_jax.state import grads_in_host_memory, params_in_host_memory
+
+PyTree = Any
+
+
+class Weighted(NamedTuple):
+    """A loss returned as a sum and what it sums over (say, valid tokens): the step then trains
+    on the exact global mean, sum of totals over sum of weights, as one device would."""
+
+    total: jax.Array
+    weight: jax.Array
+
+
+class Route(NamedTuple):
+    """What the gradient half does with one parameter: decided once, from its leaf and stage."""
+
+    leaf: Leaf
+    cut: bool  # reaches the loss as a Shard; its gradient leaves the backward already cut
+    local: tuple[str, ...]  # axes its copy is marked per-device over, so nothing reduces early
+    # Whole, in a block, and bucketed: all-reduced inside the backward as its block's
+    # backward ends (DDP's buckets), rather than once after it. Not under hierarchical ZeRO,
+    # where what crosses groups does so once per step.
+    in_backward: bool = False
+    host: bool = False  # its gradient leaves the backward in host memory (ZeRO-Offload)
+    # Stage 3 with its optimizer offloaded, parameters on the device: the shard the forward
+    # gathers is passed beside the host-memory copy that carries the gradient.
+    streamed: bool = False
+
+
+def routes(plan: Plan) -> PyTree:
+    """The ``Route`` of every parameter, as a tree shaped like the parameters."""
+    def route(leaf: Leaf, host: bool, param_host: bool) -> Route:
+        cut = plan.rule.shard_grads and leaf.axis is not None and not leaf.persistent
+        in_backward = (not cut and not leaf.frozen and leaf.block is not None
+                       and plan.comm.bucket_bytes > 0 and plan.accum_steps == 1
+                       and plan.outer is None)
+        local = () if leaf.frozen or in_backward else (plan.outer,) if cut and plan.outer \
+            else () if cut else plan.data_axes
+        streamed = host and not param_host and plan.rule.shard_params
+        return Route(leaf, cut, local, in_backward, host, streamed)
+    return jax.tree.map(route, plan.leaves, grads_in_host_memory(plan),
+                        params_in_host_memory(plan), is_leaf=_is_leaf)
+
+
+class GradStep(NamedTuple):
+    """Everything the phases read: the plan, the routes, and the user's loss."""
+
+    plan: Plan
+    routes: PyTree
+    loss_fn: Callable
+    has_aux: bool
+    batch_spec: PyTree
+
+    def map(self, fn: Callable, *trees: PyTree) -> PyTree:
+        """``fn(route, *leaves)`` over the parameters."""
+        return jax.tree.map(fn, self.routes, *trees, is_leaf=_is_route)
+
+    @property
+    def stage2(self) -> bool:
+        """Whole parameters, cut gradients: the shards are differentiated, the whole copy read."""
+        return self.plan.rule.shard_grads and not self.plan.rule.shard_params
+
+    @property
+    def needs_whole(self) -> bool:
+        """Whether the forward reads a second copy beside the differentiated one."""
+        return self.stage2 or any(r.streamed for r in jax.tree.leaves(
+            self.routes, is_leaf=_is_route))
+
+
+def device_key(key: jax.Array, device: jax.Array | int, micro: jax.Array | int = 0) -> jax.Array:
+    """The key ``loss_fn`` gets on data-parallel device ``device`` (its position in the batch)
+    for microbatch ``micro``: a different stream on every device and microbatch."""
+    return jax.random.fold_in(jax.random.fold_in(key, device), micro)
+
+
+def prepare(g: GradStep, params: PyTree) -> PyTree:
+    """Mark what must not be reduced early, and move offloaded shards to the host.
+
+    A whole parameter is marked per-device before differentiating, so that its gradient stays
+    local until the one all-reduce after the backward (differentiating the replicated value
+    itself, JAX would all-reduce it at every use); likewise a hierarchical shard, whole across
+    groups until the across-group reduce-scatter. ZeRO-Offload at stage 2: the shard of an
+    offloaded leaf is differentiated in host memory, so each layer's gradient shard leaves the
+    device as its backward ends."""
+    def one(r: Route, p):
+        p = jax.device_put(p, jax.memory.Space.Host) if r.host else p
+        return jax.lax.pcast(p, r.local, to="varying") if r.local else p
+    return g.map(one, params)
+
+
+def wrap(g: GradStep, params: PyTree, whole: PyTree | None) -> PyTree:
+    """What the model sees: cut parameters as ``Shard``s (and bucketed whole ones in blocks,
+    whose gradient is all-reduced as the block's backward ends); all but the declared blocks'
+    are made whole here, once, together."""
+    plan, reduce = g.plan, g.plan.precision.reduce.name
+
+    def one(r: Route, p, w=None):
+        if r.in_backward:
+            return Shard(p, None, None, plan.data_axes, reduce, comm=plan.comm)
+        if not r.cut:
+            return p
+        args = (r.leaf.axis - len(r.leaf.shape), plan.axis, reduce)
+        # Stage 3 streaming to the host: ``p`` carries the gradient, ``w`` is gathered.
+        return Shard(p, None if r.streamed or not g.stage2 else w, *args,
+                     gather_from=w if r.streamed else None, comm=plan.comm,
+                     frozen=r.leaf.frozen)
+    tree = g.map(one, params) if whole is None else g.map(one, params, whole)
+    outside = materialize_tree(g.map(lambda r, x: None if r.leaf.block else x, tree))
+    return g.map(lambda r, x, o: x if r.leaf.block else o, tree, outside)
+
+
+def run_loss(g: GradStep, tree: PyTree, micro: PyTree, key: jax.Array | None):
+    """The user's loss on one microbatch, each declared block gathered as it runs:
+    ``(total, weight, aux * weight)`` in fp32."""
+    plan, blocks = g.plan, g.plan.blocks
+    if plan.precision.autocast_input:
+        micro = jax.tree.map(lambda x: x.astype(plan.precision.compute)
+                             if jnp.issubdtype(x.dtype, jnp.floating) else x, micro)
+    args = (tree, micro) if key is None else (tree, micro, key)
+    prefetched: set[str] = set()
+    fetch = prefetch.stacks(frozenset(blocks), prefetched, plan.remat == "offload") \
+        if plan.comm.prefetch else contextlib.nullcontext()
+    with per_block(blocks, plan.remat) as seen, fetch:
+        try:
+            out = g.loss_fn(*args)
+        except ScopeParamShapeError as e:
+            raise ValueError(f"a parameter reached a module still cut into shards: the plan's "
+                             f"layers= names blocks {blocks}, and a module reading one of their "
+                             f"parameters is not one of them or inside one "
+                             f"({e.__class__.__name__}: {str(e).splitlines()[0]})") from e
+    if plan.comm.prefetch and (missing := [b for b in blocks if b not in prefetched]):
+        raise ValueError(f"prefetch runs the loop of linen nn.scan stacks; {missing[0]!r} did "
+                         f"not run as one (an NNX model, or its nn.scan class made before the "
+                         f"step): turn prefetch off")
+    if missing := [b for b in blocks if b not in seen | prefetched]:
+        raise ValueError(f"layers= names {missing[0]!r}, which never ran as a Flax linen module "
+                         f"during the loss; name modules that are called (their paths: "
+                         f"{blocks[:3]}...)")
+    loss, aux = out if g.has_aux else (out, {})
+    total, weight = loss if isinstance(loss, Weighted) else (loss, jnp.ones((), jnp.float32))
+    return (total.astype(jnp.float32), jnp.asarray(weight, jnp.float32),
+            jax.tree.map(lambda a: jnp.asarray(a, jnp.float32) * weight, aux))
+
+
+def differentiate(g: GradStep, params: PyTree, whole: PyTree | None, micro: PyTree,
+                  key: jax.Array | None, scale: jax.Array):
+    """The gradient of this device's share: total * scale / (n k), for a mean loss exactly its
+    share of the global mean; frozen leaves are read, not differentiated."""
+    n, k = g.plan.dp_size, g.plan.accum_steps
+
+    def objective(trained):
+        mixed = g.map(lambda r, t, p: p if r.leaf.frozen else t, trained, params)
+        total, weight, aux = run_loss(g, wrap(g, mixed, whole), micro, key)
+        return total * scale / (n * k), (total, weight, aux)
+
+    grads, stats = jax.grad(objective, has_aux=True)(params)
+    # A frozen leaf's (zero) gradient is not kept, nor accumulated: a scalar stands in.
+    return stats, g.map(lambda r, x: jnp.zeros((), x.dtype) if r.leaf.frozen else x, grads)
+
+
+def accumulate(g: GradStep, params: PyTree, whole: PyTree | None, batch: PyTree,
+               key: jax.Array | None, scale: jax.Array):
+    """Each microbatch's cut gradients are reduce-scattered by its backward and summed into a
+    1/N accumulator; whole ones are summed locally and reduced once, after."""
+    plan, k = g.plan, g.plan.accum_steps
+    device = jax.lax.axis_index(plan.data_axes)
+    keyed = lambda m: None if key is None else device_key(key, device, m)
+    if k == 1:
+        return differentiate(g, params, whole, batch, keyed(0), scale)
+    is_spec = lambda x: isinstance(x, P)
+    specs = jax.tree.broadcast(g.batch_spec, batch, is_leaf=is_spec)
+    split = jax.tree.map(lambda s, x: x.reshape(k, x.shape[0] // k, *x.shape[1:])
+                         if len(s) and s[0] is not None else None, specs, batch, is_leaf=is_spec)
+    # Offload.grads: the accumulator waits in host memory between microbatches.
+    move = lambda tree, space: jax.device_put(tree, space) if plan.offload.grads else tree
+    host, on_device = jax.memory.Space.Host, jax.memory.Space.Device
+    whole_batch = lambda part, x: x if part is None else part
+
+    def body(carry, xs):
+        m, micro = xs
+        micro = jax.tree.map(whole_batch, micro, batch, is_leaf=lambda x: x is None)
+        stats, grads = differentiate(g, params, whole, micro, keyed(m), scale)
+        sums, acc = carry
+        acc = jax.tree.map(lambda a, x: a + x.astype(plan.precision.accum),
+                           move(acc, on_device), grads)
+        return (jax.tree.map(jnp.add, sums, stats), move(acc, host)), None
+
+    first = jax.tree.map(lambda part, x: x if part is None else part[0], split, batch,
+                         is_leaf=lambda x: x is None)
+    shapes = jax.eval_shape(lambda: run_loss(g, wrap(g, params, whole), first, keyed(0)))
+    stats = jax.tree.map(lambda x: jax.lax.pcast(jnp.zeros(x.shape, x.dtype), plan.data_axes,
+                                                 to="varying"), shapes)
+    zeros = g.map(lambda r, p: jnp.zeros((), plan.precision.accum) if r.leaf.frozen
+                  else jnp.zeros_like(p, plan.precision.accum), params)
+    (stats, grads), _ = jax.lax.scan(body, (stats, move(zeros, host)), (jnp.arange(k), split))
+    return stats, move(grads, on_device)
+
+
+def reduce(g: GradStep, grads: PyTree) -> PyTree:
+    """What the backward left unreduced, reduced once, in buckets: whole gradients all-reduced;
+    hierarchical shards reduce-scattered across groups (in int8 with quantize_grads: what
+    crosses groups is ZeRO++'s target)."""
+    plan = g.plan
+    flat, tree = jax.tree.flatten(grads)
+    rs = jax.tree.leaves(g.routes, is_leaf=_is_route)
+    whole = [i for i, r in enumerate(rs) if not r.leaf.frozen and not r.cut and not r.in_backward]
+    across = [i for i, r in enumerate(rs) if not r.leaf.frozen and r.cut and plan.outer]
+    reduce_dtype = plan.precision.reduce.name
+    put(flat, whole, buckets.all_reduce([flat[i] for i in whole], plan.data_axes, reduce_dtype,
+                                        plan.comm))
+    if across:
+        put(flat, across, buckets.reduce_scatter(
+            [flat[i] for i in across], [rs[i].leaf.axis for i in across], plan.outer,
+            reduce_dtype, plan.comm)[0])
+    return tree.unflatten(flat)
+
+
+def normalize(g: GradStep, stats: tuple, grads: PyTree, params: PyTree):
+    """From shares of n k to shares of the global weight (exactly 1 for a mean loss), in the
+    ``grad_specs`` layout and dtype: ``(loss, grads, factor)``. ``stats``: the global
+    ``(total, weight, aux)``."""
+    plan, nk = g.plan, g.plan.dp_size * g.plan.accum_steps
+    total, weight, aux = stats
+
+    def one(r: Route, x, p):
+        if r.leaf.frozen:  # zeros in the grad_specs layout, never communicated
+            shape = list(p.shape)
+            if r.cut and plan.outer:
+                shape[r.leaf.axis] //= plan.mesh.shape[plan.outer]
+            return jnp.zeros(shape, plan.grad_dtype)
+        if in_host_memory(x):  # streamed to the host: scaled there, after the shard_map
+            return x
+        return (x * (nk / weight).astype(x.dtype)).astype(plan.grad_dtype)
+
+    loss = total / weight
+    loss = (loss, jax.tree.map(lambda a: a / weight, aux)) if g.has_aux else loss
+    return loss, g.map(one, grads, params), nk / weight
+
+
+def local_grads(g: GradStep, params: PyTree, whole: PyTree | None, batch: PyTree,
+                key: jax.Array | None, scale: jax.Array):
+    """One device's whole pipeline, inside ``shard_map``."""
+    params = prepare(g, params)
+    stats, grads = accumulate(g, params, whole, batch, key, scale)
+    stats = tuple(jax.lax.psum(x, g.plan.data_axes) for x in stats)
+    return normalize(g, stats, reduce(g, grads), params)
+
+
+def on_host_scaled(g: GradStep, grads: PyTree, factor: jax.Array) -> PyTree:
+    """The gradients that streamed to host memory get ``normalize``'s scaling there, in a host
+    computation: no device op reads host memory."""
+    dtype = g.plan.grad_dtype
+    scale = lambda xs, f: ([(x * f.astype(x.dtype)).astype(dtype) for x in xs], None)
+    return on_host_leaves(scale, grads, factor)[0]
+
+
+def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
+                 has_aux: bool = False):
+    """``grads(params, batch, scale=1.0, key=None) -> (loss, grads)``: the data-parallel half of
+    the step; ``((loss, aux), grads)`` with ``has_aux``.
+
+    Not jitted. Takes the compute copy in the plan's ``param_specs`` layout and returns the
+    gradient of the global mean loss, times ``scale``, in the ``grad_specs`` layout and the
+    plan's ``grad_dtype``, moved by the stage's collectives.
+
+    ``loss_fn(params, batch[, key])`` sees whole parameters and one microbatch of this device's
+    slice of the global batch; it is given a key (``device_key``) when the step is. It returns
+    the mean loss of that batch, or ``Weighted(total, weight)``, with ``has_aux`` paired with a
+    dict of metrics (averaged with the loss's weights). ``batch_spec`` (a ``PartitionSpec``, or a
+    tree of them over the batch) says how the batch is cut; leaves not cut on dimension 0
+    (``P()``) reach every device and microbatch whole.
+    """
+    batch_spec = batch_spec if batch_spec is not None else P(plan.data_axes)
+    g = GradStep(plan, routes(plan), loss_fn, has_aux, batch_spec)
+
+    def grads_fn(params: PyTree, batch: PyTree, scale: jax.Array | float = 1.0,
+                 key: jax.Array | None = None):
+        # Stage 2 differentiates the shards of its replicated parameters, and passes the whole
+        # copy too, which the forward reads as is.
+        whole = params if g.needs_whole else None
+        loss, grads, factor = jax.shard_map(
+            lambda *args: local_grads(g, *args), mesh=plan.mesh,
+            in_specs=(plan.grad_specs if g.stage2 else plan.param_specs,
+                      None if whole is None else plan.param_specs, batch_spec, P(), P()),
+            out_specs=((P(), P()) if has_aux else P(), plan.grad_specs, P()),
+        )(params, whole, batch, key, jnp.asarray(scale, jnp.float32))
+        return loss, on_host_scaled(g, grads, factor)
+
+    return grads_fn
+
+
+def put(flat: list, where: list[int], values: list) -> None:
+    """``flat[where[j]] = values[j]``: results of a bucketed collective back in their places."""
+    for i, v in zip(where, values, strict=True):
+        flat[i] = v
+
+
+def _is_leaf(x) -> bool:
+    return isinstance(x, Leaf)
+
+
+def _is_route(x) -> bool:
+    return isinstance(x, Route)
