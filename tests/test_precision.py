@@ -33,7 +33,7 @@ def setup(mesh, stage, precision=BF16, accum_steps=1, cfg=TINY, tx=None, loss_fn
     init = init_fn(model)
     tx = tx or optax.adamw(1e-3)
     plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=LAYERS,
-                        precision=precision, accum_steps=accum_steps, comm=comm)
+                        precision=precision, accum_steps=accum_steps, comm=comm or zj.Comm())
     step = zj.make_train_step(plan, loss_fn or lm_loss(model), tx)
     return plan, init, tx, step
 
