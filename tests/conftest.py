@@ -1,6 +1,8 @@
 """Eight simulated CPU devices, set before jax is imported, and the shared small model."""
 
 import os
+import pathlib
+import re
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -39,6 +41,16 @@ from zero_jax.gpt.model import GPT, GPTConfig, init_fn, lm_loss  # noqa: E402
 from zero_jax.mesh import make_mesh  # noqa: E402
 
 N = 8
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def example(path: str, name: str) -> str:
+    """The Python code block after ``<!-- name -->`` in the Markdown file ``path`` (relative to
+    the repository), as the docs show it."""
+    text = (ROOT / path).read_text()
+    block = re.search(rf"<!-- {name} -->\n```python\n(.*?)```\n", text, re.S)
+    assert block, f"{path} lost its example {name}"
+    return block.group(1)
 
 
 def rel(a, b) -> float:

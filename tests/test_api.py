@@ -1,7 +1,5 @@
-"""The public API on users' own models: README's linen example, run as written, and NNX."""
-
-import pathlib
-import re
+"""The public API on users' own models: the docs' examples (README's linen one, the NNX one of
+docs/guides/your-model.md), run as written, and NNX."""
 
 import flax.linen as nn
 import jax
@@ -9,25 +7,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import rel
+from conftest import ROOT, example, rel
 from flax import nnx
 
 import zero_jax as zj
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
-
-
-def readme_example(name: str = "api-example") -> str:
-    text = README.read_text()
-    block = re.search(rf"<!-- {name} -->\n```python\n(.*?)```\n<!-- /{name} -->", text, re.S)
-    assert block, f"README lost its example {name}"
-    return block.group(1)
+LINEN = ("README.md", "api-example")
+NNX = ("docs/guides/your-model.md", "api-example-nnx")
 
 
 def test_readme_example_trains_sharded_and_exactly(capsys):
     ns: dict = {}
-    exec(compile(readme_example(), str(README), "exec"), ns)
-    exec(compile(readme_example("api-example-nnx"), str(README), "exec"), ns)
+    for path, name in (LINEN, NNX):
+        exec(compile(example(path, name), str(ROOT / path), "exec"), ns)
     assert "loss" in capsys.readouterr().out
     plan, state, loss_fn, init, x, y = (ns[k] for k in
                                         ("plan", "state", "loss_fn", "init", "x", "y"))

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import TRAIN_ENV
+from conftest import TRAIN_ENV, example
 
 import zero_jax as zj
 from zero_jax.checkpoint import CheckpointError, Checkpoints
@@ -234,8 +234,7 @@ def test_export_reads_with_plain_orbax_and_generates(tmp_path):
     run = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, env=ENV,
                          capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.split() == ["bfloat16", "(256,", "128)"], run.stderr
-    snippet = (ROOT / "README.md").read_text().split("<!-- export-example -->\n```python\n")[1]
-    snippet = snippet.split("```")[0]
+    snippet = example("docs/guides/checkpoints.md", "export-example")
     run = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=ENV,
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr

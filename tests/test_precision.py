@@ -139,8 +139,8 @@ def test_int8_trains_the_default_model_like_unquantized(mesh):
     Two runs of this small model part by chance as much as by rounding: at seeds 42 and 7 the
     same comparison gives 0.061 / 0.051 and 0.095 / 0.093, and bf16 compute alone (no int8)
     0.020 and 0.090. At train.py's own lr (3e-3 after 20 warmup steps) its loss spikes, and a
-    spike's timing, moved by any rounding, dominates. README says which figure is which; the
-    gradients themselves are checked directly in test_comm.py."""
+    spike's timing, moved by any rounding, dominates. docs/guides/communication.md says which
+    figure is which; the gradients themselves are checked directly in test_comm.py."""
     bucket = zj.Comm()  # buckets of 25 MiB
     losses = lambda comm: np.array([m["loss"] for m in train_losses(mesh, 3, Precision(),
                                                                      comm=comm, long=True)[1]])

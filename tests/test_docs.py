@@ -1,0 +1,107 @@
+"""The documentation holds together: README stays a first page, and every relative link in README
+and docs/ leads to a file, and to a heading where it names one. Text only: nothing compiles."""
+
+import pathlib
+import re
+import unicodedata
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+
+FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+HEADING = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.*?)(?:[ \t]+#+)?[ \t]*$")
+LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+INLINE_CODE = re.compile(r"(`+)(.+?)\1")
+
+
+def prose_lines(path: pathlib.Path) -> list[tuple[int, str]]:
+    """The lines outside fenced code blocks, numbered from 1."""
+    out, fence = [], None
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        m = FENCE.match(line)
+        if fence is None and m:
+            fence = m.group(1)
+        elif fence is not None and m and m.group(1)[0] == fence[0] and \
+                len(m.group(1)) >= len(fence) and not line.strip()[len(m.group(1)):]:
+            fence = None
+        elif fence is None:
+            out.append((number, line))
+    return out
+
+
+def slug(text: str) -> str:
+    """GitHub's anchor for a heading: the rendered text (code spans and links as their text,
+    emphasis markers dropped), lower-cased, punctuation and symbols removed except ``-`` and
+    ``_``, each space a ``-``."""
+    text = INLINE_CODE.sub(lambda m: m.group(2).strip(), text)
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", text)
+    text = re.sub(r"(\*+|(?<!\w)_+|_+(?!\w))", "", text)
+    keep = lambda c: c in "-_ " or unicodedata.category(c)[0] in "LMN"
+    return "".join(c for c in text.lower() if keep(c)).replace(" ", "-")
+
+
+def anchors(path: pathlib.Path) -> set[str]:
+    """Every heading anchor of a Markdown file; repeated headings get -1, -2, ... as on GitHub."""
+    seen: dict[str, int] = {}
+    out = set()
+    for _, line in prose_lines(path):
+        if m := HEADING.match(line):
+            base = slug(m.group(2))
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def links(path: pathlib.Path) -> list[tuple[int, str]]:
+    """The relative link targets of a Markdown file (not web addresses), with their lines."""
+    out = []
+    for number, line in prose_lines(path):
+        for m in LINK.finditer(INLINE_CODE.sub("", line)):
+            target = m.group(1)
+            if not re.match(r"[a-z][a-z0-9+.-]*:", target, re.I):
+                out.append((number, target))
+    return out
+
+
+def test_slug_follows_github():
+    assert slug("The four stages") == "the-four-stages"
+    assert slug("Int8 collectives (ZeRO++, opt-in)") == "int8-collectives-zero-opt-in"
+    assert slug("Remat policies (ZeRO-R's activation memory)") == \
+        "remat-policies-zero-rs-activation-memory"
+    assert slug("Prefetch: zero_jax runs the layer loop") == "prefetch-zero_jax-runs-the-layer-loop"
+    assert slug("`train.py` at a *glance*") == "trainpy-at-a-glance"
+    assert slug("Hierarchical ZeRO (分层ZeRO)") == "hierarchical-zero-分层zero"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(page):
+    broken = []
+    for number, target in links(page):
+        where, _, anchor = target.partition("#")
+        dest = (page.parent / where).resolve() if where else page
+        if not dest.exists():
+            broken.append(f"{number}: {target} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{number}: {target} (no heading #{anchor} in {dest.name})")
+    assert not broken, f"{page.relative_to(ROOT)}:\n" + "\n".join(broken)
+
+
+def test_docs_exist_and_are_linked_from_readme():
+    assert len(PAGES) > 1
+    linked = {(README.parent / t.partition("#")[0]).resolve() for _, t in links(README)}
+    for sub in ("getting-started.md", "guides/your-model.md", "reference/config.md"):
+        assert (ROOT / "docs" / sub).resolve() in linked, sub
+
+
+def test_readme_is_a_first_page():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; move detail into docs/"
+    first = re.search(r"```\w*\n(.*?)```", README.read_text(), re.S)
+    assert first, "README.md has no code block"
+    commands = first.group(1)
+    assert re.search(r"pip install -e \. .*train\.py --stage 3", commands), commands
+    assert re.search(r"pip install -e '\.\[test\]' .*pytest -n 2 tests", commands), commands
