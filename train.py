@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--zero3-size", metavar="K",
                    help="hierarchical ZeRO: stage 3 within groups of K devices, optimizer state "
                    "over all; 'local' = one group per process/host (default: off)")
+    p.add_argument("--tensor-parallel", type=int, metavar="T",
+                   help="tensor parallelism: a data x model mesh, T adjacent devices per group "
+                        "(config mesh.tensor_parallel; default 1)")
     p.add_argument("--steps", type=int, help="optimizer steps (default: the config's)")
     p.add_argument("--seed", type=int, help="seed of initialization and data order")
     p.add_argument("--devices", type=int, help="devices on the data axis (default: all; "
@@ -246,7 +249,8 @@ def run_main(args: argparse.Namespace, watchdog=None) -> int:
 
         overrides = list(args.set)
         for flag, key in [("stage", "zero.stage"), ("steps", "train.steps"),
-                          ("seed", "train.seed"), ("zero3_size", "zero.zero3_size")]:
+                          ("seed", "train.seed"), ("zero3_size", "zero.zero3_size"),
+                          ("tensor_parallel", "mesh.tensor_parallel")]:
             if getattr(args, flag) is not None:
                 overrides.append(f"{key}={getattr(args, flag)}")
         run = None

@@ -122,7 +122,8 @@ def test_accumulation_offload_ignored_and_frozen(grid, small):
     state = zj.init_state(plan, init, tx, KEY)
     assert state.params["wpe"].sharding.spec == P()
     assert state.params["blocks"]["ln1"]["scale"].sharding.spec == P()
-    assert state.params["blocks"]["qkv"]["kernel"].sharding.spec == P(None, "data", None)
+    assert state.params["blocks"]["qkv"]["kernel"].sharding.spec == P(None, "data", None, None,
+                                                                      None)
     persistent = state.params["blocks"]["ln2"]["scale"]  # (2, 40): 40 < 64 per layer
     momentum = state.opt_state.inner_states["trained"].inner_state[0].trace  # multi_transform
     trace = momentum["blocks"]["ln2"]["scale"]
@@ -184,9 +185,10 @@ def test_checkpoints_move_between_hierarchical_and_flat(adamw, tmp_path):
     back.finish()
     again, _ = back.restore(zj.abstract_state(plan, tx))
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, again), saved)
-    assert again.params["blocks"]["qkv"]["kernel"].sharding.spec == P(None, "data", None)
+    assert again.params["blocks"]["qkv"]["kernel"].sharding.spec == P(None, "data", None, None,
+                                                                      None)
     assert (again.opt_state[1][0].mu["blocks"]["qkv"]["kernel"].sharding.spec
-            == P(None, ("data", "replica"), None))
+            == P(None, ("data", "replica"), None, None, None))
 
 
 def test_mixed_precision(grid, small, reference):

@@ -37,12 +37,12 @@ def test_each_field_from_its_first_matching_rule():
     rules = [zj.Rule("^wpe/", frozen=True), zj.Rule("^w", shard=False),
              zj.Rule("", min_shard_elems=100), zj.Rule("^wpe/", frozen=False, shard=True)]
     fields = match_rules(rules, PATHS)
-    assert fields["wpe/embedding"] == {"shard": False, "frozen": True, "min_shard_elems": 100}
-    assert fields["wte/embedding"] == {"shard": False, "frozen": False, "min_shard_elems": 100}
-    assert fields["blocks/qkv/kernel"] == {"shard": True, "frozen": False,
-                                           "min_shard_elems": 100}
-    assert match_rules([], PATHS)["head/bias"] == {"shard": True, "frozen": False,
-                                                   "min_shard_elems": 0}
+    f = lambda shard, frozen, least: {"shard": shard, "frozen": frozen,
+                                      "min_shard_elems": least, "model_dim": None}
+    assert fields["wpe/embedding"] == f(False, True, 100)
+    assert fields["wte/embedding"] == f(False, False, 100)
+    assert fields["blocks/qkv/kernel"] == f(True, False, 100)
+    assert match_rules([], PATHS)["head/bias"] == f(True, False, 0)
 
 
 def test_a_rule_that_matches_nothing_or_is_no_regex_is_refused():

@@ -31,9 +31,11 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from zero_jax import buckets
 from zero_jax.buckets import Comm
+from zero_jax.mesh import MODEL
 from zero_jax.offload import in_host_memory
 
 PyTree = Any
@@ -58,6 +60,9 @@ class Shard:
     # Not trained: it travels in buckets of its own, whose gradient reduction is then dead code
     # that XLA drops, as it drops a lone leaf's; in a shared bucket it would be reduced.
     frozen: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # Tensor parallelism: the dimension (negative) cut over the ``model`` axis, which the
+    # partitioner places; ZeRO's collectives run on each tensor-parallel rank's piece.
+    model_dim: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def kind(self) -> str:
@@ -73,6 +78,28 @@ class _How(NamedTuple):
     reduce_dtype: str
     dtypes: tuple[str, ...]  # the targets', which their gradients come back in
     comm: Comm
+    model_dims: tuple[int | None, ...]  # each leaf's tensor-parallel dimension (negative)
+
+
+def per_model_rank(fn, xs: list[jax.Array], model_dims: tuple[int | None, ...]) -> list:
+    """``fn(xs)``, a ZeRO collective over the data axes, run on each tensor-parallel rank's
+    own pieces: ``shard_map`` over ``model`` inside the data-parallel one. Left to the
+    partitioner, a collective over ``data`` first gathers its operand over ``model``."""
+    if all(d is None for d in model_dims):
+        return fn(xs)
+    specs = [P() if d is None else P(*[MODEL if i == d % x.ndim else None
+                                       for i in range(x.ndim)])
+             for x, d in zip(xs, model_dims, strict=True)]
+    # A bucket may mix leaves cut over ``model`` with whole ones; those come out the same on
+    # every tensor-parallel rank (the same bytes moved, summed in the same order), which
+    # shard_map cannot infer through the bucket's concatenation: it is told, not checked. The
+    # results are then typed as the collective types them (varying over the data axes or not).
+    want = jax.eval_shape(fn, xs)
+    out = jax.shard_map(fn, in_specs=(specs,), out_specs=specs, axis_names={MODEL},
+                        check_vma=False)(xs)
+    varying = lambda x: x.manual_axis_type.varying
+    return [y if not (extra := tuple(varying(w) - varying(jax.typeof(y))))
+            else jax.lax.pcast(y, extra, to="varying") for y, w in zip(out, want, strict=True)]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -81,8 +108,8 @@ def _whole(targets: list, sources: list, how: _How, after: tuple) -> list:
     to ``targets`` (reduce-scattered, or all-reduced for replicas), never to ``sources`` nor
     ``after`` (``buckets.all_gather``'s)."""
     if how.kind == "gather":
-        return buckets.all_gather(sources, list(how.axes), how.mesh_axis, how.comm,
-                                  after=after)
+        return per_model_rank(lambda xs: buckets.all_gather(
+            xs, list(how.axes), how.mesh_axis, how.comm, after=after), sources, how.model_dims)
     # pcast marks the copy as per-device; without it JAX would all-reduce its gradient before
     # our reduce and the gradient would come out N times too large.
     return [jax.lax.pcast(s, how.mesh_axis, to="varying") for s in sources]
@@ -96,7 +123,12 @@ def _reduce(how: _How, gs: list, hold: PyTree = ()) -> tuple[list, PyTree]:
     """The gradients of whole leaves back to their targets: reduce-scattered into shards, or
     all-reduced for replicas, in the targets' dtypes; and ``hold`` (``buckets.reduce_scatter``)."""
     if how.kind == "replica":
-        summed = buckets.all_reduce(gs, how.mesh_axis, how.reduce_dtype, how.comm)
+        summed = per_model_rank(lambda gs: buckets.all_reduce(
+            gs, how.mesh_axis, how.reduce_dtype, how.comm), gs, how.model_dims)
+    elif any(d is not None for d in how.model_dims):  # no prefetch: nothing to hold
+        summed = per_model_rank(lambda gs: buckets.reduce_scatter(
+            gs, list(how.axes), how.mesh_axis, how.reduce_dtype, how.comm)[0], gs,
+            how.model_dims)
     else:
         summed, hold = buckets.reduce_scatter(gs, list(how.axes), how.mesh_axis,
                                               how.reduce_dtype, how.comm, hold)
@@ -114,7 +146,8 @@ def _how(xs: list[Shard]) -> _How:
     first = xs[0]
     axes = tuple(None if x.axis is None else x.axis % x.value.ndim for x in xs)
     return _How(first.kind, axes, first.mesh_axis, first.reduce_dtype,
-                tuple(x.value.dtype.name for x in xs), first.comm)
+                tuple(x.value.dtype.name for x in xs), first.comm,
+                tuple(x.model_dim for x in xs))
 
 
 def _groups(leaves: list) -> list[list[int]]:

@@ -21,7 +21,7 @@ from flax.errors import ScopeParamShapeError
 from jax.sharding import PartitionSpec as P
 
 from zero_jax import buckets, prefetch
-from zero_jax.gather import Shard, materialize_tree, per_block
+from zero_jax.gather import Shard, materialize_tree, per_block, per_model_rank
 from zero_jax.offload import in_host_memory, on_host_leaves
 from zero_jax.rules import Leaf, Plan
 from zero_jax.state import grads_in_host_memory, params_in_host_memory
@@ -121,15 +121,18 @@ def wrap(g: GradStep, params: PyTree, whole: PyTree | None) -> PyTree:
     plan, reduce = g.plan, g.plan.precision.reduce.name
 
     def one(r: Route, p, w=None):
+        model_dim = None if r.leaf.model_dim is None or not plan.model else \
+            r.leaf.model_dim - len(r.leaf.shape)
         if r.in_backward:
-            return Shard(p, None, None, plan.data_axes, reduce, comm=plan.comm)
+            return Shard(p, None, None, plan.data_axes, reduce, comm=plan.comm,
+                         model_dim=model_dim)
         if not r.cut:
             return p
         args = (r.leaf.axis - len(r.leaf.shape), plan.axis, reduce)
         # Stage 3 streaming to the host: ``p`` carries the gradient, ``w`` is gathered.
         return Shard(p, None if r.streamed or not g.stage2 else w, *args,
                      gather_from=w if r.streamed else None, comm=plan.comm,
-                     frozen=r.leaf.frozen)
+                     frozen=r.leaf.frozen, model_dim=model_dim)
     tree = g.map(one, params) if whole is None else g.map(one, params, whole)
     outside = materialize_tree(g.map(lambda r, x: None if r.leaf.block else x, tree))
     return g.map(lambda r, x, o: x if r.leaf.block else o, tree, outside)
@@ -232,12 +235,13 @@ def reduce(g: GradStep, grads: PyTree) -> PyTree:
     whole = [i for i, r in enumerate(rs) if not r.leaf.frozen and not r.cut and not r.in_backward]
     across = [i for i, r in enumerate(rs) if not r.leaf.frozen and r.cut and plan.outer]
     reduce_dtype = plan.precision.reduce.name
-    put(flat, whole, buckets.all_reduce([flat[i] for i in whole], plan.data_axes, reduce_dtype,
-                                        plan.comm))
+    dims = lambda idx: tuple(rs[i].leaf.model_dim if plan.model else None for i in idx)
+    put(flat, whole, per_model_rank(lambda gs: buckets.all_reduce(
+        gs, plan.data_axes, reduce_dtype, plan.comm), [flat[i] for i in whole], dims(whole)))
     if across:
-        put(flat, across, buckets.reduce_scatter(
-            [flat[i] for i in across], [rs[i].leaf.axis for i in across], plan.outer,
-            reduce_dtype, plan.comm)[0])
+        put(flat, across, per_model_rank(lambda gs: buckets.reduce_scatter(
+            gs, [rs[i].leaf.axis for i in across], plan.outer, reduce_dtype, plan.comm)[0],
+            [flat[i] for i in across], dims(across)))
     return tree.unflatten(flat)
 
 
@@ -304,11 +308,14 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
         # Stage 2 differentiates the shards of its replicated parameters, and passes the whole
         # copy too, which the forward reads as is.
         whole = params if g.needs_whole else None
+        manual = plan.manual
         loss, grads, factor = jax.shard_map(
             lambda *args: local_grads(g, *args), mesh=plan.mesh,
-            in_specs=(plan.grad_specs if g.stage2 else plan.param_specs,
-                      None if whole is None else plan.param_specs, batch_spec, P(), P()),
-            out_specs=((P(), P()) if has_aux else P(), plan.grad_specs, P()),
+            in_specs=(manual(plan.grad_specs if g.stage2 else plan.param_specs),
+                      None if whole is None else manual(plan.param_specs), batch_spec, P(),
+                      P()),
+            out_specs=((P(), P()) if has_aux else P(), manual(plan.grad_specs), P()),
+            axis_names=set(plan.data_axes),
         )(params, whole, batch, key, jnp.asarray(scale, jnp.float32))
         return loss, on_host_scaled(g, grads, factor)
 

@@ -63,16 +63,34 @@ def _arrays(shape: str) -> list[tuple[str, int]]:
 
 
 _ALL_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+# Mesh form: mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, the devices optionally given as an iota
+# (``, device_ids=([4,2]T(1,0))`` before the braces): one group per combination of the axes
+# not named in braces.
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
+                          r"(?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+                          r"\s*\{([^}]*)\}")
+
+
+def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
+    """ids 0..prod(dims)-1 laid out as ``dims``, transposed by ``perm``, read row-major."""
+    return np.arange(math.prod(dims)).reshape(dims).transpose(perm).reshape(-1)
 
 
 def _groups(rest: str, n_devices: int) -> tuple[tuple[int, ...], ...]:
     """Every replica group's device (partition) ids; no groups: all devices in one."""
+    ints = lambda text: [int(d) for d in text.split(",")] if text else None
     if m := _GROUPS_IOTA.search(rest):
-        # ids 0..prod(dims)-1 laid out as ``dims``, transposed by ``perm``, read row-major
-        dims = [int(d) for d in m.group(3).split(",")]
-        perm = [int(d) for d in m.group(4).split(",")] if m.group(4) else None
-        ids = np.arange(math.prod(dims)).reshape(dims).transpose(perm).reshape(-1)
+        ids = _iota(ints(m.group(3)), ints(m.group(4)))
         return tuple(tuple(int(i) for i in g) for g in ids.reshape(int(m.group(1)), -1))
+    if m := _GROUPS_MESH.search(rest):
+        axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
+        ids = (_iota(ints(m.group(2)), ints(m.group(3))) if m.group(2)
+               else np.arange(math.prod(sizes))).reshape(sizes)
+        within = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(4))]
+        across = [i for i in range(len(names)) if i not in within]
+        ids = ids.transpose(across + within).reshape(-1, math.prod(sizes[i] for i in within))
+        return tuple(tuple(int(i) for i in g) for g in ids)
     if m := _ALL_GROUPS.search(rest):
         found = re.findall(r"\{([\d,]*)\}", m.group(1))
         if found and found[0]:

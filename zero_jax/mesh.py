@@ -14,7 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-DATA, REPLICA = "data", "replica"  # the axis parameters are cut over; hierarchical's outer one
+# The axis parameters are cut over; hierarchical ZeRO's across-group one; tensor parallelism's.
+DATA, REPLICA, MODEL = "data", "replica", "model"
 
 # Keep remat's optimization barriers on the CPU backend: without them CSE merges a block's
 # backward re-gather into its forward gather, and stage 3 holds every block's whole weights

@@ -48,12 +48,15 @@ def model_states(plan: Plan, state: PyTree) -> tuple[dict, dict, dict, dict]:
         lambda p, s, host: jax.ShapeDtypeStruct(p.shape, plan.grad_dtype, sharding=s if not host
                                                 else s.with_memory_kind("pinned_host")),
         state.params, plan.shardings(grad_specs), grads_in_host_memory(plan))
-    psi = sum(math.prod(p.shape) for p in jax.tree.leaves(state.params))
+    # Per tensor-parallel rank: a leaf cut over ``model`` counts 1/T (ZeRO's rule holds per rank).
+    psi = per_rank(plan)
     c, g = prec.compute.itemsize, jnp.dtype(plan.grad_dtype).itemsize
-    k_opt = total_bytes(state.opt_state) / psi  # optimizer bytes per parameter (Adam fp32: 8)
+    whole = sum(math.prod(p.shape) for p in jax.tree.leaves(state.params))
+    k_opt = total_bytes(state.opt_state) / whole  # optimizer bytes per parameter (Adam fp32: 8)
     leaves = jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "offload"))
-    fraction = lambda flags: sum(math.prod(x.shape) for x, f in zip(leaves, flags, strict=True)
-                                 if f) / psi
+    fraction = lambda flags: sum(math.prod(x.shape) / (plan.tp_size if x.model_dim is not None
+                                                         else 1)
+                                 for x, f in zip(leaves, flags, strict=True) if f) / psi
     host = fraction(x.offload for x in leaves)  # master and optimizer state offloaded
     grads_host = fraction(jax.tree.leaves(grads_in_host_memory(plan)))  # streamed gradients
 
@@ -75,6 +78,13 @@ def model_states(plan: Plan, state: PyTree) -> tuple[dict, dict, dict, dict]:
     zero_host = {"params": params if plan.offload.params else 0, "grads": grads * grads_host,
                  "master": master * host, "opt_state": opt * host}
     return on_device, zero, on_host, zero_host
+
+
+def per_rank(plan: Plan) -> float:
+    """The parameters one tensor-parallel rank holds: Psi / T of the leaves cut over ``model``,
+    all of the others (Psi without tensor parallelism)."""
+    return sum(math.prod(leaf.shape) / (plan.tp_size if leaf.model_dim is not None else 1)
+               for leaf in jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "offload")))
 
 
 def stages_table(plan: Plan, tx: Any) -> list[dict]:
@@ -146,8 +156,9 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
     # an all-gather (of gradients at stage 0, of updated parameters at 1-2, per layer at 3).
     # With k microbatches stage 2 reduce-scatters, and stage 3 also gathers, once per microbatch.
     k = plan.accum_steps
-    theory = {0: psi * (r + r), 1: psi * (r + r), 2: psi * (r * k + c),
-              3: psi * (c + c + r) * k}
+    rank = round(per_rank(plan))  # with tensor parallelism, each rank's ZeRO moves its part
+    theory = {0: rank * (r + r), 1: rank * (r + r), 2: rank * (r * k + c),
+              3: rank * (c + c + r) * k}
     formula = {0: "2 Psi", 1: "2 Psi", 2: f"{k + 1} Psi", 3: f"{3 * k} Psi"}[plan.stage]
     by_axes = {plan.axis: theory[plan.stage] if plan.dp_size > 1 else 0}
     if plan.outer:
@@ -155,7 +166,7 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
         # shards (Psi/K) reduce-scattered and the updated parameter shards all-gathered back.
         group = mesh.shape[plan.axis]
         by_axes = {plan.axis: theory[3] if group > 1 else 0,
-                   plan.outer: psi * (r + c) // group if mesh.shape[plan.outer] > 1 else 0}
+                   plan.outer: rank * (r + c) // group if mesh.shape[plan.outer] > 1 else 0}
         formula = f"{3 * k} Psi within a group + 2 Psi/K across"
     return {
         "stage": plan.stage,

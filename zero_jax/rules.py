@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from zero_jax.buckets import Comm
 from zero_jax.gather import REMAT
-from zero_jax.mesh import DATA, REPLICA
+from zero_jax.mesh import DATA, MODEL, REPLICA
 from zero_jax.offload import Offload
 from zero_jax.precision import Precision
 
@@ -65,10 +65,12 @@ class Leaf:
     reason: str = ""  # why it is not cut everywhere
     frozen: bool = False  # not trained: no gradient, no optimizer state
     offload: bool = False  # ZeRO-Offload: its master and optimizer state in host memory
+    model_dim: int | None = None  # dimension cut over the ``model`` axis (tensor parallelism)
 
 
 def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
-              min_shard_elems: int, cut_one: bool = False) -> Leaf:
+              min_shard_elems: int, cut_one: bool = False, model_dim: int | None = None,
+              t: int = 1) -> Leaf:
     """Cut the first dimension (after the layer index) that ``n`` divides.
 
     A leaf with no such dimension stays whole everywhere, optimizer state included. A leaf
@@ -76,18 +78,28 @@ def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
     ``stage3_param_persistence_threshold``: gathering it would cost more in latency than it
     saves, so its parameter and gradient stay whole while its optimizer state is still cut.
     On one device nothing is cut, unless ``cut_one`` (into one shard: see make_plan).
+
+    With tensor parallelism, ``model_dim`` is cut over the ``model`` axis's ``t`` devices and
+    the data cut takes another dimension: each tensor-parallel rank holds 1/n of its slice.
     """
     first = 1 if stacked else 0
+    if model_dim is not None:
+        model_dim %= len(shape)
+        if model_dim < first or shape[model_dim] % t:
+            raise ValueError(f"{path}: tensor parallelism cuts dimension {model_dim} of shape "
+                             f"{shape} into {t}, which does not divide it (or is the layer "
+                             f"index): pick a tensor-parallel size that divides it")
     axis = next((a for a in range(first, len(shape))
-                 if (n > 1 or cut_one) and shape[a] % n == 0), None)
+                 if (n > 1 or cut_one) and shape[a] % n == 0 and a != model_dim), None)
     if axis is None:
         reason = "one device" if n == 1 else f"no dimension divisible by {n}"
-        return Leaf(path, shape, stacked, None, reason=reason)
-    size = math.prod(shape[first:])
+        return Leaf(path, shape, stacked, None, reason=reason, model_dim=model_dim)
+    size = math.prod(shape[first:]) // (t if model_dim is not None else 1)
     if size < min_shard_elems:
         return Leaf(path, shape, stacked, axis, True,
-                    f"persistent: {size} < {min_shard_elems} elements per layer")
-    return Leaf(path, shape, stacked, axis)
+                    f"persistent: {size} < {min_shard_elems} elements per layer",
+                    model_dim=model_dim)
+    return Leaf(path, shape, stacked, axis, model_dim=model_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,12 +114,15 @@ class Rule:
     ``frozen``: not trained, no gradient computed or communicated, no optimizer state.
     ``min_shard_elems``: smaller parameters (per layer) are persistent, DeepSpeed's
     ``stage3_param_persistence_threshold``: whole parameter and gradient, optimizer state cut.
+    ``model_dim``: the dimension cut over the mesh's ``model`` axis (tensor parallelism, e.g.
+    -1 for a Dense kernel's output columns, -2 for its input rows); None: whole on ``model``.
     """
 
     pattern: str
     shard: bool | None = None
     frozen: bool | None = None
     min_shard_elems: int | None = None
+    model_dim: int | None = None
 
     def __post_init__(self):
         try:
@@ -119,7 +134,8 @@ class Rule:
                              f"(got {self.min_shard_elems})")
 
 
-FIELDS = {"shard": True, "frozen": False, "min_shard_elems": 0}  # what no rule sets
+FIELDS = {"shard": True, "frozen": False, "min_shard_elems": 0,  # what no rule sets
+          "model_dim": None}
 
 
 def match_rules(rules: tuple[Rule, ...] | list[Rule], paths: list[str]) -> dict[str, dict]:
@@ -137,7 +153,7 @@ def match_rules(rules: tuple[Rule, ...] | list[Rule], paths: list[str]) -> dict[
                 for name in FIELDS:
                     if found[name] is None:
                         found[name] = getattr(r, name)
-        out[path] = {k: FIELDS[k] if v is None else v for k, v in found.items()}
+        out[path] = {k: FIELDS[k] if found[k] is None else found[k] for k in FIELDS}
     return out
 
 
@@ -208,6 +224,24 @@ class Plan:
         return (self.axis,) if self.outer is None else (self.outer, self.axis)
 
     @property
+    def model(self) -> str | None:
+        """The tensor-parallel mesh axis, if the mesh has one."""
+        return MODEL if MODEL in self.mesh.axis_names else None
+
+    @property
+    def tp_size(self) -> int:
+        return self.mesh.shape[MODEL] if self.model else 1
+
+    def manual(self, specs: PyTree) -> PyTree:
+        """``specs`` without the ``model`` axis: what ``shard_map`` over the data axes takes
+        (the partitioner places the model axis, from the arrays' own shardings)."""
+        if not self.model:
+            return specs
+        drop = lambda part: None if part == MODEL else part
+        return jax.tree.map(lambda spec: P(*map(drop, spec)), specs,
+                            is_leaf=lambda x: isinstance(x, P))
+
+    @property
     def dp_size(self) -> int:
         return math.prod(self.mesh.shape[a] for a in self.data_axes)
 
@@ -239,11 +273,12 @@ class Plan:
         axes = (self.axis, self.outer) if everywhere and self.outer else self.axis
 
         def spec(leaf: Leaf) -> P:
-            if not sharded or leaf.axis is None or (leaf.persistent and not persistent_too):
-                return P()
             parts = [None] * len(leaf.shape)
-            parts[leaf.axis] = axes
-            return P(*parts)
+            if leaf.model_dim is not None and self.model:
+                parts[leaf.model_dim] = self.model
+            if sharded and leaf.axis is not None and (persistent_too or not leaf.persistent):
+                parts[leaf.axis] = axes
+            return P(*parts) if any(p is not None for p in parts) else P()
         return jax.tree.map(spec, self.leaves, is_leaf=_is_leaf)
 
     @property
@@ -343,7 +378,8 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, layers: str | Non
     ``precision``, ``offload`` and ``comm`` are policies that check themselves when built.
     """
     axis, outer = data_axes(mesh)
-    _check_combination(stage, layers, offload, comm, remat, accum_steps, outer)
+    t = mesh.shape[MODEL] if MODEL in mesh.axis_names else 1
+    _check_combination(stage, layers, offload, comm, remat, accum_steps, outer, t > 1)
     n = mesh.shape[axis] * (mesh.shape[outer] if outer else 1)
     flat = {path_str(p): tuple(x.shape)
             for p, x in jax.tree_util.tree_flatten_with_path(params_shape)[0]}
@@ -363,10 +399,13 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, layers: str | Non
         name, f = path_str(path), fields[path_str(path)]
         block = blocks.get(name)
         in_stack = block is not None and stacked[block]
+        model_dim = f["model_dim"] if MODEL in mesh.axis_names else None
         if not f["shard"]:
-            leaf = Leaf(name, tuple(x.shape), in_stack, None, reason="ignored_modules")
+            leaf = leaf_rule(name, tuple(x.shape), 1, in_stack, 0, False, model_dim, t)
+            leaf = dataclasses.replace(leaf, reason="ignored_modules")
         else:
-            leaf = leaf_rule(name, tuple(x.shape), n, in_stack, f["min_shard_elems"], cut_one)
+            leaf = leaf_rule(name, tuple(x.shape), n, in_stack, f["min_shard_elems"], cut_one,
+                             model_dim, t)
         return dataclasses.replace(leaf, frozen=f["frozen"], block=block)
 
     leaves = jax.tree_util.tree_map_with_path(rule, params_shape)
@@ -381,15 +420,17 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, layers: str | Non
 def data_axes(mesh: Mesh) -> tuple[str, str | None]:
     """The mesh's data axis, and hierarchical ZeRO's across-group axis if it has one."""
     names = set(mesh.axis_names)
-    if DATA not in names or names - {DATA, REPLICA}:
+    if DATA not in names or names - {DATA, REPLICA, MODEL}:
         raise ValueError(f"make_plan needs a mesh of axes {DATA!r} (and {REPLICA!r} for "
-                         f"hierarchical ZeRO), got {mesh.axis_names}: build it with "
-                         f"zero_jax.make_mesh(axes={{{REPLICA!r}: groups, {DATA!r}: -1}})")
+                         f"hierarchical ZeRO, {MODEL!r} for tensor parallelism), got "
+                         f"{mesh.axis_names}: build it with zero_jax.make_mesh(axes={{{DATA!r}: "
+                         f"-1, {MODEL!r}: 2}})")
     return DATA, REPLICA if REPLICA in names else None
 
 
 def _check_combination(stage: int, layers: str | None, offload: Offload, comm: Comm,
-                       remat: str, accum_steps: int, outer: str | None) -> None:
+                       remat: str, accum_steps: int, outer: str | None,
+                       tensor_parallel: bool) -> None:
     """The options that are valid alone but not together (each policy checks itself)."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of 0, 1, 2, 3 (got {stage})")
@@ -413,6 +454,9 @@ def _check_combination(stage: int, layers: str | None, offload: Offload, comm: C
     if comm.quantize_grads and stage < 2:
         raise ValueError(f"quantize_grads makes the gradient reduce-scatters of stages 2-3 int8; "
                          f"stage {stage} all-reduces: use stage 2 or 3")
+    if tensor_parallel and (offload.any or comm.prefetch):
+        raise ValueError("tensor parallelism (a 'model' mesh axis) is not built with offload or "
+                         "prefetch yet: turn them off")
     if comm.prefetch and not prefetchable(stage, bool(layers), remat, offload.any):
         raise ValueError("prefetch overlaps stage 3's per-layer gathers with the layer before: "
                          "it needs stage 3, layers=, remat full or offload, and no offload "

@@ -47,6 +47,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
              "offload_optimizer": {"device": "none", "ratio": 1.0}, "offload_params": "none",
              "bucket_mb": 25, "quantize_weights": "none", "quantize_grads": "none",
              "quantize_block": 64, "prefetch": True},
+    # tensor_parallel T: a 2-D mesh, data x model, T adjacent devices per tensor-parallel group
+    # (Megatron's layout of each block, zero_jax.gpt.model.TENSOR_PARALLEL); ZeRO over data.
+    "mesh": {"tensor_parallel": 1},
     # auto: bf16 compute on accelerators, fp32 on the CPU mesh; reduce_dtype auto = param_dtype.
     # fp16 turns on DeepSpeed's dynamic loss scaler, with its defaults below.
     "precision": {"param_dtype": "auto", "reduce_dtype": "auto", "accum_dtype": "fp32",
@@ -191,10 +194,25 @@ def validate(config: dict) -> None:
     if not 0 <= off["ratio"] <= 1:
         raise ConfigError(f"zero.offload_optimizer.ratio is the fraction of the optimizer state "
                           f"offloaded, 0 to 1 (got {off['ratio']})")
+    _check_tensor_parallel(config)
     for key in ("loss_scale_window", "hysteresis"):
         _at_least(config, "precision", key, 1)
     _at_least(config, "precision", "initial_scale_power", 0)
     _at_least(config, "precision", "min_loss_scale", 0)
+
+
+def _check_tensor_parallel(config: dict) -> None:
+    """T must cut whole heads, the MLP's hidden units and the vocabulary, and is not built with
+    offload yet."""
+    _at_least(config, "mesh", "tensor_parallel", 1)
+    t, m, z = config["mesh"]["tensor_parallel"], config["model"], config["zero"]
+    for key in ("n_heads", "d_ff", "vocab_size"):
+        if m[key] % t:
+            raise ConfigError(f"mesh.tensor_parallel {t} does not divide model.{key} {m[key]}: "
+                              f"tensor parallelism cuts it into {t} pieces; pick a divisor")
+    if t > 1 and (z["offload_params"] != "none" or z["offload_optimizer"]["device"] != "none"):
+        raise ConfigError(f"mesh.tensor_parallel {t} is not built with offload yet: drop "
+                          "zero.offload_* or use --tensor-parallel 1")
 
 
 def _at_least(config: dict, section: str, key: str, low: int) -> None:

@@ -17,7 +17,14 @@ from jax.sharding import PartitionSpec as P
 
 from zero_jax.buckets import Comm
 from zero_jax.checkpoint import CheckpointError
-from zero_jax.gpt.model import GPT, LAYER_STACKS, GPTConfig, init_fn, lm_loss
+from zero_jax.gpt.model import (
+    GPT,
+    LAYER_STACKS,
+    TENSOR_PARALLEL,
+    GPTConfig,
+    init_fn,
+    lm_loss,
+)
 from zero_jax.gpt.optim import make_optimizer
 from zero_jax.mesh import make_mesh
 from zero_jax.offload import Offload
@@ -39,7 +46,7 @@ class Experiment:
     @classmethod
     def build(cls, cfg: dict, mesh: Mesh) -> Experiment:
         t = cfg["train"]
-        n = mesh.size  # every mesh axis is a data-parallel axis
+        n = mesh.size // cfg["mesh"]["tensor_parallel"]  # the data-parallel devices
         if t["batch_size"] % n:
             raise ValueError(f"global batch {t['batch_size']} is not divisible by {n} "
                              f"data-parallel devices: use --set train.batch_size=<multiple of "
@@ -61,9 +68,11 @@ class Experiment:
         shapes = jax.eval_shape(init, jax.random.key(0))
         _check_modules(cfg, shapes)
         plan = make_plan(shapes, mesh, z["stage"],
-                         layers=modules_pattern(z["transformer_layers"]), rules=rules_from(cfg),
+                         layers=modules_pattern(z["transformer_layers"]),
+                         rules=[*rules_from(cfg), *TENSOR_PARALLEL],
                          precision=precision, offload=offload_from(z),
-                         comm=comm_from(z, cfg["model"]["remat"]), remat=cfg["model"]["remat"],
+                         comm=comm_from(z, cfg["model"]["remat"], cfg["mesh"]["tensor_parallel"]),
+                         remat=cfg["model"]["remat"],
                          accum_steps=t["accum_steps"])
         loss = lm_loss(model, fp32_logits=precision.autocast_output)
         step = make_train_step(plan, loss, tx, lr_schedule=schedule)
@@ -104,26 +113,34 @@ def _check_modules(cfg: dict, params_shape: Any) -> None:
 
 def mesh_for(cfg: dict, devices: int | None) -> Mesh:
     """One data axis; with ``zero.zero3_size`` K, two: ``replica`` (across groups) x ``data``
-    (the K devices of a group)."""
-    k = cfg["zero"]["zero3_size"]
-    if not k:
+    (the K devices of a group); with ``mesh.tensor_parallel`` T, a last axis ``model`` of T
+    adjacent devices."""
+    k, t = cfg["zero"]["zero3_size"], cfg["mesh"]["tensor_parallel"]
+    if not k and t == 1:
         return make_mesh(devices)
-    n = make_mesh(devices).size
-    if n % k:
-        raise ValueError(f"zero.zero3_size {k} does not divide the {n} data-parallel devices: "
-                         "pick a divisor (the devices of one node, typically)")
-    if cfg["zero"]["stage"] != 3:
-        raise ValueError(f"hierarchical ZeRO (zero3_size {k}) is built on stage 3; drop "
-                         f"--stage {cfg['zero']['stage']} or zero3_size")
-    return make_mesh(devices, axes={"replica": n // k, "data": k})
+    total = make_mesh(devices).size
+    if total % t:
+        raise ValueError(f"mesh.tensor_parallel {t} does not divide the {total} devices: pick a "
+                         "divisor (at most the devices of one host, typically)")
+    n = total // t
+    axes = {"data": n}
+    if k:
+        if n % k:
+            raise ValueError(f"zero.zero3_size {k} does not divide the {n} data-parallel "
+                             "devices: pick a divisor (the devices of one node, typically)")
+        if cfg["zero"]["stage"] != 3:
+            raise ValueError(f"hierarchical ZeRO (zero3_size {k}) is built on stage 3; drop "
+                             f"--stage {cfg['zero']['stage']} or zero3_size")
+        axes = {"replica": n // k, "data": k}
+    return make_mesh(devices, axes={**axes, **({"model": t} if t > 1 else {})})
 
 
-def comm_from(z: dict, remat: str) -> Comm:
+def comm_from(z: dict, remat: str, tensor_parallel: int = 1) -> Comm:
     """The ``zero`` section's buckets, int8 collectives and prefetch; prefetch where it applies
     (as DeepSpeed reads its prefetch settings at stage 3 only)."""
     offload = z["offload_params"] != "none" or z["offload_optimizer"]["device"] != "none"
     prefetch = z["prefetch"] and prefetchable(z["stage"], bool(z["transformer_layers"]), remat,
-                                              offload)
+                                              offload) and tensor_parallel == 1
     return Comm(int(z["bucket_mb"] * 2 ** 20), z["quantize_weights"] == "int8",
                 z["quantize_grads"] == "int8", z["quantize_block"], prefetch)
 

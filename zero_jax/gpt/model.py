@@ -16,10 +16,20 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 
 from zero_jax.gather import BLOCK_INPUT, remat_policy
-from zero_jax.rules import modules_pattern
+from zero_jax.rules import Rule, modules_pattern
 
 LAYER_STACKS = ("blocks",)  # this model's modules under nn.scan
 LAYERS = modules_pattern(LAYER_STACKS)  # the plan's ``layers`` pattern for this model
+# Megatron's tensor-parallel layout, as rules over parameter paths (dimensions from the end,
+# so they hold with or without the scan's layer index): attention's query/key/value by heads
+# and the MLP's first matrix by output columns; attention's output and the MLP's second matrix
+# by input rows (their outputs are then summed over ``model``); the embedding by vocabulary.
+TENSOR_PARALLEL = (
+    Rule(r"^blocks/qkv/(kernel|bias)$", model_dim=-2),
+    Rule(r"^blocks/fc1/(kernel|bias)$", model_dim=-1),
+    Rule(r"^blocks/(proj|fc2)/kernel$", model_dim=-2),
+    Rule(r"^wte$", model_dim=0),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +62,8 @@ class Block(nn.Module):
         out_init = nn.initializers.normal(0.02 / math.sqrt(2 * c.n_layers))
 
         h = nn.LayerNorm(name="ln1")(x)
-        qkv = nn.Dense(3 * d, kernel_init=init, name="qkv")(h).reshape(b, t, 3, c.n_heads, dh)
+        # (3, heads, head size) outputs: tensor parallelism cuts whole heads (TENSOR_PARALLEL).
+        qkv = nn.DenseGeneral((3, c.n_heads, dh), kernel_init=init, name="qkv")(h)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         scores = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(dh)
         causal = jnp.tril(jnp.ones((t, t), bool))
