@@ -75,21 +75,24 @@ def groups_of(mesh, axes: tuple[str, ...]) -> set[tuple[int, ...]]:
             for g in ids.reshape(-1, math.prod(mesh.shape[a] for a in axes))}
 
 
-def assert_collectives_stay_in_their_axis(plan, text):
-    data_groups = groups_of(plan.mesh, plan.data_axes[-1:])  # within a group (hierarchical)
-    all_data = groups_of(plan.mesh, plan.data_axes)
-    model_groups = groups_of(plan.mesh, ("model",))
+def assert_collectives_stay_in_their_axis(plan, text, gathers_on_model: bool = False):
+    """Every collective runs within data groups (ZeRO's, and the loss statistics) or within
+    model groups (the partitioner's tensor parallelism), never across both; no weight is
+    gathered over ``model`` (Megatron's layout needs only all-reduces there) unless
+    ``gathers_on_model`` (a bias whole on ``model`` next to a cut matrix: its gradient)."""
+    data = set().union(*(groups_of(plan.mesh, axes) for axes in (
+        plan.data_axes, plan.data_axes[:1], plan.data_axes[-1:])))
+    model = groups_of(plan.mesh, ("model",))
     found = collectives(text, plan.mesh.size)
-    assert found
+    on_model = []
     for c in found:
         groups = {tuple(sorted(g)) for g in c.groups}
-        if c.kind in ("all-gather", "reduce-scatter", "all-to-all"):  # ZeRO's
-            assert groups <= data_groups | all_data | groups_of(plan.mesh, plan.data_axes[:1]), c
-        else:  # all-reduces: ZeRO's or the loss statistics over data, Megatron's over model
-            assert groups <= data_groups | all_data | model_groups | groups_of(
-                plan.mesh, plan.data_axes[:1]), c
-    assert any({tuple(sorted(g)) for g in c.groups} <= model_groups for c in found
-               if c.kind == "all-reduce")  # tensor parallelism really ran
+        assert groups <= data or groups <= model, c
+        if groups <= model:
+            on_model.append(c)
+    assert any(c.kind == "all-reduce" for c in on_model)  # tensor parallelism really ran
+    assert gathers_on_model or not any(c.kind == "all-gather" for c in on_model), on_model
+    assert not any(c.kind == "reduce-scatter" for c in on_model)
 
 
 def assert_bytes_per_device(plan, state):
@@ -180,6 +183,46 @@ def test_unrolled_model_placed_by_the_rule_table():
     assert max_rel(state.params, ref_params) < 1e-5
     assert state.params["h_0_up"]["kernel"].sharding.spec == P("data", "model")
     assert_collectives_stay_in_their_axis(plan, text)
+
+
+class Annotated(nn.Module):
+    """MaxText style: kernels annotated with logical axes, no table written for it."""
+
+    @nn.compact
+    def __call__(self, x):
+        dense = lambda n, names, name: nn.Dense(n, name=name, kernel_init=(
+            nn.with_logical_partitioning(nn.initializers.lecun_normal(), names)))
+        for i in range(2):
+            h = nn.gelu(dense(64, ("embed", "mlp"), f"h_{i}_up")(x))
+            x = x + dense(16, ("mlp", "embed"), f"h_{i}_down")(h)
+        return nn.Dense(4, name="head")(x)
+
+
+def test_annotated_linen_model_needs_no_table():
+    model = Annotated()
+    x = jax.random.normal(jax.random.key(1), (32, 16))
+    y = jax.random.randint(jax.random.key(2), (32,), 0, 4)
+    boxed = jax.eval_shape(lambda: model.init(KEY, x[:1])["params"])
+    rules = zj.tensor_parallel_rules(boxed, [("mlp", "model"), ("embed", None)])
+    assert {r.pattern: r.model_dim for r in rules} == {
+        r"^h_0_up/kernel$": -1, r"^h_0_down/kernel$": -2,
+        r"^h_1_up/kernel$": -1, r"^h_1_down/kernel$": -2}
+    init = lambda key: nn.unbox(model.init(key, x[:1])["params"])
+
+    def loss_fn(params, batch):
+        logits = model.apply({"params": params}, batch[0])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+
+    mesh = zj.make_mesh(8, axes=MESHES["2x4"])
+    plan = zj.make_plan(nn.unbox(boxed), mesh, 3, layers=r"^h_\d+_(up|down)$", rules=rules)
+    tx = optax.sgd(0.1)
+    batches = [(x, y)] * STEPS
+    losses, state, text = train(plan, init, loss_fn, batches, tx)
+    ref_losses, ref_params = one_device(init, loss_fn, batches, tx)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert max_rel(state.params, ref_params) < 1e-5
+    assert state.params["h_1_down"]["kernel"].sharding.spec == P("model", "data")
+    assert_collectives_stay_in_their_axis(plan, text, gathers_on_model=True)
 
 
 def test_checkpoint_moves_between_meshes(tmp_path, gpt):
