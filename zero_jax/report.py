@@ -137,37 +137,12 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
     compiled = compiled if compiled is not None else lowered.compile()
     mesh, rule, prec = plan.mesh, plan.rule, plan.precision
     psi = sum(math.prod(p.shape) for p in jax.tree.leaves(state.params))
-    c, r = prec.compute.itemsize, prec.reduce.itemsize
+    c = prec.compute.itemsize
     actual, zero, host, zero_host = model_states(plan, state)
     memory = compiled.memory_analysis()
     found = collectives(compiled.as_text(), mesh.size)
-    groups: dict[tuple, dict] = {}
-    for x in found:
-        axes = mesh_axes(x.group, mesh)
-        spans = processes_spanned(x.groups, mesh)
-        key = (x.kind, x.dtype, axes, x.in_loop, spans)
-        grp = groups.setdefault(key, {"kind": x.kind, "dtype": x.dtype, "axes": axes,
-                                      "group_size": x.group_size, "in_loop": x.in_loop,
-                                      "processes": spans, "count": 0, "bytes": 0, "volume": 0})
-        grp["count"] += x.count
-        grp["bytes"] += x.count * x.bytes
-        grp["volume"] += x.volume
-    # ZeRO's communication, phase by phase, each in its dtype: a gradient reduce-scatter, then
-    # an all-gather (of gradients at stage 0, of updated parameters at 1-2, per layer at 3).
-    # With k microbatches stage 2 reduce-scatters, and stage 3 also gathers, once per microbatch.
-    k = plan.accum_steps
-    rank = round(per_rank(plan))  # with tensor parallelism, each rank's ZeRO moves its part
-    theory = {0: rank * (r + r), 1: rank * (r + r), 2: rank * (r * k + c),
-              3: rank * (c + c + r) * k}
-    formula = {0: "2 Psi", 1: "2 Psi", 2: f"{k + 1} Psi", 3: f"{3 * k} Psi"}[plan.stage]
-    by_axes = {plan.axis: theory[plan.stage] if plan.dp_size > 1 else 0}
-    if plan.outer:
-        # Hierarchical: stage 3 within a group of K; across groups, once per step, the gradient
-        # shards (Psi/K) reduce-scattered and the updated parameter shards all-gathered back.
-        group = mesh.shape[plan.axis]
-        by_axes = {plan.axis: theory[3] if group > 1 else 0,
-                   plan.outer: rank * (r + c) // group if mesh.shape[plan.outer] > 1 else 0}
-        formula = f"{3 * k} Psi within a group + 2 Psi/K across"
+    groups = collective_groups(found, mesh)
+    by_axes, formula = comm_theory(plan)
     return {
         "stage": plan.stage,
         "rule": rule.moves + (
@@ -214,6 +189,14 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
         "comm_bytes_theory": sum(by_axes.values()),
         "comm_theory_formula": formula,
         "comm_bytes_theory_by_axes": by_axes,
+        **layout(plan, state),
+    }
+
+
+def layout(plan: Plan, state: PyTree) -> dict:
+    """The report's view of the plan: what is not cut as the rule says, and how leaves travel."""
+    c = plan.precision.compute.itemsize
+    return {
         "replicated": [{"path": leaf.path, "shape": list(leaf.shape), "reason": leaf.reason}
                        for leaf in plan.replicated],
         "frozen": [leaf.path for leaf in plan.frozen],
@@ -225,6 +208,45 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
         "opt_state_whole": whole_opt_state(plan, state),
         "warnings": warnings(plan),
     }
+
+
+def collective_groups(found: list, mesh: Any) -> dict[tuple, dict]:
+    """The program's collectives summed by kind, dtype, mesh axes, loop and processes."""
+    groups: dict[tuple, dict] = {}
+    for x in found:
+        axes = mesh_axes(x.group, mesh)
+        spans = processes_spanned(x.groups, mesh)
+        key = (x.kind, x.dtype, axes, x.in_loop, spans)
+        grp = groups.setdefault(key, {"kind": x.kind, "dtype": x.dtype, "axes": axes,
+                                      "group_size": x.group_size, "in_loop": x.in_loop,
+                                      "processes": spans, "count": 0, "bytes": 0, "volume": 0})
+        grp["count"] += x.count
+        grp["bytes"] += x.count * x.bytes
+        grp["volume"] += x.volume
+    return groups
+
+
+def comm_theory(plan: Plan) -> tuple[dict[str, int], str]:
+    """ZeRO's bytes per device per step by mesh axis, and the formula.
+
+    Phase by phase, each in its dtype: a gradient reduce-scatter, then an all-gather (of
+    gradients at stage 0, of updated parameters at 1-2, per layer at 3). With k microbatches
+    stage 2 reduce-scatters, and stage 3 also gathers, once per microbatch. With tensor
+    parallelism each rank's ZeRO moves its part."""
+    mesh, prec, k = plan.mesh, plan.precision, plan.accum_steps
+    c, r = prec.compute.itemsize, prec.reduce.itemsize
+    rank = round(per_rank(plan))
+    theory = {0: rank * (r + r), 1: rank * (r + r), 2: rank * (r * k + c),
+              3: rank * (c + c + r) * k}
+    formula = {0: "2 Psi", 1: "2 Psi", 2: f"{k + 1} Psi", 3: f"{3 * k} Psi"}[plan.stage]
+    if not plan.outer:
+        return {plan.axis: theory[plan.stage] if plan.dp_size > 1 else 0}, formula
+    # Hierarchical: stage 3 within a group of K; across groups, once per step, the gradient
+    # shards (Psi/K) reduce-scattered and the updated parameter shards all-gathered back.
+    group = mesh.shape[plan.axis]
+    return ({plan.axis: theory[3] if group > 1 else 0,
+             plan.outer: rank * (r + c) // group if mesh.shape[plan.outer] > 1 else 0},
+            f"{3 * k} Psi within a group + 2 Psi/K across")
 
 
 def layer_elements(plan: Plan) -> int:
@@ -272,6 +294,11 @@ def warnings(plan: Plan) -> list[str]:
 
 def format_table(r: dict) -> str:
     """The report as text for a terminal."""
+    return "\n".join(_states_lines(r) + _comm_lines(r) + _layout_lines(r))
+
+
+def _states_lines(r: dict) -> list[str]:
+    """The headline and the model states per device against ZeRO's formula."""
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
     p = r["precision"]
     offloaded = sum(r["per_device_host_bytes"].values()) > 0
@@ -299,8 +326,13 @@ def format_table(r: dict) -> str:
         lines.append(f"  offloaded to host memory: master and optimizer state of {len(leaves)} "
                      f"leaves (updated there)" + (", parameter shards" if r["offload"]["params"]
                                                   else ""))
+    return lines
+
+
+def _comm_lines(r: dict) -> list[str]:
+    """The compiled step's memory and its collectives against ZeRO's theory."""
     c = r["compiled"]
-    lines += ["", f"  compiled step: arguments {c['argument_bytes'] / MiB:.2f} MiB, outputs "
+    lines = ["", f"  compiled step: arguments {c['argument_bytes'] / MiB:.2f} MiB, outputs "
               f"{c['output_bytes'] / MiB:.2f} MiB, temp {c['temp_bytes'] / MiB:.2f} MiB", "",
               f"  {'collective':<16}{'dtype':<7}{'axes':<14}{'group':>6}{'in loop':>9}"
               f"{'count':>7}{'MiB/step':>10}"]
@@ -320,7 +352,7 @@ def format_table(r: dict) -> str:
     how = "one collective per leaf" if not comm["bucket_bytes"] else \
         f"each layer in flat buffers of at most {comm['bucket_bytes'] / MiB:g} MiB"
     if int8:
-        how += f"; int8 {' and '.join(int8)} (one f32 scale per {comm['block']} elements)"
+        how += f"; int8 {' and '.join(int8)} (one f32 scale per {comm['quantize_block']} elements)"
     lines.append(f"  buckets: {how}")
     prefetch = "off"
     if comm["prefetch"]:
@@ -344,6 +376,12 @@ def format_table(r: dict) -> str:
                      + (", ".join(f"{g['count']} {g['kind']} ({g['axes']}"
                                   f"{', in loop' if g['in_loop'] else ''})" for g in crossing)
                         or "nothing"))
+    return lines
+
+
+def _layout_lines(r: dict) -> list[str]:
+    """What is not cut as the rule says: whole, frozen, blocks, whole optimizer state."""
+    lines = []
     if r["replicated"]:
         lines += ["", f"  kept whole ({len(r['replicated'])} leaves):"]
         lines += [f"    {x['path']} {tuple(x['shape'])}: {x['reason']}" for x in r["replicated"]]
@@ -359,4 +397,4 @@ def format_table(r: dict) -> str:
                   + ", ".join(f"{x['path']} {tuple(x['shape'])}" for x in r["opt_state_whole"][:6])
                   + (", ..." if len(r["opt_state_whole"]) > 6 else "")]
     lines += [f"\n  warning: {w}" for w in r["warnings"]]
-    return "\n".join(lines)
+    return lines
