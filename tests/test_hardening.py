@@ -129,6 +129,14 @@ def a_dir(c, w):
     (w / "dir").mkdir()
 
 
+def duplicate_key(c, w):
+    (w / "dup.yaml").write_text("optimizer:\n  lr: 1e-3\n  b1: 0.9\n  lr: 2e-3\n")
+
+
+def bad_yaml(c, w):
+    (w / "bad.yaml").write_text("optimizer:\n  lr: [1e-3\n")
+
+
 def empty_ckpt(c, w):
     shutil.rmtree(c)
     c.mkdir()
@@ -162,6 +170,17 @@ ROWS = [
      "zero.min_shard_elems must be a finite number of at least 0"),
     ("zero3-size -2", [*T, "--zero3-size", "-2"], None, "zero.zero3_size must be a finite"),
     ("unknown key", [*T, "--set", "model.n_layer=2"], None, "unknown config key model.n_layer"),
+    ("set not yaml", [*T, "--set", "optimizer.lr=[1"], None,
+     "--set optimizer.lr=[1: the value is not valid YAML: expected ',' or ']'"),
+    ("set duplicate", [*T, "--set", "model={{d_model: 64, d_model: 32}}"], None,
+     "d_model is given twice, on lines 1 and 1 of the value of model: keep one"),
+    ("config duplicate", [*T, "--config", "{w}/dup.yaml"], duplicate_key,
+     "config {w}/dup.yaml: optimizer.lr is given twice, on lines 2 and 4: keep one"),
+    ("config not yaml", [*T, "--config", "{w}/bad.yaml"], bad_yaml,
+     "config {w}/bad.yaml is not valid YAML: expected ',' or ']', but got '<stream end>' "
+     "(line 3, column 1)"),
+    ("lr 'x'", [*T, "--set", "optimizer.lr=fast"], None,
+     "config key optimizer.lr must be a float, got 'fast'"),
     ("remat policy", [*T, "--set", "model.remat=some"], None, "model.remat must be one of full"),
     ("offload nvme", [*T, "--set", "zero.offload_optimizer.device=nvme"], None,
      "zero.offload_optimizer.device must be none or cpu"),
@@ -262,6 +281,20 @@ def test_refused_with_one_line_and_nothing_written(name, command, fault, phrase,
     assert "Traceback" not in out.err
     assert not compiles  # refused before any model was compiled
     assert listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("text, value", [
+    ("3e-4", 3e-4), ("1e30", 1e30), ("1.0e30", 1e30), ("1.0e+30", 1e30), ("1E-3", 1e-3),
+    (".5e-2", 0.005), ("5.", 5.0), ("1_000.5", 1000.5), ("7", 7.0), ("'2e-3'", 2e-3)])
+def test_every_float_spelling_python_reads(text, value, tmp_path):
+    """YAML 1.1 reads 3e-4, 1e30 and 1.0e30 as strings; a float key takes them, in --set and in
+    a config file, as Python's float() would."""
+    from zero_jax.gpt import config
+
+    assert config.load("tiny", [f"optimizer.lr={text}"])["optimizer"]["lr"] == value
+    (tmp_path / "c.yaml").write_text(f"optimizer:\n  lr: {text}\n  eps: {text}\n")
+    o = config.load(str(tmp_path / "c.yaml"))["optimizer"]
+    assert o["lr"] == o["eps"] == value
 
 
 def test_a_model_that_cannot_fit_is_refused_before_allocating(tmp_path, capsys):

@@ -1,7 +1,10 @@
 """Run configuration: YAML files in ``configs/`` over the defaults below, then ``--set`` overrides.
 
 Every key that exists is in ``DEFAULTS``; anything else is a mistake and is refused, as is a
-value whose type does not match the default's.
+value whose type does not match the default's, and a key given twice in one file. Values are
+read as YAML (``yaml.safe_load``), except that a number with an exponent is a float however
+Python would write it (``3e-4``, ``1e30``, ``1.0e30``; YAML 1.1 reads these as strings), and a
+float key takes any spelling Python's ``float()`` reads.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import pathlib
+import re
 from typing import Any
 
 import yaml
@@ -77,6 +81,60 @@ def resolve(name: str) -> pathlib.Path:
     raise ConfigError(f"config {name} not found: pass a YAML path or one of {names}")
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping holds the same key twice; YAML would silently keep the last."""
+
+
+class _Loader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, but exponent floats as Python writes them (``3e-4``), and a
+    mapping that holds a key twice is an error naming the key and the lines."""
+
+    def construct_document(self, node):
+        self._no_duplicates(node, "", set())
+        return super().construct_document(node)
+
+    def _no_duplicates(self, node, where: str, visited: set) -> None:
+        if id(node) in visited:  # an alias seen before
+            return
+        visited.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._no_duplicates(item, f"{where}[{i}]", visited)
+        if not isinstance(node, yaml.MappingNode):
+            return
+        lines: dict = {}
+        for key_node, value in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # << merges: overriding is their point
+                continue
+            key = (self.construct_object(key_node) if isinstance(key_node, yaml.ScalarNode)
+                   else id(key_node))
+            dotted = f"{where}.{key}" if where else str(key)
+            lines.setdefault(key, (dotted, []))[1].append(key_node.start_mark.line + 1)
+            self._no_duplicates(value, dotted, visited)
+        for dotted, at in lines.values():
+            if len(at) > 1:
+                times = "twice" if len(at) == 2 else f"{len(at)} times"
+                raise DuplicateKeyError(f"{dotted} is given {times}, on lines "
+                                        f"{', '.join(map(str, at[:-1]))} and {at[-1]}")
+
+
+_Loader.add_implicit_resolver(  # after YAML 1.1's own: only what it reads as a string
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9][0-9_]*$"),
+    list("-+0123456789."))
+
+
+def _yaml(text: str):
+    return yaml.load(text, Loader=_Loader)
+
+
+def _problem(e: yaml.YAMLError) -> str:
+    """A YAML error in one line: what is wrong, and where."""
+    what = getattr(e, "problem", None) or str(e).splitlines()[0]
+    mark = getattr(e, "problem_mark", None)
+    return f"{what} (line {mark.line + 1}, column {mark.column + 1})" if mark else what
+
+
 def _merge(base: dict, update: dict, where: str = "") -> None:
     for key, value in update.items():
         dotted = f"{where}{key}"
@@ -100,6 +158,11 @@ def _check_type(key: str, default: Any, value: Any) -> Any:
     elif isinstance(default, int):
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif isinstance(default, float):
+        if isinstance(value, str):  # any spelling float() reads: "1_000.5", "inf", " 2e-3 "
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
     elif isinstance(default, list):  # lists of names
@@ -117,7 +180,13 @@ def parse_override(text: str) -> dict:
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise ConfigError(f"--set {text}: write KEY=VALUE, e.g. --set optimizer.name=sgd")
-    value = yaml.safe_load(raw) if raw else ""
+    try:
+        value = _yaml(raw) if raw else ""
+    except DuplicateKeyError as e:
+        raise ConfigError(f"--set {text}: {e} of the value of {key}: keep one") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {text}: the value is not valid YAML: {_problem(e)}; quote "
+                          f"it for a string, e.g. --set '{key}=\"{raw}\"'") from None
     for part in reversed(key.split(".")):
         value = {part: value}
     return value
@@ -128,9 +197,11 @@ def load(name: str = "tiny", overrides: list[str] = ()) -> dict:
     config = copy.deepcopy(DEFAULTS)
     path = resolve(name)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = _yaml(path.read_text()) or {}
+    except DuplicateKeyError as e:
+        raise ConfigError(f"config {path}: {e}: keep one") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config {path} is not valid YAML: {str(e).splitlines()[0]}") from e
+        raise ConfigError(f"config {path} is not valid YAML: {_problem(e)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config {path} must be a mapping of sections (model:, train:, ...)")
     _merge(config, data)
