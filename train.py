@@ -17,6 +17,8 @@ import threading
 import time
 
 SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal, as shells report
+MAX_DEVICES = 4096  # --devices: more than any data axis here; XLA aborts on absurd CPU counts
+SEEDS = 2**32  # jax.random.key keeps a seed's low 32 bits (no x64): larger ones would collide
 
 
 class Parser(argparse.ArgumentParser):
@@ -41,9 +43,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="hierarchical ZeRO: stage 3 within groups of K devices, optimizer state "
                    "over all; 'local' = one group per process/host (default: off)")
     p.add_argument("--steps", type=int, help="optimizer steps (default: the config's)")
-    p.add_argument("--seed", type=int, help="seed of initialization and data order")
-    p.add_argument("--devices", type=int, help="devices on the data axis (default: all; "
-                   "8 simulated CPU devices when there is no accelerator)")
+    p.add_argument("--seed", type=int, help="seed of initialization and data order, 0 to "
+                   f"{SEEDS - 1}")
+    p.add_argument("--devices", type=int, help="devices on the data axis, at most "
+                   f"{MAX_DEVICES} (default: all; 8 simulated CPU devices when there is no "
+                   "accelerator)")
     p.add_argument("--data", help="text file, directory of text files, or .bin of uint16 token "
                    "ids (default: the Python standard library's sources, as bytes)")
     p.add_argument("--metrics", help="write one JSON object per step to this file")
@@ -95,6 +99,12 @@ def check_args(args: argparse.Namespace) -> str | None:
                              ("--keep", args.keep, 1)]:
         if value is not None and value < low:
             return f"{flag} must be at least {low} (got {value})"
+    if args.devices is not None and args.devices > MAX_DEVICES:
+        return (f"--devices must be at most {MAX_DEVICES} (got {args.devices}); leave it out to "
+                "use every device there is")
+    if args.seed is not None and not 0 <= args.seed < SEEDS:
+        return (f"--seed must be 0 to {SEEDS - 1} (got {args.seed}): jax.random.key keeps 32 "
+                "bits of it")
     if (args.device_memory or args.host_memory) and not (args.dry_run and args.device_memory
                                                           and args.host_memory):
         return ("--device-memory and --host-memory plan layouts: pass both, with --dry-run, "

@@ -233,6 +233,9 @@ def validate(config: dict) -> None:
     for key in ("batch_size", "steps", "accum_steps"):
         _at_least(config, "train", key, 1)
     _at_least(config, "train", "seed", 0)
+    if config["train"]["seed"] >= 2**32:  # jax.random.key keeps the low 32 bits (no x64)
+        raise ConfigError(f"train.seed must be 0 to {2**32 - 1} (got {config['train']['seed']}): "
+                          "jax.random.key keeps 32 bits of it")
     for key in ("lr", "warmup_steps", "decay_steps", "eps", "weight_decay", "momentum",
                 "clip_norm"):
         _at_least(config, "optimizer", key, 0)
