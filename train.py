@@ -65,9 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "this machine's devices)")
     p.add_argument("--checkpoint-dir", metavar="DIR",
                    help="save sharded orbax checkpoints here (at the end, and every --save-every)")
-    p.add_argument("--save-every", type=int, default=0, metavar="N",
+    p.add_argument("--save-every", type=int, metavar="N",
                    help="also save every N steps (default: only at the end)")
-    p.add_argument("--keep", type=int, default=3, metavar="K", help="keep the last K (default 3)")
+    p.add_argument("--keep", type=int, metavar="K", help="keep the last K (default 3)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest complete checkpoint in --checkpoint-dir, on any "
                    "stage and device count; --steps is the total to reach")
@@ -94,7 +94,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def check_args(args: argparse.Namespace) -> str | None:
-    """The flags that need no config: refused before jax is even imported."""
+    """The flags that need no config: refused before jax is even imported. Fills in the
+    defaults of the checkpoint flags, which mean something only with --checkpoint-dir."""
+    for flag, value, instead in [
+            ("--config", args.config, "a YAML file or a name in configs/"),
+            ("--data", args.data, "a file or directory, or leave it out for the default corpus"),
+            ("--checkpoint-dir", args.checkpoint_dir, "a directory, or leave it out"),
+            ("--metrics", args.metrics, "a file name, or leave it out"),
+            ("--report", args.report, "a file name, or leave it out"),
+            ("--coordinator", args.coordinator, "HOST:PORT, or leave it out")]:
+        if value is not None and not value.strip():
+            return f"{flag} {value!r} names nothing: pass {instead}"
+    if not (0 < args.peer_timeout < float("inf")):  # nan fails too
+        return (f"--peer-timeout must be a positive finite number of seconds (got "
+                f"{args.peer_timeout:g})")
     for flag, value, low in [("--devices", args.devices, 1), ("--save-every", args.save_every, 0),
                              ("--keep", args.keep, 1)]:
         if value is not None and value < low:
@@ -117,8 +130,14 @@ def check_args(args: argparse.Namespace) -> str | None:
                 return (f"--{flag.replace('_', '-')} {size!r} is not a memory size: write e.g. "
                         "80GB, 80GiB or 1TB")
             setattr(args, flag, value)
-    if args.resume and not args.checkpoint_dir:
-        return "--resume needs --checkpoint-dir DIR"
+    if not args.checkpoint_dir:
+        given = [flag for flag, on in [("--save-every", args.save_every is not None),
+                                       ("--keep", args.keep is not None),
+                                       ("--resume", args.resume),
+                                       ("--overwrite", args.overwrite)] if on]
+        if given:
+            return (f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} "
+                    "--checkpoint-dir DIR: without it nothing is saved or read")
     if args.resume and args.overwrite:
         return "--resume continues the checkpoints that --overwrite would delete: pass one"
     if args.metrics and args.report and same_file(args.metrics, args.report):
@@ -127,6 +146,8 @@ def check_args(args: argparse.Namespace) -> str | None:
     for flag, path in [("--metrics", args.metrics), ("--report", args.report)]:
         if path and (problem := unwritable(path)):
             return f"{flag} {path} {problem}"
+    args.save_every = 0 if args.save_every is None else args.save_every
+    args.keep = 3 if args.keep is None else args.keep
     return None
 
 
@@ -204,9 +225,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = distributed.settings(args.coordinator, args.num_processes, args.process_id,
                                     auto=args.distributed)
-        if args.peer_timeout <= 0:
-            raise distributed.StartupError(f"--peer-timeout must be positive (got "
-                                           f"{args.peer_timeout:g})")
         if spec is not None:
             distributed.initialize(spec, args.peer_timeout)
     except distributed.StartupError as e:

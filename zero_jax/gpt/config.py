@@ -239,9 +239,17 @@ def validate(config: dict) -> None:
     for key in ("lr", "warmup_steps", "decay_steps", "eps", "weight_decay", "momentum",
                 "clip_norm"):
         _at_least(config, "optimizer", key, 0)
-    for key in ("b1", "b2"):
+    for key in ("b1", "b2", "momentum"):
         if not 0 <= o[key] < 1:
             raise ConfigError(f"optimizer.{key} must be in [0, 1) (got {o[key]})")
+    if o["weight_decay"] > 1:  # adamw's is decoupled: each step scales by 1 - lr * weight_decay
+        raise ConfigError(f"optimizer.weight_decay must be at most 1 (got {o['weight_decay']:g}):"
+                          " it is decoupled, each step shrinks the parameters by lr x "
+                          "weight_decay of themselves; typical values are 0 to 0.1")
+    if 0 < o["decay_steps"] < o["warmup_steps"]:
+        raise ConfigError(f"optimizer.decay_steps {o['decay_steps']} ends the schedule before "
+                          f"its warmup of {o['warmup_steps']} steps does: pass decay_steps of at "
+                          "least warmup_steps, or 0 to decay over the whole run")
     for key in ("min_shard_elems", "zero3_size", "bucket_mb"):
         _at_least(config, "zero", key, 0)
     _at_least(config, "zero", "quantize_block", 1)
@@ -269,6 +277,13 @@ def validate(config: dict) -> None:
         _at_least(config, "precision", key, 1)
     _at_least(config, "precision", "initial_scale_power", 0)
     _at_least(config, "precision", "min_loss_scale", 0)
+    if p["initial_scale_power"] >= 128:  # 2**128 overflows float32, where the scale is kept
+        raise ConfigError(f"precision.initial_scale_power must be at most 127 (got "
+                          f"{p['initial_scale_power']}): the loss scale 2**power is a float32; "
+                          "DeepSpeed's default is 16")
+    if p["min_loss_scale"] > 2.0**127:
+        raise ConfigError(f"precision.min_loss_scale must be at most 2**127 (got "
+                          f"{p['min_loss_scale']:g}): the loss scale is a float32")
 
 
 def _at_least(config: dict, section: str, key: str, low: int) -> None:
