@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import re
@@ -305,6 +306,7 @@ class Run:
         self.exp = Experiment.build(cfg, mesh_for(cfg, args.devices))
         self.seed = cfg["train"]["seed"]
         self.ckpts, self.source, self.resume_step, self.corrupt = None, None, None, []
+        self.records: list[tuple[int, str]] = []  # a resumed run's metrics file, line by line
         self.overwrite: list[int] = []
         if args.dry_run:
             return
@@ -354,6 +356,8 @@ class Run:
                                  "checkpoint: point it at a --checkpoint-dir of an earlier run")
         if self.resume_step is not None:
             self.resume_step, self.meta = self.readable_meta(self.resume_step)
+            if args.metrics and self.primary and os.path.exists(args.metrics):
+                self.records = read_metrics(args.metrics)  # continued: read now, before training
 
     def readable_meta(self, newest: int) -> tuple[int, dict]:
         """The newest step from ``newest`` down whose metadata reads and fits this run; a
@@ -535,9 +539,10 @@ class Run:
             return None
         path = pathlib.Path(self.args.metrics)
         if first and path.exists():
-            keep = [line for line in path.read_text().splitlines(keepends=True)
-                    if line.strip() and json.loads(line).get("step", 0) <= first]
-            path.write_text("".join(keep))
+            keep = "".join(line for step, line in self.records if step <= first)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # a kill leaves the old file
+            tmp.write_text(keep)
+            os.replace(tmp, path)
         return open(path, "a" if first else "w", buffering=1)
 
     def train(self) -> int:
@@ -593,7 +598,7 @@ class Run:
                 skipped += m["skipped"]
                 done_steps = i + 1
                 if metrics_file:
-                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.write(json.dumps(finite_record(record), allow_nan=False) + "\n")
                 losses.append(m["loss"])
                 bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tps:,.0f}")
                 if ckpts:
@@ -644,6 +649,43 @@ class Run:
                 "writer": {"stage": plan.stage, "devices": plan.mesh.size,
                            "processes": len({d.process_index for d in plan.mesh.devices.flat}),
                            "platform": plan.mesh.devices.flat[0].platform}}
+
+
+def read_metrics(path: str) -> list[tuple[int, str]]:
+    """The records of a metrics file as ``(step, line)``, each line ending in a newline. A last
+    line cut short (a process killed while writing it) is dropped with a warning; any other line
+    that is not a JSON object is refused (``ValueError``), naming the file and the line."""
+    lines = pathlib.Path(path).read_text(errors="replace").splitlines(keepends=True)
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line.rstrip("\r\n"))
+        except json.JSONDecodeError as e:
+            if n == len(lines) and not line.endswith("\n"):
+                warn(f"--metrics {path}: its last line (line {n}) was cut short, by a run "
+                     "killed while writing it: dropped")
+                break
+            what = f"{e.msg.removesuffix(' at')} at column {e.colno}"
+            raise ValueError(f"--metrics {path}: line {n} is not JSON ({what}): remove that "
+                             "line, or pass another --metrics") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step", 0), int):
+            what = ("its step is not a number" if isinstance(record, dict)
+                    else f"it holds a JSON {type(record).__name__}")
+            raise ValueError(f"--metrics {path}: line {n} is not a record of a step ({what}): "
+                             "remove that line, or pass another --metrics")
+        records.append((record.get("step", 0), line if line.endswith("\n") else line + "\n"))
+    return records
+
+
+def finite_record(record: dict) -> dict:
+    """``record`` as strict JSON can hold it: a non-finite float becomes null, and the keys
+    that held one are listed under ``nonfinite``."""
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return record
+    return {**{k: None if k in bad else v for k, v in record.items()}, "nonfinite": bad}
 
 
 def warn(message: str) -> None:

@@ -137,6 +137,22 @@ def bad_yaml(c, w):
     (w / "bad.yaml").write_text("optimizer:\n  lr: [1e-3\n")
 
 
+def metrics_bad_line(c, w):
+    (w / "m.jsonl").write_text('{"step": 1, "loss": 5.5}\n{"step": 2, "lo\n{"step": 3}\n')
+
+
+def metrics_not_object(c, w):
+    (w / "m.jsonl").write_text('{"step": 1, "loss": 5.5}\n[2, 5.4]\n')
+
+
+def metrics_bad_step(c, w):
+    (w / "m.jsonl").write_text('{"step": "one", "loss": 5.5}\n')
+
+
+def metrics_cut_newline(c, w):  # a cut line is the last one only: here a newline follows it
+    (w / "m.jsonl").write_text('{"step": 1, "loss": 5.5}\n{"step": 2, "lo\n')
+
+
 def empty_ckpt(c, w):
     shutil.rmtree(c)
     c.mkdir()
@@ -271,6 +287,14 @@ ROWS = [
     ("resume other data", [*R, "--data", "{w}/other.txt"], other_data,
      "but this run reads {w}/other.txt: pass the same --data, or --allow-other-data"),
     ("resume garbage meta", [*R], garbage_meta, "no checkpoint in {c} can be read"),
+    ("resume metrics bad line", [*R, "--metrics", "{w}/m.jsonl"], metrics_bad_line,
+     "--metrics {w}/m.jsonl: line 2 is not JSON (Unterminated string starting at column 13)"),
+    ("resume metrics list", [*R, "--metrics", "{w}/m.jsonl"], metrics_not_object,
+     "--metrics {w}/m.jsonl: line 2 is not a record of a step (it holds a JSON list)"),
+    ("resume metrics step", [*R, "--metrics", "{w}/m.jsonl"], metrics_bad_step,
+     "--metrics {w}/m.jsonl: line 1 is not a record of a step (its step is not a number)"),
+    ("resume metrics cut", [*R, "--metrics", "{w}/m.jsonl"], metrics_cut_newline,
+     "--metrics {w}/m.jsonl: line 2 is not JSON"),
     ("resume no meta", [*R], no_meta, "no checkpoint in {c} can be read"),
     ("load path missing", [*T, "--set", "train.ckpt_load_path={w}/none"], None,
      "train.ckpt_load_path: checkpoint directory"),
@@ -332,6 +356,32 @@ def test_every_float_spelling_python_reads(text, value, tmp_path):
     (tmp_path / "c.yaml").write_text(f"optimizer:\n  lr: {text}\n  eps: {text}\n")
     o = config.load(str(tmp_path / "c.yaml"))["optimizer"]
     assert o["lr"] == o["eps"] == value
+
+
+def test_metrics_records_are_strict_json():
+    """JSON has no NaN: a non-finite value is written as null, and named."""
+    record = train.finite_record({"step": 3, "loss": float("nan"), "grad_norm": float("inf"),
+                                  "skipped": 1, "lr": 0.5})
+    line = json.dumps(record, allow_nan=False)
+    assert json.loads(line) == {"step": 3, "loss": None, "grad_norm": None, "skipped": 1,
+                                "lr": 0.5, "nonfinite": ["loss", "grad_norm"]}
+    assert train.finite_record({"step": 1, "loss": 2.0}) == {"step": 1, "loss": 2.0}
+
+
+def test_a_metrics_line_cut_short_does_not_block_resume(reference, tmp_path):
+    """SIGKILL while a record is written leaves half a line: --resume drops it with a warning,
+    and the file goes on as the uninterrupted run's."""
+    ckpt, ref = reference
+    c, m = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    shutil.copytree(ckpt, c)
+    m.write_text((ckpt.parent / "ref.jsonl").read_text() + '{"step": 41, "loss": 2.2')
+    run = run_train("--steps", REF_STEPS + 2, "--checkpoint-dir", c, "--resume", "--metrics", m)
+    assert run.returncode == 0, run.stderr
+    assert (f"warning: --metrics {m}: its last line (line 41) was cut short, by a run killed "
+            "while writing it: dropped") in run.stderr
+    got = [json.loads(x) for x in m.read_text().splitlines()]
+    assert [r["step"] for r in got] == list(range(1, REF_STEPS + 3))
+    assert {r["step"]: r["loss"] for r in got[:REF_STEPS]} == ref
 
 
 def test_a_model_that_cannot_fit_is_refused_before_allocating(tmp_path, capsys):
