@@ -18,6 +18,7 @@ import threading
 import time
 
 SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal, as shells report
+DIVERGED = 3  # the exit code of a run the divergence guard stopped (train.max_bad_steps)
 MAX_DEVICES = 4096  # --devices: more than any data axis here; XLA aborts on absurd CPU counts
 SEEDS = 2**32  # jax.random.key keeps a seed's low 32 bits (no x64): larger ones would collide
 
@@ -36,7 +37,12 @@ def fail(message: str) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = Parser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0], epilog=(
+        "exit codes: 0 done; 1 a failure while running (a checkpoint that cannot be written, a "
+        "lost peer); 2 bad input, refused before anything is written; 3 training diverged: "
+        "train.max_bad_steps steps in a row (default 5; 0 turns the guard off) had a non-finite "
+        "loss or gradient, or one such step's update went in, and nothing was saved from the "
+        "first of them on; 130 / 143 stopped by Ctrl-C / SIGTERM"))
     p.add_argument("--stage", type=int, help="ZeRO stage 0-3 (default: the config's, 3)")
     p.add_argument("--config", default="tiny",
                    help="YAML file, or a name in configs/: tiny, gpt2-124m, gpt-1.3b, gpt-7.5b")
@@ -577,6 +583,11 @@ class Run:
             return 0
         metrics_file = self.open_metrics(first)
         losses, start, skipped, done_steps, saved = [], time.perf_counter(), 0, first, None
+        # The divergence guard: a streak of bad steps (bad_step) stops the run once it is
+        # train.max_bad_steps long, or at once when a bad step's update went in; nothing is
+        # saved while a streak lasts, so the newest checkpoint is from before it.
+        bad_from, last_finite, diverged = None, None, False
+        max_bad, min_scale = t["max_bad_steps"], self.cfg["precision"]["min_loss_scale"]
         bar = tqdm(range(first, t["steps"]), desc=f"stage {exp.plan.stage}", unit="step",
                    mininterval=0.5, initial=first, total=t["steps"], disable=not self.primary)
         shape = exp.batch_shape.shape
@@ -597,18 +608,26 @@ class Run:
                 record = {"step": i + 1, **m, "tokens_per_s": tps}
                 skipped += m["skipped"]
                 done_steps = i + 1
+                if math.isfinite(m["loss"]):
+                    last_finite = i + 1
+                bad = max_bad > 0 and bad_step(m, min_scale)
+                bad_from = (bad_from or i + 1) if bad else None
                 if metrics_file:
                     metrics_file.write(json.dumps(finite_record(record), allow_nan=False) + "\n")
                 losses.append(m["loss"])
                 bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tps:,.0f}")
                 if ckpts:
                     every = self.args.save_every
-                    if (every and (i + 1) % every == 0) or i + 1 == t["steps"] or stop.signum:
+                    if ((every and (i + 1) % every == 0) or i + 1 == t["steps"]
+                            or stop.signum) and bad_from is None:
                         ckpts.save(state, self.checkpoint_meta(i + 1))
                         saved = i + 1
                         bar.write(f"saving checkpoint {i + 1} (training goes on)")
                     if done := ckpts.poll():
                         bar.write(str(done))
+                if bad and (i + 2 - bad_from >= max_bad or not m["skipped"]):
+                    diverged = True
+                    break
             if ckpts and (done := ckpts.finish()):
                 bar.write(str(done))
         except CheckpointError as e:
@@ -620,7 +639,9 @@ class Run:
             if metrics_file:
                 metrics_file.close()
         if stop.signum:
-            return self.stopped(done_steps, saved)
+            return self.stopped(done_steps, saved, bad_from)
+        if bad_from is not None:  # max_bad_steps in a row, or the run ended in a streak
+            return self.diverged(bad_from, done_steps, last_finite, diverged)
         elapsed = time.perf_counter() - start
         steps = t["steps"] - first
         print(f"done: steps {first + 1}-{t['steps']} in {elapsed:.1f} s, loss {losses[0]:.3f} -> "
@@ -629,10 +650,35 @@ class Run:
               + (f", {skipped} steps skipped (gradient not finite)" if skipped else ""))
         return 0
 
-    def stopped(self, step: int, saved: int | None) -> int:
+    def newest_checkpoint(self) -> str:
+        if not self.ckpts:
+            return "nothing was saved (no --checkpoint-dir)"
+        if (newest := self.ckpts.latest_step()) is None:
+            return f"no checkpoint is in {self.ckpts.path}"
+        return f"the newest checkpoint, from before it, is {newest} in {self.ckpts.path}"
+
+    def diverged(self, bad_from: int, step: int, last_finite: int | None, stopped: bool) -> int:
+        """The divergence guard's one line: which steps, the last good one, what is kept."""
+        n = step - bad_from + 1
+        why = ("its update went in" if n < self.cfg["train"]["max_bad_steps"] and stopped
+               else "the run ended in it" if not stopped
+               else f"train.max_bad_steps is {self.cfg['train']['max_bad_steps']}")
+        good = (f"the last step with a finite loss was {last_finite}" if last_finite
+                else "no step of this run had a finite loss")
+        print(f"error: {PROCESS}training diverged: step{'s' if n > 1 else ''} "
+              f"{bad_from}{f'-{step}' if n > 1 else ''} had a non-finite loss or gradient "
+              f"({n} in a row; {why}); {good}; nothing saved since, {self.newest_checkpoint()}: "
+              "resume from it with a lower optimizer.lr, or a larger optimizer.warmup_steps",
+              file=sys.stderr)
+        return DIVERGED
+
+    def stopped(self, step: int, saved: int | None, bad_from: int | None = None) -> int:
         name = signal.Signals(self.stop.signum).name
         if saved == step:
             what = f"checkpoint {step} saved in {self.ckpts.path}; continue with --resume"
+        elif bad_from is not None:
+            what = (f"not saved: steps {bad_from}-{step} had a non-finite loss or gradient; "
+                    f"{self.newest_checkpoint()}")
         elif self.ckpts:
             what = "nothing new to save"
         else:
@@ -677,6 +723,16 @@ def read_metrics(path: str) -> list[tuple[int, str]]:
                              "remove that line, or pass another --metrics")
         records.append((record.get("step", 0), line if line.endswith("\n") else line + "\n"))
     return records
+
+
+def bad_step(m: dict, min_loss_scale: float) -> bool:
+    """A step that did not train: its loss or gradient was not finite, or it was skipped. Not
+    one that fp16's loss scaler skipped while it can still lower the scale: that is the scaler
+    finding its level, as it does at the start of every fp16 run."""
+    if math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and not m["skipped"]:
+        return False
+    return not (m["skipped"] and math.isfinite(m["loss"])
+                and m.get("loss_scale", 0.0) > min_loss_scale)
 
 
 def finite_record(record: dict) -> dict:

@@ -173,6 +173,8 @@ ROWS = [
      f"--seed must be 0 to 4294967295 (got {2**70})"),
     ("seed 2**32", [*T, "--set", "train.seed=4294967296"], None,
      "train.seed must be 0 to 4294967295 (got 4294967296)"),
+    ("max_bad_steps <0", [*T, "--set", "train.max_bad_steps=-1"], None,
+     "train.max_bad_steps must be a finite number of at least 0"),
     ("train.seed -1", [*T, "--set", "train.seed=-1"], None,
      "train.seed must be a finite number of at least 0"),
     ("devices 2**31", [*T, "--devices", "2147483648"], None,
@@ -384,6 +386,22 @@ def test_a_metrics_line_cut_short_does_not_block_resume(reference, tmp_path):
     assert {r["step"]: r["loss"] for r in got[:REF_STEPS]} == ref
 
 
+def test_an_update_gone_non_finite_stops_at_once(tmp_path):
+    """The same without skipping, the guard on: step 2's NaN went into the state, so the run
+    stops there (exit 3) without waiting for max_bad_steps, and without trying to save it."""
+    c = tmp_path / "ckpt"
+    run = run_train("--set", "precision.skip_nonfinite=false", "--set", "optimizer.lr=1.0e+38",
+                    "--set", "optimizer.warmup_steps=0", "--steps", 4, "--save-every", 1,
+                    "--checkpoint-dir", c)
+    assert run.returncode == 3, run.stderr
+    errors = [x for x in run.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "error: training diverged: step 2 had a non-finite loss or gradient (1 in a row; its "
+        "update went in); the last step with a finite loss was 1; nothing saved since, the "
+        f"newest checkpoint, from before it, is 1 in {c}"), run.stderr
+    assert Checkpoints(c, read_only=True).steps() == [1]
+
+
 def test_a_model_that_cannot_fit_is_refused_before_allocating(tmp_path, capsys):
     """d_model 65536: the compiled step needs about 200 GiB per device. Refused with the
     numbers, from the compiled step, before anything is allocated or written."""
@@ -423,13 +441,56 @@ def test_corrupted_newest_falls_back_and_resumes_exactly(reference, tmp_path):
         assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
 
 
+def test_a_diverging_run_stops_and_saves_nothing_after(tmp_path):
+    """lr 1e30: step 2's update (lr 5e28 after warmup's first step) sends the loss to NaN from
+    step 3 on, and every step is skipped. The divergence guard stops the run after
+    train.max_bad_steps (5) such steps with exit code 3 and one line; the periodic saves of steps
+    4 and 6 are not made, so checkpoint 2 is the newest. The metrics are strict JSON."""
+    c, m = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    run = run_train("--set", "optimizer.lr=1e30", "--steps", 20, "--save-every", 2,
+                    "--checkpoint-dir", c, "--metrics", m)
+    assert run.returncode == 3, run.stderr
+    errors = [x for x in run.stderr.splitlines() if x.startswith("error:")]
+    assert errors == [
+        "error: training diverged: steps 3-7 had a non-finite loss or gradient (5 in a row; "
+        "train.max_bad_steps is 5); the last step with a finite loss was 2; nothing saved since, "
+        f"the newest checkpoint, from before it, is 2 in {c}: resume from it with a lower "
+        "optimizer.lr, or a larger optimizer.warmup_steps"], run.stderr
+    assert "done:" not in run.stdout
+    assert Checkpoints(c, read_only=True).steps() == [2]
+
+    def no_nan(word):
+        raise AssertionError(f"{word} is not JSON")
+
+    records = [json.loads(x, parse_constant=no_nan) for x in m.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 8))
+    assert all(r["loss"] is None and "loss" in r["nonfinite"] and r["skipped"] == 1
+               for r in records[2:])
+    assert "nonfinite" not in records[1] and records[1]["loss"] > 0
+
+
+@pytest.mark.parametrize("m, bad", [
+    ({"loss": 2.0, "grad_norm": 1.0, "skipped": 0}, False),
+    ({"loss": float("nan"), "grad_norm": 1.0, "skipped": 0}, True),
+    ({"loss": 2.0, "grad_norm": float("inf"), "skipped": 1}, True),  # bf16/fp32: skipped
+    ({"loss": 2.0, "grad_norm": float("inf"), "skipped": 1, "loss_scale": 2.0**16}, False),
+    ({"loss": 2.0, "grad_norm": float("inf"), "skipped": 1, "loss_scale": 1.0}, True),
+    ({"loss": float("inf"), "grad_norm": float("inf"), "skipped": 1, "loss_scale": 8.0}, True),
+], ids=["finite", "nan loss", "skipped", "fp16 scaler backs off", "fp16 at min scale",
+        "fp16 inf loss"])
+def test_bad_steps(m, bad):
+    """fp16's scaler skipping steps while it can still lower the scale is not divergence."""
+    assert train.bad_step(m, min_loss_scale=1.0) == bad
+
+
 def test_a_run_gone_non_finite_stops_without_saving(tmp_path):
-    """lr 1e38 without skipping non-finite steps: the parameters become NaN at step 2; the
-    run stops with exit code 1 and keeps checkpoint 1, the last finite state."""
+    """lr 1e38 without skipping non-finite steps, the divergence guard off: the parameters
+    become NaN at step 2; the run stops with exit code 1 and keeps checkpoint 1, the last
+    finite state."""
     c = tmp_path / "ckpt"
     run = run_train("--set", "precision.skip_nonfinite=false", "--set", "optimizer.lr=1.0e+38",
-                    "--set", "optimizer.warmup_steps=0", "--steps", 3, "--save-every", 1,
-                    "--checkpoint-dir", c)
+                    "--set", "optimizer.warmup_steps=0", "--set", "train.max_bad_steps=0",
+                    "--steps", 3, "--save-every", 1, "--checkpoint-dir", c)
     assert run.returncode == 1, run.stderr
     assert "error: the state at step 2 has non-finite values in params/" in run.stderr
     assert "not saved, older checkpoints are kept" in run.stderr

@@ -30,8 +30,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                   "eps": 1e-8, "weight_decay": 0.1, "momentum": 0.0, "clip_norm": 1.0,
                   "frozen_modules": []},
     # ckpt_load_path: a checkpoint directory to resume from (its latest complete step).
+    # max_bad_steps: train.py stops (exit 3) after this many steps in a row whose loss or
+    # gradient is not finite (0: never), and saves nothing from the first of them on.
     "train": {"batch_size": 32, "accum_steps": 1, "steps": 400, "seed": 0,
-              "ckpt_load_path": ""},
+              "ckpt_load_path": "", "max_bad_steps": 5},
     # zero3_size > 0: hierarchical ZeRO, stage 3 within groups of that many devices.
     # transformer_layers: the layer stacks gathered one layer at a time ([]: the whole model
     # once per step); ignored_modules: left out of ZeRO, whole on every device;
@@ -233,6 +235,7 @@ def validate(config: dict) -> None:
     for key in ("batch_size", "steps", "accum_steps"):
         _at_least(config, "train", key, 1)
     _at_least(config, "train", "seed", 0)
+    _at_least(config, "train", "max_bad_steps", 0)
     if config["train"]["seed"] >= 2**32:  # jax.random.key keeps the low 32 bits (no x64)
         raise ConfigError(f"train.seed must be 0 to {2**32 - 1} (got {config['train']['seed']}): "
                           "jax.random.key keeps 32 bits of it")
