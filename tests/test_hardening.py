@@ -153,6 +153,10 @@ def metrics_cut_newline(c, w):  # a cut line is the last one only: here a newlin
     (w / "m.jsonl").write_text('{"step": 1, "loss": 5.5}\n{"step": 2, "lo\n')
 
 
+def other_ckpt(c, w):
+    shutil.copytree(c / "40", w / "other" / "40")
+
+
 def empty_ckpt(c, w):
     shutil.rmtree(c)
     c.mkdir()
@@ -310,6 +314,13 @@ ROWS = [
     ("export exists", ["export", "{c}", "{w}"], None, "already exists"),
     ("export unwritable", ["export", "{c}", "/proc/out"], None, "cannot export into /proc/out"),
     ("export dtype", [*E, "--dtype", "int8"], None, "--dtype must be one of"),
+    ("export into ckpt", ["export", "{c}", "{c}/99"], None,
+     "cannot export into {c}/99: it is inside the checkpoint directory {c}, where a run would "
+     "take it for a checkpoint"),
+    ("export deep in ckpt", ["export", "{c}", "{c}/exports/a"], None,
+     "cannot export into {c}/exports/a: it is inside the checkpoint directory {c}"),
+    ("export into other ckpt", ["export", "{c}", "{w}/other/99"], other_ckpt,
+     "cannot export into {w}/other/99: it is inside the checkpoint directory {w}/other"),
 ]
 
 
