@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import re
@@ -17,6 +18,9 @@ import threading
 import time
 
 SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal, as shells report
+DIVERGED = 3  # the exit code of a run the divergence guard stopped (train.max_bad_steps)
+MAX_DEVICES = 4096  # --devices: more than any data axis here; XLA aborts on absurd CPU counts
+SEEDS = 2**32  # jax.random.key keeps a seed's low 32 bits (no x64): larger ones would collide
 
 
 class Parser(argparse.ArgumentParser):
@@ -33,7 +37,12 @@ def fail(message: str) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = Parser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0], epilog=(
+        "exit codes: 0 done; 1 a failure while running (a checkpoint that cannot be written, a "
+        "lost peer); 2 bad input, refused before anything is written; 3 training diverged: "
+        "train.max_bad_steps steps in a row (default 5; 0 turns the guard off) had a non-finite "
+        "loss or gradient, or one such step's update went in, and nothing was saved from the "
+        "first of them on; 130 / 143 stopped by Ctrl-C / SIGTERM"))
     p.add_argument("--stage", type=int, help="ZeRO stage 0-3 (default: the config's, 3)")
     p.add_argument("--config", default="tiny",
                    help="YAML file, or a name in configs/: tiny, gpt2-124m, gpt-1.3b, gpt-7.5b")
@@ -44,9 +53,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="tensor parallelism: a data x model mesh, T adjacent devices per group "
                         "(config mesh.tensor_parallel; default 1)")
     p.add_argument("--steps", type=int, help="optimizer steps (default: the config's)")
-    p.add_argument("--seed", type=int, help="seed of initialization and data order")
-    p.add_argument("--devices", type=int, help="devices on the data axis (default: all; "
-                   "8 simulated CPU devices when there is no accelerator)")
+    p.add_argument("--seed", type=int, help="seed of initialization and data order, 0 to "
+                   f"{SEEDS - 1}")
+    p.add_argument("--devices", type=int, help="devices on the data axis, at most "
+                   f"{MAX_DEVICES} (default: all; 8 simulated CPU devices when there is no "
+                   "accelerator)")
     p.add_argument("--data", help="text file, directory of text files, or .bin of uint16 token "
                    "ids (default: the Python standard library's sources, as bytes)")
     p.add_argument("--metrics", help="write one JSON object per step to this file")
@@ -64,9 +75,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "this machine's devices)")
     p.add_argument("--checkpoint-dir", metavar="DIR",
                    help="save sharded orbax checkpoints here (at the end, and every --save-every)")
-    p.add_argument("--save-every", type=int, default=0, metavar="N",
+    p.add_argument("--save-every", type=int, metavar="N",
                    help="also save every N steps (default: only at the end)")
-    p.add_argument("--keep", type=int, default=3, metavar="K", help="keep the last K (default 3)")
+    p.add_argument("--keep", type=int, metavar="K", help="keep the last K (default 3)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest complete checkpoint in --checkpoint-dir, on any "
                    "stage and device count; --steps is the total to reach")
@@ -93,11 +104,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def check_args(args: argparse.Namespace) -> str | None:
-    """The flags that need no config: refused before jax is even imported."""
+    """The flags that need no config: refused before jax is even imported. Fills in the
+    defaults of the checkpoint flags, which mean something only with --checkpoint-dir."""
+    for flag, value, instead in [
+            ("--config", args.config, "a YAML file or a name in configs/"),
+            ("--data", args.data, "a file or directory, or leave it out for the default corpus"),
+            ("--checkpoint-dir", args.checkpoint_dir, "a directory, or leave it out"),
+            ("--metrics", args.metrics, "a file name, or leave it out"),
+            ("--report", args.report, "a file name, or leave it out"),
+            ("--coordinator", args.coordinator, "HOST:PORT, or leave it out")]:
+        if value is not None and not value.strip():
+            return f"{flag} {value!r} names nothing: pass {instead}"
+    if not (0 < args.peer_timeout < float("inf")):  # nan fails too
+        return (f"--peer-timeout must be a positive finite number of seconds (got "
+                f"{args.peer_timeout:g})")
     for flag, value, low in [("--devices", args.devices, 1), ("--save-every", args.save_every, 0),
                              ("--keep", args.keep, 1)]:
         if value is not None and value < low:
             return f"{flag} must be at least {low} (got {value})"
+    if args.devices is not None and args.devices > MAX_DEVICES:
+        return (f"--devices must be at most {MAX_DEVICES} (got {args.devices}); leave it out to "
+                "use every device there is")
+    if args.seed is not None and not 0 <= args.seed < SEEDS:
+        return (f"--seed must be 0 to {SEEDS - 1} (got {args.seed}): jax.random.key keeps 32 "
+                "bits of it")
     if (args.device_memory or args.host_memory) and not (args.dry_run and args.device_memory
                                                           and args.host_memory):
         return ("--device-memory and --host-memory plan layouts: pass both, with --dry-run, "
@@ -110,8 +140,14 @@ def check_args(args: argparse.Namespace) -> str | None:
                 return (f"--{flag.replace('_', '-')} {size!r} is not a memory size: write e.g. "
                         "80GB, 80GiB or 1TB")
             setattr(args, flag, value)
-    if args.resume and not args.checkpoint_dir:
-        return "--resume needs --checkpoint-dir DIR"
+    if not args.checkpoint_dir:
+        given = [flag for flag, on in [("--save-every", args.save_every is not None),
+                                       ("--keep", args.keep is not None),
+                                       ("--resume", args.resume),
+                                       ("--overwrite", args.overwrite)] if on]
+        if given:
+            return (f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} "
+                    "--checkpoint-dir DIR: without it nothing is saved or read")
     if args.resume and args.overwrite:
         return "--resume continues the checkpoints that --overwrite would delete: pass one"
     if args.metrics and args.report and same_file(args.metrics, args.report):
@@ -120,6 +156,8 @@ def check_args(args: argparse.Namespace) -> str | None:
     for flag, path in [("--metrics", args.metrics), ("--report", args.report)]:
         if path and (problem := unwritable(path)):
             return f"{flag} {path} {problem}"
+    args.save_every = 0 if args.save_every is None else args.save_every
+    args.keep = 3 if args.keep is None else args.keep
     return None
 
 
@@ -197,9 +235,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = distributed.settings(args.coordinator, args.num_processes, args.process_id,
                                     auto=args.distributed)
-        if args.peer_timeout <= 0:
-            raise distributed.StartupError(f"--peer-timeout must be positive (got "
-                                           f"{args.peer_timeout:g})")
         if spec is not None:
             distributed.initialize(spec, args.peer_timeout)
     except distributed.StartupError as e:
@@ -281,6 +316,7 @@ class Run:
         self.exp = Experiment.build(cfg, mesh_for(cfg, args.devices))
         self.seed = cfg["train"]["seed"]
         self.ckpts, self.source, self.resume_step, self.corrupt = None, None, None, []
+        self.records: list[tuple[int, str]] = []  # a resumed run's metrics file, line by line
         self.overwrite: list[int] = []
         if args.dry_run:
             return
@@ -330,6 +366,8 @@ class Run:
                                  "checkpoint: point it at a --checkpoint-dir of an earlier run")
         if self.resume_step is not None:
             self.resume_step, self.meta = self.readable_meta(self.resume_step)
+            if args.metrics and self.primary and os.path.exists(args.metrics):
+                self.records = read_metrics(args.metrics)  # continued: read now, before training
 
     def readable_meta(self, newest: int) -> tuple[int, dict]:
         """The newest step from ``newest`` down whose metadata reads and fits this run; a
@@ -511,9 +549,10 @@ class Run:
             return None
         path = pathlib.Path(self.args.metrics)
         if first and path.exists():
-            keep = [line for line in path.read_text().splitlines(keepends=True)
-                    if line.strip() and json.loads(line).get("step", 0) <= first]
-            path.write_text("".join(keep))
+            keep = "".join(line for step, line in self.records if step <= first)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # a kill leaves the old file
+            tmp.write_text(keep)
+            os.replace(tmp, path)
         return open(path, "a" if first else "w", buffering=1)
 
     def train(self) -> int:
@@ -548,6 +587,11 @@ class Run:
             return 0
         metrics_file = self.open_metrics(first)
         losses, start, skipped, done_steps, saved = [], time.perf_counter(), 0, first, None
+        # The divergence guard: a streak of bad steps (bad_step) stops the run once it is
+        # train.max_bad_steps long, or at once when a bad step's update went in; nothing is
+        # saved while a streak lasts, so the newest checkpoint is from before it.
+        bad_from, last_finite, diverged = None, None, False
+        max_bad, min_scale = t["max_bad_steps"], self.cfg["precision"]["min_loss_scale"]
         bar = tqdm(range(first, t["steps"]), desc=f"stage {exp.plan.stage}", unit="step",
                    mininterval=0.5, initial=first, total=t["steps"], disable=not self.primary)
         shape = exp.batch_shape.shape
@@ -568,18 +612,26 @@ class Run:
                 record = {"step": i + 1, **m, "tokens_per_s": tps}
                 skipped += m["skipped"]
                 done_steps = i + 1
+                if math.isfinite(m["loss"]):
+                    last_finite = i + 1
+                bad = max_bad > 0 and bad_step(m, min_scale)
+                bad_from = (bad_from or i + 1) if bad else None
                 if metrics_file:
-                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.write(json.dumps(finite_record(record), allow_nan=False) + "\n")
                 losses.append(m["loss"])
                 bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tps:,.0f}")
                 if ckpts:
                     every = self.args.save_every
-                    if (every and (i + 1) % every == 0) or i + 1 == t["steps"] or stop.signum:
+                    if ((every and (i + 1) % every == 0) or i + 1 == t["steps"]
+                            or stop.signum) and bad_from is None:
                         ckpts.save(state, self.checkpoint_meta(i + 1))
                         saved = i + 1
                         bar.write(f"saving checkpoint {i + 1} (training goes on)")
                     if done := ckpts.poll():
                         bar.write(str(done))
+                if bad and (i + 2 - bad_from >= max_bad or not m["skipped"]):
+                    diverged = True
+                    break
             if ckpts and (done := ckpts.finish()):
                 bar.write(str(done))
         except CheckpointError as e:
@@ -591,7 +643,9 @@ class Run:
             if metrics_file:
                 metrics_file.close()
         if stop.signum:
-            return self.stopped(done_steps, saved)
+            return self.stopped(done_steps, saved, bad_from)
+        if bad_from is not None:  # max_bad_steps in a row, or the run ended in a streak
+            return self.diverged(bad_from, done_steps, last_finite, diverged)
         elapsed = time.perf_counter() - start
         steps = t["steps"] - first
         print(f"done: steps {first + 1}-{t['steps']} in {elapsed:.1f} s, loss {losses[0]:.3f} -> "
@@ -600,10 +654,35 @@ class Run:
               + (f", {skipped} steps skipped (gradient not finite)" if skipped else ""))
         return 0
 
-    def stopped(self, step: int, saved: int | None) -> int:
+    def newest_checkpoint(self) -> str:
+        if not self.ckpts:
+            return "nothing was saved (no --checkpoint-dir)"
+        if (newest := self.ckpts.latest_step()) is None:
+            return f"no checkpoint is in {self.ckpts.path}"
+        return f"the newest checkpoint, from before it, is {newest} in {self.ckpts.path}"
+
+    def diverged(self, bad_from: int, step: int, last_finite: int | None, stopped: bool) -> int:
+        """The divergence guard's one line: which steps, the last good one, what is kept."""
+        n = step - bad_from + 1
+        why = ("its update went in" if n < self.cfg["train"]["max_bad_steps"] and stopped
+               else "the run ended in it" if not stopped
+               else f"train.max_bad_steps is {self.cfg['train']['max_bad_steps']}")
+        good = (f"the last step with a finite loss was {last_finite}" if last_finite
+                else "no step of this run had a finite loss")
+        print(f"error: {PROCESS}training diverged: step{'s' if n > 1 else ''} "
+              f"{bad_from}{f'-{step}' if n > 1 else ''} had a non-finite loss or gradient "
+              f"({n} in a row; {why}); {good}; nothing saved since, {self.newest_checkpoint()}: "
+              "resume from it with a lower optimizer.lr, or a larger optimizer.warmup_steps",
+              file=sys.stderr)
+        return DIVERGED
+
+    def stopped(self, step: int, saved: int | None, bad_from: int | None = None) -> int:
         name = signal.Signals(self.stop.signum).name
         if saved == step:
             what = f"checkpoint {step} saved in {self.ckpts.path}; continue with --resume"
+        elif bad_from is not None:
+            what = (f"not saved: steps {bad_from}-{step} had a non-finite loss or gradient; "
+                    f"{self.newest_checkpoint()}")
         elif self.ckpts:
             what = "nothing new to save"
         else:
@@ -620,6 +699,53 @@ class Run:
                 "writer": {"stage": plan.stage, "devices": plan.mesh.size,
                            "processes": len({d.process_index for d in plan.mesh.devices.flat}),
                            "platform": plan.mesh.devices.flat[0].platform}}
+
+
+def read_metrics(path: str) -> list[tuple[int, str]]:
+    """The records of a metrics file as ``(step, line)``, each line ending in a newline. A last
+    line cut short (a process killed while writing it) is dropped with a warning; any other line
+    that is not a JSON object is refused (``ValueError``), naming the file and the line."""
+    lines = pathlib.Path(path).read_text(errors="replace").splitlines(keepends=True)
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line.rstrip("\r\n"))
+        except json.JSONDecodeError as e:
+            if n == len(lines) and not line.endswith("\n"):
+                warn(f"--metrics {path}: its last line (line {n}) was cut short, by a run "
+                     "killed while writing it: dropped")
+                break
+            what = f"{e.msg.removesuffix(' at')} at column {e.colno}"
+            raise ValueError(f"--metrics {path}: line {n} is not JSON ({what}): remove that "
+                             "line, or pass another --metrics") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step", 0), int):
+            what = ("its step is not a number" if isinstance(record, dict)
+                    else f"it holds a JSON {type(record).__name__}")
+            raise ValueError(f"--metrics {path}: line {n} is not a record of a step ({what}): "
+                             "remove that line, or pass another --metrics")
+        records.append((record.get("step", 0), line if line.endswith("\n") else line + "\n"))
+    return records
+
+
+def bad_step(m: dict, min_loss_scale: float) -> bool:
+    """A step that did not train: its loss or gradient was not finite, or it was skipped. Not
+    one that fp16's loss scaler skipped while it can still lower the scale: that is the scaler
+    finding its level, as it does at the start of every fp16 run."""
+    if math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and not m["skipped"]:
+        return False
+    return not (m["skipped"] and math.isfinite(m["loss"])
+                and m.get("loss_scale", 0.0) > min_loss_scale)
+
+
+def finite_record(record: dict) -> dict:
+    """``record`` as strict JSON can hold it: a non-finite float becomes null, and the keys
+    that held one are listed under ``nonfinite``."""
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return record
+    return {**{k: None if k in bad else v for k, v in record.items()}, "nonfinite": bad}
 
 
 def warn(message: str) -> None:

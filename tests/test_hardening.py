@@ -129,6 +129,34 @@ def a_dir(c, w):
     (w / "dir").mkdir()
 
 
+def duplicate_key(c, w):
+    (w / "dup.yaml").write_text("optimizer:\n  lr: 1e-3\n  b1: 0.9\n  lr: 2e-3\n")
+
+
+def bad_yaml(c, w):
+    (w / "bad.yaml").write_text("optimizer:\n  lr: [1e-3\n")
+
+
+def metrics_bad_line(c, w):
+    (w / "m.jsonl").write_text('{"step": 1, "loss": 5.5}\n{"step": 2, "lo\n{"step": 3}\n')
+
+
+def metrics_not_object(c, w):
+    (w / "m.jsonl").write_text('{"step": 1, "loss": 5.5}\n[2, 5.4]\n')
+
+
+def metrics_bad_step(c, w):
+    (w / "m.jsonl").write_text('{"step": "one", "loss": 5.5}\n')
+
+
+def metrics_cut_newline(c, w):  # a cut line is the last one only: here a newline follows it
+    (w / "m.jsonl").write_text('{"step": 1, "loss": 5.5}\n{"step": 2, "lo\n')
+
+
+def other_ckpt(c, w):
+    shutil.copytree(c / "40", w / "other" / "40")
+
+
 def empty_ckpt(c, w):
     shutil.rmtree(c)
     c.mkdir()
@@ -144,7 +172,17 @@ ROWS = [
     ("devices 0", [*T, "--devices", "0"], None, "--devices must be at least 1"),
     ("save-every -1", [*T, "--save-every", "-1"], None, "--save-every must be at least 0"),
     ("keep 0", [*T, "--keep", "0"], None, "--keep must be at least 1"),
-    ("seed -1", [*T, "--seed", "-1"], None, "train.seed must be a finite number of at least 0"),
+    ("seed -1", [*T, "--seed", "-1"], None, "--seed must be 0 to 4294967295 (got -1)"),
+    ("seed 2**70", [*T, "--seed", str(2**70)], None,
+     f"--seed must be 0 to 4294967295 (got {2**70})"),
+    ("seed 2**32", [*T, "--set", "train.seed=4294967296"], None,
+     "train.seed must be 0 to 4294967295 (got 4294967296)"),
+    ("max_bad_steps <0", [*T, "--set", "train.max_bad_steps=-1"], None,
+     "train.max_bad_steps must be a finite number of at least 0"),
+    ("train.seed -1", [*T, "--set", "train.seed=-1"], None,
+     "train.seed must be a finite number of at least 0"),
+    ("devices 2**31", [*T, "--devices", "2147483648"], None,
+     "--devices must be at most 4096 (got 2147483648)"),
     ("n_heads 0", [*T, "--set", "model.n_heads=0"], None, "model.n_heads must be a finite"),
     ("d_model 0", [*T, "--set", "model.d_model=0"], None, "model.d_model must be a finite"),
     ("d_model <0", [*T, "--set", "model.d_model=-64"], None, "model.d_model must be a finite"),
@@ -158,10 +196,50 @@ ROWS = [
      "optimizer.warmup_steps must be a finite number of at least 0"),
     ("clip <0", [*T, "--set", "optimizer.clip_norm=-1.0"], None, "optimizer.clip_norm must be"),
     ("b1 1", [*T, "--set", "optimizer.b1=1.0"], None, "optimizer.b1 must be in [0, 1)"),
+    ("momentum 1.5", [*T, "--set", "optimizer.momentum=1.5"], None,
+     "optimizer.momentum must be in [0, 1) (got 1.5)"),
+    ("weight_decay 1e6", [*T, "--set", "optimizer.weight_decay=1e6"], None,
+     "optimizer.weight_decay must be at most 1 (got 1e+06)"),
+    ("decay < warmup", [*T, "--set", "optimizer.decay_steps=10"], None,
+     "optimizer.decay_steps 10 ends the schedule before its warmup of 20 steps does"),
+    ("scale power 128", [*T, "--set", "precision.initial_scale_power=128"], None,
+     "precision.initial_scale_power must be at most 127 (got 128)"),
+    ("scale power 2000", [*T, "--set", "precision.initial_scale_power=2000"], None,
+     "precision.initial_scale_power must be at most 127 (got 2000)"),
+    ("min scale 1e39", [*T, "--set", "precision.min_loss_scale=1e39"], None,
+     "precision.min_loss_scale must be at most 2**127"),
+    ("data ''", [*T, "--data", ""], None, "--data '' names nothing"),
+    ("ckpt dir ''", [*T, "--checkpoint-dir", ""], None, "--checkpoint-dir '' names nothing"),
+    ("metrics ''", [*T, "--metrics", ""], None, "--metrics '' names nothing"),
+    ("report ' '", [*T, "--report", " "], None, "--report ' ' names nothing"),
+    ("config ''", [*T, "--config", ""], None, "--config '' names nothing"),
+    ("save-every no dir", [*T, "--save-every", "5"], None,
+     "--save-every needs --checkpoint-dir DIR: without it nothing is saved or read"),
+    ("keep no dir", [*T, "--keep", "2"], None, "--keep needs --checkpoint-dir DIR"),
+    ("overwrite no dir", [*T, "--overwrite"], None, "--overwrite needs --checkpoint-dir DIR"),
+    ("two no dir", [*T, "--save-every", "5", "--resume"], None,
+     "--save-every and --resume need --checkpoint-dir DIR"),
+    ("peer-timeout nan", [*T, "--peer-timeout", "nan"], None,
+     "--peer-timeout must be a positive finite number of seconds (got nan)"),
+    ("peer-timeout inf", [*T, "--peer-timeout", "inf"], None,
+     "--peer-timeout must be a positive finite number of seconds (got inf)"),
+    ("peer-timeout 0", [*T, "--peer-timeout", "0"], None,
+     "--peer-timeout must be a positive finite number of seconds (got 0)"),
     ("min_shard <0", [*T, "--set", "zero.min_shard_elems=-1"], None,
      "zero.min_shard_elems must be a finite number of at least 0"),
     ("zero3-size -2", [*T, "--zero3-size", "-2"], None, "zero.zero3_size must be a finite"),
     ("unknown key", [*T, "--set", "model.n_layer=2"], None, "unknown config key model.n_layer"),
+    ("set not yaml", [*T, "--set", "optimizer.lr=[1"], None,
+     "--set optimizer.lr=[1: the value is not valid YAML: expected ',' or ']'"),
+    ("set duplicate", [*T, "--set", "model={{d_model: 64, d_model: 32}}"], None,
+     "d_model is given twice, on lines 1 and 1 of the value of model: keep one"),
+    ("config duplicate", [*T, "--config", "{w}/dup.yaml"], duplicate_key,
+     "config {w}/dup.yaml: optimizer.lr is given twice, on lines 2 and 4: keep one"),
+    ("config not yaml", [*T, "--config", "{w}/bad.yaml"], bad_yaml,
+     "config {w}/bad.yaml is not valid YAML: expected ',' or ']', but got '<stream end>' "
+     "(line 3, column 1)"),
+    ("lr 'x'", [*T, "--set", "optimizer.lr=fast"], None,
+     "config key optimizer.lr must be a float, got 'fast'"),
     ("remat policy", [*T, "--set", "model.remat=some"], None, "model.remat must be one of full"),
     ("offload nvme", [*T, "--set", "zero.offload_optimizer.device=nvme"], None,
      "zero.offload_optimizer.device must be none or cpu"),
@@ -215,6 +293,14 @@ ROWS = [
     ("resume other data", [*R, "--data", "{w}/other.txt"], other_data,
      "but this run reads {w}/other.txt: pass the same --data, or --allow-other-data"),
     ("resume garbage meta", [*R], garbage_meta, "no checkpoint in {c} can be read"),
+    ("resume metrics bad line", [*R, "--metrics", "{w}/m.jsonl"], metrics_bad_line,
+     "--metrics {w}/m.jsonl: line 2 is not JSON (Unterminated string starting at column 13)"),
+    ("resume metrics list", [*R, "--metrics", "{w}/m.jsonl"], metrics_not_object,
+     "--metrics {w}/m.jsonl: line 2 is not a record of a step (it holds a JSON list)"),
+    ("resume metrics step", [*R, "--metrics", "{w}/m.jsonl"], metrics_bad_step,
+     "--metrics {w}/m.jsonl: line 1 is not a record of a step (its step is not a number)"),
+    ("resume metrics cut", [*R, "--metrics", "{w}/m.jsonl"], metrics_cut_newline,
+     "--metrics {w}/m.jsonl: line 2 is not JSON"),
     ("resume no meta", [*R], no_meta, "no checkpoint in {c} can be read"),
     ("load path missing", [*T, "--set", "train.ckpt_load_path={w}/none"], None,
      "train.ckpt_load_path: checkpoint directory"),
@@ -228,6 +314,13 @@ ROWS = [
     ("export exists", ["export", "{c}", "{w}"], None, "already exists"),
     ("export unwritable", ["export", "{c}", "/proc/out"], None, "cannot export into /proc/out"),
     ("export dtype", [*E, "--dtype", "int8"], None, "--dtype must be one of"),
+    ("export into ckpt", ["export", "{c}", "{c}/99"], None,
+     "cannot export into {c}/99: it is inside the checkpoint directory {c}, where a run would "
+     "take it for a checkpoint"),
+    ("export deep in ckpt", ["export", "{c}", "{c}/exports/a"], None,
+     "cannot export into {c}/exports/a: it is inside the checkpoint directory {c}"),
+    ("export into other ckpt", ["export", "{c}", "{w}/other/99"], other_ckpt,
+     "cannot export into {w}/other/99: it is inside the checkpoint directory {w}/other"),
 ]
 
 
@@ -262,6 +355,62 @@ def test_refused_with_one_line_and_nothing_written(name, command, fault, phrase,
     assert "Traceback" not in out.err
     assert not compiles  # refused before any model was compiled
     assert listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("text, value", [
+    ("3e-4", 3e-4), ("1e30", 1e30), ("1.0e30", 1e30), ("1.0e+30", 1e30), ("1E-3", 1e-3),
+    (".5e-2", 0.005), ("5.", 5.0), ("1_000.5", 1000.5), ("7", 7.0), ("'2e-3'", 2e-3)])
+def test_every_float_spelling_python_reads(text, value, tmp_path):
+    """YAML 1.1 reads 3e-4, 1e30 and 1.0e30 as strings; a float key takes them, in --set and in
+    a config file, as Python's float() would."""
+    from zero_jax.gpt import config
+
+    assert config.load("tiny", [f"optimizer.lr={text}"])["optimizer"]["lr"] == value
+    (tmp_path / "c.yaml").write_text(f"optimizer:\n  lr: {text}\n  eps: {text}\n")
+    o = config.load(str(tmp_path / "c.yaml"))["optimizer"]
+    assert o["lr"] == o["eps"] == value
+
+
+def test_metrics_records_are_strict_json():
+    """JSON has no NaN: a non-finite value is written as null, and named."""
+    record = train.finite_record({"step": 3, "loss": float("nan"), "grad_norm": float("inf"),
+                                  "skipped": 1, "lr": 0.5})
+    line = json.dumps(record, allow_nan=False)
+    assert json.loads(line) == {"step": 3, "loss": None, "grad_norm": None, "skipped": 1,
+                                "lr": 0.5, "nonfinite": ["loss", "grad_norm"]}
+    assert train.finite_record({"step": 1, "loss": 2.0}) == {"step": 1, "loss": 2.0}
+
+
+def test_a_metrics_line_cut_short_does_not_block_resume(reference, tmp_path):
+    """SIGKILL while a record is written leaves half a line: --resume drops it with a warning,
+    and the file goes on as the uninterrupted run's."""
+    ckpt, ref = reference
+    c, m = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    shutil.copytree(ckpt, c)
+    m.write_text((ckpt.parent / "ref.jsonl").read_text() + '{"step": 41, "loss": 2.2')
+    run = run_train("--steps", REF_STEPS + 2, "--checkpoint-dir", c, "--resume", "--metrics", m)
+    assert run.returncode == 0, run.stderr
+    assert (f"warning: --metrics {m}: its last line (line 41) was cut short, by a run killed "
+            "while writing it: dropped") in run.stderr
+    got = [json.loads(x) for x in m.read_text().splitlines()]
+    assert [r["step"] for r in got] == list(range(1, REF_STEPS + 3))
+    assert {r["step"]: r["loss"] for r in got[:REF_STEPS]} == ref
+
+
+def test_an_update_gone_non_finite_stops_at_once(tmp_path):
+    """The same without skipping, the guard on: step 2's NaN went into the state, so the run
+    stops there (exit 3) without waiting for max_bad_steps, and without trying to save it."""
+    c = tmp_path / "ckpt"
+    run = run_train("--set", "precision.skip_nonfinite=false", "--set", "optimizer.lr=1.0e+38",
+                    "--set", "optimizer.warmup_steps=0", "--steps", 4, "--save-every", 1,
+                    "--checkpoint-dir", c)
+    assert run.returncode == 3, run.stderr
+    errors = [x for x in run.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "error: training diverged: step 2 had a non-finite loss or gradient (1 in a row; its "
+        "update went in); the last step with a finite loss was 1; nothing saved since, the "
+        f"newest checkpoint, from before it, is 1 in {c}"), run.stderr
+    assert Checkpoints(c, read_only=True).steps() == [1]
 
 
 def test_a_model_that_cannot_fit_is_refused_before_allocating(tmp_path, capsys):
@@ -303,13 +452,56 @@ def test_corrupted_newest_falls_back_and_resumes_exactly(reference, tmp_path):
         assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
 
 
+def test_a_diverging_run_stops_and_saves_nothing_after(tmp_path):
+    """lr 1e30: step 2's update (lr 5e28 after warmup's first step) sends the loss to NaN from
+    step 3 on, and every step is skipped. The divergence guard stops the run after
+    train.max_bad_steps (5) such steps with exit code 3 and one line; the periodic saves of steps
+    4 and 6 are not made, so checkpoint 2 is the newest. The metrics are strict JSON."""
+    c, m = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    run = run_train("--set", "optimizer.lr=1e30", "--steps", 20, "--save-every", 2,
+                    "--checkpoint-dir", c, "--metrics", m)
+    assert run.returncode == 3, run.stderr
+    errors = [x for x in run.stderr.splitlines() if x.startswith("error:")]
+    assert errors == [
+        "error: training diverged: steps 3-7 had a non-finite loss or gradient (5 in a row; "
+        "train.max_bad_steps is 5); the last step with a finite loss was 2; nothing saved since, "
+        f"the newest checkpoint, from before it, is 2 in {c}: resume from it with a lower "
+        "optimizer.lr, or a larger optimizer.warmup_steps"], run.stderr
+    assert "done:" not in run.stdout
+    assert Checkpoints(c, read_only=True).steps() == [2]
+
+    def no_nan(word):
+        raise AssertionError(f"{word} is not JSON")
+
+    records = [json.loads(x, parse_constant=no_nan) for x in m.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 8))
+    assert all(r["loss"] is None and "loss" in r["nonfinite"] and r["skipped"] == 1
+               for r in records[2:])
+    assert "nonfinite" not in records[1] and records[1]["loss"] > 0
+
+
+@pytest.mark.parametrize("m, bad", [
+    ({"loss": 2.0, "grad_norm": 1.0, "skipped": 0}, False),
+    ({"loss": float("nan"), "grad_norm": 1.0, "skipped": 0}, True),
+    ({"loss": 2.0, "grad_norm": float("inf"), "skipped": 1}, True),  # bf16/fp32: skipped
+    ({"loss": 2.0, "grad_norm": float("inf"), "skipped": 1, "loss_scale": 2.0**16}, False),
+    ({"loss": 2.0, "grad_norm": float("inf"), "skipped": 1, "loss_scale": 1.0}, True),
+    ({"loss": float("inf"), "grad_norm": float("inf"), "skipped": 1, "loss_scale": 8.0}, True),
+], ids=["finite", "nan loss", "skipped", "fp16 scaler backs off", "fp16 at min scale",
+        "fp16 inf loss"])
+def test_bad_steps(m, bad):
+    """fp16's scaler skipping steps while it can still lower the scale is not divergence."""
+    assert train.bad_step(m, min_loss_scale=1.0) == bad
+
+
 def test_a_run_gone_non_finite_stops_without_saving(tmp_path):
-    """lr 1e38 without skipping non-finite steps: the parameters become NaN at step 2; the
-    run stops with exit code 1 and keeps checkpoint 1, the last finite state."""
+    """lr 1e38 without skipping non-finite steps, the divergence guard off: the parameters
+    become NaN at step 2; the run stops with exit code 1 and keeps checkpoint 1, the last
+    finite state."""
     c = tmp_path / "ckpt"
     run = run_train("--set", "precision.skip_nonfinite=false", "--set", "optimizer.lr=1.0e+38",
-                    "--set", "optimizer.warmup_steps=0", "--steps", 3, "--save-every", 1,
-                    "--checkpoint-dir", c)
+                    "--set", "optimizer.warmup_steps=0", "--set", "train.max_bad_steps=0",
+                    "--steps", 3, "--save-every", 1, "--checkpoint-dir", c)
     assert run.returncode == 1, run.stderr
     assert "error: the state at step 2 has non-finite values in params/" in run.stderr
     assert "not saved, older checkpoints are kept" in run.stderr

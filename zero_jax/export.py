@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import tempfile
@@ -34,6 +35,10 @@ def export(checkpoint_dir: str, out: str, step: int | None = None, dtype: str = 
     target = pathlib.Path(out).absolute()
     if target.exists():
         raise CheckpointError(f"{target} already exists: pass a new directory to export into")
+    if holder := _checkpoint_dir_above(target, pathlib.Path(checkpoint_dir)):
+        raise CheckpointError(f"cannot export into {target}: it is inside the checkpoint "
+                              f"directory {holder}, where a run would take it for a checkpoint "
+                              "(or rotate it away); pass a path outside it")
     if problem := _unwritable(target):
         raise CheckpointError(f"cannot export into {target}: {problem}; pass a writable path")
     ckpts = Checkpoints(checkpoint_dir, create=False, read_only=True)  # never deletes anything
@@ -56,6 +61,24 @@ def export(checkpoint_dir: str, out: str, step: int | None = None, dtype: str = 
     except OSError as e:
         raise CheckpointError(f"writing {target} failed: {e.strerror}") from None
     return config
+
+
+def _checkpoint_dir_above(target: pathlib.Path, source: pathlib.Path) -> pathlib.Path | None:
+    """The checkpoint directory ``target`` would be inside: the one exported from, or any that
+    holds zero_jax checkpoints (numbered directories with ``meta``) or a writer's lock."""
+    from zero_jax.lock import NAME
+
+    real = pathlib.Path(os.path.realpath(target))
+    if pathlib.Path(os.path.realpath(source)) in real.parents:
+        return source.absolute()
+    for above in real.parents:
+        try:
+            if (above / NAME).exists() or any(p.name.isdigit() and (p / "meta").is_dir()
+                                              for p in above.iterdir()):
+                return above
+        except OSError:  # not there yet, or not readable: nothing to take it for a checkpoint
+            continue
+    return None
 
 
 def _unwritable(target: pathlib.Path) -> str | None:

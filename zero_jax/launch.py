@@ -3,9 +3,12 @@
     python -m zero_jax.launch --processes 2 --devices-per-process 4 -- train.py --stage 3
 
 Each process gets the environment a cluster launcher would give it (``JAX_COORDINATOR_ADDRESS``,
-``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``) and its own simulated CPU devices. Output goes
-straight to the terminal; the program prints from process 0 only. If a process fails, the
-others are given ``--grace`` seconds to stop by themselves (their watchdog), then killed.
+``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``) and its own simulated CPU devices. Output goes to the
+terminal a whole line at a time (a line ends at a newline, or at a carriage return: progress
+bars), so two processes' lines never run together; the program prints from process 0 only. If
+a process fails, the others are given ``--grace`` seconds to stop by themselves (their
+watchdog), then killed. The exit code is 0, or the first failure's (128 + the signal for a
+process that was killed).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 
@@ -52,17 +56,36 @@ def describe(rc: int) -> str:
 
 def wait(procs: list[subprocess.Popen], grace: float) -> int:
     """Wait for all; after the first failure give the rest ``grace`` seconds, then kill them.
-    Returns 0, or the first failure's exit code (128 + signal for a killed process)."""
+    Returns 0, or the first failure's exit code (128 + signal for a killed process).
+
+    Each process is waited for by a thread of its own, which records the order in which they
+    exit: the first failure is known even when every process has exited before it is looked
+    at."""
+    exits: list[tuple[int, int]] = []  # (process, return code), in the order they exited
+    lock = threading.Lock()
+
+    def reap(i: int, p: subprocess.Popen) -> None:
+        rc = p.wait()
+        with lock:
+            exits.append((i, rc))
+
+    threads = [threading.Thread(target=reap, args=(i, p), daemon=True)
+               for i, p in enumerate(procs)]
+    for t in threads:
+        t.start()
     first: tuple[int, int] | None = None
     deadline = None
-    while any(p.poll() is None for p in procs):
-        for i, p in enumerate(procs):
-            if first is None and p.poll() not in (None, 0):
-                first, deadline = (i, p.returncode), time.monotonic() + grace
-                if p.returncode < 0:  # it could not say so itself
-                    print(f"error: [launch] process {i} {describe(p.returncode)}",
-                          file=sys.stderr, flush=True)
-        if deadline and time.monotonic() > deadline:
+    while True:
+        with lock:
+            done = list(exits)
+        if first is None and (failed := [(i, rc) for i, rc in done if rc != 0]):
+            first, deadline = failed[0], time.monotonic() + grace
+            if first[1] < 0:  # it could not say so itself
+                print(f"error: [launch] process {first[0]} {describe(first[1])}",
+                      file=sys.stderr, flush=True)
+        if len(done) == len(procs):
+            break
+        if deadline is not None and time.monotonic() > deadline:
             for i, p in enumerate(procs):
                 if p.poll() is None:
                     print(f"error: [launch] process {i} did not stop within {grace:g} s of "
@@ -70,10 +93,75 @@ def wait(procs: list[subprocess.Popen], grace: float) -> int:
                           flush=True)
                     p.kill()
             deadline = None
-        time.sleep(0.1)
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
     if first is None:
         return 0
     return first[1] if first[1] > 0 else 128 - first[1]
+
+
+class _Lines:
+    """Copies the processes' pipes to our stdout and stderr a whole line at a time, under one
+    lock: what two processes print never runs together on one line. A line ends at ``\\n`` or
+    ``\\r`` (a progress bar redraws itself with ``\\r``); an unfinished last line is ended."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+
+    def follow(self, pipe, out) -> None:
+        t = threading.Thread(target=self.copy, args=(pipe, out), daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def copy(self, pipe, out) -> None:
+        fd, pending = pipe.fileno(), b""
+        while chunk := os.read(fd, 1 << 16):
+            pending += chunk
+            cut = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
+            if cut:
+                self.write(out, pending[:cut])
+                pending = pending[cut:]
+        if pending:
+            self.write(out, pending + b"\n")
+        pipe.close()
+
+    def write(self, out, data: bytes) -> None:
+        with self.lock:
+            if hasattr(out, "buffer"):
+                out.buffer.write(data)
+            else:  # a text stream that stands in for the terminal
+                out.write(data.decode(errors="replace"))
+            out.flush()
+
+    def join(self, timeout: float = 10) -> None:
+        """After the processes exit; a pipe a grandchild still holds open is not waited for."""
+        end = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.0, end - time.monotonic()))
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit code 2, like train.py
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def check(args: argparse.Namespace, command: list[str]) -> str | None:
+    """What the arguments cannot mean, found before any process starts."""
+    if args.processes < 1 or args.devices_per_process < 1:
+        return (f"--processes and --devices-per-process must be at least 1 (got "
+                f"{args.processes} and {args.devices_per_process})")
+    if not command:
+        return ("put the program after --, e.g. python -m zero_jax.launch --processes 2 "
+                "--devices-per-process 4 -- train.py --stage 3")
+    if args.port is not None and not 1 <= args.port <= 65535:
+        return (f"--port must be a TCP port, 1 to 65535 (got {args.port}); leave it out for a "
+                "free one")
+    if not (args.grace >= 0 and args.grace != float("inf")):  # nan fails both
+        return f"--grace must be a finite number of seconds, at least 0 (got {args.grace:g})"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,21 +171,24 @@ def main(argv: list[str] | None = None) -> int:
               "--devices-per-process 4 -- train.py --stage 3", file=sys.stderr)
         return 2
     cut = argv.index("--")
-    p = argparse.ArgumentParser(prog="python -m zero_jax.launch",
-                                description=__doc__.splitlines()[0])
+    p = _Parser(prog="python -m zero_jax.launch", description=__doc__.splitlines()[0])
     p.add_argument("--processes", type=int, default=2, help="processes (simulated hosts)")
     p.add_argument("--devices-per-process", type=int, default=4,
                    help="simulated CPU devices in each process")
-    p.add_argument("--port", type=int, help="coordinator port (default: a free one)")
+    p.add_argument("--port", type=int, help="coordinator port, 1-65535 (default: a free one)")
     p.add_argument("--grace", type=float, default=60,
                    help="seconds the others get to stop after one fails, before being killed")
     args = p.parse_args(argv[:cut])
     command = argv[cut + 1:]
-    if args.processes < 1 or args.devices_per_process < 1 or not command:
-        print("error: --processes and --devices-per-process must be at least 1 and a program "
-              "must follow --", file=sys.stderr)
+    if problem := check(args, command):
+        print(f"error: {problem}", file=sys.stderr)
         return 2
-    procs = spawn(command, args.processes, args.devices_per_process, args.port)
+    lines = _Lines()
+    procs = spawn(command, args.processes, args.devices_per_process, args.port,
+                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for q in procs:
+        lines.follow(q.stdout, sys.stdout)
+        lines.follow(q.stderr, sys.stderr)
 
     def forward(signum, frame):
         for q in procs:
@@ -106,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
-    return wait(procs, args.grace)
+    code = wait(procs, args.grace)
+    lines.join()
+    return code
 
 
 if __name__ == "__main__":

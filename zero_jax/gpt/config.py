@@ -1,7 +1,10 @@
 """Run configuration: YAML files in ``configs/`` over the defaults below, then ``--set`` overrides.
 
 Every key that exists is in ``DEFAULTS``; anything else is a mistake and is refused, as is a
-value whose type does not match the default's.
+value whose type does not match the default's, and a key given twice in one file. Values are
+read as YAML (``yaml.safe_load``), except that a number with an exponent is a float however
+Python would write it (``3e-4``, ``1e30``, ``1.0e30``; YAML 1.1 reads these as strings), and a
+float key takes any spelling Python's ``float()`` reads.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import pathlib
+import re
 from typing import Any
 
 import yaml
@@ -26,8 +30,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                   "eps": 1e-8, "weight_decay": 0.1, "momentum": 0.0, "clip_norm": 1.0,
                   "frozen_modules": []},
     # ckpt_load_path: a checkpoint directory to resume from (its latest complete step).
+    # max_bad_steps: train.py stops (exit 3) after this many steps in a row whose loss or
+    # gradient is not finite (0: never), and saves nothing from the first of them on.
     "train": {"batch_size": 32, "accum_steps": 1, "steps": 400, "seed": 0,
-              "ckpt_load_path": ""},
+              "ckpt_load_path": "", "max_bad_steps": 5},
     # zero3_size > 0: hierarchical ZeRO, stage 3 within groups of that many devices.
     # transformer_layers: the layer stacks gathered one layer at a time ([]: the whole model
     # once per step); ignored_modules: left out of ZeRO, whole on every device;
@@ -80,6 +86,60 @@ def resolve(name: str) -> pathlib.Path:
     raise ConfigError(f"config {name} not found: pass a YAML path or one of {names}")
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping holds the same key twice; YAML would silently keep the last."""
+
+
+class _Loader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, but exponent floats as Python writes them (``3e-4``), and a
+    mapping that holds a key twice is an error naming the key and the lines."""
+
+    def construct_document(self, node):
+        self._no_duplicates(node, "", set())
+        return super().construct_document(node)
+
+    def _no_duplicates(self, node, where: str, visited: set) -> None:
+        if id(node) in visited:  # an alias seen before
+            return
+        visited.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._no_duplicates(item, f"{where}[{i}]", visited)
+        if not isinstance(node, yaml.MappingNode):
+            return
+        lines: dict = {}
+        for key_node, value in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # << merges: overriding is their point
+                continue
+            key = (self.construct_object(key_node) if isinstance(key_node, yaml.ScalarNode)
+                   else id(key_node))
+            dotted = f"{where}.{key}" if where else str(key)
+            lines.setdefault(key, (dotted, []))[1].append(key_node.start_mark.line + 1)
+            self._no_duplicates(value, dotted, visited)
+        for dotted, at in lines.values():
+            if len(at) > 1:
+                times = "twice" if len(at) == 2 else f"{len(at)} times"
+                raise DuplicateKeyError(f"{dotted} is given {times}, on lines "
+                                        f"{', '.join(map(str, at[:-1]))} and {at[-1]}")
+
+
+_Loader.add_implicit_resolver(  # after YAML 1.1's own: only what it reads as a string
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9][0-9_]*$"),
+    list("-+0123456789."))
+
+
+def _yaml(text: str):
+    return yaml.load(text, Loader=_Loader)
+
+
+def _problem(e: yaml.YAMLError) -> str:
+    """A YAML error in one line: what is wrong, and where."""
+    what = getattr(e, "problem", None) or str(e).splitlines()[0]
+    mark = getattr(e, "problem_mark", None)
+    return f"{what} (line {mark.line + 1}, column {mark.column + 1})" if mark else what
+
+
 def _merge(base: dict, update: dict, where: str = "") -> None:
     for key, value in update.items():
         dotted = f"{where}{key}"
@@ -103,6 +163,11 @@ def _check_type(key: str, default: Any, value: Any) -> Any:
     elif isinstance(default, int):
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif isinstance(default, float):
+        if isinstance(value, str):  # any spelling float() reads: "1_000.5", "inf", " 2e-3 "
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
     elif isinstance(default, list):  # lists of names
@@ -120,7 +185,13 @@ def parse_override(text: str) -> dict:
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise ConfigError(f"--set {text}: write KEY=VALUE, e.g. --set optimizer.name=sgd")
-    value = yaml.safe_load(raw) if raw else ""
+    try:
+        value = _yaml(raw) if raw else ""
+    except DuplicateKeyError as e:
+        raise ConfigError(f"--set {text}: {e} of the value of {key}: keep one") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {text}: the value is not valid YAML: {_problem(e)}; quote "
+                          f"it for a string, e.g. --set '{key}=\"{raw}\"'") from None
     for part in reversed(key.split(".")):
         value = {part: value}
     return value
@@ -131,9 +202,11 @@ def load(name: str = "tiny", overrides: list[str] = ()) -> dict:
     config = copy.deepcopy(DEFAULTS)
     path = resolve(name)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = _yaml(path.read_text()) or {}
+    except DuplicateKeyError as e:
+        raise ConfigError(f"config {path}: {e}: keep one") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config {path} is not valid YAML: {str(e).splitlines()[0]}") from e
+        raise ConfigError(f"config {path} is not valid YAML: {_problem(e)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config {path} must be a mapping of sections (model:, train:, ...)")
     _merge(config, data)
@@ -165,12 +238,24 @@ def validate(config: dict) -> None:
     for key in ("batch_size", "steps", "accum_steps"):
         _at_least(config, "train", key, 1)
     _at_least(config, "train", "seed", 0)
+    _at_least(config, "train", "max_bad_steps", 0)
+    if config["train"]["seed"] >= 2**32:  # jax.random.key keeps the low 32 bits (no x64)
+        raise ConfigError(f"train.seed must be 0 to {2**32 - 1} (got {config['train']['seed']}): "
+                          "jax.random.key keeps 32 bits of it")
     for key in ("lr", "warmup_steps", "decay_steps", "eps", "weight_decay", "momentum",
                 "clip_norm"):
         _at_least(config, "optimizer", key, 0)
-    for key in ("b1", "b2"):
+    for key in ("b1", "b2", "momentum"):
         if not 0 <= o[key] < 1:
             raise ConfigError(f"optimizer.{key} must be in [0, 1) (got {o[key]})")
+    if o["weight_decay"] > 1:  # adamw's is decoupled: each step scales by 1 - lr * weight_decay
+        raise ConfigError(f"optimizer.weight_decay must be at most 1 (got {o['weight_decay']:g}):"
+                          " it is decoupled, each step shrinks the parameters by lr x "
+                          "weight_decay of themselves; typical values are 0 to 0.1")
+    if 0 < o["decay_steps"] < o["warmup_steps"]:
+        raise ConfigError(f"optimizer.decay_steps {o['decay_steps']} ends the schedule before "
+                          f"its warmup of {o['warmup_steps']} steps does: pass decay_steps of at "
+                          "least warmup_steps, or 0 to decay over the whole run")
     for key in ("min_shard_elems", "zero3_size", "bucket_mb"):
         _at_least(config, "zero", key, 0)
     _at_least(config, "zero", "quantize_block", 1)
@@ -199,6 +284,13 @@ def validate(config: dict) -> None:
         _at_least(config, "precision", key, 1)
     _at_least(config, "precision", "initial_scale_power", 0)
     _at_least(config, "precision", "min_loss_scale", 0)
+    if p["initial_scale_power"] >= 128:  # 2**128 overflows float32, where the scale is kept
+        raise ConfigError(f"precision.initial_scale_power must be at most 127 (got "
+                          f"{p['initial_scale_power']}): the loss scale 2**power is a float32; "
+                          "DeepSpeed's default is 16")
+    if p["min_loss_scale"] > 2.0**127:
+        raise ConfigError(f"precision.min_loss_scale must be at most 2**127 (got "
+                          f"{p['min_loss_scale']:g}): the loss scale is a float32")
 
 
 def _check_tensor_parallel(config: dict) -> None:
