@@ -19,6 +19,8 @@ import zero_jax as zj
 from zero_jax import report
 from zero_jax.hlo import collectives
 
+pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
+
 D, H, V, T = 64, 256, 50, 8  # V = 50 and the gate's 3 do not divide by 8
 KEY = jax.random.key(0)
 

@@ -17,6 +17,8 @@ import zero_jax as zj
 from zero_jax.checkpoint import CheckpointError, Checkpoints
 from zero_jax.gpt.model import LAYERS
 
+pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENV = TRAIN_ENV
 

@@ -10,6 +10,8 @@ from conftest import TRAIN_ENV
 
 from zero_jax.gpt.model import GPTConfig
 
+pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENV = TRAIN_ENV
 

@@ -22,6 +22,8 @@ from zero_jax.gpt.experiment import Experiment
 from zero_jax.gpt.model import LAYERS
 from zero_jax.hlo import collectives
 
+pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
+
 STEPS = 5
 BUCKET = zj.Comm(bucket_bytes=25 << 20)
 LAYOUTS = {"stage0": (0, None), "stage1": (1, None), "stage2": (2, None), "stage3": (3, None),

@@ -25,6 +25,8 @@ from zero_jax.gpt.model import LAYERS
 from zero_jax.hlo import collectives
 from zero_jax.rules import path_str
 
+pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
+
 STAGES = [0, 1, 2, 3]
 # Each stage trains offloaded once per optimizer, every stage with the whole optimizer state on
 # the host and with half of it.

@@ -30,6 +30,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import train  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
+
 ENV = TRAIN_ENV
 MODEL = ["--set", "model.n_layers=1", "--set", "optimizer.decay_steps=20"]  # schedule fixed
 REF_STEPS = 40  # saved every 8: checkpoints 24, 32, 40 are kept

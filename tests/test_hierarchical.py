@@ -19,6 +19,8 @@ from zero_jax.hlo import collectives
 from zero_jax.precision import Precision
 from zero_jax.rules import modules_pattern, path_str
 
+pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
+
 
 @pytest.fixture(scope="module")
 def grid():

@@ -23,6 +23,8 @@ from zero_jax.gpt import data
 from zero_jax.launch import free_port, spawn, wait
 from zero_jax.state import abstract_state
 
+pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENV = {**SUBPROCESS_ENV, "PYTHONPATH": str(ROOT)}
 

@@ -14,6 +14,8 @@ from jax.sharding import PartitionSpec as P
 import zero_jax as zj
 from zero_jax.hlo import collectives
 
+pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
+
 D, H = 16, 64
 KEY = jax.random.key(0)
 

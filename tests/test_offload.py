@@ -21,6 +21,8 @@ from zero_jax.gpt.model import LAYERS
 from zero_jax.rules import path_str
 from zero_jax.state import abstract_state
 
+pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
+
 HOST_CALL = re.compile(r'call @(\w+)\(([^)]*)\).*_xla_compute_type = "host"')
 
 

@@ -20,6 +20,8 @@ from zero_jax.gpt.experiment import Experiment  # noqa: E402
 from zero_jax.hlo import collectives  # noqa: E402
 from zero_jax.state import init_state  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
+
 # Two layers, a small batch; no warmup, so the first step moves the parameters. Global batch
 # 16 and seq_len 64 are no parameter's dimensions: an all-gathered (16, 64, ...) is activations.
 SETS = ["model.n_layers=2", "train.batch_size=16", "optimizer.warmup_steps=0", "zero.stage=0",

@@ -20,6 +20,8 @@ from zero_jax.gpt.model import GPT, LAYERS, GPTConfig, init_fn, lm_loss
 from zero_jax.hlo import collectives
 from zero_jax.precision import LossScaleConfig, Precision
 
+pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
+
 N = 8
 TINY = GPTConfig()
 PSI = TINY.n_params

@@ -27,6 +27,8 @@ from zero_jax.gpt import data
 from zero_jax.gpt.model import GPT, LAYERS, init_fn, lm_loss
 from zero_jax.hlo import collectives, copied_bytes, gathered_ahead, reduced_behind
 
+pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
+
 STEPS = 5
 # Four layers: the forward loop runs layers 0-2 (3 after it), the backward loop layers 2-1 (3
 # before it, 0 after it); fewer would leave XLA a backward loop of one iteration, which it
