@@ -37,6 +37,9 @@ STEPS = 5
 LAYOUTS = {f"stage{s}-sgd": [f"zero.stage={s}", "optimizer.name=sgd"] for s in range(4)}
 LAYOUTS["stage3-adamw"] = ["zero.stage=3", "optimizer.name=adamw"]
 LAYOUTS["hier-adamw"] = ["zero.stage=3", "zero.zero3_size=4", "optimizer.name=adamw"]
+# Tensor parallelism within a process (its 4 devices one model group), ZeRO across processes.
+LAYOUTS["tp4-stage3-sgd"] = ["zero.stage=3", "optimizer.name=sgd", "mesh.tensor_parallel=4",
+                             "model.n_heads=4"]
 # Only built, to restore the 2-process checkpoint into: another stage of the same optimizer.
 RESTORE_ONLY = {"stage1-adamw": ["zero.stage=1", "optimizer.name=adamw"]}
 CKPT_LAYOUT = "stage3-adamw"  # saved after STEPS, restored across process counts
@@ -79,11 +82,12 @@ def run(out: pathlib.Path, reference_ckpt: str | None) -> dict:
     (``reference_ckpt``, waited for: the other side may still be running). Returns results."""
     tokens = data.stdlib_corpus(1 << 16)
     results: dict = {"losses": {}}
-    host = None  # the initial parameters, computed once: each layout only places them
+    hosts = {}  # the initial parameters, once per model: each layout only places them
     for layout in LAYOUTS:
         exp = build(layout)
-        if host is None:
-            host = jax.tree.map(np.asarray, jax.jit(exp.init)(jax.random.key(0)))
+        if exp.model not in hosts:
+            hosts[exp.model] = jax.tree.map(np.asarray, jax.jit(exp.init)(jax.random.key(0)))
+        host = hosts[exp.model]
         state = init_state(exp.plan, lambda key, host=host: host, exp.tx, jax.random.key(0))
         step = None
         if layout == "hier-adamw":  # train with the program the report reads: one compile

@@ -256,6 +256,8 @@ ROWS = [
     ("tensor parallel offload", [*T, "--tensor-parallel", "2", "--set",
                                  "zero.offload_optimizer.device=cpu"], None,
      "mesh.tensor_parallel 2 is not built with offload yet"),
+    ("pa without tp", [*T, "--set", "zero.partition_activations=true"], None,
+     "zero.partition_activations cuts each block's saved input over the tensor-parallel"),
     ("bucket <0", [*T, "--set", "zero.bucket_mb=-1"], None,
      "zero.bucket_mb must be a finite number of at least 0"),
     ("int4 weights", [*T, "--set", "zero.quantize_weights=int4"], None,

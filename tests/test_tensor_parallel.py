@@ -225,6 +225,31 @@ def test_annotated_linen_model_needs_no_table():
     assert_collectives_stay_in_their_axis(plan, text, gathers_on_model=True)
 
 
+def test_partitioned_activations_keep_a_tp_slice_of_the_saved_inputs():
+    """ZeRO-R's Pa: the forward loop's stacked block inputs (what remat full saves) are
+    (layers, batch, sequence / T, d) per device instead of (layers, batch, sequence, d), read
+    from the compiled program; the training is the same."""
+    cfg = dataclasses.replace(CFG, vocab_size=64, d_model=32, n_layers=4, d_ff=64, seq_len=256)
+    model = GPT(cfg)
+    init, loss_fn = init_fn(model), lm_loss(model)
+    tokens = data.stdlib_corpus(1 << 16).astype(np.int32) % cfg.vocab_size
+    batches = [np.asarray(data.batch(tokens, i, 8, cfg.seq_len, seed=0)) for i in range(3)]
+    mesh = zj.make_mesh(8, axes=MESHES["2x4"])
+    tx = OPTIMIZERS["sgd"]()
+    runs = {}
+    for pa in (False, True):
+        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=LAYERS,
+                            rules=TENSOR_PARALLEL, remat=zj.Remat("full", partition=pa))
+        runs[pa] = train(plan, init, loss_fn, batches, tx)
+    stacked = lambda seq: f"f32[{cfg.n_layers},4,{seq},{cfg.d_model}]"  # batch 8 over data 2
+    assert stacked(256) in runs[False][2] and stacked(64) not in runs[False][2]
+    assert stacked(64) in runs[True][2] and stacked(256) not in runs[True][2]
+    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-6)
+    with pytest.raises(ValueError, match="needs tensor parallelism"):
+        zj.make_plan(jax.eval_shape(init, KEY), zj.make_mesh(8), 3, layers=LAYERS,
+                     remat=zj.Remat(partition=True))
+
+
 def test_checkpoint_moves_between_meshes(tmp_path, gpt):
     """Written at data 2 x model 4, read back exactly at 8 x 1 (no model axis) and 4 x 2."""
     init = gpt[0]

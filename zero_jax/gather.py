@@ -246,6 +246,20 @@ BLOCK_INPUT, GATHERED = "zero_jax_block_input", "zero_jax_gathered"
 REMAT = ("full", "dots", "none", "offload")
 
 
+@dataclasses.dataclass(frozen=True)
+class Remat:
+    """What stage 3's rematerialized blocks keep for their backward: ``policy`` (``REMAT``,
+    ``remat_policy``), and with ``partition`` their saved inputs cut over the ``model`` axis
+    (ZeRO-R's partitioned activation checkpoints; needs tensor parallelism)."""
+
+    policy: str = "full"
+    partition: bool = False
+
+    def __post_init__(self):
+        if self.policy not in REMAT:
+            raise ValueError(f"remat must be one of {', '.join(REMAT)} (got {self.policy!r})")
+
+
 def remat_policy(name: str, gathers: bool = False) -> Any:
     """The ``jax.checkpoint`` policy of a block for ``model.remat`` ``name``:
 
@@ -276,8 +290,18 @@ def name_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("zero_jax_blocks", default=None)
 
 
+def partitioned(x: Any, cut: bool) -> Any:
+    """ZeRO-R's partitioned activation checkpoints (Pa): a block input (batch, sequence, ...)
+    laid out cut over ``model`` along its sequence when ``cut``, whole again when not. Saved
+    cut, it costs each tensor-parallel rank 1/T; the recompute gathers it."""
+    if not isinstance(x, jax.Array) or x.ndim < 2:
+        return x
+    spec = P(None, MODEL) if cut else P()
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
 @contextlib.contextmanager
-def per_block(blocks: Iterable[str], remat: str = "full"):
+def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = False):
     """Make each named block's ``Shard``s whole as the block runs; yields the set of blocks
     that ran.
 
@@ -288,7 +312,8 @@ def per_block(blocks: Iterable[str], remat: str = "full"):
     the block is also rematerialized, so the backward gathers again instead of keeping whole
     weights as residuals; on the CPU backend this needs XLA to keep remat's optimization
     barriers (``zero_jax.mesh.simulate_cpu_devices``); ``remat`` names its policy
-    (``remat_policy``).
+    (``remat_policy``); ``partition``: the block's saved inputs are cut over ``model``
+    (``partitioned``).
     """
     names, seen = frozenset(blocks), set()
     policy = remat_policy(remat, gathers=True)
@@ -306,12 +331,19 @@ def per_block(blocks: Iterable[str], remat: str = "full"):
         if not _gathers(params):  # stage 2: reads its whole copy
             return nn.map_variables(run, "params", trans_in_fn=materialize_tree)(module)
         gather = lambda params: materialize_tree(after_inputs(params, args, kwargs))
+        # The block's array inputs enter the checkpoint as its arguments: what it saves.
+        flat, tree = jax.tree.flatten((args, kwargs))
+        arrays = [i for i, x in enumerate(flat) if isinstance(x, jax.Array)]
 
-        def named(mdl):  # inside the checkpoint, where the policy sees the names
-            a, k = name_inputs(args, kwargs)
+        def named(mdl, *xs):  # inside the checkpoint, where the policy sees the names
+            inputs = list(flat)
+            for i, x in zip(arrays, xs, strict=True):
+                inputs[i] = partitioned(x, False) if partition else x
+            a, k = name_inputs(*jax.tree.unflatten(tree, inputs))
             return getattr(mdl, context.method_name)(*a, **k)
         run = nn.map_variables(named, "params", trans_in_fn=gather)
-        return nn.remat(run, prevent_cse=True, policy=policy)(module)
+        saved = [partitioned(flat[i], partition) if partition else flat[i] for i in arrays]
+        return nn.remat(run, prevent_cse=True, policy=policy)(module, *saved)
 
     token = _ACTIVE.set((names, seen, policy))
     try:

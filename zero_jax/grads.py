@@ -149,7 +149,7 @@ def run_loss(g: GradStep, tree: PyTree, micro: PyTree, key: jax.Array | None):
     prefetched: set[str] = set()
     fetch = prefetch.stacks(frozenset(blocks), prefetched, plan.remat == "offload") \
         if plan.comm.prefetch else contextlib.nullcontext()
-    with per_block(blocks, plan.remat) as seen, fetch:
+    with per_block(blocks, plan.remat, plan.partition_activations) as seen, fetch:
         try:
             out = g.loss_fn(*args)
         except ScopeParamShapeError as e:

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zero_jax.buckets import Comm
-from zero_jax.gather import REMAT
+from zero_jax.gather import Remat
 from zero_jax.mesh import DATA, MODEL, REPLICA
 from zero_jax.offload import Offload
 from zero_jax.precision import Precision
@@ -217,6 +217,7 @@ class Plan:
     offload: Offload = Offload()  # what lives in host memory (zero_jax.offload)
     remat: str = "full"  # the policy of the blocks stage 3 rematerializes (gather.remat_policy)
     comm: Comm = Comm()  # buckets and int8 collectives (zero_jax.buckets)
+    partition_activations: bool = False  # ZeRO-R's Pa: blocks' saved inputs cut over model
 
     @property
     def data_axes(self) -> tuple[str, ...]:
@@ -360,7 +361,7 @@ def _is_leaf(x) -> bool:
 
 def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, layers: str | None = None,
               rules: tuple[Rule, ...] | list[Rule] = (), precision: Precision = Precision(),
-              offload: Offload = Offload(), comm: Comm = Comm(), remat: str = "full",
+              offload: Offload = Offload(), comm: Comm = Comm(), remat: str | Remat = "full",
               accum_steps: int = 1) -> Plan:
     """Apply the rules to a parameter tree (arrays or ``jax.ShapeDtypeStruct``s).
 
@@ -374,11 +375,13 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, layers: str | Non
     at stage 2 its gradient is reduce-scattered as its backward ends. Other cut leaves are
     gathered once per step. ``rules``: the placement table over parameter paths (``Rule``:
     left out of ZeRO, frozen, persistence threshold). ``remat``: the policy of stage 3's
-    rematerialized blocks (full, dots, none, offload; ``zero_jax.gather.remat_policy``).
+    rematerialized blocks (full, dots, none, offload; ``zero_jax.gather.remat_policy``), or a
+    ``Remat`` that also partitions their saved inputs over ``model`` (ZeRO-R's Pa).
     ``precision``, ``offload`` and ``comm`` are policies that check themselves when built.
     """
     axis, outer = data_axes(mesh)
     t = mesh.shape[MODEL] if MODEL in mesh.axis_names else 1
+    remat = Remat(remat) if isinstance(remat, str) else remat
     _check_combination(stage, layers, offload, comm, remat, accum_steps, outer, t > 1)
     n = mesh.shape[axis] * (mesh.shape[outer] if outer else 1)
     flat = {path_str(p): tuple(x.shape)
@@ -414,7 +417,7 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, layers: str | Non
                           leaves, is_leaf=_is_leaf)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_shape)
     return Plan(stage, mesh, axis, leaves, shapes, precision, accum_steps, outer, offload,
-                remat, comm)
+                remat.policy, comm, remat.partition)
 
 
 def data_axes(mesh: Mesh) -> tuple[str, str | None]:
@@ -429,15 +432,16 @@ def data_axes(mesh: Mesh) -> tuple[str, str | None]:
 
 
 def _check_combination(stage: int, layers: str | None, offload: Offload, comm: Comm,
-                       remat: str, accum_steps: int, outer: str | None,
+                       remat: Remat, accum_steps: int, outer: str | None,
                        tensor_parallel: bool) -> None:
     """The options that are valid alone but not together (each policy checks itself)."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of 0, 1, 2, 3 (got {stage})")
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be at least 1 (got {accum_steps})")
-    if remat not in REMAT:
-        raise ValueError(f"remat must be one of {', '.join(REMAT)} (got {remat!r})")
+    if remat.partition and not (tensor_parallel and stage == 3 and layers):
+        raise ValueError("Remat(partition=True) cuts the blocks' saved inputs over the 'model' "
+                         "axis: it needs tensor parallelism, stage 3 and layers=")
     if offload.params and stage != 3:
         raise ValueError(f"Offload.params keeps stage 3's parameter shards in host memory; "
                          f"stage {stage} keeps whole parameters on every device: use stage 3")
@@ -457,10 +461,10 @@ def _check_combination(stage: int, layers: str | None, offload: Offload, comm: C
     if tensor_parallel and (offload.any or comm.prefetch):
         raise ValueError("tensor parallelism (a 'model' mesh axis) is not built with offload or "
                          "prefetch yet: turn them off")
-    if comm.prefetch and not prefetchable(stage, bool(layers), remat, offload.any):
+    if comm.prefetch and not prefetchable(stage, bool(layers), remat.policy, offload.any):
         raise ValueError("prefetch overlaps stage 3's per-layer gathers with the layer before: "
                          "it needs stage 3, layers=, remat full or offload, and no offload "
-                         f"(got stage {stage}, layers={layers!r}, remat {remat!r})")
+                         f"(got stage {stage}, layers={layers!r}, remat {remat.policy!r})")
 
 
 def prefetchable(stage: int, has_layers: bool, remat: str, offload: bool) -> bool:

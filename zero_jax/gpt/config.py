@@ -47,12 +47,13 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # per quantize_block elements. prefetch: at stage 3, each scanned stack's loop gathers layer
     # i+1 while layer i computes (and i-1 in the backward, reducing layer i+1's gradient), for
     # one more gathered layer and one more whole layer gradient; on wherever it applies (remat
-    # full or offload, no offload of parameters or optimizer).
+    # full or offload, no offload of parameters or optimizer). partition_activations (ZeRO-R's
+    # Pa, with tensor parallelism at stage 3): each block's saved input cut over the model axis.
     "zero": {"stage": 3, "min_shard_elems": 0, "zero3_size": 0, "transformer_layers": ["blocks"],
              "ignored_modules": [], "offload_grads": False,
              "offload_optimizer": {"device": "none", "ratio": 1.0}, "offload_params": "none",
              "bucket_mb": 25, "quantize_weights": "none", "quantize_grads": "none",
-             "quantize_block": 64, "prefetch": True},
+             "quantize_block": 64, "prefetch": True, "partition_activations": False},
     # tensor_parallel T: a 2-D mesh, data x model, T adjacent devices per tensor-parallel group
     # (Megatron's layout of each block, zero_jax.gpt.model.TENSOR_PARALLEL); ZeRO over data.
     "mesh": {"tensor_parallel": 1},
@@ -298,6 +299,10 @@ def _check_tensor_parallel(config: dict) -> None:
     offload yet."""
     _at_least(config, "mesh", "tensor_parallel", 1)
     t, m, z = config["mesh"]["tensor_parallel"], config["model"], config["zero"]
+    if z["partition_activations"] and (t == 1 or z["stage"] != 3):
+        raise ConfigError("zero.partition_activations cuts each block's saved input over the "
+                          "tensor-parallel ranks: it needs --tensor-parallel 2 or more and "
+                          "--stage 3")
     for key in ("n_heads", "d_ff", "vocab_size"):
         if m[key] % t:
             raise ConfigError(f"mesh.tensor_parallel {t} does not divide model.{key} {m[key]}: "

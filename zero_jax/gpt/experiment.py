@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from zero_jax.buckets import Comm
 from zero_jax.checkpoint import CheckpointError
+from zero_jax.gather import Remat
 from zero_jax.gpt.model import (
     GPT,
     LAYER_STACKS,
@@ -72,7 +73,7 @@ class Experiment:
                          rules=[*rules_from(cfg), *TENSOR_PARALLEL],
                          precision=precision, offload=offload_from(z),
                          comm=comm_from(z, cfg["model"]["remat"], cfg["mesh"]["tensor_parallel"]),
-                         remat=cfg["model"]["remat"],
+                         remat=Remat(cfg["model"]["remat"], z["partition_activations"]),
                          accum_steps=t["accum_steps"])
         loss = lm_loss(model, fp32_logits=precision.autocast_output)
         step = make_train_step(plan, loss, tx, lr_schedule=schedule)
