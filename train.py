@@ -7,6 +7,7 @@ otherwise), so every shard is its own buffer and every collective really runs.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -439,77 +440,30 @@ class Run:
         return 0
 
     def plan_layouts(self) -> int:
-        """The planner: every stage x offload x remat policy of this config, compiled on
-        abstract arrays, against --device-memory and --host-memory."""
-        import copy
-
+        """The planner: every stage x offload x remat policy x tensor-parallel size of this
+        config, compiled on abstract arrays, against --device-memory and --host-memory."""
         import jax
 
         from zero_jax import planner
-        from zero_jax.gather import REMAT
         from zero_jax.gpt.experiment import Experiment, mesh_for
         from zero_jax.state import abstract_state
 
         if self.exp.plan.outer is not None:
             raise ValueError("the planner compares the flat stages; drop zero3_size")
         args = self.args
-        device, host = args.device_memory, args.host_memory  # bytes, from check_args
         per_host = args.devices_per_host or jax.local_device_count()
-        # Varied: what the command line did not fix (--stage, model.remat, zero.offload_*).
-        fixed = lambda key: any(s.startswith(key) for s in args.set)
-        z = self.cfg["zero"]
-        offloads = {"none": ("none", "none"), "optimizer": ("cpu", "none"),
-                    "params": ("cpu", "cpu")}
-        if fixed("zero.offload_"):
-            offloads = {"as set": (z["offload_optimizer"]["device"], z["offload_params"])}
-        stages = [args.stage] if args.stage is not None else range(4)
-        remats = [self.cfg["model"]["remat"]] if fixed("model.remat") else REMAT
-        rows, mesh = [], self.exp.mesh
-        for stage in stages:
-            for offload, (opt, params) in offloads.items():
-                if params == "cpu" and (stage != 3 or self.cfg["train"]["accum_steps"] > 1):
-                    continue
-                for remat in remats:
-                    cfg = copy.deepcopy(self.cfg)
-                    ratio = z["offload_optimizer"]["ratio"] if offload == "as set" else 1.0
-                    cfg["zero"].update(stage=stage, offload_params=params,
-                                       offload_optimizer={"device": opt, "ratio": ratio})
-                    cfg["model"]["remat"] = remat
-                    exp = Experiment.build(cfg, mesh_for(cfg, args.devices))
-                    state = abstract_state(exp.plan, exp.tx)
-                    compiled = exp.step.lower(state, exp.batch_shape).compile()
-                    rows.append(planner.measure(
-                        {"stage": stage, "offload": offload, "remat": remat}, exp.plan, state,
-                        compiled))
-        best = planner.choose(rows, device, host, per_host)
-        unit, div = ("GiB", 2**30) if device >= 2**30 else ("MiB", 2**20)
-        print(f"layouts of {self.exp.model.n_params:,} parameters on {mesh.size} devices of "
-              f"{device / div:.1f} {unit}, {per_host} per host of {host / div:.1f} {unit} "
-              f"(fits: within {planner.HEADROOM:.0%} of both); {unit} per device, host per "
-              f"host, communication per device and step\n")
-        print(f"  {'stage':<6}{'offload':<10}{'remat':<8}{'device':>9}{'(state':>9}"
-              f"{'+ temp)':>9}{'host':>9}{'fits':>6}{'comm MiB':>10}{'host<->dev MiB':>16}")
-        for c in rows:
-            lo = c.layout
-            print(f"  {lo['stage']:<6}{lo['offload']:<10}{lo['remat']:<8}{c.device / div:>9.2f}"
-                  f"{c.device_state / div:>9.2f}{c.temp / div:>9.2f}"
-                  f"{c.host_state * per_host / div:>9.2f}{'yes' if c.fits else 'no':>6}"
-                  f"{c.comm / 2**20:>10.2f}{c.host_traffic / 2**20:>16.2f}")
-        if best is None:
-            print("\nnothing fits: more devices, a smaller model or train.batch_size")
-        else:
-            lo = best.layout
-            flags = [f"--stage {lo['stage']}", f"--set model.remat={lo['remat']}"]
-            if lo["offload"] in ("optimizer", "params"):
-                flags.append("--set zero.offload_optimizer.device=cpu")
-            if lo["offload"] == "params":
-                flags.append("--set zero.offload_params=cpu")
-            print(f"\nfits and communicates least: stage {lo['stage']}, offload {lo['offload']}, "
-                  f"remat {lo['remat']}: {' '.join(flags)}")
+        rows = []
+        for layout, cfg in self.layouts(per_host):
+            exp = Experiment.build(cfg, mesh_for(cfg, args.devices))
+            state = abstract_state(exp.plan, exp.tx)
+            compiled = exp.step.lower(state, exp.batch_shape).compile()
+            rows.append(planner.measure(layout, exp.plan, state, compiled))
+        best = planner.choose(rows, args.device_memory, args.host_memory, per_host)
+        self.print_layouts(rows, best, per_host)
         if args.report and self.primary:
             with open(args.report, "w") as f:
-                json.dump({"device_memory": device, "host_memory": host,
-                           "devices_per_host": per_host, "devices": mesh.size,
+                json.dump({"device_memory": args.device_memory, "host_memory": args.host_memory,
+                           "devices_per_host": per_host, "devices": self.exp.mesh.size,
                            "best": None if best is None else best.layout,
                            "candidates": [{**c.layout, "device_bytes": c.device,
                                            "device_state_bytes": c.device_state,
@@ -520,6 +474,72 @@ class Run:
                                            "host_traffic_bytes": c.host_traffic}
                                           for c in rows]}, f, indent=1)
         return 0
+
+    def layouts(self, per_host: int):
+        """(layout, config) for each candidate: what the command line did not fix (--stage,
+        --tensor-parallel, model.remat, zero.offload_*) varies. Tensor parallelism (T a divisor
+        of the devices per host that cuts the heads, the MLP and the vocabulary) is tried at
+        stage 3 with partitioned activations and no offload, as ZeRO's paper trains its
+        largest models."""
+        import copy
+
+        from zero_jax.gather import REMAT
+
+        args, z, m = self.args, self.cfg["zero"], self.cfg["model"]
+        fixed = lambda key: any(s.startswith(key) for s in args.set)
+        offloads = {"none": ("none", "none"), "optimizer": ("cpu", "none"),
+                    "params": ("cpu", "cpu")}
+        if fixed("zero.offload_"):
+            offloads = {"as set": (z["offload_optimizer"]["device"], z["offload_params"])}
+        tps = [self.cfg["mesh"]["tensor_parallel"]]
+        if args.tensor_parallel is None and not fixed("mesh.tensor_parallel"):
+            tps = [t for t in range(1, per_host + 1) if per_host % t == 0 and self.exp.mesh.size
+                   % t == 0 and all(m[k] % t == 0 for k in ("n_heads", "d_ff", "vocab_size"))]
+        stages = [args.stage] if args.stage is not None else range(4)
+        for t, stage, (offload, (opt, params)), remat in itertools.product(
+                tps, stages, offloads.items(),
+                [m["remat"]] if fixed("model.remat") else REMAT):
+            if (params == "cpu" and (stage != 3 or self.cfg["train"]["accum_steps"] > 1)) or \
+                    (t > 1 and (stage != 3 or opt != "none")):
+                continue
+            cfg = copy.deepcopy(self.cfg)
+            ratio = z["offload_optimizer"]["ratio"] if offload == "as set" else 1.0
+            cfg["zero"].update(stage=stage, offload_params=params, partition_activations=t > 1,
+                               offload_optimizer={"device": opt, "ratio": ratio})
+            cfg["model"]["remat"], cfg["mesh"]["tensor_parallel"] = remat, t
+            yield {"stage": stage, "offload": offload, "remat": remat, "tp": t}, cfg
+
+    def print_layouts(self, rows: list, best, per_host: int) -> None:
+        """The candidates as a table, and the advice."""
+        from zero_jax import planner
+
+        device, host = self.args.device_memory, self.args.host_memory
+        unit, div = ("GiB", 2**30) if device >= 2**30 else ("MiB", 2**20)
+        print(f"layouts of {self.exp.model.n_params:,} parameters on {self.exp.mesh.size} "
+              f"devices of {device / div:.1f} {unit}, {per_host} per host of {host / div:.1f} "
+              f"{unit} (fits: within {planner.HEADROOM:.0%} of both); {unit} per device, host "
+              f"per host, communication per device and step\n")
+        print(f"  {'stage':<6}{'offload':<10}{'remat':<8}{'tp':>3}{'device':>9}{'(state':>9}"
+              f"{'+ temp)':>9}{'host':>9}{'fits':>6}{'comm MiB':>10}{'host<->dev MiB':>16}")
+        for c in rows:
+            lo = c.layout
+            print(f"  {lo['stage']:<6}{lo['offload']:<10}{lo['remat']:<8}{lo['tp']:>3}"
+                  f"{c.device / div:>9.2f}{c.device_state / div:>9.2f}{c.temp / div:>9.2f}"
+                  f"{c.host_state * per_host / div:>9.2f}{'yes' if c.fits else 'no':>6}"
+                  f"{c.comm / 2**20:>10.2f}{c.host_traffic / 2**20:>16.2f}")
+        if best is None:
+            print("\nnothing fits: more devices, a smaller model or train.batch_size")
+            return
+        lo = best.layout
+        flags = [f"--stage {lo['stage']}", f"--set model.remat={lo['remat']}"]
+        if lo["offload"] in ("optimizer", "params"):
+            flags.append("--set zero.offload_optimizer.device=cpu")
+        if lo["offload"] == "params":
+            flags.append("--set zero.offload_params=cpu")
+        if lo["tp"] > 1:
+            flags += [f"--tensor-parallel {lo['tp']}", "--set zero.partition_activations=true"]
+        print(f"\nfits and communicates least: stage {lo['stage']}, offload {lo['offload']}, "
+              f"remat {lo['remat']}, tensor parallel {lo['tp']}: {' '.join(flags)}")
 
     def restore(self, target):
         """The resume step's state, falling back past corrupted checkpoints, saying so."""

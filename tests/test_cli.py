@@ -119,6 +119,7 @@ def test_planner_names_the_layout_that_fits(tmp_path):
     sets = [x for k, v in model.items() for x in ("--set", f"model.{k}={v}")]
     # One collective per leaf: the budget below sits between the layouts' unbucketed temps.
     run = train("--dry-run", "--device-memory", "150KiB", "--host-memory", "1GB", "--stage", "3",
+                "--tensor-parallel", "1",
                 "--set", "model.remat=full", "--set", "train.batch_size=8", *sets,
                 "--set", "zero.bucket_mb=0",
                 "--report", str(report))
@@ -141,6 +142,24 @@ def test_planner_names_the_layout_that_fits(tmp_path):
     assert not rows["none"]["fits"] and rows["optimizer"]["fits"] and rows["params"]["fits"]
     # The same collectives for all three; the least host traffic decides.
     assert len({c["comm_bytes"] for c in rows.values()}) == 1
-    assert r["best"] == {"stage": 3, "offload": "optimizer", "remat": "full"}
+    assert r["best"] == {"stage": 3, "offload": "optimizer", "remat": "full", "tp": 1}
     assert "--stage 3 --set model.remat=full --set zero.offload_optimizer.device=cpu" \
         in run.stdout
+
+
+def test_planner_names_tensor_parallelism_when_nothing_fits_without_it(tmp_path):
+    """Stage 3, remat full, no offload: T = 1 needs about 9.1 MiB per device on the default
+    model, T = 2 about 7.8 (partitioned activations on); with 9.5 MiB (8.55 usable) only the
+    tensor-parallel layouts fit, and of those T = 2 communicates least."""
+    report = tmp_path / "plan.json"
+    run = train("--dry-run", "--device-memory", "9.5MiB", "--host-memory", "1GB", "--stage", "3",
+                "--set", "model.remat=full", "--set", "zero.offload_optimizer.device=none",
+                "--report", str(report))
+    assert run.returncode == 0, run.stderr
+    r = json.loads(report.read_text())
+    rows = {c["tp"]: c for c in r["candidates"]}
+    assert set(rows) == {1, 2, 4}  # the divisors of 8 that cut 4 heads
+    assert not rows[1]["fits"] and rows[2]["fits"]
+    assert rows[2]["temp_bytes"] < rows[1]["temp_bytes"]
+    assert r["best"]["tp"] == 2
+    assert "--tensor-parallel 2 --set zero.partition_activations=true" in run.stdout

@@ -270,6 +270,7 @@ def test_dry_run_of_7_5b_on_64_devices_matches_the_paper(tmp_path):
                           "--devices", "64", "--set", "precision.param_dtype=bf16",
                           "--set", "model.remat=full",
                           "--set", "zero.offload_optimizer.device=none",
+                          "--tensor-parallel", "1",
                           "--device-memory", "32GB", "--host-memory", "512GB",
                           "--report", str(plan)], cwd=root, env=env, capture_output=True,
                          text=True, timeout=300)
