@@ -32,9 +32,9 @@ class Parser(argparse.ArgumentParser):
 PROCESS = ""  # "[process i] " once several processes run: every error names its process
 
 
-def fail(message: str) -> int:
+def fail(message: str, code: int = 2) -> int:
     print(f"error: {PROCESS}{message}", file=sys.stderr)
-    return 2
+    return code
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -88,7 +88,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="resume on another --data than the checkpoint was trained on")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set optimizer.name=sgd (repeatable)")
-    multi = p.add_argument_group("several processes, one per host (README: Several processes)")
+    add_multi_process(p)
+    return p.parse_args(argv)
+
+
+def add_multi_process(p: argparse.ArgumentParser) -> None:
+    """The flags of one process of several (one per host)."""
+    multi = p.add_argument_group("several processes, one per host (docs/guides/multi-host.md)")
     multi.add_argument("--coordinator", metavar="HOST:PORT",
                        help="process 0's address (default: $JAX_COORDINATOR_ADDRESS)")
     multi.add_argument("--num-processes", type=int, metavar="N",
@@ -101,7 +107,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     multi.add_argument("--peer-timeout", type=float, default=30, metavar="S",
                        help="stop when a peer is lost or hangs this long, and the longest wait "
                        "for the coordinator at start-up (default 30)")
-    return p.parse_args(argv)
 
 
 def check_args(args: argparse.Namespace) -> str | None:
@@ -576,22 +581,106 @@ class Run:
         return open(path, "a" if first else "w", buffering=1)
 
     def train(self) -> int:
-        import jax
-        import numpy as np
-        from tqdm import tqdm
-
-        from zero_jax import distributed, fit
+        from zero_jax import fit
         from zero_jax.checkpoint import CheckpointError
-        from zero_jax.gpt import data
-        from zero_jax.state import abstract_state, init_state
+        from zero_jax.state import abstract_state
 
         t, exp, ckpts, stop = self.cfg["train"], self.exp, self.ckpts, self.stop
         target = abstract_state(exp.plan, exp.tx)
         r, step = self.report(target)  # compiled on abstract arrays: nothing allocated yet
         if problem := fit.check(step, list(exp.mesh.devices.flat)):
-            higher = "a higher --stage, " if exp.plan.stage < 3 else ""
-            return fail(f"{problem}: use {higher}precision.param_dtype=bf16, zero.offload_grads, "
-                        "a smaller model or train.batch_size, or --dry-run to see the report")
+            return fail(f"{problem}: use {'a higher --stage, ' * (exp.plan.stage < 3)}"
+                        "precision.param_dtype=bf16, zero.offload_grads, a smaller model or "
+                        "train.batch_size, or --dry-run to see the report")
+        state = self.start(target, r)
+        first = int(state.step)
+        if first >= t["steps"]:
+            print(f"nothing to do: the checkpoint is at step {first} and --steps is {t['steps']}")
+            return 0
+        metrics_file = self.open_metrics(first)
+        losses, start, skipped, done_steps, saved = [], time.perf_counter(), 0, first, None
+        guard = Guard(t["max_bad_steps"], self.cfg["precision"]["min_loss_scale"])
+        bar, rows = self.progress(first)
+        try:
+            for i in bar:
+                if stop.signum:
+                    break
+                batch = self.batch(i, rows)
+                if self.watchdog:
+                    self.watchdog.reach(i + 1)
+                state, m, record = self.timed(step, state, batch, i + 1)
+                skipped += m["skipped"]
+                done_steps = i + 1
+                stop_now = guard.update(m, i + 1)
+                if metrics_file:
+                    metrics_file.write(json.dumps(finite_record(record), allow_nan=False) + "\n")
+                losses.append(m["loss"])
+                bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+                if ckpts:
+                    saved = self.save_if_due(state, i + 1, guard.bad_from is None, bar) or saved
+                if stop_now:
+                    break
+            if ckpts and (done := ckpts.finish()):
+                bar.write(str(done))
+        except CheckpointError as e:
+            bar.close()
+            return fail(str(e), 1)
+        finally:
+            bar.close()
+            if metrics_file:
+                metrics_file.close()
+        if stop.signum:
+            return self.stopped(done_steps, saved, guard.bad_from)
+        if guard.bad_from is not None:  # max_bad_steps in a row, or the run ended in a streak
+            return self.diverged(guard.bad_from, done_steps, guard.last_finite, guard.diverged)
+        return self.done(first, losses, time.perf_counter() - start, skipped)
+
+    def done(self, first: int, losses: list[float], elapsed: float, skipped: int) -> int:
+        import numpy as np
+
+        steps = self.cfg["train"]["steps"]
+        print(f"done: steps {first + 1}-{steps} in {elapsed:.1f} s, loss {losses[0]:.3f} -> "
+              f"{float(np.mean(losses[-10:])):.3f} (mean of last 10), "
+              f"{(steps - first) * self.exp.tokens_per_step / elapsed:,.0f} tokens/s"
+              + (f", {skipped} steps skipped (gradient not finite)" if skipped else ""))
+        return 0
+
+    def batch(self, i: int, rows):
+        """Batch ``i`` as a global array, this process building only its ``rows``."""
+        from zero_jax import distributed
+        from zero_jax.gpt import data
+
+        exp, t = self.exp, self.cfg["train"]
+        return distributed.global_array(exp.batch_sharding, exp.batch_shape.shape, data.batch(
+            self.tokens, i, t["batch_size"], exp.model.seq_len, self.seed, rows))
+
+    def progress(self, first: int):
+        """The progress bar over the steps left, and this process's rows of each batch."""
+        from tqdm import tqdm
+
+        from zero_jax import distributed
+
+        t, exp = self.cfg["train"], self.exp
+        bar = tqdm(range(first, t["steps"]), desc=f"stage {exp.plan.stage}", unit="step",
+                   mininterval=0.5, initial=first, total=t["steps"], disable=not self.primary)
+        return bar, distributed.local_rows(exp.batch_sharding, exp.batch_shape.shape)
+
+    def timed(self, step, state, batch, n: int):
+        """Step ``n``, waited for: the new state, its metrics as numbers, the metrics record."""
+        tick = time.perf_counter()
+        state, m = step(state, batch)
+        m = {k: float(v) for k, v in m.items()}  # waits for the step
+        m["skipped"] = int(m["skipped"])
+        tps = self.exp.tokens_per_step / (time.perf_counter() - tick)
+        return state, m, {"step": n, **m, "tokens_per_s": tps}
+
+    def start(self, target, r: dict):
+        """The state to train from: --overwrite's deletion done, restored or initialized; the
+        report written."""
+        import jax
+
+        from zero_jax.state import init_state
+
         if self.overwrite:
             self.ckpts.remove_all()
             print(f"--overwrite: deleted checkpoints {', '.join(map(str, self.overwrite))} in "
@@ -599,81 +688,23 @@ class Run:
         if self.resume_step is not None:
             state = self.restore(target)
         else:
+            exp = self.exp
             state = init_state(exp.plan, exp.init, exp.tx, jax.random.key(self.seed))
         self.write_report(r)
-        first = int(state.step)
-        if first >= t["steps"]:
-            print(f"nothing to do: the checkpoint is at step {first} and --steps is {t['steps']}")
-            return 0
-        metrics_file = self.open_metrics(first)
-        losses, start, skipped, done_steps, saved = [], time.perf_counter(), 0, first, None
-        # The divergence guard: a streak of bad steps (bad_step) stops the run once it is
-        # train.max_bad_steps long, or at once when a bad step's update went in; nothing is
-        # saved while a streak lasts, so the newest checkpoint is from before it.
-        bad_from, last_finite, diverged = None, None, False
-        max_bad, min_scale = t["max_bad_steps"], self.cfg["precision"]["min_loss_scale"]
-        bar = tqdm(range(first, t["steps"]), desc=f"stage {exp.plan.stage}", unit="step",
-                   mininterval=0.5, initial=first, total=t["steps"], disable=not self.primary)
-        shape = exp.batch_shape.shape
-        rows = distributed.local_rows(exp.batch_sharding, shape)  # this process's slice
-        try:
-            for i in bar:
-                if stop.signum:
-                    break
-                batch = distributed.global_array(exp.batch_sharding, shape, data.batch(
-                    self.tokens, i, t["batch_size"], exp.model.seq_len, self.seed, rows))
-                if self.watchdog:
-                    self.watchdog.reach(i + 1)
-                tick = time.perf_counter()
-                state, m = step(state, batch)
-                m = {k: float(v) for k, v in m.items()}  # waits for the step
-                m["skipped"] = int(m["skipped"])
-                tps = exp.tokens_per_step / (time.perf_counter() - tick)
-                record = {"step": i + 1, **m, "tokens_per_s": tps}
-                skipped += m["skipped"]
-                done_steps = i + 1
-                if math.isfinite(m["loss"]):
-                    last_finite = i + 1
-                bad = max_bad > 0 and bad_step(m, min_scale)
-                bad_from = (bad_from or i + 1) if bad else None
-                if metrics_file:
-                    metrics_file.write(json.dumps(finite_record(record), allow_nan=False) + "\n")
-                losses.append(m["loss"])
-                bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tps:,.0f}")
-                if ckpts:
-                    every = self.args.save_every
-                    if ((every and (i + 1) % every == 0) or i + 1 == t["steps"]
-                            or stop.signum) and bad_from is None:
-                        ckpts.save(state, self.checkpoint_meta(i + 1))
-                        saved = i + 1
-                        bar.write(f"saving checkpoint {i + 1} (training goes on)")
-                    if done := ckpts.poll():
-                        bar.write(str(done))
-                if bad and (i + 2 - bad_from >= max_bad or not m["skipped"]):
-                    diverged = True
-                    break
-            if ckpts and (done := ckpts.finish()):
-                bar.write(str(done))
-        except CheckpointError as e:
-            bar.close()
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        finally:
-            bar.close()
-            if metrics_file:
-                metrics_file.close()
-        if stop.signum:
-            return self.stopped(done_steps, saved, bad_from)
-        if bad_from is not None:  # max_bad_steps in a row, or the run ended in a streak
-            return self.diverged(bad_from, done_steps, last_finite, diverged)
-        elapsed = time.perf_counter() - start
-        steps = t["steps"] - first
-        print(f"done: steps {first + 1}-{t['steps']} in {elapsed:.1f} s, loss {losses[0]:.3f} -> "
-              f"{float(np.mean(losses[-10:])):.3f} (mean of last 10), "
-              f"{steps * exp.tokens_per_step / elapsed:,.0f} tokens/s"
-              + (f", {skipped} steps skipped (gradient not finite)" if skipped else ""))
-        return 0
+        return state
 
+    def save_if_due(self, state, step: int, allowed: bool, bar) -> int | None:
+        """Save at --save-every, at the last step and on a stop signal, unless not ``allowed``
+        (a streak of bad steps); report finished saves. Returns the step saved, if any."""
+        every, saved = self.args.save_every, None
+        if ((every and step % every == 0) or step == self.cfg["train"]["steps"]
+                or self.stop.signum) and allowed:
+            self.ckpts.save(state, self.checkpoint_meta(step))
+            saved = step
+            bar.write(f"saving checkpoint {step} (training goes on)")
+        if done := self.ckpts.poll():
+            bar.write(str(done))
+        return saved
     def newest_checkpoint(self) -> str:
         if not self.ckpts:
             return "nothing was saved (no --checkpoint-dir)"
@@ -747,6 +778,27 @@ def read_metrics(path: str) -> list[tuple[int, str]]:
                              "remove that line, or pass another --metrics")
         records.append((record.get("step", 0), line if line.endswith("\n") else line + "\n"))
     return records
+
+
+class Guard:
+    """The divergence guard: a streak of bad steps (``bad_step``) stops the run once it is
+    train.max_bad_steps long (0: never), or at once when a bad step's update went in; nothing
+    is saved while a streak lasts, so the newest checkpoint is from before it."""
+
+    def __init__(self, max_bad: int, min_loss_scale: float):
+        self.max_bad, self.min_loss_scale = max_bad, min_loss_scale
+        self.bad_from: int | None = None  # the first step of the current streak
+        self.last_finite: int | None = None  # the last step with a finite loss
+        self.diverged = False
+
+    def update(self, m: dict, step: int) -> bool:
+        """Record step ``step``'s metrics; whether to stop now."""
+        if math.isfinite(m["loss"]):
+            self.last_finite = step
+        bad = self.max_bad > 0 and bad_step(m, self.min_loss_scale)
+        self.bad_from = (self.bad_from or step) if bad else None
+        self.diverged = bad and (step + 1 - self.bad_from >= self.max_bad or not m["skipped"])
+        return self.diverged
 
 
 def bad_step(m: dict, min_loss_scale: float) -> bool:

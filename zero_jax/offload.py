@@ -99,30 +99,16 @@ def split_update(update: Callable, raw: Callable, grads: PyTree, opt_state: PyTr
     compute copy of a leaf stays in host memory where ``compute_host`` says so.
 
     Each part runs the whole ``update`` on every gradient, its own leaves of the state and
-    master, the shared state (counters) and zeros for the other part's leaves, and keeps only
-    its own results. That is exact when no result reads another part's state or master, which
-    is checked here, on the jaxpr of ``raw`` over the abstract ``grads``, ``opt_state`` and
-    ``master``: global-norm clipping reads every gradient, which both parts have.
+    master, the shared counters and zeros for the other part's leaves, and keeps only its own
+    results: exact when no result reads the other part's state or master (``_check_separable``;
+    global-norm clipping reads every gradient, which both parts have).
     """
-    s_tree, m_tree = jax.tree.structure(opt_state), jax.tree.structure(master)
-    s_shapes, m_shapes = jax.tree.leaves(opt_state), jax.tree.leaves(master)
+    (s_tree, s_shapes), (m_tree, m_shapes) = (
+        (jax.tree.structure(t), jax.tree.leaves(t)) for t in (opt_state, master))
     s_host, s_shared = jax.tree.leaves(state_host), jax.tree.leaves(state_shared)
     m_host, c_host = jax.tree.leaves(master_host), jax.tree.leaves(compute_host)
     if len(set(s_host + m_host)) > 1:  # both parts own something: check the split is exact
-        # The owner of each input: True host, False device, None both (gradients, counters).
-        owner = ([None] * len(jax.tree.leaves(grads)) +
-                 [None if shared else h for h, shared in zip(s_host, s_shared, strict=True)] +
-                 m_host)
-        names = ([f"the master of parameter {i}" for i in range(len(m_host))] +
-                 [f"optimizer state leaf {i}" for i in range(len(s_host))])
-        deps = dependencies(raw, grads, opt_state, master)
-        for mine, name, reads in zip(m_host + s_host, names, deps, strict=True):
-            if any(owner[i] is not None and owner[i] != mine for i in reads):
-                raise ValueError(
-                    f"offload_optimizer below 1 splits the update between host and device, but "
-                    f"this optimizer computes {name} from state or parameters of the other "
-                    f"part; it is not separable by leaves: use offload_optimizer 1 (the whole "
-                    f"update on the host) or 0")
+        _check_separable(raw, grads, opt_state, master, s_host, s_shared, m_host)
 
     def part(host_side: bool):
         mine_s = [h == host_side for h in s_host]
@@ -165,6 +151,26 @@ def split_update(update: Callable, raw: Callable, grads: PyTree, opt_state: PyTr
         return (jax.tree.unflatten(m_tree, new_m), jax.tree.unflatten(s_tree, new_s),
                 jax.tree.unflatten(m_tree, compute))
     return split
+
+
+def _check_separable(raw: Callable, grads: PyTree, opt_state: PyTree, master: PyTree,
+                     s_host: list[bool], s_shared: list[bool], m_host: list[bool]) -> None:
+    """Raise unless every result of ``raw`` reads only its own part's state and master (and
+    the gradients and shared counters, which both parts have)."""
+    # The owner of each input: True host, False device, None both (gradients, counters).
+    owner = ([None] * len(jax.tree.leaves(grads)) +
+             [None if shared else h for h, shared in zip(s_host, s_shared, strict=True)] +
+             m_host)
+    names = ([f"the master of parameter {i}" for i in range(len(m_host))] +
+             [f"optimizer state leaf {i}" for i in range(len(s_host))])
+    deps = dependencies(raw, grads, opt_state, master)
+    for mine, name, reads in zip(m_host + s_host, names, deps, strict=True):
+        if any(owner[i] is not None and owner[i] != mine for i in reads):
+            raise ValueError(
+                f"offload_optimizer below 1 splits the update between host and device, but "
+                f"this optimizer computes {name} from state or parameters of the other "
+                f"part; it is not separable by leaves: use offload_optimizer 1 (the whole "
+                f"update on the host) or 0")
 
 
 def _pick(flags: list[bool], tree: PyTree) -> list:

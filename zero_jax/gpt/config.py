@@ -218,12 +218,8 @@ def load(name: str = "tiny", overrides: list[str] = ()) -> dict:
 
 
 def validate(config: dict) -> None:
-    m, o, z, p = config["model"], config["optimizer"], config["zero"], config["precision"]
-    for key in ("param_dtype", "reduce_dtype", "accum_dtype"):
-        allowed = ("fp32", "bf16", "fp16") + (("auto",) if key != "accum_dtype" else ())
-        if p[key] not in allowed:
-            raise ConfigError(f"precision.{key} must be one of {', '.join(allowed)} "
-                              f"(got {p[key]!r})")
+    """Every value checked once, section by section, before anything is built."""
+    m, o, z = config["model"], config["optimizer"], config["zero"]
     if m["remat"] not in REMAT:
         raise ConfigError(f"model.remat must be one of {', '.join(REMAT)} (got {m['remat']!r}): "
                           f"what each block saves for its backward")
@@ -243,6 +239,14 @@ def validate(config: dict) -> None:
     if config["train"]["seed"] >= 2**32:  # jax.random.key keeps the low 32 bits (no x64)
         raise ConfigError(f"train.seed must be 0 to {2**32 - 1} (got {config['train']['seed']}): "
                           "jax.random.key keeps 32 bits of it")
+    _check_optimizer(config)
+    _check_zero(config)
+    _check_tensor_parallel(config)
+    _check_precision(config)
+
+
+def _check_optimizer(config: dict) -> None:
+    o = config["optimizer"]
     for key in ("lr", "warmup_steps", "decay_steps", "eps", "weight_decay", "momentum",
                 "clip_norm"):
         _at_least(config, "optimizer", key, 0)
@@ -257,6 +261,10 @@ def validate(config: dict) -> None:
         raise ConfigError(f"optimizer.decay_steps {o['decay_steps']} ends the schedule before "
                           f"its warmup of {o['warmup_steps']} steps does: pass decay_steps of at "
                           "least warmup_steps, or 0 to decay over the whole run")
+
+
+def _check_zero(config: dict) -> None:
+    z = config["zero"]
     for key in ("min_shard_elems", "zero3_size", "bucket_mb"):
         _at_least(config, "zero", key, 0)
     _at_least(config, "zero", "quantize_block", 1)
@@ -280,7 +288,15 @@ def validate(config: dict) -> None:
     if not 0 <= off["ratio"] <= 1:
         raise ConfigError(f"zero.offload_optimizer.ratio is the fraction of the optimizer state "
                           f"offloaded, 0 to 1 (got {off['ratio']})")
-    _check_tensor_parallel(config)
+
+
+def _check_precision(config: dict) -> None:
+    p = config["precision"]
+    for key in ("param_dtype", "reduce_dtype", "accum_dtype"):
+        allowed = ("fp32", "bf16", "fp16") + (("auto",) if key != "accum_dtype" else ())
+        if p[key] not in allowed:
+            raise ConfigError(f"precision.{key} must be one of {', '.join(allowed)} "
+                              f"(got {p[key]!r})")
     for key in ("loss_scale_window", "hysteresis"):
         _at_least(config, "precision", key, 1)
     _at_least(config, "precision", "initial_scale_power", 0)
