@@ -138,8 +138,7 @@ def split_update(update: Callable, raw: Callable, grads: PyTree, opt_state: PyTr
     parts = [p for p in (part(True), part(False)) if any(p[1]) or any(p[2])]
 
     def split(grads, opt_state, master, finite):
-        new_s, new_m = [None] * len(s_shapes), [None] * len(m_shapes)
-        compute = [None] * len(m_shapes)
+        new_s, new_m, compute = ([None] * len(x) for x in (s_shapes, m_shapes, m_shapes))
         for call, mine_s, mine_m in parts:
             m, s, c = call(grads, opt_state, master, finite)
             for flags, out, values in ((mine_s, new_s, s), (mine_m, new_m, m),
