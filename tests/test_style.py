@@ -24,3 +24,15 @@ def test_library_imports_nothing_of_the_application():
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             for name in names:
                 assert not name.startswith("zero_jax.gpt"), f"{path.name} imports {name}"
+
+
+def test_no_function_of_the_library_or_the_runner_is_longer_than_60_lines():
+    """Each function short enough to read at once (a class may be longer: its methods are)."""
+    import ast
+
+    paths = [*(ROOT / "zero_jax").rglob("*.py"), ROOT / "train.py"]
+    long = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)"
+            for path in paths for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and (length := node.end_lineno - node.lineno + 1) > 60]
+    assert not long, long
