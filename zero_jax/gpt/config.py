@@ -19,7 +19,15 @@ import yaml
 
 from zero_jax.gather import REMAT
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
+def _shipped() -> pathlib.Path:
+    """The shipped YAML configs: the repository's ``configs/`` in a clone, which a built wheel
+    installs beside the demo as its package data (``zero_jax/gpt/configs``)."""
+    here = pathlib.Path(__file__).resolve().parent
+    packaged = here / "configs"
+    return packaged if packaged.is_dir() else here.parents[1] / "configs"
+
+
+CONFIG_DIR = _shipped()
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512,

@@ -1,0 +1,42 @@
+"""A built wheel holds the library, the GPT demo and its configs: installed without the clone
+(not editable), ``train.py`` trains from another directory."""
+
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import TRAIN_ENV
+
+pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_a_built_wheel_trains_outside_the_clone(tmp_path):
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    build = subprocess.run([*pip, "wheel", "-q", "--no-deps", "-w", str(tmp_path / "wheel"),
+                            str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-3000:]
+    wheel = next((tmp_path / "wheel").glob("zero_jax-*.whl"))
+    site = tmp_path / "site"
+    install = subprocess.run([*pip, "install", "-q", "--no-deps", "--target", str(site),
+                              str(wheel)], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr[-3000:]
+    assert sorted(p.name for p in (site / "zero_jax" / "gpt" / "configs").glob("*.yaml")) == \
+        sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+    elsewhere = tmp_path / "run"
+    elsewhere.mkdir()
+    shutil.copy(ROOT / "train.py", elsewhere)  # the script alone: the package is the wheel's
+    env = {**TRAIN_ENV, "PYTHONPATH": str(site)}
+    where = subprocess.run([sys.executable, "-c", "import zero_jax.gpt.config as c, zero_jax; "
+                            "print(zero_jax.__file__); print(c.resolve('gpt2-124m'))"],
+                           cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
+    assert where.returncode == 0, where.stderr
+    module, config = where.stdout.split()
+    assert module.startswith(str(site)) and config.startswith(str(site))
+    run = subprocess.run([sys.executable, "train.py", "--stage", "3", "--steps", "5"],
+                         cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "done: steps 1-5" in run.stdout
