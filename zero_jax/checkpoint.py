@@ -32,6 +32,7 @@ import orbax.checkpoint as ocp
 from flax import serialization
 
 from zero_jax import integrity
+from zero_jax.internals import ORBAX_JSON_FILE, ORBAX_STEP_FILE, ORBAX_TREE_FILES
 from zero_jax.lock import LockedError, WriterLock
 from zero_jax.state import TrainState
 
@@ -151,7 +152,7 @@ class Checkpoints:
 
     def _ours(self, step: int) -> bool:
         d = self.path / str(step)
-        return any((d / name).exists() for name in ("_CHECKPOINT_METADATA", "meta", *ITEMS))
+        return any((d / name).exists() for name in (ORBAX_STEP_FILE, "meta", *ITEMS))
 
     def steps(self) -> list[int]:
         """The complete checkpoints, oldest first (foreign numbered directories left out)."""
@@ -384,7 +385,7 @@ class _Reading:
 def _missing_file(step_dir: pathlib.Path, items: str) -> str | None:
     """The first file orbax needs that is not there, relative to the checkpoint directory."""
     for item in items.split("/")[0:1] if items.startswith("meta") else items.split("/"):
-        needed = ["metadata"] if item == "meta" else ["_METADATA", "manifest.ocdbt"]
+        needed = [ORBAX_JSON_FILE] if item == "meta" else ORBAX_TREE_FILES
         for name in needed:
             if not (step_dir / item / name).exists():
                 return f"{step_dir.name}/{item}/{name}"

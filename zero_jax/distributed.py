@@ -23,6 +23,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from zero_jax import internals
+
 ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
        "process_id": "JAX_PROCESS_ID"}
 PREFIX = "zero_jax"
@@ -120,9 +122,7 @@ def _wait_for(address: str, process_id: Any, timeout_s: float) -> None:
 
 
 def _client():
-    from jax._src.distributed import global_state  # the runtime's key-value store
-
-    return global_state.client
+    return internals.distributed_client()  # the runtime's key-value store
 
 
 def agree(name: str, value: dict, timeout_s: float = 30) -> None:

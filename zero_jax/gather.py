@@ -33,7 +33,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from zero_jax import buckets
+from zero_jax import buckets, internals
 from zero_jax.buckets import Comm
 from zero_jax.mesh import MODEL
 from zero_jax.offload import in_host_memory
@@ -366,7 +366,7 @@ def nnx_merge(graphdef: Any, *states: Any) -> Any:
     names, seen, _ = active
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module) and (name := "/".join(map(str, path))) in names:
-            node.__class__ = _per_block_class(type(node))
+            internals.set_class(node, _per_block_class(type(node)))
             seen.add(name)
     return model
 

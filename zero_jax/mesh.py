@@ -14,13 +14,15 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from zero_jax.internals import CSE_BARRIER_PASS
+
 # The axis parameters are cut over; hierarchical ZeRO's across-group one; tensor parallelism's.
 DATA, REPLICA, MODEL = "data", "replica", "model"
 
 # Keep remat's optimization barriers on the CPU backend: without them CSE merges a block's
 # backward re-gather into its forward gather, and stage 3 holds every block's whole weights
 # (measured, 8 unrolled blocks: 16 weight gathers instead of 32, temp 1.6 MB instead of 0.41).
-CPU_FLAGS = ("--xla_disable_hlo_passes=cse_barrier_expander",)
+CPU_FLAGS = (f"--xla_disable_hlo_passes={CSE_BARRIER_PASS}",)
 
 
 def simulate_cpu_devices(n: int) -> None:

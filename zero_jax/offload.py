@@ -19,8 +19,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src.compute_on import compute_on_p  # the primitive behind jax.experimental.compute_on
 from jax.extend import core as jex_core
+
+from zero_jax.internals import compute_on_primitive
 
 PyTree = Any
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
@@ -60,7 +61,7 @@ def on_host(fn: Callable, out_on_host: Callable[[PyTree], PyTree]) -> Callable:
         closed, shapes = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)),
                                         return_shape=True)(*stand_ins)
         spaces = tuple(HOST if h else DEVICE for h in jax.tree.leaves(out_on_host(shapes)))
-        outs = compute_on_p.bind(*flat, jaxpr=closed, compute_type="device_host",
+        outs = compute_on_primitive().bind(*flat, jaxpr=closed, compute_type="device_host",
                                  out_memory_spaces=spaces, compiler_options_json=None)
         return jax.tree.unflatten(jax.tree.structure(shapes), outs)
     return call

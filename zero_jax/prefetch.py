@@ -32,10 +32,10 @@ from collections.abc import Callable
 from typing import Any
 
 import flax.core
-import flax.core.lift
 import jax
 import jax.numpy as jnp
 
+from zero_jax import internals
 from zero_jax.gather import after_inputs, materialize_tree, reduce_tree
 
 PyTree = Any
@@ -156,34 +156,31 @@ def stacks(names: frozenset[str], seen: set[str], offload: bool = False):
     """While tracing: the ``nn.scan`` stacks named in ``names`` run as ``run_stack``; each one
     that does is added to ``seen``. A named stack that cannot raises ``ValueError``. (It swaps
     a module attribute of Flax's: trace one such loss at a time.)"""
-    original = flax.core.lift.scan
+    def wrap(original):
+        def scan(fn, *args, **kwargs):
+            plain = original(fn, *args, **kwargs)
+            how = inspect.signature(original).bind(fn, *args, **kwargs)
+            how.apply_defaults()
+            how = how.arguments
 
-    def scan(fn, *args, **kwargs):
-        plain = original(fn, *args, **kwargs)
-        how = inspect.signature(original).bind(fn, *args, **kwargs)
-        how.apply_defaults()
-        how = how.arguments
+            def run(scopes, carry, *xs):
+                scope = scopes[0] if isinstance(scopes, (list, tuple)) else scopes
+                name = "/".join(scope.path)
+                if name not in names or scope.is_mutable_collection("params"):  # or initializing
+                    return plain(scopes, carry, *xs)
+                why = _refusal(scopes, carry, xs, **{k: how[k] for k in _SCAN_ARGS})
+                if why:
+                    raise ValueError(f"prefetch cannot run the layer stack {name!r}: {why}; turn "
+                                     f"prefetch off (zero.prefetch: false)")
+                seen.add(name)
 
-        def run(scopes, carry, *xs):
-            scope = scopes[0] if isinstance(scopes, (list, tuple)) else scopes
-            name = "/".join(scope.path)
-            if name not in names or scope.is_mutable_collection("params"):  # or initializing
-                return plain(scopes, carry, *xs)
-            why = _refusal(scopes, carry, xs, **{k: how[k] for k in _SCAN_ARGS})
-            if why:
-                raise ValueError(f"prefetch cannot run the layer stack {name!r}: {why}; turn "
-                                 f"prefetch off (zero.prefetch: false)")
-            seen.add(name)
+                def layer(params, c, x):
+                    per_layer = lambda s, c, *x: fn([s], c, *x)
+                    return flax.core.apply(per_layer)({"params": params}, c, *x)
+                return run_stack(layer, offload, scope.variables()["params"], carry, xs)
+            return run
+        return scan
 
-            def layer(params, c, x):
-                per_layer = lambda s, c, *x: fn([s], c, *x)
-                return flax.core.apply(per_layer)({"params": params}, c, *x)
-            return run_stack(layer, offload, scope.variables()["params"], carry, xs)
-        return run
-
-    flax.core.lift.scan = scan
-    try:
+    with internals.flax_lift_scan(wrap):
         yield
-    finally:
-        flax.core.lift.scan = original
 

@@ -19,6 +19,7 @@ import yaml
 
 from zero_jax.gather import REMAT
 
+
 def _shipped() -> pathlib.Path:
     """The shipped YAML configs: the repository's ``configs/`` in a clone, which a built wheel
     installs beside the demo as its package data (``zero_jax/gpt/configs``)."""

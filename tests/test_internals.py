@@ -1,0 +1,121 @@
+"""The private and unstable APIs zero_jax relies on live in ``zero_jax/internals.py`` alone, and
+each still does what we rely on: when an upgrade breaks one, its test names it."""
+
+import inspect
+import pathlib
+import re
+import subprocess
+import sys
+
+import flax.core.lift
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from conftest import SUBPROCESS_ENV
+from flax import nnx
+
+from zero_jax import internals
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CHECKED = ", ".join(f"{k} {v}" for k, v in internals.CHECKED.items())
+# What only internals.py may spell: jax's private modules, Flax's lifted scan assigned, a class
+# swapped, orbax's file names, the XLA pass.
+FENCED = [r"\bjax\._src\b", r"lift\.scan\s*=", r"__class__\s*=", r"_CHECKPOINT_METADATA",
+          r"[\"']_METADATA[\"']", r"manifest\.ocdbt", r"cse_barrier_expander"]
+
+
+@pytest.mark.parametrize("pattern", FENCED)
+def test_internals_are_reached_from_one_module(pattern):
+    paths = [*(ROOT / "zero_jax").rglob("*.py"), ROOT / "train.py", *(ROOT / "bench").glob("*.py")]
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in paths if p.name != "internals.py"
+             for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(pattern, line)]
+    assert not found, f"{pattern} outside zero_jax/internals.py: {found}"
+
+
+def broke(name: str) -> str:
+    return f"internal {name} changed (checked on {CHECKED}): see zero_jax/internals.py"
+
+
+def test_compute_on_primitive():
+    p = internals.compute_on_primitive()
+    assert isinstance(p, jax.extend.core.Primitive) and p.name == "compute_on", \
+        broke("jax._src.compute_on.compute_on_p")
+
+
+def test_distributed_client():
+    try:
+        client = internals.distributed_client()
+    except (ImportError, AttributeError) as e:
+        pytest.fail(f"{broke('jax._src.distributed.global_state.client')}: {e}")
+    assert client is None, broke("jax._src.distributed.global_state.client (None before init)")
+
+
+def test_flax_lift_scan_is_what_nn_scan_calls():
+    original = flax.core.lift.scan
+    args = set(inspect.signature(original).parameters)
+    from zero_jax.prefetch import _SCAN_ARGS
+
+    assert set(_SCAN_ARGS) <= args, broke("flax.core.lift.scan's arguments")
+    called = []
+
+    def wrap(scan):
+        def spy(*a, **k):
+            called.append(True)
+            return scan(*a, **k)
+        return spy
+
+    with internals.flax_lift_scan(wrap):
+        class Layer(flax.linen.Module):
+            @flax.linen.compact
+            def __call__(self, c, _):
+                return flax.linen.Dense(2)(c), None
+
+        stack = flax.linen.scan(Layer, variable_axes={"params": 0},
+                                split_rngs={"params": True}, length=2)()
+        stack.init(jax.random.key(0), jnp.ones((1, 2)), None)
+    assert called, broke("flax.core.lift.scan (nn.scan no longer calls it)")
+    assert flax.core.lift.scan is original
+
+
+def test_set_class_on_an_nnx_module():
+    layer = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+    class Doubled(nnx.Linear):
+        def __call__(self, x):
+            return 2 * super().__call__(x)
+
+    x = jnp.ones((1, 2))
+    before = layer(x)
+    internals.set_class(layer, Doubled)
+    np.testing.assert_allclose(layer(x), 2 * before, err_msg=broke("NNX module __class__ swap"))
+
+
+def test_orbax_writes_the_files_we_check(tmp_path):
+    manager = ocp.CheckpointManager(tmp_path, item_names=("state", "meta"))
+    manager.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": jnp.ones(4)}),
+                                            meta=ocp.args.JsonSave({"a": 1})))
+    manager.wait_until_finished()
+    manager.close()
+    step = tmp_path / "1"
+    assert (step / internals.ORBAX_STEP_FILE).exists(), broke("orbax's step file name")
+    for name in internals.ORBAX_TREE_FILES:
+        assert (step / "state" / name).exists(), broke(f"orbax's {name}")
+    assert (step / "meta" / internals.ORBAX_JSON_FILE).exists(), broke("orbax's JSON file name")
+
+
+def test_the_disabled_xla_pass_keeps_remat_barriers():
+    """Without the pass, remat's optimization barriers survive the CPU compiler; with it they
+    are gone (what lets CSE merge a block's backward gather into its forward one)."""
+    code = ("import jax, jax.numpy as jnp\n"
+            "f = jax.checkpoint(lambda x: jnp.sin(jnp.sin(x)), prevent_cse=True)\n"
+            "g = jax.jit(jax.grad(lambda x: f(x).sum()))\n"
+            "print('opt-barrier' in g.lower(jnp.ones(3)).compile().as_text())")
+    kept = {}
+    for flags in ("", f"--xla_disable_hlo_passes={internals.CSE_BARRIER_PASS}"):
+        run = subprocess.run([sys.executable, "-c", code], env={**SUBPROCESS_ENV,
+                             "XLA_FLAGS": flags}, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        kept[bool(flags)] = run.stdout.strip() == "True"
+    assert kept == {False: False, True: True}, broke(f"XLA pass {internals.CSE_BARRIER_PASS}")

@@ -1,0 +1,65 @@
+"""Every private or unstable API zero_jax relies on, in one place.
+
+Each was checked with jax 0.10.2, flax 0.12.8 and orbax-checkpoint 0.12.8 (``pyproject.toml``
+bounds the versions); ``tests/test_internals.py`` names the one that broke when an upgrade
+breaks one. Nothing else in the library reaches into these packages' internals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+CHECKED = {"jax": "0.10.2", "flax": "0.12.8", "orbax-checkpoint": "0.12.8"}
+
+# XLA's pass that turns remat's optimization barriers into plain ops on the CPU backend, where
+# CSE would then merge a block's backward re-gather into its forward gather (stage 3 would hold
+# every block's whole weights). Disabled by ``zero_jax.mesh.simulate_cpu_devices``; the GPU
+# compiler refuses the flag and needs no such help.
+CSE_BARRIER_PASS = "cse_barrier_expander"
+
+# Orbax's files: a step directory it completed holds ``_CHECKPOINT_METADATA``; each item (a
+# PyTree saved with OCDBT) its ``_METADATA`` and ``manifest.ocdbt``; a JSON item ``metadata``.
+ORBAX_STEP_FILE = "_CHECKPOINT_METADATA"
+ORBAX_TREE_FILES = ("_METADATA", "manifest.ocdbt")
+ORBAX_JSON_FILE = "metadata"
+
+
+def compute_on_primitive() -> Any:
+    """``jax._src.compute_on.compute_on_p``: the primitive behind
+    ``jax.experimental.compute_on``, bound directly so that a host computation's jaxpr can be
+    traced on device-typed stand-ins (``zero_jax.offload.on_host``)."""
+    from jax._src.compute_on import compute_on_p
+
+    return compute_on_p
+
+
+def distributed_client() -> Any:
+    """``jax._src.distributed.global_state.client``: the coordination service's key-value
+    store, through which the processes of a run agree on their settings and watch each other
+    (``zero_jax.distributed``); None before ``jax.distributed.initialize``."""
+    from jax._src.distributed import global_state
+
+    return global_state.client
+
+
+@contextlib.contextmanager
+def flax_lift_scan(wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """``flax.core.lift.scan`` replaced by ``wrap(original)`` while the block runs: how
+    ``zero_jax.prefetch`` runs the layer loop of a linen ``nn.scan`` stack itself. A
+    module-level swap: trace one such loss at a time."""
+    import flax.core.lift
+
+    original = flax.core.lift.scan
+    flax.core.lift.scan = wrap(original)
+    try:
+        yield
+    finally:
+        flax.core.lift.scan = original
+
+
+def set_class(obj: Any, cls: type) -> None:
+    """``obj.__class__ = cls``: an NNX block's class swapped for a subclass whose ``__call__``
+    makes its shards whole (``zero_jax.gather.nnx_merge``), on the model's own copy."""
+    obj.__class__ = cls
