@@ -149,6 +149,17 @@ def test_report_counts_zero_per_tensor_parallel_rank(gpt):
     assert formula["params"] <= actual["params"] < 1.1 * formula["params"]
 
 
+def trains_like_one_device(plan, init, loss_fn, batch, gathers_on_model: bool = False):
+    """5 SGD steps on ``batch`` equal one device's; the collectives stay in their axis."""
+    tx, batches = optax.sgd(0.1), [batch] * STEPS
+    losses, state, text = train(plan, init, loss_fn, batches, tx)
+    ref_losses, ref_params = one_device(init, loss_fn, batches, tx)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert max_rel(state.params, ref_params) < 1e-5
+    assert_collectives_stay_in_their_axis(plan, text, gathers_on_model)
+    return state
+
+
 class Unrolled(nn.Module):
     """Blocks in a Python loop (HF style), no annotation: the rule table places them."""
 
@@ -175,14 +186,8 @@ def test_unrolled_model_placed_by_the_rule_table():
     mesh = zj.make_mesh(8, axes=MESHES["4x2"])
     plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=r"^h_\d+_(up|down)$",
                         rules=rules)
-    tx = optax.sgd(0.1)
-    batches = [(x, y)] * STEPS
-    losses, state, text = train(plan, init, loss_fn, batches, tx)
-    ref_losses, ref_params = one_device(init, loss_fn, batches, tx)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert max_rel(state.params, ref_params) < 1e-5
+    state = trains_like_one_device(plan, init, loss_fn, (x, y))
     assert state.params["h_0_up"]["kernel"].sharding.spec == P("data", "model")
-    assert_collectives_stay_in_their_axis(plan, text)
 
 
 class Annotated(nn.Module):
@@ -215,14 +220,8 @@ def test_annotated_linen_model_needs_no_table():
 
     mesh = zj.make_mesh(8, axes=MESHES["2x4"])
     plan = zj.make_plan(nn.unbox(boxed), mesh, 3, layers=r"^h_\d+_(up|down)$", rules=rules)
-    tx = optax.sgd(0.1)
-    batches = [(x, y)] * STEPS
-    losses, state, text = train(plan, init, loss_fn, batches, tx)
-    ref_losses, ref_params = one_device(init, loss_fn, batches, tx)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert max_rel(state.params, ref_params) < 1e-5
+    state = trains_like_one_device(plan, init, loss_fn, (x, y), gathers_on_model=True)
     assert state.params["h_1_down"]["kernel"].sharding.spec == P("model", "data")
-    assert_collectives_stay_in_their_axis(plan, text, gathers_on_model=True)
 
 
 def test_partitioned_activations_keep_a_tp_slice_of_the_saved_inputs():
