@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import KEY, OPTIMIZERS, SMALL, max_rel
+from conftest import KEY, OPTIMIZERS, SMALL, equations, max_rel
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -227,23 +227,36 @@ def test_annotated_linen_model_needs_no_table():
 def test_partitioned_activations_keep_a_tp_slice_of_the_saved_inputs():
     """ZeRO-R's Pa: the forward loop's stacked block inputs (what remat full saves) are
     (layers, batch, sequence / T, d) per device instead of (layers, batch, sequence, d), read
-    from the compiled program; the training is the same."""
-    cfg = dataclasses.replace(CFG, vocab_size=64, d_model=32, n_layers=4, d_ff=64, seq_len=256)
+    from the compiled program; the training is the same. With the ``offload`` policy the same
+    slices leave the forward loop in host memory (in the traced program; on the CPU backend
+    the move itself is a no-op)."""
+    cfg = dataclasses.replace(CFG, vocab_size=64, d_model=32, n_layers=4, d_ff=64, seq_len=256,
+                              remat="none")  # stage 3 remats the blocks itself
     model = GPT(cfg)
     init, loss_fn = init_fn(model), lm_loss(model)
     tokens = data.stdlib_corpus(1 << 16).astype(np.int32) % cfg.vocab_size
     batches = [np.asarray(data.batch(tokens, i, 8, cfg.seq_len, seed=0)) for i in range(3)]
     mesh = zj.make_mesh(8, axes=MESHES["2x4"])
     tx = OPTIMIZERS["sgd"]()
-    runs = {}
-    for pa in (False, True):
+    runs, host = {}, {}
+    for remat in (zj.Remat("full"), zj.Remat("full", partition=True),
+                  zj.Remat("offload", partition=True)):
         plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=LAYERS,
-                            rules=TENSOR_PARALLEL, remat=zj.Remat("full", partition=pa))
-        runs[pa] = train(plan, init, loss_fn, batches, tx)
+                            rules=TENSOR_PARALLEL, remat=remat)
+        runs[remat] = train(plan, init, loss_fn, batches, tx)
+        if remat.policy == "offload":
+            state, step = zj.init_state(plan, init, tx, KEY), zj.make_train_step(plan, loss_fn, tx)
+            put = jax.device_put(batches[0], NamedSharding(mesh, P(plan.data_axes)))
+            host = [sum(v.aval.memory_space == jax.memory.Space.Host for v in eqn.outvars)
+                    for eqn, _ in equations(jax.make_jaxpr(step)(state, put).jaxpr)
+                    if eqn.primitive.name == "scan"]
+    plain, cut, offloaded = runs.values()
     stacked = lambda seq: f"f32[{cfg.n_layers},4,{seq},{cfg.d_model}]"  # batch 8 over data 2
-    assert stacked(256) in runs[False][2] and stacked(64) not in runs[False][2]
-    assert stacked(64) in runs[True][2] and stacked(256) not in runs[True][2]
-    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-6)
+    assert stacked(256) in plain[2] and stacked(64) not in plain[2]
+    for run in (cut, offloaded):
+        assert stacked(64) in run[2] and stacked(256) not in run[2]
+        np.testing.assert_allclose(run[0], plain[0], rtol=1e-6)
+    assert host[0] == 1  # the forward loop's checkpoints, cut, in host memory
     with pytest.raises(ValueError, match="needs tensor parallelism"):
         zj.make_plan(jax.eval_shape(init, KEY), zj.make_mesh(8), 3, layers=LAYERS,
                      remat=zj.Remat(partition=True))

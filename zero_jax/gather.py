@@ -331,20 +331,18 @@ def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = Fals
         if not _gathers(params):  # stage 2: reads its whole copy
             return nn.map_variables(run, "params", trans_in_fn=materialize_tree)(module)
         gather = lambda params: materialize_tree(after_inputs(params, args, kwargs))
-        # Partitioned, the block's array inputs enter the checkpoint cut, as its arguments
-        # (what it saves), and are made whole inside; else the block reads them as they are.
-        flat, tree = jax.tree.flatten((args, kwargs))
-        arrays = [i for i, x in enumerate(flat) if partition and isinstance(x, jax.Array)]
+        # Partitioned: the block's inputs reach its checkpoint cut (what it saves, or offloads)
+        # and are made whole inside it.
+        saved = jax.tree.map(lambda x: partitioned(x, True), (args, kwargs)) if partition \
+            else (args, kwargs)
 
-        def named(mdl, *cut):  # inside the checkpoint, where the policy sees the names
-            inputs = list(flat)
-            for i, x in zip(arrays, cut, strict=True):
-                inputs[i] = partitioned(x, False)
-            a, k = name_inputs(*jax.tree.unflatten(tree, inputs))
+        def named(mdl):  # inside the checkpoint, where the policy sees the names
+            a, k = name_inputs(*saved)
+            if partition:
+                a, k = jax.tree.map(lambda x: partitioned(x, False), (a, k))
             return getattr(mdl, context.method_name)(*a, **k)
         run = nn.map_variables(named, "params", trans_in_fn=gather)
-        cut = [partitioned(flat[i], True) for i in arrays]
-        return nn.remat(run, prevent_cse=True, policy=policy)(module, *cut)
+        return nn.remat(run, prevent_cse=True, policy=policy)(module)
 
     token = _ACTIVE.set((names, seen, policy))
     try:
