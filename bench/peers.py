@@ -4,6 +4,13 @@ collectives of each compiled step.
 
     python bench/peers.py [--config tiny] [--devices 8] [--steps 20] [--rounds 5] [--set K=V]
 
+On a data x model mesh (tensor parallelism, ``--set mesh.tensor_parallel=2``): zero_jax's stages
+on it, beside a MaxText-style GSPMD baseline on the same mesh (parameters and AdamW moments on
+``data`` and, by the demo's ``TENSOR_PARALLEL`` table, on ``model``; activations pinned
+batch-sharded); the variants, DDP and the unconstrained FSDP are left out:
+
+    python bench/peers.py --rounds 3 --steps 10 --set mesh.tensor_parallel=2
+
 A wider model (``d_ff`` does not follow ``d_model`` by itself: keep GPT's 4x by hand):
 
     python bench/peers.py --rounds 3 --steps 10 --set model.d_model=512 --set model.d_ff=2048
@@ -97,8 +104,9 @@ def _setup(cfg: dict, mesh: Mesh):
 
 
 def _axes(mesh: Mesh) -> str | tuple[str, ...]:
-    """Every mesh axis is data-parallel: the batch, and FSDP's shards, span them all."""
-    return mesh.axis_names[0] if len(mesh.axis_names) == 1 else tuple(mesh.axis_names)
+    """Every mesh axis but ``model`` is data-parallel: the batch, and FSDP's shards, span them."""
+    names = tuple(a for a in mesh.axis_names if a != "model")
+    return names[0] if len(names) == 1 else names
 
 
 def fsdp_spec(shape: tuple[int, ...], n: int, axes, stacked: bool = False) -> P:
@@ -112,12 +120,25 @@ def fsdp_spec(shape: tuple[int, ...], n: int, axes, stacked: bool = False) -> P:
 
 
 def fsdp_param_specs(shapes: PyTree, mesh: Mesh) -> PyTree:
-    from zero_jax.gpt.model import LAYER_STACKS
-    from zero_jax.rules import path_str
+    """FSDP's cut on the data axes; with a ``model`` axis, also Megatron's (the demo's
+    ``TENSOR_PARALLEL`` table), the data cut then on another dimension."""
+    from zero_jax.gpt.model import LAYER_STACKS, TENSOR_PARALLEL
+    from zero_jax.rules import match_rules, path_str
+
+    t = mesh.shape.get("model", 1)
+    n = mesh.size // t
+    paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]]
+    model_dims = {p: f["model_dim"] for p, f in match_rules(TENSOR_PARALLEL, paths).items()}
 
     def spec(path, x):
-        stacked = path_str(path).split("/")[0] in LAYER_STACKS
-        return fsdp_spec(tuple(x.shape), mesh.size, _axes(mesh), stacked)
+        name, shape = path_str(path), tuple(x.shape)
+        stacked = name.split("/")[0] in LAYER_STACKS
+        dim = None if t == 1 or model_dims[name] is None else model_dims[name] % len(shape)
+        masked = tuple(1 if i == dim else d for i, d in enumerate(shape))  # not cut twice
+        parts = list(fsdp_spec(masked, n, _axes(mesh), stacked)) or [None] * len(shape)
+        if dim is not None:
+            parts[dim] = "model"
+        return P(*parts) if any(x is not None for x in parts) else P()
     return jax.tree_util.tree_map_with_path(spec, shapes)
 
 
@@ -251,17 +272,18 @@ def main() -> None:
     args = harness.parse_args(__doc__.splitlines()[0])
 
     from zero_jax.gpt import config, data
-    from zero_jax.mesh import make_mesh
+    from zero_jax.gpt.experiment import mesh_for
 
-    mesh = make_mesh(args.devices)
-    print(harness.header(args.config, mesh, args.rounds, args.steps), flush=True)
     sets = ["precision.param_dtype=fp32", *args.set]
+    mesh = mesh_for(config.load(args.config, sets), args.devices)
+    two_d = "model" in mesh.axis_names
+    print(harness.header(args.config, mesh, args.rounds, args.steps), flush=True)
     tokens = data.stdlib_corpus()
     runs = []
     for stage in range(4):
         runs.append(dict(name=f"zero_jax stage {stage}", checked=False, **harness.build(
             config.load(args.config, [*sets, f"zero.stage={stage}"]), mesh, tokens, args.steps)))
-    for name, extra in VARIANTS.items():
+    for name, extra in ({} if two_d else VARIANTS).items():
         runs.append(dict(name=name, checked=False, **harness.build(
             config.load(args.config, [*sets, *extra]), mesh, tokens, args.steps)))
     for r in runs:
@@ -271,11 +293,12 @@ def main() -> None:
     base = runs[0]
     cfg = base["exp"].cfg
     init = jax.tree.map(np.asarray, base["state"].params)  # before any step donates it
-    runs += [_baseline_run("DDP (jit, replicated)", ddp_step(cfg, mesh), base["batches"]),
-             _baseline_run("GSPMD FSDP, activations constrained",
-                           fsdp_step(cfg, mesh, constrain=True), base["batches"]),
-             _baseline_run("GSPMD FSDP, unconstrained", fsdp_step(cfg, mesh, constrain=False),
-                           base["batches"])]
+    runs.append(_baseline_run("GSPMD FSDP" + " x tensor" * two_d + ", activations constrained",
+                              fsdp_step(cfg, mesh, constrain=True), base["batches"]))
+    if not two_d:
+        runs += [_baseline_run("DDP (jit, replicated)", ddp_step(cfg, mesh), base["batches"]),
+                 _baseline_run("GSPMD FSDP, unconstrained",
+                               fsdp_step(cfg, mesh, constrain=False), base["batches"])]
 
     # The same first step everywhere: same parameters, same batch, the same loss.
     failures = []

@@ -16,8 +16,16 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def test_a_built_wheel_trains_outside_the_clone(tmp_path):
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    # Built from a copy of what the wheel is made of: a build in the clone leaves build/ there,
+    # whose stale files a later wheel could pick up.
+    source = tmp_path / "source"
+    for name in ("zero_jax", "configs"):
+        shutil.copytree(ROOT / name, source / name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source)
     build = subprocess.run([*pip, "wheel", "-q", "--no-deps", "-w", str(tmp_path / "wheel"),
-                            str(ROOT)], capture_output=True, text=True, timeout=300)
+                            str(source)], capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-3000:]
     wheel = next((tmp_path / "wheel").glob("zero_jax-*.whl"))
     site = tmp_path / "site"
