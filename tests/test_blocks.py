@@ -2,8 +2,11 @@
 ``setup()``, named to the plan by path, compared with one-device optax and read off the
 compiled step."""
 
+import json
 import math
 import re
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -11,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import N, max_rel, rel, tree_rel
+from conftest import ROOT, SUBPROCESS_ENV, N, max_rel, rel, tree_rel
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -159,6 +162,29 @@ def test_stage3_holds_one_block_at_a_time(mesh):
     assert "of the cut parameters once per step" in report.warnings(whole)[0]
 
 
+def test_backward_gathers_again_with_no_flag_set():
+    """An unrolled linen model, an NNX model and a scanned stack, in a process where nobody
+    set an XLA flag beyond the device count (``tests/regather.py``): each block is gathered in
+    the forward and again in the backward, and stage 3 holds at most 0.6x stage 2. With the
+    CPU compiler's barrier pass back on, XLA merges the two gathers and the report says so."""
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "regather.py")],
+                         env={**SUBPROCESS_ENV, "XLA_FLAGS": ""}, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    for kind in ("unrolled", "nnx", "scanned"):
+        stage2, stage3 = out[kind]["2"], out[kind]["3"]
+        assert stage3["weight_gathers"] == 2 * 8, (kind, stage3)
+        assert stage3["bytes"] <= 0.6 * stage2["bytes"], (kind, stage3, stage2)
+        assert stage3["warnings"] == [], (kind, stage3)
+    merged = out["merged"]
+    assert merged["weight_gathers"] == 8 and merged["bytes"] > out["unrolled"]["2"]["bytes"]
+    assert len(merged["warnings"]) == 1 and re.fullmatch(
+        r"stage 3 gathers the blocks' [\d,]+ parameters 1\.00 times per step, not twice "
+        r"\(forward and backward\): the compiler kept each block's whole weights from its "
+        r"forward to its backward, as stage 2 does", merged["warnings"][0])
+
+
 def test_dropout_key_per_step_and_device(mesh):
     model, init = setup(2, dropout=0.5)
     loss_fn = lambda params, toks, key: ce(model, params, toks, {"dropout": key}).mean()
@@ -226,15 +252,23 @@ def test_token_weighted_loss_is_the_global_mean(mesh):
     assert max_rel(state.params, params) < 1e-5
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("opt", ["adafactor", "multisteps"])
+UNLIKE_STATE = {
+    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=32),
+    "multisteps": lambda: optax.MultiSteps(
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), 2),
+    "sm3": lambda: optax.sm3(0.1),
+}
+
+
+@pytest.mark.parametrize(("stage", "opt"), [(s, o) for o in UNLIKE_STATE for s in (1, 2, 3)]
+                         + [(0, "sm3")])
 def test_optimizers_with_unlike_state(stage, opt, mesh):
     """Adafactor's factored moments are not shaped like the parameters; MultiSteps adds
-    counters: such leaves stay whole, the rest is cut, and the result is one device's."""
+    counters; SM3 keeps a list of per-dimension accumulators under each parameter: such leaves
+    stay whole, the rest is cut, and the result is one device's."""
     model, init = setup(2)
     loss_fn = lambda params, toks: ce(model, params, toks).mean()
-    tx = (optax.adafactor(1e-2, min_dim_size_to_factor=32) if opt == "adafactor" else
-          optax.MultiSteps(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), 2))
+    tx = UNLIKE_STATE[opt]()
     plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=BLOCKS)
     state = zj.init_state(plan, init, tx, KEY)
     step = zj.make_train_step(plan, loss_fn, tx)
@@ -248,10 +282,12 @@ def test_optimizers_with_unlike_state(stage, opt, mesh):
     assert tree_rel(state.params, params) < 1e-5
     assert tree_rel(state.opt_state, opt_state) < 1e-5
     whole = [x["path"] for x in report.whole_opt_state(plan, state)]
+    matrices = [p for p, x in jax.tree_util.tree_flatten_with_path(params)[0] if x.ndim == 2]
     if opt == "adafactor":  # the factored second moments of every matrix, and nothing else
-        matrices = [p for p, x in jax.tree_util.tree_flatten_with_path(params)[0] if x.ndim == 2]
         assert len(whole) == 2 * len(matrices) and all("v_row" in w or "v_col" in w
                                                        for w in whole)
+    elif opt == "sm3" and stage > 0:  # a matrix's row and column accumulators; nothing else
+        assert len(whole) == 2 * len(matrices) and all("/mu/" in w for w in whole)
     else:
         assert whole == []
 

@@ -2,6 +2,7 @@
 each still does what we rely on: when an upgrade breaks one, its test names it."""
 
 import inspect
+import os
 import pathlib
 import re
 import subprocess
@@ -119,3 +120,22 @@ def test_the_disabled_xla_pass_keeps_remat_barriers():
         assert run.returncode == 0, run.stderr[-2000:]
         kept[bool(flags)] = run.stdout.strip() == "True"
     assert kept == {False: False, True: True}, broke(f"XLA pass {internals.CSE_BARRIER_PASS}")
+
+
+def test_importing_zero_jax_keeps_the_barriers_on_cpu_only(monkeypatch):
+    """``keep_remat_barriers`` (run by ``import zero_jax``) adds the pass to the passes
+    XLA_FLAGS already disables when the CPU runs the programs, and leaves a GPU's flags alone
+    (its compiler refuses the flag)."""
+    from zero_jax.mesh import keep_remat_barriers
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_disable_hlo_passes=foo --xla_foo=1")
+    keep_remat_barriers()
+    keep_remat_barriers()  # once only
+    assert os.environ["XLA_FLAGS"] == \
+        f"--xla_foo=1 --xla_disable_hlo_passes=foo,{internals.CSE_BARRIER_PASS}"
+    for platforms in ("cuda", "tpu,cpu"):
+        monkeypatch.setenv("JAX_PLATFORMS", platforms)
+        monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1")
+        keep_remat_barriers()
+        assert os.environ["XLA_FLAGS"] == "--xla_foo=1", platforms

@@ -201,3 +201,27 @@ def test_a_real_gpu_compile_is_read_and_prefetch_overlaps_there():
         # The prefetched loops' carry is replaced in place there too (before: a layer's
         # gradient, 260 KiB, copied per backward iteration).
         assert copied_bytes(text, {*gathers, *reductions}) < 1024, name
+
+
+def test_unrolled_blocks_gathered_again_in_the_gpu_compile():
+    """Blocks in a Python loop (``tests/regather.py``'s unrolled model, 8 blocks, fp32), stage
+    3 compiled by XLA's GPU compiler for 8 H100s with no option of zero_jax's (made with no GPU
+    present by ``python tests/regather.py --h100 tests/data``; jax and its CUDA plugin 0.10.2):
+    every block gathered in the forward and again in the backward, the leaves outside the
+    blocks once, every gradient reduce-scattered once."""
+    import gzip
+
+    import regather
+
+    shapes = jax.eval_shape(dict(regather.problems())["unrolled"][0], jax.random.key(0))
+    sizes = [(p[0].key.startswith("h_"), math.prod(x.shape))
+             for p, x in jax.tree_util.tree_flatten_with_path(shapes)[0]]
+    psi, blocks = sum(n for _, n in sizes), sum(n for b, n in sizes if b)
+    text = gzip.open(pathlib.Path(__file__).resolve().parent / "data" /
+                     "unrolled-stage-3-h100.hlo.gz", "rt").read()
+    assert "all-gather-start" in text  # GPU's async form
+    moved = collections.Counter()
+    for c in collectives(text, N):
+        moved[c.kind, c.dtype] += c.count * c.bytes
+    assert moved["all-gather", "f32"] == 4 * (2 * blocks + (psi - blocks))
+    assert moved["reduce-scatter", "f32"] == 4 * psi

@@ -76,6 +76,20 @@ def test_find_blocks_takes_the_shortest_module_path():
         find_blocks(paths, "blocks")
 
 
+def test_a_block_holding_repeated_blocks_is_refused():
+    """HF's unrolled stacks are ``model/layers/0``, ``model/layers/1``...: ``layers="layers"``
+    would gather the whole stack as one block. Repeated leaves of one module (``Dense_0``,
+    ``Dense_1`` of a block's MLP) are not blocks."""
+    paths = [f"model/layers/{i}/{m}/kernel" for i in range(4) for m in ("attn", "mlp")]
+    with pytest.raises(ValueError, match=r"names 'model/layers', which holds 4 repeated blocks "
+                                         r".*: pass layers='model/layers/\\d\+'$"):
+        find_blocks(paths + ["model/norm/scale"], "layers")
+    assert set(find_blocks(paths, r"layers/\d+").values()) == {f"model/layers/{i}"
+                                                              for i in range(4)}
+    mlp = [f"blocks/Dense_{i}/{p}" for i in range(2) for p in ("kernel", "bias")]
+    assert set(find_blocks(mlp, "blocks").values()) == {"blocks"}
+
+
 def test_make_plan_applies_the_table(mesh):
     plan = zj.make_plan(SHAPES, mesh, 3, layers="^blocks$",
                         rules=[zj.Rule("^wpe/", shard=False), zj.Rule("^wte/", frozen=True),

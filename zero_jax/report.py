@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from zero_jax.distributed import processes_spanned
-from zero_jax.hlo import collectives
+from zero_jax.hlo import DTYPE_BYTES, collectives
+from zero_jax.mesh import MODEL
 from zero_jax.rules import Plan, path_str
 from zero_jax.state import abstract_state, grads_in_host_memory
 
@@ -189,11 +190,11 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
         "comm_bytes_theory": sum(by_axes.values()),
         "comm_theory_formula": formula,
         "comm_bytes_theory_by_axes": by_axes,
-        **layout(plan, state),
+        **layout(plan, state, found),
     }
 
 
-def layout(plan: Plan, state: PyTree) -> dict:
+def layout(plan: Plan, state: PyTree, found: list) -> dict:
     """The report's view of the plan: what is not cut as the rule says, and how leaves travel."""
     c = plan.precision.compute.itemsize
     return {
@@ -206,7 +207,7 @@ def layout(plan: Plan, state: PyTree) -> dict:
         # waiting a layer to be reduced, both in the compute dtype.
         "prefetch_bytes": 2 * layer_elements(plan) * c if plan.comm.prefetch else 0,
         "opt_state_whole": whole_opt_state(plan, state),
-        "warnings": warnings(plan),
+        "warnings": warnings(plan) + gathered_once(plan, found),
     }
 
 
@@ -260,7 +261,8 @@ def layer_elements(plan: Plan) -> int:
 
 def whole_opt_state(plan: Plan, state: PyTree) -> list[dict]:
     """Optimizer-state leaves kept whole because they are not shaped like their parameter
-    (Adafactor's factored moments, say): found by the parameter path their own path ends in."""
+    (Adafactor's factored moments, SM3's per-dimension accumulators): found by the longest
+    parameter path their own path holds."""
     if not plan.rule.shard_opt_state:
         return []
     params = {leaf.path: leaf for leaf in jax.tree.leaves(plan.leaves,
@@ -268,7 +270,8 @@ def whole_opt_state(plan: Plan, state: PyTree) -> list[dict]:
     out = []
     for path, x in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]:
         name = path_str(path)
-        leaf = next((params[p] for p in params if name == p or name.endswith("/" + p)), None)
+        inside = [p for p in params if f"/{p}/" in f"/{name}/"]
+        leaf = params[max(inside, key=len)] if inside else None
         if leaf is not None and leaf.axis is not None and tuple(x.shape) != leaf.shape \
                 and math.prod(x.shape) > 1:
             out.append({"path": name, "shape": list(x.shape)})
@@ -290,6 +293,30 @@ def warnings(plan: Plan) -> list[str]:
                 f"holds them whole through it ({where}): name the model's blocks (make_plan "
                 "layers=, zero.transformer_layers) to hold one block at a time"]
     return []
+
+
+def gathered_once(plan: Plan, found: list) -> list[str]:
+    """Stage 3 gathers each block in its forward and again in its backward. A program that
+    gathers the blocks about once per step keeps each block's whole weights from forward to
+    backward (XLA merged the two gathers): it holds more than stage 2 would."""
+    if not (plan.rule.shard_params and plan.blocks):
+        return []
+    t = plan.mesh.shape.get(MODEL, 1)
+    cut = [leaf for leaf in jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "block"))
+           if leaf.axis is not None and not leaf.persistent]
+    elements = lambda leaves: sum(math.prod(leaf.shape) // (t if leaf.model_dim is not None
+                                                            else 1) for leaf in leaves)
+    blocks = elements([leaf for leaf in cut if leaf.block]) * plan.accum_steps
+    # The data axis's gathers (not hierarchical ZeRO's across groups), less the once-per-step
+    # gathers of the leaves outside blocks.
+    gathered = sum(x.count * x.bytes // DTYPE_BYTES[x.dtype] for x in found
+                   if x.kind == "all-gather" and mesh_axes(x.group, plan.mesh) == plan.axis)
+    gathered -= elements([leaf for leaf in cut if not leaf.block]) * plan.accum_steps
+    if not blocks or gathered >= 1.5 * blocks:
+        return []
+    return [f"stage 3 gathers the blocks' {blocks:,} parameters {gathered / blocks:.2f} times "
+            "per step, not twice (forward and backward): the compiler kept each block's whole "
+            "weights from its forward to its backward, as stage 2 does"]
 
 
 def format_table(r: dict) -> str:

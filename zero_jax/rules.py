@@ -181,7 +181,32 @@ def find_blocks(paths: list[str], pattern: str) -> dict[str, str]:
                          f"(e.g. 'h/\\d+' or 'encoder/layers_\\d+' for blocks built in a loop, "
                          f"'blocks' for an nn.scan stack); parameter paths look like "
                          f"{paths[0]!r}")
+    for block in dict.fromkeys(found.values()):
+        _refuse_stack(pattern, block, [p for p in found if found[p] == block])
     return found
+
+
+def _refuse_stack(pattern: str, block: str, paths: list[str]) -> None:
+    """A "block" holding repeated blocks (HF's ``layers/0``, ``layers/1``, ... under the
+    ``layers`` a natural guess names) would be gathered whole: stage 3 then holds the whole
+    stack at once. Repeated = two or more children named stem + number, each a module of
+    modules with the same parameter paths below it."""
+    below: dict[str, set[str]] = {}
+    for path in paths:
+        child, _, rest = path[len(block) + 1:].partition("/")
+        below.setdefault(child, set()).add(rest)
+    stems: dict[tuple[str, frozenset], list[str]] = {}
+    for child, rests in below.items():
+        m = re.fullmatch(r"(.*?)(\d+)", child)
+        if m and all("/" in r for r in rests):
+            stems.setdefault((m.group(1), frozenset(rests)), []).append(child)
+    for (stem, _), children in stems.items():
+        if len(children) > 1:
+            parts = f"{re.escape(block)}/{re.escape(stem)}\\d+"
+            raise ValueError(f"layers={pattern!r} names {block!r}, which holds {len(children)} "
+                             f"repeated blocks ({block}/{children[0]}, {block}/{children[1]}, "
+                             f"...) that would be gathered all at once: pass "
+                             f"layers='{parts}'")
 
 
 def scanned(shapes: list[tuple[int, ...]]) -> bool:
@@ -319,14 +344,23 @@ class Plan:
     def map_opt_state(self, tx: optax.GradientTransformation, fn, per_param: PyTree,
                       other: Any) -> PyTree:
         """``fn(state_leaf, per_param_value, Leaf)`` for every part of ``tx``'s state that
-        belongs to a parameter; ``other`` for the rest."""
+        belongs to a parameter, whatever its shape under the parameter (SM3 keeps a list of
+        per-dimension accumulators); ``other`` for the rest."""
         tx = self.optimizer(tx)
         state_shape = jax.eval_shape(tx.init, self.shapes)
-        # Frozen leaves hold ``MaskedNode``s (no state) in the trained transformation's state.
         masked = lambda x: isinstance(x, optax.MaskedNode)
+        stop = lambda x: isinstance(x, (Leaf, P))
+
+        def part(value, leaf, sub):  # one parameter's part of the state: any tree
+            return jax.tree.map(lambda x: x if masked(x) else fn(x, value, leaf), sub,
+                                is_leaf=masked)
+
+        # ``is_leaf`` true at the root hands each parameter-shaped copy over whole, so that its
+        # parts may be trees (optax's own mapping needs each shaped exactly like a leaf).
+        # Frozen leaves hold ``MaskedNode``s (no state) in the trained part's state.
         return optax.tree_map_params(
-            tx, lambda x, value, leaf: x if masked(x) else fn(x, value, leaf), state_shape,
-            per_param, self.leaves, transform_non_params=lambda _: other, is_leaf=masked)
+            tx, lambda sub: jax.tree.map(part, per_param, self.leaves, sub, is_leaf=stop),
+            state_shape, transform_non_params=lambda _: other, is_leaf=lambda _: True)
 
     @property
     def blocks(self) -> list[str]:
