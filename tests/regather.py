@@ -20,7 +20,10 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import zero_jax as zj  # noqa: E402
-from zero_jax import report  # noqa: E402
+from zero_jax import (
+    remat_policy,  # noqa: E402
+    report,  # noqa: E402
+)
 from zero_jax.gpt.model import GPT, Block, GPTConfig, init_fn, lm_loss  # noqa: E402
 from zero_jax.hlo import collectives  # noqa: E402
 
@@ -29,14 +32,19 @@ BATCH = jax.ShapeDtypeStruct((16, CFG.seq_len + 1), jnp.int32)
 
 
 class Unrolled(nn.Module):
-    """The default model's blocks in a Python loop, as published Flax models are written."""
+    """The default model's blocks in a Python loop, as published Flax models are written;
+    ``remat``: each block under the model's own ``nn.remat`` with that policy."""
+
+    remat: str | None = None
+    n_blocks: int = CFG.n_layers
 
     @nn.compact
     def __call__(self, tokens):
         wte = self.param("wte", nn.initializers.normal(0.02), (CFG.vocab_size, CFG.d_model))
         x = wte[tokens]
-        for i in range(CFG.n_layers):
-            x, _ = Block(CFG, name=f"h_{i}")(x, None)
+        block = Block if self.remat is None else nn.remat(Block, policy=remat_policy(self.remat))
+        for i in range(self.n_blocks):
+            x, _ = block(CFG, name=f"h_{i}")(x, None)
         return nn.LayerNorm(name="ln_f")(x) @ wte.T
 
 
@@ -66,9 +74,9 @@ def ce(logits, tokens):
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def problems():
-    """(init, loss, layers) per kind of block."""
-    unrolled = Unrolled()
+def problems(remat: str | None = None, n_blocks: int = CFG.n_layers):
+    """(init, loss, layers) per kind of block; ``remat``, ``n_blocks``: the unrolled model's."""
+    unrolled = Unrolled(remat, n_blocks)
     gpt = GPT(CFG)
     graphdef, _ = nnx.split(NNXListed(nnx.Rngs(0)))
     yield "unrolled", (lambda k: unrolled.init(k, jnp.zeros((1, CFG.seq_len), jnp.int32))[

@@ -185,6 +185,37 @@ def test_backward_gathers_again_with_no_flag_set():
         r"forward to its backward, as stage 2 does", merged["warnings"][0])
 
 
+def test_recompute_only_what_the_policy_says(mesh):
+    """Compiled FLOPs per step (``cost_analysis``) of 4 unrolled blocks: stage 3 recomputes
+    what its remat policy says and no more. ``none`` keeps every activation and gathers the
+    weights again in the backward (stage 0's FLOPs); ``dots`` recomputes what stage 0 under
+    the model's own ``dots`` remat does, holding at most 0.6x stage 2; a block the model
+    already remats is recomputed once."""
+    import regather
+
+    def compile_(model_remat, stage, remat):
+        init, loss_fn, layers = dict(regather.problems(model_remat, 4))["unrolled"]
+        tx = optax.sgd(0.1)
+        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=layers,
+                            remat=zj.Remat(remat))
+        compiled = zj.make_train_step(plan, loss_fn, tx).lower(
+            zj.abstract_state(plan, tx), regather.BATCH).compile()
+        cost, memory = compiled.cost_analysis(), compiled.memory_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        gathers = sum(c.count for c in collectives(compiled.as_text(), N)
+                      if c.kind == "all-gather" and c.bytes >= 4 * 128 * 512)
+        return (cost["flops"], memory.argument_size_in_bytes + memory.temp_size_in_bytes,
+                gathers)
+
+    plain, stage2 = compile_(None, 0, "full"), compile_(None, 2, "full")
+    none, dots = compile_(None, 3, "none"), compile_(None, 3, "dots")
+    assert none[0] <= 1.02 * plain[0] and none[2] == 2 * 4, (none, plain)
+    assert dots[0] <= 1.02 * compile_("dots", 0, "full")[0] and dots[2] == 2 * 4
+    assert dots[1] <= 0.6 * stage2[1], (dots, stage2)
+    twice, once = compile_("full", 3, "full"), compile_(None, 3, "full")
+    assert rel(twice[0], once[0]) < 1e-3 and once[0] > 1.15 * plain[0], (twice, once, plain)
+
+
 def test_dropout_key_per_step_and_device(mesh):
     model, init = setup(2, dropout=0.5)
     loss_fn = lambda params, toks, key: ce(model, params, toks, {"dropout": key}).mean()

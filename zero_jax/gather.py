@@ -265,8 +265,9 @@ def remat_policy(name: str, gathers: bool = False) -> Any:
 
     - ``full``: save nothing but the block's input; recompute the rest in the backward;
     - ``dots``: also save every matmul's output;
-    - ``none``: save everything, recompute nothing (``gathers``: except the gathered weights,
-      which stage 3 gathers again rather than keep whole through the step);
+    - ``none``: save everything, recompute nothing (``gathers``: except the gathered weights
+      and their reshapes and casts, which stage 3 gathers again rather than keep whole through
+      the step);
     - ``offload``: as ``full``, with the block's input (named ``BLOCK_INPUT``) saved in host
       memory: ZeRO-R's offloaded activation checkpoints.
     """
@@ -274,11 +275,27 @@ def remat_policy(name: str, gathers: bool = False) -> Any:
     if name not in REMAT:
         raise ValueError(f"remat policy must be one of {', '.join(REMAT)} (got {name!r})")
     return {"full": cp.nothing_saveable, "dots": cp.dots_saveable,
-            "none": cp.save_anything_except_these_names(GATHERED) if gathers
-            else cp.everything_saveable,
+            "none": _all_but_gathered if gathers else cp.everything_saveable,
             "offload": cp.save_and_offload_only_these_names(
                 names_which_can_be_saved=[], names_which_can_be_offloaded=[BLOCK_INPUT],
                 offload_src="device", offload_dst="pinned_host")}[name]
+
+
+# Ops that only lay a value out again: recomputed from their input rather than saved, so that a
+# gathered weight's reshapes and casts are not saved in its place.
+_LAYOUT = frozenset({"reshape", "transpose", "convert_element_type", "broadcast_in_dim",
+                     "squeeze", "expand_dims", "slice", "copy", "copy_p", "optimization_barrier"})
+
+
+def _all_but_gathered(prim, *_, **params) -> bool:
+    """Remat ``none`` at stage 3: save everything but the gathered weights (the output of
+    zero_jax's gather, a ``custom_vjp`` that all-gathers, and of what only lays it out again),
+    which the backward gathers again, as FSDP does."""
+    if prim.name == "name":
+        return params["name"] != GATHERED
+    if prim.name == "custom_vjp_call":
+        return not any(e.primitive.name == "all_gather" for e in params["call_jaxpr"].eqns)
+    return prim.name not in _LAYOUT
 
 
 def name_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
