@@ -58,8 +58,9 @@ class Experiment:
                              f"multiple of {n * t['accum_steps']}")
         precision = precision_from(cfg["precision"], mesh.devices.flat[0].platform)
         z = cfg["zero"]
-        # At stage 3 the step rematerializes each named block itself (to gather it again in
-        # the backward); the model's own remat would recompute every block a second time.
+        # At stage 3 the step rematerializes each named block itself, under the plan's policy
+        # (to gather it again in the backward); the model's own remat would add nothing (the
+        # block is recomputed once either way: equal compiled FLOPs, tests/test_blocks.py).
         own_remat = "none" if z["stage"] == 3 and z["transformer_layers"] else \
             cfg["model"]["remat"]
         model_cfg = GPTConfig(**{**cfg["model"], "remat": own_remat})
