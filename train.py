@@ -418,10 +418,11 @@ class Run:
 
     def report(self, state) -> tuple[dict, object]:
         from zero_jax import report
+        from zero_jax.peak import compile_with_peak
 
         lowered = self.exp.step.lower(state, self.exp.batch_shape)
-        compiled = lowered.compile()
-        r = report.build(self.exp.plan, state, lowered, compiled)
+        compiled, peak = compile_with_peak(lowered)
+        r = report.build(self.exp.plan, state, lowered, compiled, peak)
         print(report.format_table(r))
         return r, compiled
 

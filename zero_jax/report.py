@@ -17,6 +17,7 @@ import numpy as np
 from zero_jax.distributed import processes_spanned
 from zero_jax.hlo import DTYPE_BYTES, collectives
 from zero_jax.mesh import MODEL
+from zero_jax.peak import compile_with_peak
 from zero_jax.rules import Plan, path_str
 from zero_jax.state import abstract_state, grads_in_host_memory
 
@@ -132,10 +133,13 @@ def mesh_axes(group: tuple[int, ...], mesh: Any) -> str:
     return "+".join(spanned) or "none"
 
 
-def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) -> dict:
+def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None,
+          peak: dict | None = None) -> dict:
     """The report of one step, from ``lowered = step.lower(state, batch)`` and its compilation;
-    ``state`` is the (abstract or real) train state."""
-    compiled = compiled if compiled is not None else lowered.compile()
+    ``state`` is the (abstract or real) train state; ``peak``: what is live at the compiled
+    step's peak (``zero_jax.peak``), found here when the step is compiled here."""
+    if compiled is None:
+        compiled, peak = compile_with_peak(lowered)
     mesh, rule, prec = plan.mesh, plan.rule, plan.precision
     psi = sum(math.prod(p.shape) for p in jax.tree.leaves(state.params))
     c = prec.compute.itemsize
@@ -166,13 +170,8 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
                         plan.leaves, is_leaf=lambda x: hasattr(x, "offload")) if leaf.offload],
                     "params": plan.offload.params},
         # XLA's figures; the CPU backend counts host buffers as device ones (its host_* are 0).
-        "compiled": {"argument_bytes": memory.argument_size_in_bytes,
-                     "output_bytes": memory.output_size_in_bytes,
-                     "temp_bytes": memory.temp_size_in_bytes,
-                     "alias_bytes": memory.alias_size_in_bytes,
-                     "host_argument_bytes": memory.host_argument_size_in_bytes,
-                     "host_output_bytes": memory.host_output_size_in_bytes,
-                     "host_temp_bytes": memory.host_temp_size_in_bytes},
+        "compiled": {f"{k}_bytes": getattr(memory, f"{k}_size_in_bytes") for k in (
+            "argument", "output", "temp", "alias", "host_argument", "host_output", "host_temp")},
         "collectives": sorted(groups.values(), key=lambda x: (x["kind"], x["in_loop"])),
         # What the program asks for, before XLA's passes: the CPU backend, for one, runs bf16
         # collectives in f32; GPUs and TPUs keep them.
@@ -190,6 +189,7 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None) 
         "comm_bytes_theory": sum(by_axes.values()),
         "comm_theory_formula": formula,
         "comm_bytes_theory_by_axes": by_axes,
+        "peak": None if peak is None else {**peak, "expected": peak_expected(plan)},
         **layout(plan, state, found),
     }
 
@@ -248,6 +248,28 @@ def comm_theory(plan: Plan) -> tuple[dict[str, int], str]:
     return ({plan.axis: theory[3] if group > 1 else 0,
              plan.outer: rank * (r + c) // group if mesh.shape[plan.outer] > 1 else 0},
             f"{3 * k} Psi within a group + 2 Psi/K across")
+
+
+def peak_expected(plan: Plan) -> dict[str, int]:
+    """ZeRO's figures for two kinds of the peak: stage 3 holds the largest block gathered
+    (one more with prefetch), and the backward one block's whole gradient before its
+    reduce-scatter (beside the gradients of its activations, which ZeRO does not count)."""
+    if not (plan.rule.shard_params and plan.blocks):
+        return {}
+    largest = max(block_elements(plan).values())
+    return {"gathered weights": (1 + plan.comm.prefetch) * largest
+            * plan.precision.compute.itemsize,
+            "gradients": largest * jnp.dtype(plan.grad_dtype).itemsize}
+
+
+def block_elements(plan: Plan) -> dict[str, int]:
+    """Elements each block gathers at a time (one layer of a scanned stack)."""
+    out: dict[str, int] = {}
+    for leaf in jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "stacked")):
+        if leaf.block:
+            layer = leaf.shape[1:] if leaf.stacked else leaf.shape
+            out[leaf.block] = out.get(leaf.block, 0) + math.prod(layer)
+    return out
 
 
 def layer_elements(plan: Plan) -> int:
@@ -321,7 +343,7 @@ def gathered_once(plan: Plan, found: list) -> list[str]:
 
 def format_table(r: dict) -> str:
     """The report as text for a terminal."""
-    return "\n".join(_states_lines(r) + _comm_lines(r) + _layout_lines(r))
+    return "\n".join(_states_lines(r) + _peak_lines(r) + _comm_lines(r) + _layout_lines(r))
 
 
 def _states_lines(r: dict) -> list[str]:
@@ -403,6 +425,21 @@ def _comm_lines(r: dict) -> list[str]:
                      + (", ".join(f"{g['count']} {g['kind']} ({g['axes']}"
                                   f"{', in loop' if g['in_loop'] else ''})" for g in crossing)
                         or "nothing"))
+    return lines
+
+
+def _peak_lines(r: dict) -> list[str]:
+    """What is live when the compiled step's memory peaks, by kind, beside ZeRO's figures."""
+    peak = r.get("peak")
+    if not peak or not peak["peak_bytes"]:
+        return []
+    lines = ["", f"  at the compiled step's peak ({peak['peak_bytes'] / MiB:.2f} MiB per device; "
+                 f"XLA's temp allocation {r['compiled']['temp_bytes'] / MiB:.2f} MiB):"]
+    for kind, size in peak["by_kind"].items():
+        if size:
+            zero = peak["expected"].get(kind)
+            lines.append(f"    {kind:<24}{size / MiB:>8.2f} MiB"
+                         + (f"   ZeRO: {zero / MiB:.2f} MiB" if zero is not None else ""))
     return lines
 
 

@@ -1,0 +1,99 @@
+"""What fills a compiled step's peak memory, read from XLA's own live ranges.
+
+``memory_analysis()`` gives totals; XLA's buffer assignment knows, for the moment memory peaks,
+every buffer then live and the operation (by its JAX name stack) that made it. Compiling with
+``xla_dump_to`` writes that list (``*-live-range.txt``, "Stack trace breakdown for peak
+usage"); ``breakdown`` sorts its buffers into kinds by name stack. The kinds are read from
+names, so they are as good as the names: a value the model makes in the forward and the
+backward still needs is "saved activations", whatever it is.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import tempfile
+from typing import Any
+
+# In the order they are tried; the first whose test matches a buffer's name stack wins.
+KINDS = ("model states", "gathered weights", "reduced gradients", "logits and loss",
+         "gradients", "recomputed activations", "saved activations", "optimizer update",
+         "other")
+_LINE = re.compile(r"^(?P<indent>[\s│├└─]*)(?P<name>.+?) \([\d.]+%, total: (?P<total>[\d ]+) "
+                   r"bytes, current: (?P<current>[\d ]+) bytes")
+_LOSS = re.compile(r"softmax|cross_entropy|logsumexp|take_along_axis|log_softmax")
+
+
+def compile_with_peak(lowered: Any) -> tuple[Any, dict]:
+    """``lowered.compile()``, and what is live at its peak (``breakdown``): one compilation,
+    with XLA's buffer dumps written to a temporary directory."""
+    name = re.search(r"module @([\w.\-]+)", lowered.as_text()).group(1)
+    with tempfile.TemporaryDirectory() as d:
+        compiled = lowered.compile({"xla_dump_to": d, "xla_dump_hlo_pass_re": "^$",
+                                    "xla_dump_hlo_module_re": f"^{re.escape(name)}$"})
+        found = glob.glob(os.path.join(d, "*after_optimizations-live-range.txt"))
+        text = open(found[0]).read() if found else ""
+    return compiled, breakdown(text)
+
+
+def breakdown(live_ranges: str) -> dict:
+    """``{"peak_bytes", "by_kind": {kind: bytes}, "largest": [[name, kind, bytes], ...]}`` from
+    the text of an ``*-live-range.txt`` dump: the peak's buffers by kind (``KINDS``), which sum to
+    the peak, and the ten largest. Empty figures when the dump has no breakdown."""
+    buffers = list(_peak_buffers(live_ranges))
+    by_kind = dict.fromkeys(KINDS, 0)
+    for name, size in buffers:
+        by_kind[kind(name)] += size
+    largest = sorted(buffers, key=lambda b: -b[1])[:10]
+    return {"peak_bytes": sum(by_kind.values()), "by_kind": by_kind,
+            "largest": [[name, kind(name), size] for name, size in largest]}
+
+
+def _peak_buffers(text: str):
+    """``(name stack, bytes)`` of each buffer in the dump's peak breakdown tree: a node's own
+    ("current") bytes, its name the path of the labels above it."""
+    start = text.find("Stack trace breakdown for peak usage")
+    if start < 0:
+        return
+    stack: list[tuple[int, str]] = []
+    for line in text[start:].splitlines()[1:]:
+        m = _LINE.match(line)
+        if not m:
+            break
+        depth = len(m.group("indent"))
+        while stack and stack[-1][0] >= depth:
+            stack.pop()
+        stack.append((depth, m.group("name")))
+        current = int(m.group("current").replace(" ", ""))
+        if current:
+            # An operation's label is its whole name stack; an argument's is one part of its
+            # path (state/params/...), under the program's root.
+            name = m.group("name")
+            yield name if "/" in name else "/".join(label for _, label in stack[1:]), current
+
+
+def kind(name: str) -> str:
+    """The kind of a buffer, from the name stack of the operation that made it."""
+    last = name.rsplit("/", 1)[-1]
+    if name.startswith(("state", "batch")):
+        return "model states"  # the step's arguments: parameters, optimizer state, the batch
+    if "all_gather" in last or "all-gather" in last or ("checkpoint" in name and last in (
+            "slice", "dynamic_slice", "reshape", "concatenate", "convert_element_type")):
+        return "gathered weights"  # a layer's gathered bucket, and the leaves cut out of it
+    if any(k in last for k in ("reduce_scatter", "psum_scatter", "all_to_all")):
+        return "reduced gradients"
+    if _LOSS.search(name):
+        return "logits and loss"
+    if "transpose(" in name:
+        # The backward: a block's forward run again (remat), or gradients (of weights before
+        # their reduction, of activations).
+        rest = re.sub(r"^.*?transpose\(jvp\([^)]*\)\)", "", name)
+        if "transpose(" not in rest and ("rematted_computation" in rest or "jvp(" in rest):
+            return "recomputed activations"
+        return "gradients"
+    if "jvp(" in name:
+        return "saved activations"  # made in the forward, live at the peak (the backward's)
+    if name.startswith("jit(") and "shard_map" not in name:
+        return "optimizer update"  # the update runs on global arrays, outside the shard_map
+    return "other"
