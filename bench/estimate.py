@@ -24,7 +24,6 @@ and the compiled step), so the costs here come from the scheduled HLO text itsel
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 
@@ -108,16 +107,16 @@ class Program:
         lines, self.entry = computations(hlo_text)
         self.bodies = {c: [i for i in map(instruction, ls) if i] for c, ls in lines.items()}
         self.shapes = {c: {i[0]: i[1] for i in body} for c, body in self.bodies.items()}
+        self._flops: dict[str, float] = {}
 
-    @functools.cache  # noqa: B019  (one Program per text, kept while it is read)
     def flops(self, comp: str) -> float:
         """FLOPs of every dot in a computation and what it calls."""
-        total = 0.0
-        for _, shape, op, rest in self.bodies.get(comp, ()):
-            if op in ("dot", "custom-call"):
-                total += dot_flops(self.shapes[comp], shape, op, rest)
-            total += sum(self.flops(c) for c in _CALLED.findall(rest))
-        return total
+        if comp not in self._flops:
+            self._flops[comp] = sum(
+                (dot_flops(self.shapes[comp], shape, op, rest) if op in ("dot", "custom-call")
+                 else 0.0) + sum(self.flops(c) for c in _CALLED.findall(rest))
+                for _, shape, op, rest in self.bodies.get(comp, ()))
+        return self._flops[comp]
 
 
 def dot_flops(shapes: dict[str, str], shape: str, op: str, rest: str) -> float:

@@ -6,6 +6,7 @@ collectives overlap compute.
         [--json results.json]
     python bench/gpu.py --allow-cpu     # the same code path on 8 simulated CPU devices (tiny)
     python bench/gpu.py --compile-for h100 [--devices 8]   # no GPU needed: compile, not run
+    python bench/gpu.py --compile-for h100 --devices 64 --nodes 8   # 8 nodes, hierarchical too
 
 Without a GPU (and without ``--allow-cpu`` or ``--compile-for``) it says so in one line and
 exits 0.
@@ -14,7 +15,13 @@ exits 0.
   topology of ``--devices`` GPUs on one host, compiles the same steps on a machine with no GPU
   (deviceless ahead-of-time compilation; it needs jax's CUDA plugin installed, e.g.
   ``pip install "jax[cuda13]"``, not a driver). Nothing runs: the table has no times, only what
-  the compiled program says (collectives, overlap, temp memory). Runs of the variants too.
+  the compiled program says (collectives, overlap, temp memory). Runs of the variants too, and
+  the GSPMD FSDP baseline of ``bench/peers.py`` compiled the same way (bf16 compute from fp32
+  parameters). Then an **estimate** per run (``bench/estimate.py``, its method there): step
+  time, exposed communication and MFU from the program's ops in schedule order, over stated
+  H100 figures and link bandwidths, which it prints. With ``--nodes K`` the devices are K nodes
+  (their collectives across nodes go over the network): stages 0 and 3, hierarchical ZeRO with
+  one node per ZeRO-3 group, and the baseline.
 
 * Step time: the median over rounds of the mean step time, stages interleaved
   (``bench/harness.py``); tokens/s from it.
@@ -260,25 +267,18 @@ def compile_for(args: argparse.Namespace) -> None:
         res = program(stage, compiled, report.build(exp.plan, state, lowered, compiled), n)
         res["estimate"] = estimate.estimate(compiled.as_text(), hw, n, _model_flops(exp, n))
         results.append(res)
-        theory = res["comm_theory"]
-        ratio = f"{res['comm_bytes'] / theory:.2f}" if theory else "-"
-        pairs = ", ".join(f"{harness.SHORT[k]} {v['matmul']}/{v['pairs']} "
-                          f"({v['matmul_in_loop']}/{v['in_loop']})"
-                          for k, v in sorted(res["overlap"].items()))
-        print(f"| {stage} | {res['temp_bytes'] / MiB:.0f} "
-              f"| {harness.format_collectives(res['collectives'])} | {ratio} "
-              f"| {pairs or 'no async collectives'} |", flush=True)
+        _row(res)
     import peers  # bench/peers.py: the same model and optimizer, as GSPMD FSDP
 
     exp, lowered = peers.fsdp_lowered(config.load(name, args.set), flat)
     compiled = lowered.compile()
     _save(args, f"{name}-gspmd-fsdp", compiled)
+    text = compiled.as_text()
     baseline = {"stage": "GSPMD FSDP (MaxText style)", "temp_bytes":
                 compiled.memory_analysis().temp_size_in_bytes,
-                "collectives": harness.collectives_summary(compiled.as_text(), n),
-                "estimate": estimate.estimate(compiled.as_text(), hw, n, _model_flops(exp, n))}
-    print(f"| {baseline['stage']} | {baseline['temp_bytes'] / MiB:.0f} "
-          f"| {harness.format_collectives(baseline['collectives'])} | - | - |", flush=True)
+                "collectives": harness.collectives_summary(text, n), "overlap": overlap(text),
+                "estimate": estimate.estimate(text, hw, n, _model_flops(exp, n))}
+    _row(baseline)
     details(results)
     estimates(exp.model, hw, n, nodes, [*results, baseline])
     if args.json:
@@ -297,6 +297,18 @@ def program(stage: str, compiled, rep: dict, n_devices: int) -> dict:
             "comm_bytes": rep["comm_bytes_per_step"], "comm_theory": rep["comm_bytes_theory"],
             "overlap": overlap(text), "forms": forms(text),
             "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+
+
+def _row(res: dict) -> None:
+    """One run's row of the compiled-program table."""
+    theory = res.get("comm_theory")
+    ratio = f"{res['comm_bytes'] / theory:.2f}" if theory else "-"
+    pairs = ", ".join(f"{harness.SHORT[k]} {v['matmul']}/{v['pairs']} "
+                      f"({v['matmul_in_loop']}/{v['in_loop']})"
+                      for k, v in sorted(res["overlap"].items()))
+    print(f"| {res['stage']} | {res['temp_bytes'] / MiB:.0f} "
+          f"| {harness.format_collectives(res['collectives'])} | {ratio} "
+          f"| {pairs or 'no async collectives'} |", flush=True)
 
 
 def _save(args: argparse.Namespace, name: str, compiled) -> None:
