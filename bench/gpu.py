@@ -315,7 +315,8 @@ def _save(args: argparse.Namespace, name: str, compiled) -> None:
     """``--save-hlo``: the compiled program's text, gzipped."""
     if args.save_hlo:
         os.makedirs(args.save_hlo, exist_ok=True)
-        path = os.path.join(args.save_hlo, f"{name}.hlo.gz".replace(", ", "-").replace(" ", "-"))
+        path = os.path.join(args.save_hlo,
+                            re.sub(r"[^\w.]+", "-", name).strip("-") + ".hlo.gz")
         with gzip.open(path, "wt") as f:
             f.write(compiled.as_text())
 
