@@ -6,6 +6,7 @@ collectives overlap compute.
         [--json results.json]
     python bench/gpu.py --allow-cpu     # the same code path on 8 simulated CPU devices (tiny)
     python bench/gpu.py --compile-for h100 [--devices 8]   # no GPU needed: compile, not run
+    python bench/gpu.py --compile-for h100 --devices 64 --nodes 8   # 8 nodes, hierarchical too
 
 Without a GPU (and without ``--allow-cpu`` or ``--compile-for``) it says so in one line and
 exits 0.
@@ -14,7 +15,13 @@ exits 0.
   topology of ``--devices`` GPUs on one host, compiles the same steps on a machine with no GPU
   (deviceless ahead-of-time compilation; it needs jax's CUDA plugin installed, e.g.
   ``pip install "jax[cuda13]"``, not a driver). Nothing runs: the table has no times, only what
-  the compiled program says (collectives, overlap, temp memory). Runs of the variants too.
+  the compiled program says (collectives, overlap, temp memory). Runs of the variants too, and
+  the GSPMD FSDP baseline of ``bench/peers.py`` compiled the same way (bf16 compute from fp32
+  parameters). Then an **estimate** per run (``bench/estimate.py``, its method there): step
+  time, exposed communication and MFU from the program's ops in schedule order, over stated
+  H100 figures and link bandwidths, which it prints. With ``--nodes K`` the devices are K nodes
+  (their collectives across nodes go over the network): stages 0 and 3, hierarchical ZeRO with
+  one node per ZeRO-3 group, and the baseline.
 
 * Step time: the median over rounds of the mean step time, stages interleaved
   (``bench/harness.py``); tokens/s from it.
@@ -40,12 +47,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import gzip
 import json
 import os
 import re
 import sys
 
+import estimate  # bench/estimate.py
 import harness  # bench/harness.py, beside this script (puts the repository on sys.path)
 
 from zero_jax.hlo import KINDS, computations, instruction, matmul_finder  # noqa: E402
@@ -100,6 +109,10 @@ def parse_args() -> argparse.Namespace:
                    help="no GPU: run on simulated CPU devices (to test this script)")
     p.add_argument("--compile-for", choices=sorted(TARGETS),
                    help="no GPU: compile (not run) for --devices (default 8) GPUs of this kind")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="with --compile-for: the --devices spread over this many nodes (their "
+                        "collectives estimated over the network): stages 0 and 3, hierarchical "
+                        "ZeRO (zero3_size = one node) and the GSPMD FSDP baseline")
     p.add_argument("--save-hlo", metavar="DIR",
                    help="with --compile-for: also write each compiled program's text, gzipped")
     args = p.parse_args()
@@ -215,48 +228,65 @@ def compile_for(args: argparse.Namespace) -> None:
     from zero_jax.gpt.experiment import Experiment
     from zero_jax.state import abstract_state
 
-    n = args.devices or 8
+    n, nodes = args.devices or 8, args.nodes
+    per_node = n // nodes
     try:
-        topology = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{n}",
+        if n % nodes:
+            raise ValueError(f"{nodes} nodes do not divide {n} devices")
+        topology = topologies.get_topology_desc(platform="cuda", topology=f"{nodes}x1x{per_node}",
                                                 target_config=TARGETS[args.compile_for])
     except Exception as e:  # noqa: BLE001  (no CUDA plugin, or one too old for this)
         raise SystemExit(f"error: cannot compile for {args.compile_for} here "
                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); install jax's "
                          'CUDA plugin into this environment: pip install "jax[cuda13]"') from e
-    mesh = Mesh(np.array(topology.devices), ("data",), axis_types=(AxisType.Auto,))
+    devices = np.array(topology.devices)
+    flat = Mesh(devices, ("data",), axis_types=(AxisType.Auto,))
+    hw = dataclasses.replace(estimate.H100, gpus_per_node=per_node)
     name = args.config or "gpt2-124m"
-    print(f"{name} config, compiled (not run) for {n} x {topology.devices[0].device_kind} "
+    where = f"{nodes} nodes of {per_node}" if nodes > 1 else f"{n}"
+    print(f"{name} config, compiled (not run) for {where} x {topology.devices[0].device_kind} "
           f"(XLA's GPU compiler, no GPU present); jax {jax.__version__}\n")
     print("| stage | temp MiB | collectives per step (count / MiB) | read / ZeRO theory "
           "| async pairs with a matmul between start and done (in loop bodies) |")
     print("|---|---|---|---|---|")
+    runs = RUNS + VARIANTS if nodes == 1 else [
+        ("0", ["zero.stage=0"]), ("3", ["zero.stage=3"]),
+        (f"3, hierarchical (zero3_size {per_node})", ["zero.stage=3",
+                                                      f"zero.zero3_size={per_node}"])]
     results = []
-    for stage, sets in RUNS + VARIANTS:
-        exp = Experiment.build(config.load(name, [*args.set, *sets]), mesh)
+    for stage, sets in runs:
+        cfg = config.load(name, [*args.set, *sets])
+        group = cfg["zero"]["zero3_size"]
+        mesh = Mesh(devices.reshape(n // group, group), ("replica", "data"),
+                    axis_types=(AxisType.Auto,) * 2) if group else flat
+        exp = Experiment.build(cfg, mesh)
         state = abstract_state(exp.plan, exp.tx)
         lowered = exp.step.lower(state, exp.batch_shape)
         compiled = lowered.compile()
-        if args.save_hlo:
-            os.makedirs(args.save_hlo, exist_ok=True)
-            path = os.path.join(args.save_hlo, f"{name}-stage-{stage}.hlo.gz".replace(", ", "-")
-                                .replace(" ", "-"))
-            with gzip.open(path, "wt") as f:
-                f.write(compiled.as_text())
+        _save(args, f"{name}-stage-{stage}", compiled)
         res = program(stage, compiled, report.build(exp.plan, state, lowered, compiled), n)
+        res["estimate"] = estimate.estimate(compiled.as_text(), hw, n, _model_flops(exp, n))
         results.append(res)
-        theory = res["comm_theory"]
-        ratio = f"{res['comm_bytes'] / theory:.2f}" if theory else "-"
-        pairs = ", ".join(f"{harness.SHORT[k]} {v['matmul']}/{v['pairs']} "
-                          f"({v['matmul_in_loop']}/{v['in_loop']})"
-                          for k, v in sorted(res["overlap"].items()))
-        print(f"| {stage} | {res['temp_bytes'] / MiB:.0f} "
-              f"| {harness.format_collectives(res['collectives'])} | {ratio} "
-              f"| {pairs or 'no async collectives'} |", flush=True)
+        _row(res)
+    import peers  # bench/peers.py: the same model and optimizer, as GSPMD FSDP
+
+    exp, lowered = peers.fsdp_lowered(config.load(name, args.set), flat)
+    compiled = lowered.compile()
+    _save(args, f"{name}-gspmd-fsdp", compiled)
+    text = compiled.as_text()
+    baseline = {"stage": "GSPMD FSDP (MaxText style)", "temp_bytes":
+                compiled.memory_analysis().temp_size_in_bytes,
+                "collectives": harness.collectives_summary(text, n), "overlap": overlap(text),
+                "estimate": estimate.estimate(text, hw, n, _model_flops(exp, n))}
+    _row(baseline)
     details(results)
+    estimates(exp.model, hw, n, nodes, [*results, baseline])
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": name, "devices": n, "compiled_for": args.compile_for,
-                       "device_kind": topology.devices[0].device_kind, "stages": results},
+            json.dump({"config": name, "devices": n, "nodes": nodes,
+                       "compiled_for": args.compile_for, "hardware": dataclasses.asdict(hw),
+                       "device_kind": topology.devices[0].device_kind,
+                       "stages": [*results, baseline]},
                       f, indent=1)
 
 
@@ -267,6 +297,57 @@ def program(stage: str, compiled, rep: dict, n_devices: int) -> dict:
             "comm_bytes": rep["comm_bytes_per_step"], "comm_theory": rep["comm_bytes_theory"],
             "overlap": overlap(text), "forms": forms(text),
             "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+
+
+def _row(res: dict) -> None:
+    """One run's row of the compiled-program table."""
+    theory = res.get("comm_theory")
+    ratio = f"{res['comm_bytes'] / theory:.2f}" if theory else "-"
+    pairs = ", ".join(f"{harness.SHORT[k]} {v['matmul']}/{v['pairs']} "
+                      f"({v['matmul_in_loop']}/{v['in_loop']})"
+                      for k, v in sorted(res["overlap"].items()))
+    print(f"| {res['stage']} | {res['temp_bytes'] / MiB:.0f} "
+          f"| {harness.format_collectives(res['collectives'])} | {ratio} "
+          f"| {pairs or 'no async collectives'} |", flush=True)
+
+
+def _save(args: argparse.Namespace, name: str, compiled) -> None:
+    """``--save-hlo``: the compiled program's text, gzipped."""
+    if args.save_hlo:
+        os.makedirs(args.save_hlo, exist_ok=True)
+        path = os.path.join(args.save_hlo,
+                            re.sub(r"[^\w.]+", "-", name).strip("-") + ".hlo.gz")
+        with gzip.open(path, "wt") as f:
+            f.write(compiled.as_text())
+
+
+def _model_flops(exp, n_devices: int) -> float:
+    """Model FLOPs of one step, per device."""
+    return flops_per_token(exp.model) * exp.tokens_per_step / n_devices
+
+
+def estimates(model, hw, n: int, nodes: int, results: list[dict]) -> None:
+    """The estimate table (``bench/estimate.py``), its inputs first."""
+    print(f"\nEstimate, not a measurement (bench/estimate.py reads the compiled program: "
+          f"per op max(FLOPs / peak, bytes / HBM) in schedule order, each async collective's "
+          f"link time hidden by the compute between its start and done). Inputs: "
+          f"{hw.name}, peak dense bf16 {hw.peak_flops / 1e12:.0f} TFLOP/s, HBM "
+          f"{hw.hbm / 1e12:.2f} TB/s, NVLink {hw.nvlink / 1e9:.0f} GB/s per GPU per direction "
+          f"within a node of {hw.gpus_per_node}, network {hw.network / 1e9:.0f} GB/s per GPU "
+          f"across nodes ({hw.network * 8 / 1e9:.0f} Gb/s); {n} GPUs"
+          + (f" on {nodes} nodes" if nodes > 1 else ", one node")
+          + f"; {model.n_params:,} parameters, model FLOPs per token 6N + 12LdT = "
+          f"{flops_per_token(model) / 1e9:.3f} GFLOP.\n")
+    print("| run | est. step ms | est. compute ms | est. comm ms (link) | est. exposed comm ms "
+          "| est. MFU | est. step / stage 0 |")
+    print("|---|---|---|---|---|---|---|")
+    base = next((r["estimate"]["step_s"] for r in results if r["stage"] == "0"), None)
+    for r in results:
+        e = r["estimate"]
+        ratio = f"{e['step_s'] / base:.2f}" if base else "-"
+        print(f"| {r['stage']} | {e['step_s'] * 1e3:.2f} | {e['compute_s'] * 1e3:.2f} "
+              f"| {e['comm_s'] * 1e3:.2f} | {e['exposed_s'] * 1e3:.2f} | {e['mfu']:.1%} "
+              f"| {ratio} |")
 
 
 def details(results: list[dict]) -> None:

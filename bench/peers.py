@@ -87,20 +87,27 @@ class State(NamedTuple):
     opt_state: PyTree
 
 
-def _setup(cfg: dict, mesh: Mesh):
+def _setup(cfg: dict, mesh: Mesh, mixed: bool = False):
     """The model, init, loss and optimizer of ``cfg`` exactly as the experiment builds them (at
-    stage 0, where the model keeps the config's own remat)."""
+    stage 0, where the model keeps the config's own remat). ``mixed``: a compute dtype other
+    than fp32 is allowed (compiled, not run: ``fsdp_lowered``); the loss then casts the fp32
+    parameters to it, as zero_jax computes from its fp32 master."""
     from zero_jax.gpt.experiment import Experiment
     from zero_jax.gpt.model import GPT, lm_loss
 
     cfg = copy.deepcopy(cfg)
     cfg["zero"]["stage"] = 0
     exp = Experiment.build(cfg, mesh)
-    if exp.plan.precision.compute != np.float32:
+    compute = exp.plan.precision.compute
+    if compute != np.float32 and not mixed:
         raise ValueError("the baselines compute in fp32: pass --set precision.param_dtype=fp32 "
                          "(peers.py does, unless told otherwise)")
     model = GPT(exp.model)
-    return exp, model, lm_loss(model, fp32_logits=exp.plan.precision.autocast_output)
+    loss = lm_loss(model, fp32_logits=exp.plan.precision.autocast_output)
+    if compute == np.float32:
+        return exp, model, loss
+    cast = lambda p: jax.tree.map(lambda x: x.astype(compute), p)
+    return exp, model, lambda p, tokens: loss(cast(p), tokens)
 
 
 def _axes(mesh: Mesh) -> str | tuple[str, ...]:
@@ -192,21 +199,16 @@ def _init(model) -> Callable[[jax.Array], PyTree]:
     return jax.jit(init_fn(GPT(model)))
 
 
-def _baseline(cfg: dict, mesh: Mesh, param_specs: Callable[[PyTree], PyTree],
-              constrain: bool, params: PyTree | None):
-    exp, _, loss_fn = _setup(cfg, mesh)
+def _jitted(cfg: dict, mesh: Mesh, param_specs: Callable[[PyTree], PyTree], constrain: bool,
+            mixed: bool = False):
+    """``(experiment, parameter shapes, shardings, jitted step)`` of a baseline."""
+    exp, _, loss_fn = _setup(cfg, mesh, mixed)
     tx = exp.tx
     shapes = jax.eval_shape(exp.init, jax.random.key(SEED_KEY))
     p_specs = param_specs(shapes)
     specs = State(p_specs, opt_state_specs(tx, shapes, p_specs))
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                              is_leaf=lambda x: isinstance(x, P))
-    if params is None:  # the same init function and key as zero_jax's (harness.build)
-        params = _init(exp.model)(jax.random.key(SEED_KEY))
-    # Copies, in this layout: the caller's arrays may be donated later.
-    params = jax.tree.map(lambda x, s: jax.device_put(np.asarray(x), s), params,
-                          shardings.params)
-    state = State(params, jax.jit(tx.init, out_shardings=shardings.opt_state)(params))
     interceptor = activation_constraints(mesh) if constrain else None
 
     def loss(p, tokens):
@@ -221,9 +223,32 @@ def _baseline(cfg: dict, mesh: Mesh, param_specs: Callable[[PyTree], PyTree],
         return State(optax.apply_updates(state.params, updates), opt_state), {"loss": value}
 
     replicated = NamedSharding(mesh, P())
-    jitted = jax.jit(step, out_shardings=(shardings, replicated), donate_argnums=0)
+    return exp, shapes, shardings, jax.jit(step, out_shardings=(shardings, replicated),
+                                           donate_argnums=0)
+
+
+def _baseline(cfg: dict, mesh: Mesh, param_specs: Callable[[PyTree], PyTree],
+              constrain: bool, params: PyTree | None):
+    exp, _, shardings, jitted = _jitted(cfg, mesh, param_specs, constrain)
+    if params is None:  # the same init function and key as zero_jax's (harness.build)
+        params = _init(exp.model)(jax.random.key(SEED_KEY))
+    # Copies, in this layout: the caller's arrays may be donated later.
+    params = jax.tree.map(lambda x, s: jax.device_put(np.asarray(x), s), params,
+                          shardings.params)
+    state = State(params, jax.jit(exp.tx.init, out_shardings=shardings.opt_state)(params))
     compiled = jitted.lower(state, exp.batch_shape).compile()
     return jitted, state, compiled
+
+
+def fsdp_lowered(cfg: dict, mesh: Mesh, constrain: bool = True):
+    """The MaxText-style GSPMD FSDP step of ``fsdp_step``, lowered from shapes alone (no
+    arrays: for a deviceless compile, ``bench/gpu.py --compile-for``), in the config's compute
+    dtype: fp32 parameters and AdamW moments, cast to it in the loss."""
+    exp, shapes, shardings, jitted = _jitted(
+        cfg, mesh, lambda s: fsdp_param_specs(s, mesh), constrain, mixed=True)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         State(shapes, jax.eval_shape(exp.tx.init, shapes)), shardings)
+    return exp, jitted.lower(state, exp.batch_shape)
 
 
 def ddp_step(cfg: dict, mesh: Mesh, params: PyTree | None = None):

@@ -3,6 +3,7 @@ weights, not activations; ``bench/gpu.py`` reads async collective pairs, on a re
 too."""
 
 import collections
+import dataclasses
 import math
 import pathlib
 import sys
@@ -225,3 +226,99 @@ def test_unrolled_blocks_gathered_again_in_the_gpu_compile():
         moved[c.kind, c.dtype] += c.count * c.bytes
     assert moved["all-gather", "f32"] == 4 * (2 * blocks + (psi - blocks))
     assert moved["reduce-scatter", "f32"] == 4 * psi
+
+
+# For bench/estimate.py: a 4-trip loop whose all-gather has a GEMM fusion between start and done
+# (then a plain dot on the gathered weight), and in the entry an all-gather with nothing between
+# start and done, then a cuBLAS GEMM custom call (result and workspace).
+ESTIMATE_HLO = """\
+HloModule jit_step, is_scheduled=true
+
+%gemm (a: bf16[64,32], b: bf16[32,16]) -> bf16[64,16] {
+  %a = bf16[64,32]{1,0} parameter(0)
+  %b = bf16[32,16]{1,0} parameter(1)
+  ROOT %d = bf16[64,16]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (p: (s32[], bf16[64,32], bf16[32,16], bf16[4,16])) -> (s32[], bf16[64,32], bf16[32,16], bf16[4,16]) {
+  %p = (s32[], bf16[64,32]{1,0}, bf16[32,16]{1,0}, bf16[4,16]{1,0}) parameter(0)
+  %x = bf16[64,32]{1,0} get-tuple-element(%p), index=1
+  %w = bf16[32,16]{1,0} get-tuple-element(%p), index=2
+  %s = bf16[4,16]{1,0} get-tuple-element(%p), index=3
+  %ags = (bf16[4,16]{1,0}, bf16[32,16]{1,0}) all-gather-start(%s), replica_groups=[1,8]<=[8], dimensions={0}
+  %mm = bf16[64,16]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm
+  %agd = bf16[32,16]{1,0} all-gather-done(%ags)
+  %mm2 = bf16[64,16]{1,0} dot(%x, %agd), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = (s32[], bf16[64,32]{1,0}, bf16[32,16]{1,0}, bf16[4,16]{1,0}) tuple(%i, %x, %agd, %s)
+}
+
+ENTRY %main (a: bf16[128,256], b: bf16[256,64], v: bf16[16,64]) -> bf16[128,64] {
+  %a = bf16[128,256]{1,0} parameter(0)
+  %b = bf16[256,64]{1,0} parameter(1)
+  %v = bf16[16,64]{1,0} parameter(2)
+  %loop = (s32[], bf16[64,32]{1,0}, bf16[32,16]{1,0}, bf16[4,16]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %ag2 = (bf16[16,64]{1,0}, bf16[128,64]{1,0}) all-gather-start(%v), replica_groups=[1,8]<=[8], dimensions={0}
+  %ag2d = bf16[128,64]{1,0} all-gather-done(%ag2)
+  %g = (bf16[128,64]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  ROOT %r = bf16[128,64]{1,0} get-tuple-element(%g), index=0
+}
+"""  # noqa: E501
+
+
+def test_estimate_on_a_hand_written_program():
+    """bench/estimate.py by its stated formula, computed by hand: an op takes max(FLOPs / peak,
+    bytes / HBM); a collective payload x (n-1)/n over the link; an async collective is exposed
+    by what its done still waits for after the compute between start and done; a loop's body
+    counts its trip count times."""
+    import estimate
+
+    hw = estimate.Hardware("test", peak_flops=1e12, hbm=1e11, nvlink=1e9, network=1e8)
+    # The loop body's GEMM (fused, then plain): 64x32 @ 32x16 in bf16.
+    gemm = max(2 * 64 * 16 * 32 / 1e12, (64 * 32 + 32 * 16 + 64 * 16) * 2 / 1e11)
+    gather = 32 * 16 * 2 * 7 / 8 / 1e9  # its all-gather, 8 devices of one node
+    assert gather > gemm  # the fused GEMM hides part of it
+    cublas = max(2 * 128 * 64 * 256 / 1e12, (128 * 256 + 256 * 64 + 128 * 64) * 2 / 1e11)
+    gather2 = 128 * 64 * 2 * 7 / 8 / 1e9  # nothing between its start and done
+    got = estimate.estimate(ESTIMATE_HLO, hw, 8, model_flops=1e6)
+    want = {"compute_s": 4 * 2 * gemm + cublas, "comm_s": 4 * gather + gather2,
+            "exposed_s": 4 * (gather - gemm) + gather2,
+            "hlo_flops": 4 * 2 * 2 * 64 * 16 * 32 + 2 * 128 * 64 * 256}
+    want["step_s"] = want["compute_s"] + want["exposed_s"]
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-12), key
+    assert got["mfu"] == pytest.approx(1e6 / (want["step_s"] * 1e12))
+    # Across nodes the network carries it: a group of devices 0 and 8, 8 GPUs per node.
+    assert estimate.comm_time("all-reduce", 1000, (0, 8), hw) == pytest.approx(1000 / 1e8)
+    assert estimate.comm_time("all-gather", 1000, tuple(range(8)), hw) == \
+        pytest.approx(1000 * 7 / 8 / 1e9)
+
+
+def test_estimate_on_the_saved_gpu_compile():
+    """The estimate of the saved H100 programs (``tests/data``): FLOPs at least the model's (the
+    blocks' remat adds a forward), exposed communication within the collectives' link time,
+    step time = compute + exposed; prefetch's program exposes less than the one without, over
+    NVLink and over a slow network alike."""
+    import gzip
+
+    import estimate
+    import gpu
+
+    from zero_jax.gpt.model import GPTConfig
+
+    model = GPTConfig()
+    tokens = 4 * model.seq_len  # per device: a batch of 32 over 8
+    model_flops = gpu.flops_per_token(model) * tokens
+    data = pathlib.Path(__file__).resolve().parent / "data"
+    for hw in (estimate.H100, dataclasses.replace(estimate.H100, nvlink=5e9)):
+        got = {}
+        for name in ("tiny-stage-3-h100", "tiny-stage-3-no-prefetch-h100"):
+            text = gzip.open(data / f"{name}.hlo.gz", "rt").read()
+            e = got[name] = estimate.estimate(text, hw, N, model_flops)
+            assert model_flops < e["hlo_flops"] < 1.6 * model_flops, name
+            assert 0 < e["exposed_s"] <= e["comm_s"], name
+            assert e["step_s"] == pytest.approx(e["compute_s"] + e["exposed_s"]), name
+            assert 0 < e["mfu"] < 1
+        assert got["tiny-stage-3-h100"]["exposed_s"] < \
+            got["tiny-stage-3-no-prefetch-h100"]["exposed_s"]
+        assert got["tiny-stage-3-h100"]["hlo_flops"] == \
+            got["tiny-stage-3-no-prefetch-h100"]["hlo_flops"]
