@@ -27,6 +27,8 @@ def parse_args(description: str) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="steps per run per round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--compile-only", action="store_true",
+                   help="compile, do not time: memory per device and the peak's breakdown")
     args = p.parse_args()
     simulate_cpu_devices(args.devices or 8)
     return args

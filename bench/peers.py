@@ -4,6 +4,10 @@ collectives of each compiled step.
 
     python bench/peers.py [--config tiny] [--devices 8] [--steps 20] [--rounds 5] [--set K=V]
 
+``--compile-only``: no run and no timing, the memory questions in seconds: per row the
+compiled temp, the arguments (model states and the batch), their total, and what is live at
+the step's peak by kind (``zero_jax.peak``).
+
 On a data x model mesh (tensor parallelism, ``--set mesh.tensor_parallel=2``): zero_jax's stages
 on it, beside a MaxText-style GSPMD baseline on the same mesh (parameters and AdamW moments on
 ``data`` and, by the demo's ``TENSOR_PARALLEL`` table, on ``model``; activations pinned
@@ -302,6 +306,8 @@ def main() -> None:
     sets = ["precision.param_dtype=fp32", *args.set]
     mesh = mesh_for(config.load(args.config, sets), args.devices)
     two_d = "model" in mesh.axis_names
+    if args.compile_only:
+        return memory_table(args.config, sets, mesh)
     print(harness.header(args.config, mesh, args.rounds, args.steps), flush=True)
     tokens = data.stdlib_corpus()
     runs = []
@@ -353,8 +359,8 @@ def main() -> None:
 
     mib = 2 ** 20
     print("| run | step ms | time / stage 0 (same round) | temp MiB | model states MiB/device "
-          "| collectives per step (count / MiB) |")
-    print("|---|---|---|---|---|---|")
+          "| total MiB/device | collectives per step (count / MiB) |")
+    print("|---|---|---|---|---|---|---|")
     for r in runs:
         temp = r["compiled"].memory_analysis().temp_size_in_bytes
         comm = harness.collectives_summary(r["compiled"].as_text(), mesh.size)
@@ -362,7 +368,38 @@ def main() -> None:
         ratio = statistics.median(t / b for t, b in zip(r["times"][1:], base["times"][1:],
                                                          strict=True))
         print(f"| {r['name']} | {r['ms']:.1f} | {ratio:.2f} | {temp / mib:.2f} "
-              f"| {r['states_bytes'] / mib:.2f} | {harness.format_collectives(comm)} |")
+              f"| {r['states_bytes'] / mib:.2f} | {(temp + r['states_bytes']) / mib:.2f} "
+              f"| {harness.format_collectives(comm)} |")
+
+
+def memory_table(name: str, sets: list[str], mesh: Mesh) -> None:
+    """``--compile-only``: each row compiled from shapes alone, its memory per device."""
+    from zero_jax.gpt import config
+    from zero_jax.gpt.experiment import Experiment
+    from zero_jax.peak import compile_with_peak
+    from zero_jax.state import abstract_state
+
+    rows = [(f"zero_jax stage {s}", [f"zero.stage={s}"]) for s in range(4)]
+    rows += [] if "model" in mesh.axis_names else list(VARIANTS.items())
+    lowered = {}
+    for row, extra in rows:
+        exp = Experiment.build(config.load(name, [*sets, *extra]), mesh)
+        lowered[row] = exp.step.lower(abstract_state(exp.plan, exp.tx), exp.batch_shape)
+    for row, constrain in (("GSPMD FSDP, activations constrained", True),
+                           ("GSPMD FSDP, unconstrained", False)):
+        lowered[row] = fsdp_lowered(config.load(name, sets), mesh, constrain)[1]
+    mib = 2 ** 20
+    print(f"{name} config on {mesh.size} devices, compiled only: MiB per device\n")
+    print("| run | temp | arguments | total | peak | at the peak, by kind |")
+    print("|---|---|---|---|---|---|")
+    for row, low in lowered.items():
+        compiled, peak = compile_with_peak(low)
+        memory = compiled.memory_analysis()
+        temp, args = memory.temp_size_in_bytes, memory.argument_size_in_bytes
+        kinds = ", ".join(f"{k} {v / mib:.2f}" for k, v in peak["by_kind"].items()
+                          if v >= mib / 100)
+        print(f"| {row} | {temp / mib:.2f} | {args / mib:.2f} | {(temp + args) / mib:.2f} "
+              f"| {peak['peak_bytes'] / mib:.2f} | {kinds} |", flush=True)
 
 
 if __name__ == "__main__":
