@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import KEY, OPTIMIZERS, SMALL, equations, max_rel
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -298,3 +299,51 @@ def test_refused_combinations(gpt, options, message):
     with pytest.raises(ValueError, match="does not divide"):
         zj.make_plan(jax.eval_shape(init_fn(GPT(odd)), KEY), zj.make_mesh(8, axes=MESHES["2x4"]),
                      3, layers=LAYERS, rules=TENSOR_PARALLEL)
+
+
+class AnnotatedBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        dense = lambda i, o, names: nnx.Linear(i, o, rngs=rngs, kernel_init=(
+            nnx.with_partitioning(nnx.initializers.lecun_normal(), names)))
+        self.up, self.down = dense(16, 64, ("embed", "mlp")), dense(64, 16, ("mlp", "embed"))
+
+    def __call__(self, x):
+        return x + self.down(nnx.gelu(self.up(x)))
+
+
+class AnnotatedNNX(nnx.Module):
+    """NNX, MaxText style: kernels annotated with logical axes, blocks in a list."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.blocks = nnx.List([AnnotatedBlock(rngs) for _ in range(2)])
+        self.head = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_annotated_nnx_model_needs_no_table():
+    x = jax.random.normal(jax.random.key(1), (32, 16))
+    y = jax.random.randint(jax.random.key(2), (32,), 0, 4)
+    with nnx.use_eager_sharding(False):  # zero_jax places the parameters
+        graphdef, state = nnx.split(AnnotatedNNX(nnx.Rngs(0)), nnx.Param)
+        rules = zj.tensor_parallel_rules(state, [("mlp", "model"), ("embed", None)])
+    assert {r.pattern: r.model_dim for r in rules} == {
+        r"^blocks/0/up/kernel$": -1, r"^blocks/0/down/kernel$": -2,
+        r"^blocks/1/up/kernel$": -1, r"^blocks/1/down/kernel$": -2}
+
+    def init(key):
+        with nnx.use_eager_sharding(False):
+            return nnx.state(AnnotatedNNX(nnx.Rngs(key)), nnx.Param)
+
+    def loss_fn(params, batch):
+        logits = zj.nnx_merge(graphdef, params)(batch[0])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+
+    mesh = zj.make_mesh(8, axes=MESHES["2x4"])
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=r"^blocks/\d+$",
+                        rules=rules)
+    state = trains_like_one_device(plan, init, loss_fn, (x, y), gathers_on_model=True)
+    assert state.params["blocks"][1]["down"]["kernel"].sharding.spec == P("model", "data")
