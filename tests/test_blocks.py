@@ -172,13 +172,13 @@ def test_backward_gathers_again_with_no_flag_set():
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout)
-    for kind in ("unrolled", "nnx", "scanned"):
+    for kind, blocks in (("unrolled", 4), ("nnx", 4), ("scanned", 8)):
         stage2, stage3 = out[kind]["2"], out[kind]["3"]
-        assert stage3["weight_gathers"] == 2 * 8, (kind, stage3)
+        assert stage3["weight_gathers"] == 2 * blocks, (kind, stage3)
         assert stage3["bytes"] <= 0.6 * stage2["bytes"], (kind, stage3, stage2)
         assert stage3["warnings"] == [], (kind, stage3)
     merged = out["merged"]
-    assert merged["weight_gathers"] == 8 and merged["bytes"] > out["unrolled"]["2"]["bytes"]
+    assert merged["weight_gathers"] == 4 and merged["bytes"] > out["unrolled"]["2"]["bytes"]
     assert len(merged["warnings"]) == 1 and re.fullmatch(
         r"stage 3 gathers the blocks' [\d,]+ parameters 1\.00 times per step, not twice "
         r"\(forward and backward\): the compiler kept each block's whole weights from its "

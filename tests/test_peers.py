@@ -205,7 +205,7 @@ def test_a_real_gpu_compile_is_read_and_prefetch_overlaps_there():
 
 
 def test_unrolled_blocks_gathered_again_in_the_gpu_compile():
-    """Blocks in a Python loop (``tests/regather.py``'s unrolled model, 8 blocks, fp32), stage
+    """Blocks in a Python loop (``tests/regather.py``'s unrolled model, 4 blocks, fp32), stage
     3 compiled by XLA's GPU compiler for 8 H100s with no option of zero_jax's (made with no GPU
     present by ``python tests/regather.py --h100 tests/data``; jax and its CUDA plugin 0.10.2):
     every block gathered in the forward and again in the backward, the leaves outside the
