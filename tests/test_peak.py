@@ -42,7 +42,7 @@ def test_a_dump_is_read_and_sorted_by_kind():
     assert ["state/params/w", "model states", 250] in b["largest"]
     assert breakdown("no breakdown here")["peak_bytes"] == 0
     assert kind("jit(step)/shard_map/psum_scatter") == "reduced gradients"
-    assert kind("jit(step)/shard_map/jvp(M)/ln_f/mul") == "saved activations"
+    assert kind("jit(step)/shard_map/jvp(M)/ln_f/mul") == "forward activations"
     assert kind("jit(step)/cond/branch_1_fun/add") == "optimizer update"
 
 

@@ -4,8 +4,8 @@
 every buffer then live and the operation (by its JAX name stack) that made it. Compiling with
 ``xla_dump_to`` writes that list (``*-live-range.txt``, "Stack trace breakdown for peak
 usage"); ``breakdown`` sorts its buffers into kinds by name stack. The kinds are read from
-names, so they are as good as the names: a value the model makes in the forward and the
-backward still needs is "saved activations", whatever it is.
+names, so they are as good as the names: a value the forward made is a "forward activation",
+whether the backward still needs it (saved) or the peak is in the forward itself.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 # In the order they are tried; the first whose test matches a buffer's name stack wins.
 KINDS = ("model states", "gathered weights", "reduced gradients", "logits and loss",
-         "gradients", "recomputed activations", "saved activations", "optimizer update",
+         "gradients", "recomputed activations", "forward activations", "optimizer update",
          "other")
 _LINE = re.compile(r"^(?P<indent>[\s│├└─]*)(?P<name>.+?) \([\d.]+%, total: (?P<total>[\d ]+) "
                    r"bytes, current: (?P<current>[\d ]+) bytes")
@@ -30,8 +30,12 @@ def compile_with_peak(lowered: Any) -> tuple[Any, dict]:
     with XLA's buffer dumps written to a temporary directory."""
     name = re.search(r"module @([\w.\-]+)", lowered.as_text()).group(1)
     with tempfile.TemporaryDirectory() as d:
+        # JAX leaves the dump options out of its compilation cache's key: a program compiled
+        # before would come from the cache, dumping nothing. This one, harmless without text
+        # dumps, is in the key.
         compiled = lowered.compile({"xla_dump_to": d, "xla_dump_hlo_pass_re": "^$",
-                                    "xla_dump_hlo_module_re": f"^{re.escape(name)}$"})
+                                    "xla_dump_hlo_module_re": f"^{re.escape(name)}$",
+                                    "xla_dump_large_constants": True})
         found = glob.glob(os.path.join(d, "*after_optimizations-live-range.txt"))
         text = open(found[0]).read() if found else ""
     return compiled, breakdown(text)
@@ -93,7 +97,7 @@ def kind(name: str) -> str:
             return "recomputed activations"
         return "gradients"
     if "jvp(" in name:
-        return "saved activations"  # made in the forward, live at the peak (the backward's)
+        return "forward activations"  # saved for the backward, or the forward's own
     if name.startswith("jit(") and "shard_map" not in name:
         return "optimizer update"  # the update runs on global arrays, outside the shard_map
     return "other"

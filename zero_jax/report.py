@@ -263,12 +263,15 @@ def peak_expected(plan: Plan) -> dict[str, int]:
 
 
 def block_elements(plan: Plan) -> dict[str, int]:
-    """Elements each block gathers at a time (one layer of a scanned stack)."""
+    """Elements each block gathers at a time (one layer of a scanned stack), on each
+    tensor-parallel rank (its slice of the leaves cut over ``model``)."""
+    t = plan.mesh.shape.get(MODEL, 1)
     out: dict[str, int] = {}
     for leaf in jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "stacked")):
         if leaf.block:
-            layer = leaf.shape[1:] if leaf.stacked else leaf.shape
-            out[leaf.block] = out.get(leaf.block, 0) + math.prod(layer)
+            layer = math.prod(leaf.shape[1:] if leaf.stacked else leaf.shape)
+            out[leaf.block] = out.get(leaf.block, 0) + layer // (t if leaf.model_dim is not None
+                                                                 else 1)
     return out
 
 
