@@ -196,8 +196,8 @@ def test_recompute_only_what_the_policy_says(mesh):
     def compile_(model_remat, stage, remat):
         init, loss_fn, layers = dict(regather.problems(model_remat, 4))["unrolled"]
         tx = optax.sgd(0.1)
-        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=layers,
-                            remat=zj.Remat(remat))
+        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage,
+                            layers=zj.Layers(layers, remat))
         compiled = zj.make_train_step(plan, loss_fn, tx).lower(
             zj.abstract_state(plan, tx), regather.BATCH).compile()
         cost, memory = compiled.cost_analysis(), compiled.memory_analysis()
@@ -268,7 +268,8 @@ def test_token_weighted_loss_is_the_global_mean(mesh):
         return (correct(params, batch["tokens"]) * batch["mask"]).sum() / batch["mask"].sum()
 
     tx = optax.sgd(0.3)
-    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=BLOCKS, accum_steps=2)
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=BLOCKS,
+                        precision=zj.Precision(accum_steps=2))
     state = zj.init_state(plan, init, tx, KEY)
     spec = {"tokens": P("data"), "mask": P("data"), "scale": P()}
     step = zj.make_train_step(plan, loss_fn, tx, batch_spec=spec, has_aux=True)

@@ -116,7 +116,7 @@ def test_accumulation_offload_ignored_and_frozen(grid, small):
     (whole parameter, optimizer state cut over all 8): SGD with momentum, which carries state
     and, unlike Adam, shows a gradient of the wrong scale, as on one device; fc2 untouched."""
     _, init, loss_fn, batches = small
-    plan = make(grid, small, accum_steps=2, offload=zj.Offload(grads=True),
+    plan = make(grid, small, precision=zj.Precision(accum_steps=2), offload=zj.Offload(grads=True),
                 rules=[zj.Rule(modules_pattern(["wpe", "blocks/ln1"]), shard=False),
                        zj.Rule(modules_pattern(["blocks/fc2"]), frozen=True),
                        zj.Rule("", min_shard_elems=64)])

@@ -1,5 +1,6 @@
 """Mixed precision, fp16 loss scaling and gradient accumulation, at every stage."""
 
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -34,8 +35,9 @@ def setup(mesh, stage, precision=BF16, accum_steps=1, cfg=TINY, tx=None, loss_fn
     model = GPT(cfg)
     init = init_fn(model)
     tx = tx or optax.adamw(1e-3)
+    precision = dataclasses.replace(precision, accum_steps=accum_steps)
     plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=LAYERS,
-                        precision=precision, accum_steps=accum_steps, comm=comm or zj.Comm())
+                        precision=precision, comm=comm or zj.Comm())
     step = zj.make_train_step(plan, loss_fn or lm_loss(model), tx)
     return plan, init, tx, step
 

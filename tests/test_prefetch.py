@@ -60,7 +60,7 @@ def test_prefetch_trains_bit_identically_and_gathers_a_layer_ahead(layout, probl
     def train(comm):
         plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=LAYERS,
                             rules=[zj.Rule("", min_shard_elems=64)], comm=comm,
-                            accum_steps=accum)
+                            precision=zj.Precision(accum_steps=accum))
         state = zj.init_state(plan, init, tx, KEY)
         put = lambda b: jax.device_put(b, NamedSharding(mesh, P(plan.data_axes)))
         lowered = zj.make_train_step(plan, loss_fn, tx).lower(state, put(batches[0]))
@@ -119,8 +119,8 @@ def test_remat_offload_keeps_the_saved_layer_inputs_in_host_memory(mesh, problem
     batch = jax.device_put(batches[0], NamedSharding(mesh, P("data")))
     host = {}
     for remat in ("full", "offload"):
-        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=LAYERS, remat=remat,
-                            comm=zj.Comm(prefetch=True))
+        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,
+                            layers=zj.Layers(LAYERS, remat), comm=zj.Comm(prefetch=True))
         step = zj.make_train_step(plan, loss_fn, tx)
         jaxpr = jax.make_jaxpr(step)(zj.abstract_state(plan, tx), batch).jaxpr
         host[remat] = scan_outputs_in_host_memory(jaxpr)
@@ -152,7 +152,7 @@ def test_prefetch_refused_where_it_cannot_run(mesh):
         with pytest.raises(ValueError, match="prefetch overlaps stage 3's per-layer gathers"):
             zj.make_plan(shapes, mesh, stage, layers=LAYERS, comm=on)
     with pytest.raises(ValueError, match="remat full or offload"):
-        zj.make_plan(shapes, mesh, 3, layers=LAYERS, remat="dots", comm=on)
+        zj.make_plan(shapes, mesh, 3, layers=zj.Layers(LAYERS, "dots"), comm=on)
     unrolled = {"h_0": {"up": jax.ShapeDtypeStruct((64, 256), jnp.float32),
                         "down": jax.ShapeDtypeStruct((256, 64), jnp.float32)}}
     with pytest.raises(ValueError, match="'h_0' is not one"):

@@ -16,7 +16,7 @@ from conftest import KEY, SMALL, equations
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zero_jax import init_state, make_plan, make_train_step
+from zero_jax import Layers, init_state, make_plan, make_train_step
 from zero_jax.gpt.model import GPT, LAYERS, init_fn, lm_loss
 
 POLICIES = ("full", "dots", "none", "offload")
@@ -37,7 +37,7 @@ def runs(mesh, small):
     for policy in POLICIES:
         model = GPT(dataclasses.replace(SMALL, remat="none"))  # stage 3 remats the blocks itself
         init, loss_fn, tx = init_fn(model), lm_loss(model), optax.sgd(0.5)
-        plan = make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=LAYERS, remat=policy)
+        plan = make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=Layers(LAYERS, policy))
         state = init_state(plan, init, tx, KEY)
         step = make_train_step(plan, loss_fn, tx)
         put = lambda b: jax.device_put(b, NamedSharding(mesh, P("data")))

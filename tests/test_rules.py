@@ -129,18 +129,24 @@ def test_policies_check_themselves():
         zj.Comm(quantize_block=0)
     with pytest.raises(ValueError, match="precision.param_dtype"):
         zj.Precision("fp64")
+    with pytest.raises(ValueError, match="accum_steps must be an integer of at least 1"):
+        zj.Precision(accum_steps=0)
+    with pytest.raises(ValueError, match="remat must be one of"):
+        zj.Layers("^blocks$", "some")
+    with pytest.raises(ValueError, match="regular expression over module paths"):
+        zj.Layers("")
     assert zj.Offload().any is False and zj.Offload(0.3).any
 
 
 @pytest.mark.parametrize("stage, options, message", [
     (4, {}, "stage must be one of"),
-    (3, {"accum_steps": 0}, "accum_steps must be at least 1"),
-    (3, {"remat": "some"}, "remat must be one of"),
     (2, {"offload": zj.Offload(1.0, params=True)}, "use stage 3"),
-    (3, {"offload": zj.Offload(1.0, params=True), "accum_steps": 2}, "not built for accumul"),
+    (3, {"offload": zj.Offload(1.0, params=True), "precision": zj.Precision(accum_steps=2)},
+     "not built for accumul"),
     (2, {"comm": zj.Comm(quantize_weights=True)}, "quantize_weights makes stage 3"),
     (1, {"comm": zj.Comm(quantize_grads=True)}, "use stage 2 or 3"),
-    (3, {"comm": zj.Comm(prefetch=True), "remat": "dots"}, "prefetch overlaps"),
+    (3, {"comm": zj.Comm(prefetch=True), "layers": zj.Layers("^blocks$", "dots")},
+     "prefetch overlaps"),
     (3, {"comm": zj.Comm(prefetch=True), "layers": r"^h/\d+$"}, "not one \\(an unrolled block"),
 ])
 def test_make_plan_refuses_combinations(mesh, stage, options, message):

@@ -36,3 +36,12 @@ def test_no_function_of_the_library_or_the_runner_is_longer_than_60_lines():
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
             and (length := node.end_lineno - node.lineno + 1) > 60]
     assert not long, long
+
+
+def test_make_plan_takes_policies_not_flags():
+    """At most 8 parameters: what each option means lives in a policy that checks itself."""
+    import inspect
+
+    import zero_jax as zj
+
+    assert len(inspect.signature(zj.make_plan).parameters) <= 8

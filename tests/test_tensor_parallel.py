@@ -240,12 +240,12 @@ def test_partitioned_activations_keep_a_tp_slice_of_the_saved_inputs():
     mesh = zj.make_mesh(8, axes=MESHES["2x4"])
     tx = OPTIMIZERS["sgd"]()
     runs, host = {}, {}
-    for remat in (zj.Remat("full"), zj.Remat("full", partition=True),
-                  zj.Remat("offload", partition=True)):
-        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=LAYERS,
-                            rules=TENSOR_PARALLEL, remat=remat)
-        runs[remat] = train(plan, init, loss_fn, batches, tx)
-        if remat.policy == "offload":
+    for layers in (zj.Layers(LAYERS), zj.Layers(LAYERS, partition=True),
+                   zj.Layers(LAYERS, "offload", partition=True)):
+        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=layers,
+                            rules=TENSOR_PARALLEL)
+        runs[layers] = train(plan, init, loss_fn, batches, tx)
+        if layers.remat == "offload":
             state, step = zj.init_state(plan, init, tx, KEY), zj.make_train_step(plan, loss_fn, tx)
             put = jax.device_put(batches[0], NamedSharding(mesh, P(plan.data_axes)))
             host = [sum(v.aval.memory_space == jax.memory.Space.Host for v in eqn.outvars)
@@ -259,8 +259,8 @@ def test_partitioned_activations_keep_a_tp_slice_of_the_saved_inputs():
         np.testing.assert_allclose(run[0], plain[0], rtol=1e-6)
     assert host[0] == 1  # the forward loop's checkpoints, cut, in host memory
     with pytest.raises(ValueError, match="needs tensor parallelism"):
-        zj.make_plan(jax.eval_shape(init, KEY), zj.make_mesh(8), 3, layers=LAYERS,
-                     remat=zj.Remat(partition=True))
+        zj.make_plan(jax.eval_shape(init, KEY), zj.make_mesh(8), 3,
+                     layers=zj.Layers(LAYERS, partition=True))
 
 
 def test_checkpoint_moves_between_meshes(tmp_path, gpt):

@@ -14,7 +14,7 @@ The public API, in the order a training loop uses it::
 
 from zero_jax.buckets import Comm
 from zero_jax.checkpoint import Checkpoints
-from zero_jax.gather import Remat, nnx_merge, remat_policy
+from zero_jax.gather import Layers, nnx_merge, remat_policy
 from zero_jax.grads import Weighted, device_key, make_grad_fn
 from zero_jax.mesh import keep_remat_barriers, make_mesh
 from zero_jax.offload import Offload
@@ -26,7 +26,7 @@ from zero_jax.step import make_train_step
 
 keep_remat_barriers()  # before jax starts its backend, if it has not yet
 
-__all__ = ["STAGES", "Checkpoints", "Comm", "Offload", "Plan", "Precision", "Remat", "Rule",
+__all__ = ["STAGES", "Checkpoints", "Comm", "Layers", "Offload", "Plan", "Precision", "Rule",
            "TrainState", "Weighted", "abstract_state", "device_key", "init_state", "make_grad_fn",
            "make_mesh", "make_plan", "make_train_step", "modules_pattern", "nnx_merge",
            "remat_policy", "state_shardings", "state_specs", "tensor_parallel_rules"]

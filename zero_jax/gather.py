@@ -247,17 +247,24 @@ REMAT = ("full", "dots", "none", "offload")
 
 
 @dataclasses.dataclass(frozen=True)
-class Remat:
-    """What stage 3's rematerialized blocks keep for their backward: ``policy`` (``REMAT``,
-    ``remat_policy``), and with ``partition`` their saved inputs cut over the ``model`` axis
-    (ZeRO-R's partitioned activation checkpoints; needs tensor parallelism)."""
+class Layers:
+    """The model's blocks and what each keeps for its backward, declared together as FSDP2
+    wraps each block once: ``pattern``, a regular expression over module paths (unrolled
+    blocks "h_\\d+", or an ``nn.scan`` stack "blocks"); ``remat``, the policy of the blocks
+    stage 3 rematerializes (``REMAT``, ``remat_policy``); ``partition``, their saved inputs cut
+    over the ``model`` axis (ZeRO-R's partitioned activation checkpoints; needs tensor
+    parallelism and stage 3)."""
 
-    policy: str = "full"
+    pattern: str
+    remat: str = "full"
     partition: bool = False
 
     def __post_init__(self):
-        if self.policy not in REMAT:
-            raise ValueError(f"remat must be one of {', '.join(REMAT)} (got {self.policy!r})")
+        if not isinstance(self.pattern, str) or not self.pattern:
+            raise ValueError(f"Layers needs a regular expression over module paths (got "
+                             f"{self.pattern!r})")
+        if self.remat not in REMAT:
+            raise ValueError(f"remat must be one of {', '.join(REMAT)} (got {self.remat!r})")
 
 
 def remat_policy(name: str, gathers: bool = False) -> Any:
@@ -328,7 +335,7 @@ def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = Fals
     by ``zero_jax.nnx_merge`` do the same in their ``__call__``. When that gathers (stage 3),
     the block is also rematerialized, so the backward gathers again instead of keeping whole
     weights as residuals; on the CPU backend this needs XLA to keep remat's optimization
-    barriers (``zero_jax.mesh.simulate_cpu_devices``); ``remat`` names its policy
+    barriers (``zero_jax.mesh.keep_remat_barriers``, at import); ``remat`` names its policy
     (``remat_policy``); ``partition``: the block's saved inputs are cut over ``model``
     (``partitioned``).
     """

@@ -35,7 +35,8 @@ class LossScale(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
-    """Dtypes of compute, of gradient collectives and of gradient accumulation."""
+    """Dtypes of compute, of gradient collectives and of gradient accumulation, and over how
+    many microbatches a step accumulates (the accumulator's dtype matters only then)."""
 
     param_dtype: str = "fp32"  # the compute copy and the forward/backward
     reduce_dtype: str | None = None  # gradient collectives; None: param_dtype
@@ -44,8 +45,12 @@ class Precision:
     autocast_output: bool = True  # the loss (and the model's logits) in fp32
     skip_nonfinite: bool = True  # a step with a non-finite gradient leaves the state as it was
     loss_scale: LossScaleConfig | None = None  # dynamic loss scaling (fp16)
+    accum_steps: int = 1  # microbatches per optimizer step
 
     def __post_init__(self):
+        if not isinstance(self.accum_steps, int) or self.accum_steps < 1:
+            raise ValueError(f"accum_steps must be an integer of at least 1 (got "
+                             f"{self.accum_steps!r})")
         for name in ("param_dtype", "reduce_dtype", "accum_dtype"):
             value = getattr(self, name)
             if value is not None and value not in DTYPES:

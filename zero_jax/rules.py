@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zero_jax.buckets import Comm
-from zero_jax.gather import Remat
+from zero_jax.gather import Layers
 from zero_jax.mesh import DATA, MODEL, REPLICA
 from zero_jax.offload import Offload
 from zero_jax.precision import Precision
@@ -235,7 +235,6 @@ class Plan:
     leaves: PyTree  # Leaf per parameter, same tree as the params
     shapes: PyTree  # the parameters as ShapeDtypeStructs
     precision: Precision = Precision()
-    accum_steps: int = 1  # microbatches per optimizer step
     # Hierarchical ZeRO: a second data axis, across groups of ``axis``. Parameters are cut
     # within a group only; gradients and optimizer state over both axes.
     outer: str | None = None
@@ -270,6 +269,10 @@ class Plan:
     @property
     def dp_size(self) -> int:
         return math.prod(self.mesh.shape[a] for a in self.data_axes)
+
+    @property
+    def accum_steps(self) -> int:
+        return self.precision.accum_steps
 
     @property
     def grad_dtype(self):
@@ -393,34 +396,34 @@ def _is_leaf(x) -> bool:
     return isinstance(x, Leaf)
 
 
-def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, layers: str | None = None,
-              rules: tuple[Rule, ...] | list[Rule] = (), precision: Precision = Precision(),
-              offload: Offload = Offload(), comm: Comm = Comm(), remat: str | Remat = "full",
-              accum_steps: int = 1) -> Plan:
+def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *,
+              layers: str | Layers | None = None, rules: tuple[Rule, ...] | list[Rule] = (),
+              precision: Precision = Precision(), offload: Offload = Offload(),
+              comm: Comm = Comm()) -> Plan:
     """Apply the rules to a parameter tree (arrays or ``jax.ShapeDtypeStruct``s).
 
     ``mesh`` (``make_mesh``) has a ``data`` axis that parameters are cut over, and for
     hierarchical ZeRO a ``replica`` axis across groups of ``data`` (stage 3 within a group,
     gradients and optimizer state over both).
 
-    ``layers``: the model's blocks, a regular expression over module paths: unrolled blocks
-    ("h/\\d+") or an ``nn.scan`` stack ("blocks", leading dimension = layer). At stage 3 each
-    block's parameters are gathered as it runs and again in its backward (``zero_jax.gather``);
-    at stage 2 its gradient is reduce-scattered as its backward ends. Other cut leaves are
-    gathered once per step. ``rules``: the placement table over parameter paths (``Rule``:
-    left out of ZeRO, frozen, persistence threshold). ``remat``: the policy of stage 3's
-    rematerialized blocks (full, dots, none, offload; ``zero_jax.gather.remat_policy``), or a
-    ``Remat`` that also partitions their saved inputs over ``model`` (ZeRO-R's Pa).
-    ``precision``, ``offload`` and ``comm`` are policies that check themselves when built.
+    ``layers``: the model's blocks, a regular expression over module paths (unrolled blocks
+    "h/\\d+", or an ``nn.scan`` stack "blocks", leading dimension = layer), or a ``Layers``
+    that also says what each keeps for its backward (remat policy, ZeRO-R's Pa). At stage 3
+    each block's parameters are gathered as it runs and again in its backward
+    (``zero_jax.gather``); at stage 2 its gradient is reduce-scattered as its backward ends.
+    Other cut leaves are gathered once per step. ``rules``: the placement table over parameter
+    paths (``Rule``: left out of ZeRO, frozen, persistence threshold, tensor-parallel cut).
+    ``precision`` (dtypes, loss scaling, microbatches per step), ``offload`` and ``comm`` are
+    policies that check themselves when built.
     """
     axis, outer = data_axes(mesh)
     t = mesh.shape[MODEL] if MODEL in mesh.axis_names else 1
-    remat = Remat(remat) if isinstance(remat, str) else remat
-    _check_combination(stage, layers, offload, comm, remat, accum_steps, outer, t > 1)
+    layers = Layers(layers) if isinstance(layers, str) else layers
+    _check_combination(stage, layers, offload, comm, precision.accum_steps, outer, t > 1)
     n = mesh.shape[axis] * (mesh.shape[outer] if outer else 1)
     flat = {path_str(p): tuple(x.shape)
             for p, x in jax.tree_util.tree_flatten_with_path(params_shape)[0]}
-    blocks = find_blocks(list(flat), layers) if layers else {}
+    blocks = find_blocks(list(flat), layers.pattern) if layers else {}
     stacked = {b: scanned([flat[p] for p in blocks if blocks[p] == b])
                for b in set(blocks.values())}
     if comm.prefetch and (unrolled := sorted(b for b, s in stacked.items() if not s)):
@@ -450,8 +453,8 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *, layers: str | Non
     leaves = jax.tree.map(lambda leaf: dataclasses.replace(leaf, offload=leaf.path in host),
                           leaves, is_leaf=_is_leaf)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_shape)
-    return Plan(stage, mesh, axis, leaves, shapes, precision, accum_steps, outer, offload,
-                remat.policy, comm, remat.partition)
+    return Plan(stage, mesh, axis, leaves, shapes, precision, outer, offload,
+                layers.remat if layers else "full", comm, bool(layers and layers.partition))
 
 
 def data_axes(mesh: Mesh) -> tuple[str, str | None]:
@@ -465,17 +468,14 @@ def data_axes(mesh: Mesh) -> tuple[str, str | None]:
     return DATA, REPLICA if REPLICA in names else None
 
 
-def _check_combination(stage: int, layers: str | None, offload: Offload, comm: Comm,
-                       remat: Remat, accum_steps: int, outer: str | None,
-                       tensor_parallel: bool) -> None:
+def _check_combination(stage: int, layers: Layers | None, offload: Offload, comm: Comm,
+                       accum_steps: int, outer: str | None, tensor_parallel: bool) -> None:
     """The options that are valid alone but not together (each policy checks itself)."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of 0, 1, 2, 3 (got {stage})")
-    if accum_steps < 1:
-        raise ValueError(f"accum_steps must be at least 1 (got {accum_steps})")
-    if remat.partition and not (tensor_parallel and stage == 3 and layers):
-        raise ValueError("Remat(partition=True) cuts the blocks' saved inputs over the 'model' "
-                         "axis: it needs tensor parallelism, stage 3 and layers=")
+    if layers and layers.partition and not (tensor_parallel and stage == 3):
+        raise ValueError("Layers(partition=True) cuts the blocks' saved inputs over the 'model' "
+                         "axis: it needs tensor parallelism and stage 3")
     if offload.params and stage != 3:
         raise ValueError(f"Offload.params keeps stage 3's parameter shards in host memory; "
                          f"stage {stage} keeps whole parameters on every device: use stage 3")
@@ -495,10 +495,12 @@ def _check_combination(stage: int, layers: str | None, offload: Offload, comm: C
     if tensor_parallel and (offload.any or comm.prefetch):
         raise ValueError("tensor parallelism (a 'model' mesh axis) is not built with offload or "
                          "prefetch yet: turn them off")
-    if comm.prefetch and not prefetchable(stage, bool(layers), remat.policy, offload.any):
+    remat = layers.remat if layers else "full"
+    if comm.prefetch and not prefetchable(stage, bool(layers), remat, offload.any):
         raise ValueError("prefetch overlaps stage 3's per-layer gathers with the layer before: "
                          "it needs stage 3, layers=, remat full or offload, and no offload "
-                         f"(got stage {stage}, layers={layers!r}, remat {remat.policy!r})")
+                         f"(got stage {stage}, layers={layers and layers.pattern!r}, "
+                         f"remat {remat!r})")
 
 
 def prefetchable(stage: int, has_layers: bool, remat: str, offload: bool) -> bool:

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from zero_jax.buckets import Comm
 from zero_jax.checkpoint import CheckpointError
-from zero_jax.gather import Remat
+from zero_jax.gather import Layers
 from zero_jax.gpt.model import (
     GPT,
     LAYER_STACKS,
@@ -56,7 +56,8 @@ class Experiment:
             raise ValueError(f"each device's batch of {t['batch_size'] // n} does not split into "
                              f"{t['accum_steps']} microbatches: make train.batch_size a "
                              f"multiple of {n * t['accum_steps']}")
-        precision = precision_from(cfg["precision"], mesh.devices.flat[0].platform)
+        precision = precision_from(cfg["precision"], mesh.devices.flat[0].platform,
+                                   t["accum_steps"])
         z = cfg["zero"]
         # At stage 3 the step rematerializes each named block itself, under the plan's policy
         # (to gather it again in the backward); the model's own remat would add nothing (the
@@ -69,13 +70,13 @@ class Experiment:
         tx, schedule = make_optimizer(cfg["optimizer"], t["steps"])
         shapes = jax.eval_shape(init, jax.random.key(0))
         _check_modules(cfg, shapes)
+        layers = modules_pattern(z["transformer_layers"])
         plan = make_plan(shapes, mesh, z["stage"],
-                         layers=modules_pattern(z["transformer_layers"]),
+                         layers=layers and Layers(layers, cfg["model"]["remat"],
+                                                  z["partition_activations"]),
                          rules=[*rules_from(cfg), *TENSOR_PARALLEL],
                          precision=precision, offload=offload_from(z),
-                         comm=comm_from(z, cfg["model"]["remat"], cfg["mesh"]["tensor_parallel"]),
-                         remat=Remat(cfg["model"]["remat"], z["partition_activations"]),
-                         accum_steps=t["accum_steps"])
+                         comm=comm_from(z, cfg["model"]["remat"], cfg["mesh"]["tensor_parallel"]))
         loss = lm_loss(model, fp32_logits=precision.autocast_output)
         step = make_train_step(plan, loss, tx, lr_schedule=schedule)
         return cls(cfg, mesh, model_cfg, init, tx, plan, step)
@@ -171,8 +172,9 @@ def offload_ratio(cfg: dict) -> float:
     return cfg["ratio"] if cfg["device"] == "cpu" else 0.0
 
 
-def precision_from(cfg: dict, platform: str) -> Precision:
-    """The ``precision`` config section as a policy for ``platform`` ("cpu", "gpu", "tpu")."""
+def precision_from(cfg: dict, platform: str, accum_steps: int = 1) -> Precision:
+    """The ``precision`` config section as a policy for ``platform`` ("cpu", "gpu", "tpu"),
+    accumulating over ``accum_steps`` microbatches (``train.accum_steps``)."""
     param = default_param_dtype(platform) if cfg["param_dtype"] == "auto" else cfg["param_dtype"]
     scaler = None
     if param == "fp16":
@@ -182,7 +184,8 @@ def precision_from(cfg: dict, platform: str) -> Precision:
                      reduce_dtype=None if cfg["reduce_dtype"] == "auto" else cfg["reduce_dtype"],
                      accum_dtype=cfg["accum_dtype"], autocast_input=cfg["autocast_input"],
                      autocast_output=cfg["autocast_output"],
-                     skip_nonfinite=cfg["skip_nonfinite"], loss_scale=scaler)
+                     skip_nonfinite=cfg["skip_nonfinite"], loss_scale=scaler,
+                     accum_steps=accum_steps)
 
 
 def check_compatible(meta: dict, config: dict, platform: str | None = None) -> None:
