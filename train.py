@@ -7,7 +7,7 @@ otherwise), so every shard is its own buffer and every collective really runs.
 from __future__ import annotations
 
 import argparse
-import itertools
+import dataclasses
 import json
 import math
 import os
@@ -294,463 +294,467 @@ def run_main(args: argparse.Namespace, watchdog=None) -> int:
                           ("tensor_parallel", "mesh.tensor_parallel")]:
             if getattr(args, flag) is not None:
                 overrides.append(f"{key}={getattr(args, flag)}")
-        run = None
         try:
             cfg = configs.load(args.config, overrides)
             local = {"coordinator", "num_processes", "process_id", "distributed"}
             distributed.agree("configuration", {"config": cfg, "arguments": {
                 k: v for k, v in vars(args).items() if k not in local}}, args.peer_timeout)
-            run = Run(cfg, args, stop, watchdog)
-            return run.dry_run() if args.dry_run else run.train()
+            exp = build(cfg, args)
+            if args.dry_run:
+                return plan_layouts(exp, cfg, args) if args.device_memory else \
+                    dry_run(exp, args)
+            with find_start(exp, cfg, args) as start:
+                return train(exp, cfg, args, start, stop, watchdog)
         except (configs.ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
             return fail(str(e))
-        finally:
-            if run:
-                run.close()
 
 
-class Run:
-    """One configured run: data, the experiment it trains, and where its outputs go."""
+def build(cfg: dict, args: argparse.Namespace):
+    from zero_jax.gpt.experiment import Experiment, mesh_for
 
-    def __init__(self, cfg: dict, args: argparse.Namespace, stop: Stop, watchdog=None):
-        import jax
+    return Experiment.build(cfg, mesh_for(cfg, args.devices))
 
-        from zero_jax.gpt.experiment import Experiment, mesh_for
 
-        self.cfg, self.args, self.stop, self.watchdog = cfg, args, stop, watchdog
-        self.primary = jax.process_index() == 0  # writes the report and metrics files
-        self.exp = Experiment.build(cfg, mesh_for(cfg, args.devices))
-        self.seed = cfg["train"]["seed"]
-        self.ckpts, self.source, self.resume_step, self.corrupt = None, None, None, []
-        self.records: list[tuple[int, str]] = []  # a resumed run's metrics file, line by line
-        self.overwrite: list[int] = []
-        if args.dry_run:
-            return
-        try:
-            self.open()
-        except BaseException:
-            self.close()  # the lock: a refused run leaves the directory as it found it
-            raise
+@dataclasses.dataclass
+class Start:
+    """Where a run starts, found once before anything is compiled: its data, its checkpoint
+    directory (locked), and the checkpoint it resumes from, if any."""
 
-    def open(self) -> None:
-        """Data first, then checkpoints: a run refused for its data writes nothing."""
-        from zero_jax.checkpoint import Checkpoints
-        from zero_jax.gpt import data
+    tokens: object
+    ckpts: object = None  # --checkpoint-dir's Checkpoints: where this run saves
+    source: object = None  # the Checkpoints it resumes from (ckpts, or train.ckpt_load_path's)
+    step: int | None = None  # the step it resumes from; None: a fresh initialization
+    seed: int = 0  # of the data order: the checkpoint's when resuming
+    records: list = dataclasses.field(default_factory=list)  # the metrics file, line by line
+    overwrite: list[int] = dataclasses.field(default_factory=list)  # --overwrite deletes these
+    corrupt: list[int] = dataclasses.field(default_factory=list)  # steps that did not read
 
-        args, cfg = self.args, self.cfg
-        m = self.exp.model
-        self.tokens = data.load_tokens(args.data)
-        data.check_tokens(self.tokens, m.vocab_size, m.seq_len,
-                          args.data or "the standard library corpus")
-        # Where the state comes from: --resume's latest checkpoint in --checkpoint-dir, else
-        # train.ckpt_load_path's latest, else a fresh initialization.
-        if args.checkpoint_dir:
-            self.ckpts = Checkpoints(args.checkpoint_dir, keep=args.keep)  # takes the lock
-            if (steps := self.ckpts.steps()) and not args.resume:
-                if not args.overwrite:
-                    raise ValueError(
-                        f"{self.ckpts.path} holds checkpoints of another run (steps "
-                        f"{', '.join(map(str, steps))}): pass --resume to continue it, another "
-                        "--checkpoint-dir, or --overwrite to delete them")
-                self.overwrite = steps  # deleted once the run is known to start
-        if args.resume:
-            self.source = self.ckpts
-            self.resume_step = self.ckpts.latest_step()
-            if self.resume_step is None:
-                print(f"no checkpoint in {self.ckpts.path}: starting fresh")
-        load = cfg["train"]["ckpt_load_path"]
-        if load and self.resume_step is None:
-            try:
-                self.source = Checkpoints(load, create=False, read_only=True)
-            except ValueError as e:
-                raise ValueError(f"train.ckpt_load_path: {e}") from e
-            for step in self.source.foreign:
-                warn(f"{self.source.path / str(step)} holds no zero_jax checkpoint: skipped")
-            self.resume_step = self.source.latest_step()
-            if self.resume_step is None:
-                raise ValueError(f"train.ckpt_load_path {self.source.path} holds no complete "
-                                 "checkpoint: point it at a --checkpoint-dir of an earlier run")
-        if self.resume_step is not None:
-            self.resume_step, self.meta = self.readable_meta(self.resume_step)
-            if args.metrics and self.primary and os.path.exists(args.metrics):
-                self.records = read_metrics(args.metrics)  # continued: read now, before training
+    def __enter__(self) -> Start:
+        return self
 
-    def readable_meta(self, newest: int) -> tuple[int, dict]:
-        """The newest step from ``newest`` down whose metadata reads and fits this run; a
-        corrupted one is reported, and moved aside when we own the directory."""
-        from zero_jax.checkpoint import CorruptCheckpointError
-
-        for step in reversed([s for s in self.source.steps()
-                              if s <= newest and s not in self.corrupt]):
-            try:
-                meta = self.source.meta(step)
-            except CorruptCheckpointError as e:
-                self.set_aside(e)
-                continue
-            self.check_compatible(meta)
-            return step, meta
-        raise ValueError(f"no checkpoint in {self.source.path} can be read (see the warnings "
-                         "above): pass another --checkpoint-dir, or --overwrite without --resume")
-
-    def set_aside(self, e) -> None:
-        """Report a corrupted step; it is moved aside only once an older one has restored."""
-        self.corrupt.append(e.step)
-        older = [s for s in self.source.steps() if s < e.step and s not in self.corrupt]
-        warn(f"{e}; " + (f"falling back to checkpoint {older[-1]}" if older
-                         else "no older checkpoint"))
-
-    def check_compatible(self, meta: dict) -> None:
-        from zero_jax.gpt.experiment import check_compatible
-
-        check_compatible(meta, self.cfg, self.exp.mesh.devices.flat[0].platform)
-        saved = meta.get("data", {}).get("source")
-        here = os.path.abspath(self.args.data) if self.args.data else None
-        saved = os.path.abspath(saved) if saved else None
-        if saved != here and not self.args.allow_other_data:
-            raise ValueError(f"the checkpoint was trained on --data {saved or '(the default)'} "
-                             f"but this run reads {here or '(the default)'}: pass the same "
-                             "--data, or --allow-other-data to go on with other data")
-        self.seed = meta["data"]["seed"]  # the data order goes on where it stopped
-
-    def close(self) -> None:
+    def __exit__(self, *exc) -> None:
         for ckpts in {id(c): c for c in (self.ckpts, self.source) if c}.values():
             ckpts.close()
 
-    def report(self, state) -> tuple[dict, object]:
-        from zero_jax import report
-        from zero_jax.peak import compile_with_peak
 
-        lowered = self.exp.step.lower(state, self.exp.batch_shape)
-        compiled, peak = compile_with_peak(lowered)
-        r = report.build(self.exp.plan, state, lowered, compiled, peak)
-        print(report.format_table(r))
-        return r, compiled
+def find_start(exp, cfg: dict, args: argparse.Namespace) -> Start:
+    """Data first, then checkpoints: a run refused for its data writes nothing. The state
+    comes from --resume's latest checkpoint in --checkpoint-dir, else train.ckpt_load_path's
+    latest, else a fresh initialization."""
+    from zero_jax.checkpoint import Checkpoints
+    from zero_jax.gpt import data
 
-    def write_report(self, r: dict) -> None:
-        if self.args.report and self.primary:
-            with open(self.args.report, "w") as f:
-                json.dump(r, f, indent=1)
+    m = exp.model
+    tokens = data.load_tokens(args.data)
+    data.check_tokens(tokens, m.vocab_size, m.seq_len, args.data or "the standard library corpus")
+    start = Start(tokens, seed=cfg["train"]["seed"])
+    try:
+        if args.checkpoint_dir:
+            start.ckpts = Checkpoints(args.checkpoint_dir, keep=args.keep)  # takes the lock
+            if (steps := start.ckpts.steps()) and not args.resume:
+                if not args.overwrite:
+                    raise ValueError(
+                        f"{start.ckpts.path} holds checkpoints of another run (steps "
+                        f"{', '.join(map(str, steps))}): pass --resume to continue it, another "
+                        "--checkpoint-dir, or --overwrite to delete them")
+                start.overwrite = steps  # deleted once the run is known to start
+        if args.resume:
+            start.source, start.step = start.ckpts, start.ckpts.latest_step()
+            if start.step is None:
+                print(f"no checkpoint in {start.ckpts.path}: starting fresh")
+        if (load := cfg["train"]["ckpt_load_path"]) and start.step is None:
+            start.source = load_path(load)
+            start.step = start.source.latest_step()
+        if start.step is not None:
+            start.step = readable_step(start, start.step, cfg, args, exp)
+            if args.metrics and jax_primary() and os.path.exists(args.metrics):
+                start.records = read_metrics(args.metrics)  # read now, before training
+    except BaseException:
+        start.__exit__()  # the lock: a refused run leaves the directory as it found it
+        raise
+    return start
 
-    def dry_run(self) -> int:
-        from zero_jax import report
-        from zero_jax.state import abstract_state
 
-        plan = self.exp.plan
-        if self.args.device_memory:
-            return self.plan_layouts()
-        r, _ = self.report(abstract_state(plan, self.exp.tx))
-        if plan.outer is None:  # the flat stages side by side, on the same mesh
-            r["stages"] = report.stages_table(plan, self.exp.tx)
-            print("\n" + report.format_stages(r["stages"], r["n_params"], plan.dp_size))
-        self.write_report(r)
-        return 0
+def load_path(load: str):
+    """train.ckpt_load_path's checkpoints, read only."""
+    from zero_jax.checkpoint import Checkpoints
 
-    def plan_layouts(self) -> int:
-        """The planner: every stage x offload x remat policy x tensor-parallel size of this
-        config, compiled on abstract arrays, against --device-memory and --host-memory."""
-        import jax
+    try:
+        source = Checkpoints(load, create=False, read_only=True)
+    except ValueError as e:
+        raise ValueError(f"train.ckpt_load_path: {e}") from e
+    for step in source.foreign:
+        warn(f"{source.path / str(step)} holds no zero_jax checkpoint: skipped")
+    if source.latest_step() is None:
+        raise ValueError(f"train.ckpt_load_path {source.path} holds no complete "
+                         "checkpoint: point it at a --checkpoint-dir of an earlier run")
+    return source
 
-        from zero_jax import planner
-        from zero_jax.gpt.experiment import Experiment, mesh_for
-        from zero_jax.state import abstract_state
 
-        if self.exp.plan.outer is not None:
-            raise ValueError("the planner compares the flat stages; drop zero3_size")
-        args = self.args
-        per_host = args.devices_per_host or jax.local_device_count()
-        rows = []
-        for layout, cfg in self.layouts(per_host):
-            exp = Experiment.build(cfg, mesh_for(cfg, args.devices))
-            state = abstract_state(exp.plan, exp.tx)
-            compiled = exp.step.lower(state, exp.batch_shape).compile()
-            rows.append(planner.measure(layout, exp.plan, state, compiled))
-        best = planner.choose(rows, args.device_memory, args.host_memory, per_host)
-        self.print_layouts(rows, best, per_host)
-        if args.report and self.primary:
-            with open(args.report, "w") as f:
-                json.dump({"device_memory": args.device_memory, "host_memory": args.host_memory,
-                           "devices_per_host": per_host, "devices": self.exp.mesh.size,
-                           "best": None if best is None else best.layout,
-                           "candidates": [{**c.layout, "device_bytes": c.device,
-                                           "device_state_bytes": c.device_state,
-                                           "temp_bytes": c.temp,
-                                           "model_state_bytes": c.model_states,
-                                           "host_bytes_per_host": c.host_state * per_host,
-                                           "fits": c.fits, "comm_bytes": c.comm,
-                                           "host_traffic_bytes": c.host_traffic}
-                                          for c in rows]}, f, indent=1)
-        return 0
+def readable_step(start: Start, newest: int, cfg: dict, args: argparse.Namespace, exp) -> int:
+    """The newest step from ``newest`` down whose metadata reads and fits this run (its data
+    seed taken); a corrupted one is reported, and moved aside once an older one restores."""
+    from zero_jax.checkpoint import CorruptCheckpointError
+    from zero_jax.gpt.experiment import check_compatible
 
-    def layouts(self, per_host: int):
-        """(layout, config) for each candidate: what the command line did not fix (--stage,
-        --tensor-parallel, model.remat, zero.offload_*) varies. Tensor parallelism (T a divisor
-        of the devices per host that cuts the heads, the MLP and the vocabulary) is tried at
-        stage 3 with partitioned activations and no offload, as ZeRO's paper trains its
-        largest models."""
-        import copy
-
-        from zero_jax.gather import REMAT
-
-        args, z, m = self.args, self.cfg["zero"], self.cfg["model"]
-        fixed = lambda key: any(s.startswith(key) for s in args.set)
-        offloads = {"none": ("none", "none"), "optimizer": ("cpu", "none"),
-                    "params": ("cpu", "cpu")}
-        if fixed("zero.offload_"):
-            offloads = {"as set": (z["offload_optimizer"]["device"], z["offload_params"])}
-        tps = [self.cfg["mesh"]["tensor_parallel"]]
-        if args.tensor_parallel is None and not fixed("mesh.tensor_parallel"):
-            tps = [t for t in range(1, per_host + 1) if per_host % t == 0 and self.exp.mesh.size
-                   % t == 0 and all(m[k] % t == 0 for k in ("n_heads", "d_ff", "vocab_size"))]
-        stages = [args.stage] if args.stage is not None else range(4)
-        for t, stage, (offload, (opt, params)), remat in itertools.product(
-                tps, stages, offloads.items(),
-                [m["remat"]] if fixed("model.remat") else REMAT):
-            if (params == "cpu" and (stage != 3 or self.cfg["train"]["accum_steps"] > 1)) or \
-                    (t > 1 and (stage != 3 or opt != "none")):
-                continue
-            cfg = copy.deepcopy(self.cfg)
-            ratio = z["offload_optimizer"]["ratio"] if offload == "as set" else 1.0
-            cfg["zero"].update(stage=stage, offload_params=params, partition_activations=t > 1,
-                               offload_optimizer={"device": opt, "ratio": ratio})
-            cfg["model"]["remat"], cfg["mesh"]["tensor_parallel"] = remat, t
-            yield {"stage": stage, "offload": offload, "remat": remat, "tp": t}, cfg
-
-    def print_layouts(self, rows: list, best, per_host: int) -> None:
-        """The candidates as a table, and the advice."""
-        from zero_jax import planner
-
-        device, host = self.args.device_memory, self.args.host_memory
-        unit, div = ("GiB", 2**30) if device >= 2**30 else ("MiB", 2**20)
-        print(f"layouts of {self.exp.model.n_params:,} parameters on {self.exp.mesh.size} "
-              f"devices of {device / div:.1f} {unit}, {per_host} per host of {host / div:.1f} "
-              f"{unit} (fits: within {planner.HEADROOM:.0%} of both); {unit} per device, host "
-              f"per host, communication per device and step\n")
-        print(f"  {'stage':<6}{'offload':<10}{'remat':<8}{'tp':>3}{'device':>9}{'(state':>9}"
-              f"{'+ temp)':>9}{'host':>9}{'fits':>6}{'comm MiB':>10}{'host<->dev MiB':>16}")
-        for c in rows:
-            lo = c.layout
-            print(f"  {lo['stage']:<6}{lo['offload']:<10}{lo['remat']:<8}{lo['tp']:>3}"
-                  f"{c.device / div:>9.2f}{c.device_state / div:>9.2f}{c.temp / div:>9.2f}"
-                  f"{c.host_state * per_host / div:>9.2f}{'yes' if c.fits else 'no':>6}"
-                  f"{c.comm / 2**20:>10.2f}{c.host_traffic / 2**20:>16.2f}")
-        if best is None:
-            print("\nnothing fits: more devices, a smaller model or train.batch_size")
-            return
-        lo = best.layout
-        flags = [f"--stage {lo['stage']}", f"--set model.remat={lo['remat']}"]
-        if lo["offload"] in ("optimizer", "params"):
-            flags.append("--set zero.offload_optimizer.device=cpu")
-        if lo["offload"] == "params":
-            flags.append("--set zero.offload_params=cpu")
-        if lo["tp"] > 1:
-            flags += [f"--tensor-parallel {lo['tp']}", "--set zero.partition_activations=true"]
-        print(f"\nfits and communicates least: stage {lo['stage']}, offload {lo['offload']}, "
-              f"remat {lo['remat']}, tensor parallel {lo['tp']}: {' '.join(flags)}")
-
-    def restore(self, target):
-        """The resume step's state, falling back past corrupted checkpoints, saying so."""
-        from zero_jax.checkpoint import CorruptCheckpointError
-
-        while True:
-            tick = time.perf_counter()
-            try:
-                state, _ = self.source.restore(target, self.resume_step)
-            except CorruptCheckpointError as e:
-                self.set_aside(e)
-                self.resume_step, self.meta = self.readable_meta(e.step - 1)
-                continue
-            print(f"resumed from step {self.resume_step} of {self.source.path} in "
-                  f"{time.perf_counter() - tick:.2f} s (digests checked in "
-                  f"{self.source.verify_s * 1e3:.0f} ms)")
-            if self.source is self.ckpts:  # ours: the corrupted steps make way for new saves
-                for bad in self.corrupt:
-                    warn(f"corrupted checkpoint {bad} moved aside to "
-                         f"{self.ckpts.quarantine(bad)}")
-            return state
-
-    def open_metrics(self, first: int):
-        """The metrics file, line-buffered; on resume, the records after ``first`` (from a run
-        that went further than its last checkpoint) are dropped, since they are trained again."""
-        if not self.args.metrics or not self.primary:
-            return None
-        path = pathlib.Path(self.args.metrics)
-        if first and path.exists():
-            keep = "".join(line for step, line in self.records if step <= first)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # a kill leaves the old file
-            tmp.write_text(keep)
-            os.replace(tmp, path)
-        return open(path, "a" if first else "w", buffering=1)
-
-    def train(self) -> int:
-        from zero_jax import fit
-        from zero_jax.checkpoint import CheckpointError
-        from zero_jax.state import abstract_state
-
-        t, exp, ckpts, stop = self.cfg["train"], self.exp, self.ckpts, self.stop
-        target = abstract_state(exp.plan, exp.tx)
-        r, step = self.report(target)  # compiled on abstract arrays: nothing allocated yet
-        if problem := fit.check(step, list(exp.mesh.devices.flat)):
-            return fail(f"{problem}: use {'a higher --stage, ' * (exp.plan.stage < 3)}"
-                        "precision.param_dtype=bf16, zero.offload_grads, a smaller model or "
-                        "train.batch_size, or --dry-run to see the report")
-        state = self.start(target, r)
-        first = int(state.step)
-        if first >= t["steps"]:
-            print(f"nothing to do: the checkpoint is at step {first} and --steps is {t['steps']}")
-            return 0
-        metrics_file = self.open_metrics(first)
-        losses, start, skipped, done_steps, saved = [], time.perf_counter(), 0, first, None
-        guard = Guard(t["max_bad_steps"], self.cfg["precision"]["min_loss_scale"])
-        bar, rows = self.progress(first)
+    for step in reversed([s for s in start.source.steps()
+                          if s <= newest and s not in start.corrupt]):
         try:
-            for i in bar:
-                if stop.signum:
-                    break
-                batch = self.batch(i, rows)
-                if self.watchdog:
-                    self.watchdog.reach(i + 1)
-                state, m, record = self.timed(step, state, batch, i + 1)
-                skipped += m["skipped"]
-                done_steps = i + 1
-                stop_now = guard.update(m, i + 1)
-                if metrics_file:
-                    metrics_file.write(json.dumps(finite_record(record), allow_nan=False) + "\n")
-                losses.append(m["loss"])
-                bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
-                if ckpts:
-                    saved = self.save_if_due(state, i + 1, guard.bad_from is None, bar) or saved
-                if stop_now:
-                    break
-            if ckpts and (done := ckpts.finish()):
-                bar.write(str(done))
-        except CheckpointError as e:
-            bar.close()
-            return fail(str(e), 1)
-        finally:
-            bar.close()
-            if metrics_file:
-                metrics_file.close()
-        if stop.signum:
-            return self.stopped(done_steps, saved, guard.bad_from)
-        if guard.bad_from is not None:  # max_bad_steps in a row, or the run ended in a streak
-            return self.diverged(guard.bad_from, done_steps, guard.last_finite, guard.diverged)
-        return self.done(first, losses, time.perf_counter() - start, skipped)
+            meta = start.source.meta(step)
+        except CorruptCheckpointError as e:
+            set_aside(start, e)
+            continue
+        check_compatible(meta, cfg, exp.mesh.devices.flat[0].platform)
+        saved = meta.get("data", {}).get("source")
+        here = os.path.abspath(args.data) if args.data else None
+        saved = os.path.abspath(saved) if saved else None
+        if saved != here and not args.allow_other_data:
+            raise ValueError(f"the checkpoint was trained on --data {saved or '(the default)'} "
+                             f"but this run reads {here or '(the default)'}: pass the same "
+                             "--data, or --allow-other-data to go on with other data")
+        start.seed = meta["data"]["seed"]  # the data order goes on where it stopped
+        return step
+    raise ValueError(f"no checkpoint in {start.source.path} can be read (see the warnings "
+                     "above): pass another --checkpoint-dir, or --overwrite without --resume")
 
-    def done(self, first: int, losses: list[float], elapsed: float, skipped: int) -> int:
-        import numpy as np
 
-        steps = self.cfg["train"]["steps"]
-        print(f"done: steps {first + 1}-{steps} in {elapsed:.1f} s, loss {losses[0]:.3f} -> "
-              f"{float(np.mean(losses[-10:])):.3f} (mean of last 10), "
-              f"{(steps - first) * self.exp.tokens_per_step / elapsed:,.0f} tokens/s"
-              + (f", {skipped} steps skipped (gradient not finite)" if skipped else ""))
-        return 0
+def set_aside(start: Start, e) -> None:
+    """Report a corrupted step; it is moved aside only once an older one has restored."""
+    start.corrupt.append(e.step)
+    older = [s for s in start.source.steps() if s < e.step and s not in start.corrupt]
+    warn(f"{e}; " + (f"falling back to checkpoint {older[-1]}" if older
+                     else "no older checkpoint"))
 
-    def batch(self, i: int, rows):
-        """Batch ``i`` as a global array, this process building only its ``rows``."""
-        from zero_jax import distributed
-        from zero_jax.gpt import data
 
-        exp, t = self.exp, self.cfg["train"]
-        return distributed.global_array(exp.batch_sharding, exp.batch_shape.shape, data.batch(
-            self.tokens, i, t["batch_size"], exp.model.seq_len, self.seed, rows))
+def restore(start: Start, target, cfg: dict, args: argparse.Namespace, exp):
+    """The resume step's state, falling back past corrupted checkpoints, saying so."""
+    from zero_jax.checkpoint import CorruptCheckpointError
 
-    def progress(self, first: int):
-        """The progress bar over the steps left, and this process's rows of each batch."""
-        from tqdm import tqdm
-
-        from zero_jax import distributed
-
-        t, exp = self.cfg["train"], self.exp
-        bar = tqdm(range(first, t["steps"]), desc=f"stage {exp.plan.stage}", unit="step",
-                   mininterval=0.5, initial=first, total=t["steps"], disable=not self.primary)
-        return bar, distributed.local_rows(exp.batch_sharding, exp.batch_shape.shape)
-
-    def timed(self, step, state, batch, n: int):
-        """Step ``n``, waited for: the new state, its metrics as numbers, the metrics record."""
+    while True:
         tick = time.perf_counter()
-        state, m = step(state, batch)
-        m = {k: float(v) for k, v in m.items()}  # waits for the step
-        m["skipped"] = int(m["skipped"])
-        tps = self.exp.tokens_per_step / (time.perf_counter() - tick)
-        return state, m, {"step": n, **m, "tokens_per_s": tps}
-
-    def start(self, target, r: dict):
-        """The state to train from: --overwrite's deletion done, restored or initialized; the
-        report written."""
-        import jax
-
-        from zero_jax.state import init_state
-
-        if self.overwrite:
-            self.ckpts.remove_all()
-            print(f"--overwrite: deleted checkpoints {', '.join(map(str, self.overwrite))} in "
-                  f"{self.ckpts.path}")
-        if self.resume_step is not None:
-            state = self.restore(target)
-        else:
-            exp = self.exp
-            state = init_state(exp.plan, exp.init, exp.tx, jax.random.key(self.seed))
-        self.write_report(r)
+        try:
+            state, _ = start.source.restore(target, start.step)
+        except CorruptCheckpointError as e:
+            set_aside(start, e)
+            start.step = readable_step(start, e.step - 1, cfg, args, exp)
+            continue
+        print(f"resumed from step {start.step} of {start.source.path} in "
+              f"{time.perf_counter() - tick:.2f} s (digests checked in "
+              f"{start.source.verify_s * 1e3:.0f} ms)")
+        if start.source is start.ckpts:  # ours: the corrupted steps make way for new saves
+            for bad in start.corrupt:
+                warn(f"corrupted checkpoint {bad} moved aside to "
+                     f"{start.ckpts.quarantine(bad)}")
         return state
 
-    def save_if_due(self, state, step: int, allowed: bool, bar) -> int | None:
-        """Save at --save-every, at the last step and on a stop signal, unless not ``allowed``
-        (a streak of bad steps); report finished saves. Returns the step saved, if any."""
-        every, saved = self.args.save_every, None
-        if ((every and step % every == 0) or step == self.cfg["train"]["steps"]
-                or self.stop.signum) and allowed:
-            self.ckpts.save(state, self.checkpoint_meta(step))
-            saved = step
-            bar.write(f"saving checkpoint {step} (training goes on)")
+
+def initial_state(start: Start, target, cfg: dict, args: argparse.Namespace, exp):
+    """The state to train from: --overwrite's deletion done, then restored or initialized."""
+    import jax
+
+    from zero_jax.state import init_state
+
+    if start.overwrite:
+        start.ckpts.remove_all()
+        print(f"--overwrite: deleted checkpoints {', '.join(map(str, start.overwrite))} in "
+              f"{start.ckpts.path}")
+    if start.step is not None:
+        return restore(start, target, cfg, args, exp)
+    return init_state(exp.plan, exp.init, exp.tx, jax.random.key(start.seed))
+
+
+def jax_primary() -> bool:
+    """Process 0 writes the report and metrics files."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def compile_report(exp, state) -> tuple[dict, object]:
+    """The step compiled for ``state`` (abstract arrays: nothing allocated), and its report."""
+    from zero_jax import report
+    from zero_jax.peak import compile_with_peak
+
+    lowered = exp.step.lower(state, exp.batch_shape)
+    compiled, peak = compile_with_peak(lowered)
+    r = report.build(exp.plan, state, lowered, compiled, peak)
+    print(report.format_table(r))
+    return r, compiled
+
+
+def write_json(path: str | None, obj: dict) -> None:
+    if path and jax_primary():
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=1)
+
+
+def dry_run(exp, args: argparse.Namespace) -> int:
+    """The report of the compiled step, and the flat stages side by side on the same mesh."""
+    from zero_jax import report
+    from zero_jax.state import abstract_state
+
+    plan = exp.plan
+    r, _ = compile_report(exp, abstract_state(plan, exp.tx))
+    if plan.outer is None:
+        r["stages"] = report.stages_table(plan, exp.tx)
+        print("\n" + report.format_stages(r["stages"], r["n_params"], plan.dp_size))
+    write_json(args.report, r)
+    return 0
+
+
+def plan_layouts(exp, cfg: dict, args: argparse.Namespace) -> int:
+    """The planner: every layout this config leaves open, compiled on abstract arrays, against
+    --device-memory and --host-memory."""
+    import jax
+
+    from zero_jax import planner
+    from zero_jax.gpt import layouts
+    from zero_jax.state import abstract_state
+
+    if exp.plan.outer is not None:
+        raise ValueError("the planner compares the flat stages; drop zero3_size")
+    per_host, n = args.devices_per_host or jax.local_device_count(), exp.mesh.size
+    rows = []
+    for layout, c in layouts.candidates(cfg, args.set, args.stage, args.tensor_parallel,
+                                        per_host, n):
+        e = build(c, args)
+        state = abstract_state(e.plan, e.tx)
+        rows.append(planner.measure(layout, e.plan, state,
+                                    e.step.lower(state, e.batch_shape).compile()))
+    best = planner.choose(rows, args.device_memory, args.host_memory, per_host)
+    print(planner.format_table(rows, best, args.device_memory, args.host_memory, per_host,
+                               exp.model.n_params, n)
+          + (f": {layouts.flags(best.layout)}" if best else ""))
+    write_json(args.report, planner.as_json(rows, best, args.device_memory, args.host_memory,
+                                            per_host, n))
+    return 0
+
+
+class Hook:
+    """Called with each step's results (``n, state, metrics, record``); closed at the end."""
+
+    def __call__(self, n: int, state, m: dict, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class MetricsFile(Hook):
+    """A hook: one strict-JSON line per step, line-buffered. On resume, the records after
+    ``first`` (from a run that went further than its last checkpoint) are dropped, since they
+    are trained again."""
+
+    def __init__(self, path: str, first: int, records: list[tuple[int, str]]):
+        p = pathlib.Path(path)
+        if first and p.exists():
+            keep = "".join(line for step, line in records if step <= first)
+            tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")  # a kill leaves the old file
+            tmp.write_text(keep)
+            os.replace(tmp, p)
+        self.file = open(p, "a" if first else "w", buffering=1)
+
+    def __call__(self, n: int, state, m: dict, record: dict) -> None:
+        self.file.write(json.dumps(finite_record(record), allow_nan=False) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class Saver(Hook):
+    """A hook: save at --save-every, at the last step and on a stop signal, unless the
+    divergence guard is in a streak of bad steps; report finished saves."""
+
+    def __init__(self, ckpts, every: int, last: int, stop: Stop, guard: Guard, bar, meta):
+        self.ckpts, self.every, self.last, self.stop = ckpts, every, last, stop
+        self.guard, self.bar, self.meta = guard, bar, meta
+        self.saved: int | None = None  # the newest step saved
+
+    def __call__(self, n: int, state, m: dict, record: dict) -> None:
+        if ((self.every and n % self.every == 0) or n == self.last or self.stop.signum) \
+                and self.guard.bad_from is None:
+            self.ckpts.save(state, self.meta(n))
+            self.saved = n
+            self.bar.write(f"saving checkpoint {n} (training goes on)")
         if done := self.ckpts.poll():
-            bar.write(str(done))
-        return saved
-    def newest_checkpoint(self) -> str:
-        if not self.ckpts:
-            return "nothing was saved (no --checkpoint-dir)"
-        if (newest := self.ckpts.latest_step()) is None:
-            return f"no checkpoint is in {self.ckpts.path}"
-        return f"the newest checkpoint, from before it, is {newest} in {self.ckpts.path}"
+            self.bar.write(str(done))
 
-    def diverged(self, bad_from: int, step: int, last_finite: int | None, stopped: bool) -> int:
-        """The divergence guard's one line: which steps, the last good one, what is kept."""
-        n = step - bad_from + 1
-        why = ("its update went in" if n < self.cfg["train"]["max_bad_steps"] and stopped
-               else "the run ended in it" if not stopped
-               else f"train.max_bad_steps is {self.cfg['train']['max_bad_steps']}")
-        good = (f"the last step with a finite loss was {last_finite}" if last_finite
-                else "no step of this run had a finite loss")
-        print(f"error: {PROCESS}training diverged: step{'s' if n > 1 else ''} "
-              f"{bad_from}{f'-{step}' if n > 1 else ''} had a non-finite loss or gradient "
-              f"({n} in a row; {why}); {good}; nothing saved since, {self.newest_checkpoint()}: "
-              "resume from it with a lower optimizer.lr, or a larger optimizer.warmup_steps",
-              file=sys.stderr)
-        return DIVERGED
+    def finish(self) -> None:
+        """Wait for the saves in flight (at the run's normal end)."""
+        if done := self.ckpts.finish():
+            self.bar.write(str(done))
 
-    def stopped(self, step: int, saved: int | None, bad_from: int | None = None) -> int:
-        name = signal.Signals(self.stop.signum).name
-        if saved == step:
-            what = f"checkpoint {step} saved in {self.ckpts.path}; continue with --resume"
-        elif bad_from is not None:
-            what = (f"not saved: steps {bad_from}-{step} had a non-finite loss or gradient; "
-                    f"{self.newest_checkpoint()}")
-        elif self.ckpts:
-            what = "nothing new to save"
-        else:
-            what = "not saved (no --checkpoint-dir)"
-        print(f"stopped by {name} after step {step}: {what}", file=sys.stderr)
-        return SIGNAL_EXIT[self.stop.signum]
 
-    def checkpoint_meta(self, step: int) -> dict:
-        """What a checkpoint needs besides arrays to resume exactly and to be checked."""
-        plan = self.exp.plan
-        source = os.path.abspath(self.args.data) if self.args.data else None
-        return {"config": self.cfg,
-                "data": {"source": source, "seed": self.seed, "next_batch": step},
-                "writer": {"stage": plan.stage, "devices": plan.mesh.size,
-                           "processes": len({d.process_index for d in plan.mesh.devices.flat}),
-                           "platform": plan.mesh.devices.flat[0].platform}}
+class Tally(Hook):
+    """A hook: the losses, the skipped steps and the progress bar's figures."""
+
+    def __init__(self, bar):
+        self.bar, self.losses, self.skipped = bar, [], 0
+
+    def __call__(self, n: int, state, m: dict, record: dict) -> None:
+        self.losses.append(m["loss"])
+        self.skipped += m["skipped"]
+        self.bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+
+
+def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
+          watchdog=None) -> int:
+    """Compile, check the fit, start (restore or initialize), then the loop and its hooks."""
+    from zero_jax import fit
+    from zero_jax.checkpoint import CheckpointError
+    from zero_jax.state import abstract_state
+
+    t = cfg["train"]
+    target = abstract_state(exp.plan, exp.tx)
+    r, step = compile_report(exp, target)
+    if problem := fit.check(step, list(exp.mesh.devices.flat)):
+        return fail(f"{problem}: use {'a higher --stage, ' * (exp.plan.stage < 3)}"
+                    "precision.param_dtype=bf16, zero.offload_grads, a smaller model or "
+                    "train.batch_size, or --dry-run to see the report")
+    state = initial_state(start, target, cfg, args, exp)
+    write_json(args.report, r)
+    first = int(state.step)
+    if first >= t["steps"]:
+        print(f"nothing to do: the checkpoint is at step {first} and --steps is {t['steps']}")
+        return 0
+    guard = Guard(t["max_bad_steps"], cfg["precision"]["min_loss_scale"])
+    bar, rows = progress(exp, t["steps"], first)
+    tally, saver = Tally(bar), None
+    hooks: list[Hook] = [tally]
+    if args.metrics and jax_primary():
+        hooks.append(MetricsFile(args.metrics, first, start.records))
+    if start.ckpts:
+        hooks.append(saver := Saver(start.ckpts, args.save_every, t["steps"], stop, guard, bar,
+                                    lambda n: checkpoint_meta(exp, cfg, args, start.seed, n)))
+    tick, done_steps = time.perf_counter(), first
+    try:
+        done_steps = loop(exp, step, state, start, t, bar, rows, hooks, guard, stop, watchdog)
+        if saver:
+            saver.finish()
+    except CheckpointError as e:
+        return fail(str(e), 1)
+    finally:
+        bar.close()
+        for hook in hooks:
+            hook.close()
+    saved = saver.saved if saver else None
+    if stop.signum:
+        return stopped(stop, done_steps, saved, start.ckpts, guard.bad_from)
+    if guard.bad_from is not None:  # max_bad_steps in a row, or the run ended in a streak
+        return diverged(t["max_bad_steps"], guard, done_steps, start.ckpts)
+    return done(exp, t["steps"], first, tally, time.perf_counter() - tick)
+
+
+def loop(exp, step, state, start: Start, t: dict, bar, rows, hooks: list, guard: Guard,
+         stop: Stop, watchdog) -> int:
+    """Train until the last step, a stop signal or the divergence guard; each step's results
+    go to every hook. Returns the last step trained."""
+    done_steps = int(state.step)
+    for i in bar:
+        if stop.signum:
+            break
+        batch = make_batch(exp, start, t["batch_size"], i, rows)
+        if watchdog:
+            watchdog.reach(i + 1)
+        state, m, record = timed(exp, step, state, batch, i + 1)
+        done_steps = i + 1
+        stop_now = guard.update(m, i + 1)
+        for hook in hooks:
+            hook(i + 1, state, m, record)
+        if stop_now:
+            break
+    return done_steps
+
+
+def progress(exp, steps: int, first: int):
+    """The progress bar over the steps left, and this process's rows of each batch."""
+    from tqdm import tqdm
+
+    from zero_jax import distributed
+
+    bar = tqdm(range(first, steps), desc=f"stage {exp.plan.stage}", unit="step",
+               mininterval=0.5, initial=first, total=steps, disable=not jax_primary())
+    return bar, distributed.local_rows(exp.batch_sharding, exp.batch_shape.shape)
+
+
+def make_batch(exp, start: Start, batch_size: int, i: int, rows):
+    """Batch ``i`` as a global array, this process building only its ``rows``."""
+    from zero_jax import distributed
+    from zero_jax.gpt import data
+
+    return distributed.global_array(exp.batch_sharding, exp.batch_shape.shape, data.batch(
+        start.tokens, i, batch_size, exp.model.seq_len, start.seed, rows))
+
+
+def timed(exp, step, state, batch, n: int):
+    """Step ``n``, waited for: the new state, its metrics as numbers, the metrics record."""
+    tick = time.perf_counter()
+    state, m = step(state, batch)
+    m = {k: float(v) for k, v in m.items()}  # waits for the step
+    m["skipped"] = int(m["skipped"])
+    tps = exp.tokens_per_step / (time.perf_counter() - tick)
+    return state, m, {"step": n, **m, "tokens_per_s": tps}
+
+
+def done(exp, steps: int, first: int, tally: Tally, elapsed: float) -> int:
+    import numpy as np
+
+    losses = tally.losses
+    print(f"done: steps {first + 1}-{steps} in {elapsed:.1f} s, loss {losses[0]:.3f} -> "
+          f"{float(np.mean(losses[-10:])):.3f} (mean of last 10), "
+          f"{(steps - first) * exp.tokens_per_step / elapsed:,.0f} tokens/s"
+          + (f", {tally.skipped} steps skipped (gradient not finite)" if tally.skipped else ""))
+    return 0
+
+
+def newest_checkpoint(ckpts) -> str:
+    if not ckpts:
+        return "nothing was saved (no --checkpoint-dir)"
+    if (newest := ckpts.latest_step()) is None:
+        return f"no checkpoint is in {ckpts.path}"
+    return f"the newest checkpoint, from before it, is {newest} in {ckpts.path}"
+
+
+def diverged(max_bad: int, guard: Guard, step: int, ckpts) -> int:
+    """The divergence guard's one line: which steps, the last good one, what is kept."""
+    bad_from, n = guard.bad_from, step - guard.bad_from + 1
+    why = ("its update went in" if n < max_bad and guard.diverged
+           else "the run ended in it" if not guard.diverged
+           else f"train.max_bad_steps is {max_bad}")
+    good = (f"the last step with a finite loss was {guard.last_finite}" if guard.last_finite
+            else "no step of this run had a finite loss")
+    print(f"error: {PROCESS}training diverged: step{'s' if n > 1 else ''} "
+          f"{bad_from}{f'-{step}' if n > 1 else ''} had a non-finite loss or gradient "
+          f"({n} in a row; {why}); {good}; nothing saved since, {newest_checkpoint(ckpts)}: "
+          "resume from it with a lower optimizer.lr, or a larger optimizer.warmup_steps",
+          file=sys.stderr)
+    return DIVERGED
+
+
+def stopped(stop: Stop, step: int, saved: int | None, ckpts, bad_from: int | None) -> int:
+    name = signal.Signals(stop.signum).name
+    if saved == step:
+        what = f"checkpoint {step} saved in {ckpts.path}; continue with --resume"
+    elif bad_from is not None:
+        what = (f"not saved: steps {bad_from}-{step} had a non-finite loss or gradient; "
+                f"{newest_checkpoint(ckpts)}")
+    elif ckpts:
+        what = "nothing new to save"
+    else:
+        what = "not saved (no --checkpoint-dir)"
+    print(f"stopped by {name} after step {step}: {what}", file=sys.stderr)
+    return SIGNAL_EXIT[stop.signum]
+
+
+def checkpoint_meta(exp, cfg: dict, args: argparse.Namespace, seed: int, step: int) -> dict:
+    """What a checkpoint needs besides arrays to resume exactly and to be checked."""
+    plan = exp.plan
+    source = os.path.abspath(args.data) if args.data else None
+    return {"config": cfg,
+            "data": {"source": source, "seed": seed, "next_batch": step},
+            "writer": {"stage": plan.stage, "devices": plan.mesh.size,
+                       "processes": len({d.process_index for d in plan.mesh.devices.flat}),
+                       "platform": plan.mesh.devices.flat[0].platform}}
 
 
 def read_metrics(path: str) -> list[tuple[int, str]]:

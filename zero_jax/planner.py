@@ -79,3 +79,44 @@ def choose(candidates: list[Candidate], device_memory: int, host_memory: int,
                   c.host_state * devices_per_host <= HEADROOM * host_memory)
     fitting = [c for c in candidates if c.fits]
     return min(fitting, key=lambda c: (c.comm, c.host_traffic, c.device), default=None)
+
+
+def format_table(candidates: list[Candidate], best: Candidate | None, device_memory: int,
+                 host_memory: int, devices_per_host: int, n_params: int, devices: int) -> str:
+    """The candidates as a table: device memory (state + temp), host memory per host, whether
+    it fits, communication; and which was chosen."""
+    unit, div = ("GiB", 2**30) if device_memory >= 2**30 else ("MiB", 2**20)
+    lines = [f"layouts of {n_params:,} parameters on {devices} devices of "
+             f"{device_memory / div:.1f} {unit}, {devices_per_host} per host of "
+             f"{host_memory / div:.1f} {unit} (fits: within {HEADROOM:.0%} of both); {unit} "
+             "per device, host per host, communication per device and step\n",
+             f"  {'stage':<6}{'offload':<10}{'remat':<8}{'tp':>3}{'device':>9}{'(state':>9}"
+             f"{'+ temp)':>9}{'host':>9}{'fits':>6}{'comm MiB':>10}{'host<->dev MiB':>16}"]
+    for c in candidates:
+        lo = c.layout
+        lines.append(f"  {lo['stage']:<6}{lo['offload']:<10}{lo['remat']:<8}{lo['tp']:>3}"
+                     f"{c.device / div:>9.2f}{c.device_state / div:>9.2f}{c.temp / div:>9.2f}"
+                     f"{c.host_state * devices_per_host / div:>9.2f}"
+                     f"{'yes' if c.fits else 'no':>6}{c.comm / 2**20:>10.2f}"
+                     f"{c.host_traffic / 2**20:>16.2f}")
+    if best is None:
+        lines.append("\nnothing fits: more devices, a smaller model or train.batch_size")
+    else:
+        lo = best.layout
+        lines.append(f"\nfits and communicates least: stage {lo['stage']}, offload "
+                     f"{lo['offload']}, remat {lo['remat']}, tensor parallel {lo['tp']}")
+    return "\n".join(lines)
+
+
+def as_json(candidates: list[Candidate], best: Candidate | None, device_memory: int,
+            host_memory: int, devices_per_host: int, devices: int) -> dict:
+    """The planner's verdict as the report file holds it."""
+    return {"device_memory": device_memory, "host_memory": host_memory,
+            "devices_per_host": devices_per_host, "devices": devices,
+            "best": None if best is None else best.layout,
+            "candidates": [{**c.layout, "device_bytes": c.device,
+                            "device_state_bytes": c.device_state, "temp_bytes": c.temp,
+                            "model_state_bytes": c.model_states,
+                            "host_bytes_per_host": c.host_state * devices_per_host,
+                            "fits": c.fits, "comm_bytes": c.comm,
+                            "host_traffic_bytes": c.host_traffic} for c in candidates]}

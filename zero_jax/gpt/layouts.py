@@ -1,0 +1,55 @@
+"""The planner's candidates for the GPT demo: every layout its command line left open.
+
+The library's planner (``zero_jax.planner``) measures compiled candidates and chooses; this
+module says which configs to compile and how to spell the chosen one as train.py's flags.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Iterator
+
+from zero_jax.gather import REMAT
+
+
+def candidates(cfg: dict, sets: list[str], stage: int | None, tensor_parallel: int | None,
+               per_host: int, devices: int) -> Iterator[tuple[dict, dict]]:
+    """(layout, config) for each candidate: what the command line did not fix (--stage,
+    --tensor-parallel, model.remat, zero.offload_*) varies. Tensor parallelism (T a divisor of
+    the devices per host that cuts the heads, the MLP and the vocabulary) is tried at stage 3
+    with partitioned activations and no offload, as ZeRO's paper trains its largest models."""
+    z, m = cfg["zero"], cfg["model"]
+    fixed = lambda key: any(s.startswith(key) for s in sets)
+    offloads = {"none": ("none", "none"), "optimizer": ("cpu", "none"),
+                "params": ("cpu", "cpu")}
+    if fixed("zero.offload_"):
+        offloads = {"as set": (z["offload_optimizer"]["device"], z["offload_params"])}
+    tps = [cfg["mesh"]["tensor_parallel"]]
+    if tensor_parallel is None and not fixed("mesh.tensor_parallel"):
+        tps = [t for t in range(1, per_host + 1) if per_host % t == 0 and devices % t == 0
+               and all(m[k] % t == 0 for k in ("n_heads", "d_ff", "vocab_size"))]
+    stages = [stage] if stage is not None else range(4)
+    for t, s, (offload, (opt, params)), remat in itertools.product(
+            tps, stages, offloads.items(), [m["remat"]] if fixed("model.remat") else REMAT):
+        if (params == "cpu" and (s != 3 or cfg["train"]["accum_steps"] > 1)) or \
+                (t > 1 and (s != 3 or opt != "none")):
+            continue
+        c = copy.deepcopy(cfg)
+        ratio = z["offload_optimizer"]["ratio"] if offload == "as set" else 1.0
+        c["zero"].update(stage=s, offload_params=params, partition_activations=t > 1,
+                         offload_optimizer={"device": opt, "ratio": ratio})
+        c["model"]["remat"], c["mesh"]["tensor_parallel"] = remat, t
+        yield {"stage": s, "offload": offload, "remat": remat, "tp": t}, c
+
+
+def flags(layout: dict) -> str:
+    """train.py's flags for ``layout``."""
+    out = [f"--stage {layout['stage']}", f"--set model.remat={layout['remat']}"]
+    if layout["offload"] in ("optimizer", "params"):
+        out.append("--set zero.offload_optimizer.device=cpu")
+    if layout["offload"] == "params":
+        out.append("--set zero.offload_params=cpu")
+    if layout["tp"] > 1:
+        out += [f"--tensor-parallel {layout['tp']}", "--set zero.partition_activations=true"]
+    return " ".join(out)
