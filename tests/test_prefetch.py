@@ -180,6 +180,12 @@ def test_prefetch_refused_where_it_cannot_run(mesh):
     with pytest.raises(ValueError, match="block 'h_0' ran twice in one loss"):
         jax.eval_shape(zj.make_grad_fn(plan, lambda p, b: model.apply({"params": p}, b)),
                        zj.abstract_state(plan, optax.sgd(0.1)).params, batch)
+    # Blocks under the model's own nn.remat: nothing may leave that transform.
+    init, loss, layers = dict(regather.problems("full"))["unrolled"]
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=layers, comm=on)
+    with pytest.raises(ValueError, match="inside a Flax transform of the model's own"):
+        jax.eval_shape(zj.make_grad_fn(plan, loss), zj.abstract_state(plan, optax.sgd(0.1))
+                       .params, regather.BATCH)
     init, loss = nnx_problem(Listed)  # its blocks hold nnx.Dropout random streams
     plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=r"^blocks/\d+$", comm=on)
     nnx_batch = (jax.ShapeDtypeStruct((32, 16), jnp.float32),

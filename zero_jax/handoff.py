@@ -180,7 +180,11 @@ def _linen(module: Any, method: str) -> tuple[Callable, Callable]:
     def weights_of(path: str):
         tree = root
         for part in path.split("/"):
-            tree = tree[part]
+            tree = tree.get(part) if hasattr(tree, "get") else None
+        if tree is None:  # the root of a transform's scope (the model's own nn.remat, ...)
+            raise ValueError(f"prefetch hands block {path!r} its weights from the block before; "
+                             f"it runs inside a Flax transform of the model's own (nn.remat, "
+                             f"nn.vmap, ...), which no value may leave; {_OFF}")
         return tree
     return block, weights_of
 
