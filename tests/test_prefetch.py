@@ -1,8 +1,9 @@
-"""Prefetch: stage 3's scanned stacks gather layer i+1 while layer i computes (i-1 in the
-backward, while layer i+1's gradient is reduce-scattered). It changes when bytes travel, not
-what is computed: the prefetched step must train bit-identically to the plain one, move the
-same bytes, and its program's loops must gather one iteration ahead and reduce one behind; the
-price is one more gathered layer and one more whole layer gradient, which the report states."""
+"""Prefetch: stage 3's scanned stacks, unrolled blocks and NNX blocks gather layer i+1 while
+layer i computes (i-1 in the backward, while layer i+1's gradient is reduce-scattered). It
+changes when bytes travel, not what is computed: the prefetched step must train bit-identically
+to the plain one, move the same bytes, and its program must gather one layer ahead and reduce
+one behind; the price is one more gathered layer and one more whole layer gradient, which the
+report states."""
 
 import dataclasses
 import re
@@ -13,11 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import regather
 from conftest import KEY, OPTIMIZERS, SMALL
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_comm import volume
-from test_nnx import Scanned
+from test_nnx import Listed, Scanned
 from test_nnx import problem as nnx_problem
 from test_remat import scan_outputs_in_host_memory
 
@@ -25,7 +27,14 @@ import zero_jax as zj
 from zero_jax import report
 from zero_jax.gpt import data
 from zero_jax.gpt.model import GPT, LAYERS, init_fn, lm_loss
-from zero_jax.hlo import collectives, copied_bytes, gathered_ahead, reduced_behind
+from zero_jax.hlo import (
+    collectives,
+    copied_bytes,
+    gathered_ahead,
+    gathered_beside,
+    reduced_behind,
+    scheduled_ahead,
+)
 
 pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
 
@@ -127,6 +136,15 @@ def test_remat_offload_keeps_the_saved_layer_inputs_in_host_memory(mesh, problem
     assert host["offload"][0] == 1 and host["full"][0] == 0
 
 
+class Twice(nn.Module):
+    """One block called twice: it cannot hand itself its own weights."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(64, name="h_0")
+        return h(h(x)).sum()
+
+
 class Block(nn.Module):
     @nn.compact
     def __call__(self, x, _):
@@ -153,10 +171,28 @@ def test_prefetch_refused_where_it_cannot_run(mesh):
             zj.make_plan(shapes, mesh, stage, layers=LAYERS, comm=on)
     with pytest.raises(ValueError, match="remat full or offload"):
         zj.make_plan(shapes, mesh, 3, layers=zj.Layers(LAYERS, "dots"), comm=on)
-    unrolled = {"h_0": {"up": jax.ShapeDtypeStruct((64, 256), jnp.float32),
-                        "down": jax.ShapeDtypeStruct((256, 64), jnp.float32)}}
-    with pytest.raises(ValueError, match="'h_0' is not one"):
-        zj.make_plan(unrolled, mesh, 3, layers="^h_0$", comm=on)
+    # A block called twice, or an NNX block drawing random numbers: one line at trace time.
+    model = Twice()
+    x = jnp.ones((16, 64))
+    init = lambda key: model.init(key, x)["params"]
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers="^h_0$", comm=on)
+    batch = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("data")))
+    with pytest.raises(ValueError, match="block 'h_0' ran twice in one loss"):
+        jax.eval_shape(zj.make_grad_fn(plan, lambda p, b: model.apply({"params": p}, b)),
+                       zj.abstract_state(plan, optax.sgd(0.1)).params, batch)
+    # Blocks under the model's own nn.remat: nothing may leave that transform.
+    init, loss, layers = dict(regather.problems("full"))["unrolled"]
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=layers, comm=on)
+    with pytest.raises(ValueError, match="inside a Flax transform of the model's own"):
+        jax.eval_shape(zj.make_grad_fn(plan, loss), zj.abstract_state(plan, optax.sgd(0.1))
+                       .params, regather.BATCH)
+    init, loss = nnx_problem(Listed)  # its blocks hold nnx.Dropout random streams
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=r"^blocks/\d+$", comm=on)
+    nnx_batch = (jax.ShapeDtypeStruct((32, 16), jnp.float32),
+                 jax.ShapeDtypeStruct((32, 1), jnp.float32))
+    with pytest.raises(ValueError, match="holds other variables"):
+        jax.eval_shape(zj.make_grad_fn(plan, loss), zj.abstract_state(plan, optax.sgd(0.1))
+                       .params, nnx_batch)
     # A stack that draws dropout keys: one line at trace time, not a silent plain loop.
     model = Stack()
     x = jnp.ones((16, 64))
@@ -177,3 +213,48 @@ def test_prefetch_refused_where_it_cannot_run(mesh):
     with pytest.raises(ValueError, match="'blocks' did not run as one"):
         jax.eval_shape(zj.make_grad_fn(plan, loss), zj.abstract_state(plan, optax.sgd(0.1))
                        .params, batch)
+
+
+BLOCKS = {"unrolled": [f"h_{i}" for i in range(4)], "nnx": [f"blocks/{i}" for i in range(4)]}
+
+
+@pytest.mark.parametrize("kind", list(BLOCKS))
+def test_unrolled_and_nnx_blocks_hand_the_next_block_its_weights(kind, mesh):
+    """Four blocks built in a Python loop (linen) or held in a list (NNX): with prefetch each
+    block's call gathers the next block's weights, the steps train bit-identically (SGD with
+    buckets, AdamW per leaf), and the compiled program gathers every block while the block
+    before runs (in the backward: the block after), at most one gathered block more temp."""
+    init, loss, layers = dict(regather.problems())[kind]
+    put = lambda b: jax.device_put(b, NamedSharding(mesh, P("data")))
+    batches = [put(jax.random.randint(jax.random.key(i), regather.BATCH.shape, 0,
+                                      regather.CFG.vocab_size)) for i in range(3)]
+    shapes = jax.eval_shape(init, KEY)
+    block = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+        shapes["h_0"] if kind == "unrolled" else shapes["blocks"][0]))
+    for opt, bucket_bytes in (("sgd", 25 << 20), ("adamw", 0)):
+        tx, runs = OPTIMIZERS[opt](), {}
+        for on in (False, True):
+            plan = zj.make_plan(shapes, mesh, 3, layers=layers,
+                                comm=zj.Comm(bucket_bytes, prefetch=on))
+            state = zj.init_state(plan, init, tx, KEY)
+            compiled = zj.make_train_step(plan, loss, tx).lower(state, batches[0]).compile()
+            losses = []
+            for b in batches:
+                state, m = compiled(state, b)
+                losses.append(float(m["loss"]))
+            runs[on] = losses, jax.device_get(state.params), compiled
+        assert runs[False][0] == runs[True][0]
+        for a, b in zip(jax.tree.leaves(runs[False][1]), jax.tree.leaves(runs[True][1]),
+                        strict=True):
+            np.testing.assert_array_equal(a, b)
+        text = runs[True][2].as_text()
+        assert gathered_beside(text, BLOCKS[kind]) == {"forward": [True] * 3,
+                                                       "backward": [True] * 3}
+        assert all(scheduled_ahead(text, BLOCKS[kind]))
+        if kind == "unrolled":  # the plain program (its blocks named by linen) waits
+            plain = runs[False][2].as_text()
+            assert gathered_beside(plain, BLOCKS[kind]) == {"forward": [False] * 3,
+                                                            "backward": [False] * 3}
+            assert not any(scheduled_ahead(plain, BLOCKS[kind]))
+        temp = [runs[on][2].memory_analysis().temp_size_in_bytes for on in (False, True)]
+        assert 0 < temp[1] - temp[0] <= block, (temp, block)

@@ -325,9 +325,11 @@ def partitioned(x: Any, cut: bool) -> Any:
 
 
 @contextlib.contextmanager
-def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = False):
+def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = False,
+              chain: Any = None):
     """Make each named block's ``Shard``s whole as the block runs; yields the set of blocks
-    that ran.
+    that ran. ``chain`` (a ``zero_jax.handoff.Chain``): stage 3's blocks hand each other
+    their weights (prefetch).
 
     Linen, with no change to the model: any call of a module whose path is a block (an
     unrolled ``h/0`` or, inside ``nn.scan``, the scanned module, one layer's slice at a time)
@@ -354,6 +356,12 @@ def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = Fals
         run = lambda mdl: getattr(mdl, context.method_name)(*args, **kwargs)
         if not _gathers(params):  # stage 2: reads its whole copy
             return nn.map_variables(run, "params", trans_in_fn=materialize_tree)(module)
+        if chain is not None:
+            return chain.call(path, chain.linen(module, context.method_name), args, kwargs,
+                              lambda: plain_block(module, context, args, kwargs))
+        return plain_block(module, context, args, kwargs)
+
+    def plain_block(module, context, args, kwargs):
         gather = lambda params: materialize_tree(after_inputs(params, args, kwargs))
         # Partitioned: the block's inputs reach its checkpoint cut (what it saves, or offloads)
         # and are made whole inside it.
@@ -368,7 +376,7 @@ def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = Fals
         run = nn.map_variables(named, "params", trans_in_fn=gather)
         return nn.remat(run, prevent_cse=True, policy=policy)(module)
 
-    token = _ACTIVE.set((names, seen, policy))
+    token = _ACTIVE.set((names, seen, policy, chain))
     try:
         with nn.intercept_methods(intercept):
             yield seen
@@ -385,11 +393,13 @@ def nnx_merge(graphdef: Any, *states: Any) -> Any:
     active = _ACTIVE.get()
     if active is None:
         return model
-    names, seen, _ = active
+    names, seen, _, chain = active
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module) and (name := "/".join(map(str, path))) in names:
             internals.set_class(node, _per_block_class(type(node)))
             seen.add(name)
+            if chain is not None:
+                chain.modules[name] = node
     return model
 
 
@@ -425,7 +435,13 @@ def _per_block_class(cls: type) -> type:
         gather = lambda s: materialize_tree(after_inputs(s, args, kwargs))
 
         named = lambda m: run(m, *name_inputs(args, kwargs), gather)
-        return nnx.remat(named, prevent_cse=True, policy=active[2])(self)
+        plain = lambda: nnx.remat(named, prevent_cse=True, policy=active[2])(self)
+        chain = active[3]
+        # Not the model's own module (a copy made by nnx.scan): no neighbours to hand to.
+        name = next((n for n, m in (chain.modules if chain else {}).items() if m is self), None)
+        if name is None:
+            return plain()
+        return chain.call(name, chain.nnx(self, cls.__call__), args, kwargs, plain)
 
     return type(cls.__name__, (cls,), {"__call__": __call__, "_zero_jax_block": True,
                                        "__module__": cls.__module__,

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax.errors import ScopeParamShapeError
 from jax.sharding import PartitionSpec as P
 
-from zero_jax import buckets, prefetch
+from zero_jax import buckets, handoff, prefetch
 from zero_jax.gather import Shard, materialize_tree, per_block, per_model_rank
 from zero_jax.offload import in_host_memory, on_host_leaves
 from zero_jax.rules import Leaf, Plan
@@ -146,21 +146,19 @@ def run_loss(g: GradStep, tree: PyTree, micro: PyTree, key: jax.Array | None):
         micro = jax.tree.map(lambda x: x.astype(plan.precision.compute)
                              if jnp.issubdtype(x.dtype, jnp.floating) else x, micro)
     args = (tree, micro) if key is None else (tree, micro, key)
-    prefetched: set[str] = set()
-    fetch = prefetch.stacks(frozenset(blocks), prefetched, plan.remat == "offload") \
-        if plan.comm.prefetch else contextlib.nullcontext()
-    with per_block(blocks, plan.remat, plan.partition_activations) as seen, fetch:
-        try:
-            out = g.loss_fn(*args)
-        except ScopeParamShapeError as e:
-            raise ValueError(f"a parameter reached a module still cut into shards: the plan's "
-                             f"layers= names blocks {blocks}, and a module reading one of their "
-                             f"parameters is not one of them or inside one "
-                             f"({e.__class__.__name__}: {str(e).splitlines()[0]})") from e
+    chain = None
+    if plan.comm.prefetch:  # unrolled and NNX blocks: the order they run in, read first
+        chain = handoff.Chain(offload=plan.remat == "offload")
+        jax.eval_shape(lambda a: _traced(g, a, chain)[0], jax.lax.stop_gradient(args))
+        chain = handoff.Chain(chain.recorded, chain.offload)
+    out, seen, prefetched = _traced(g, args, chain)
+    if chain is not None:
+        chain.check_done()
+        prefetched |= set(chain.order)
     if plan.comm.prefetch and (missing := [b for b in blocks if b not in prefetched]):
-        raise ValueError(f"prefetch runs the loop of linen nn.scan stacks; {missing[0]!r} did "
-                         f"not run as one (an NNX model, or its nn.scan class made before the "
-                         f"step): turn prefetch off")
+        raise ValueError(f"prefetch runs linen nn.scan stacks, unrolled linen blocks and NNX "
+                         f"blocks in a list; {missing[0]!r} did not run as one (an NNX scan, "
+                         f"or its nn.scan class made before the step): turn prefetch off")
     if missing := [b for b in blocks if b not in seen | prefetched]:
         raise ValueError(f"layers= names {missing[0]!r}, which never ran as a Flax linen module "
                          f"during the loss; name modules that are called (their paths: "
@@ -169,6 +167,25 @@ def run_loss(g: GradStep, tree: PyTree, micro: PyTree, key: jax.Array | None):
     total, weight = loss if isinstance(loss, Weighted) else (loss, jnp.ones((), jnp.float32))
     return (total.astype(jnp.float32), jnp.asarray(weight, jnp.float32),
             jax.tree.map(lambda a: jnp.asarray(a, jnp.float32) * weight, aux))
+
+
+def _traced(g: GradStep, args: tuple, chain: handoff.Chain | None):
+    """The loss on ``args`` with the plan's blocks gathered as they run (``chain``: handing
+    each other their weights; scanned stacks: run by ``zero_jax.prefetch``): ``(out, blocks
+    that ran, stacks prefetched)``."""
+    plan, blocks = g.plan, g.plan.blocks
+    prefetched: set[str] = set()
+    fetch = prefetch.stacks(frozenset(blocks), prefetched, plan.remat == "offload") \
+        if plan.comm.prefetch else contextlib.nullcontext()
+    with per_block(blocks, plan.remat, plan.partition_activations, chain) as seen, fetch:
+        try:
+            out = g.loss_fn(*args)
+        except ScopeParamShapeError as e:
+            raise ValueError(f"a parameter reached a module still cut into shards: the plan's "
+                             f"layers= names blocks {blocks}, and a module reading one of their "
+                             f"parameters is not one of them or inside one "
+                             f"({e.__class__.__name__}: {str(e).splitlines()[0]})") from e
+    return out, seen, prefetched
 
 
 def differentiate(g: GradStep, params: PyTree, whole: PyTree | None, micro: PyTree,

@@ -291,3 +291,93 @@ def _reaches(start: str, edges: dict[str, list[str]], target: dict[str, bool]) -
                 seen.add(nxt)
                 todo.append(nxt)
     return False
+
+
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def _block_of(line: str, bodies: dict[str, list[str]], blocks: list[str]):
+    """``(block index, backward)`` of an instruction line, from its JAX name stack (a
+    fusion's: its matmuls'): the block named last in it; None when none is."""
+    names = _OP_NAME.findall(line) + [n for c in _callees(line) for inner in bodies.get(c, ())
+                                      if matmul_finder(bodies)(inner)
+                                      for n in _OP_NAME.findall(inner)]
+    for name in names:
+        at = [(m.start(), j) for j, block in enumerate(blocks)
+              for m in re.finditer(rf"(?<=[/(]){re.escape(block)}(?=[/)])", name)]
+        if at:
+            return max(at)[1], "transpose(" in name
+    return None
+
+
+def _graph(lines: list[str]):
+    """``(order, operands, users)`` of a computation's instructions."""
+    order, operands, users = [], {}, collections.defaultdict(list)
+    for line in lines:
+        if parsed := instruction(line):
+            name = parsed[0]
+            order.append((name, parsed[2], line))
+            operands[name] = _NAME.findall(parsed[3])
+            for operand in operands[name]:
+                users[operand].append(name)
+    return order, operands, users
+
+
+def _closure(start: str, edges, stop=lambda _: False) -> set[str]:
+    """Every instruction ``edges`` lead to from ``start``, not going on past ``stop`` ones."""
+    todo, seen = [start], set()
+    while todo:
+        for nxt in edges.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                if not stop(nxt):
+                    todo.append(nxt)
+    return seen
+
+
+def gathered_beside(hlo_text: str, blocks: list[str]) -> dict[str, list[bool]]:
+    """A straight-line program's blocks (unrolled; ``blocks`` in the order they run, each a
+    part of its matmuls' JAX name stacks), read from the entry computation's data flow.
+    ``forward``: per block after the first, whether an all-gather feeding its matmuls waits
+    for none of the forward matmuls of the block before; ``backward``: per block before the
+    last, whether an all-gather of the backward (one that waits for the last block's forward)
+    feeding its matmuls waits for none of the backward matmuls of the block after. All True:
+    every block's weights are gathered while its neighbour computes (prefetch)."""
+    bodies, entry = computations(hlo_text)
+    order, operands, users = _graph(bodies[entry])
+    is_matmul = matmul_finder(bodies)
+    owner = {name: _block_of(line, bodies, blocks) for name, _, line in order
+             if is_matmul(line)}
+    found = {"forward": [False] * (len(blocks) - 1), "backward": [False] * (len(blocks) - 1)}
+    for name, op, line in order:
+        if op.removesuffix("-start") != "all-gather":
+            continue
+        after = {owner[a] for a in _closure(name, operands) if owner.get(a)}
+        j = (_block_of(line, bodies, blocks) or (None,))[0]
+        if j is None:
+            continue
+        if (len(blocks) - 1, False) in after:  # the backward's
+            if j < len(blocks) - 1:
+                found["backward"][j] |= (j + 1, True) not in after
+        elif j > 0:
+            found["forward"][j - 1] |= (j - 1, False) not in after
+    return found
+
+
+def scheduled_ahead(hlo_text: str, blocks: list[str]) -> list[bool]:
+    """Per block after the first of a straight-line program (as ``gathered_beside``): whether
+    the schedule (the entry computation's instruction order) runs its first forward all-gather
+    before the last forward matmul of the block before."""
+    bodies, entry = computations(hlo_text)
+    is_matmul = matmul_finder(bodies)
+    last_matmul, first_gather = {}, {}
+    for at, (_, op, line) in enumerate(_graph(bodies[entry])[0]):
+        owner = _block_of(line, bodies, blocks)
+        if owner is None or owner[1]:
+            continue
+        if is_matmul(line):
+            last_matmul[owner[0]] = at
+        if op.removesuffix("-start") == "all-gather":
+            first_gather.setdefault(owner[0], at)
+    return [j in first_gather and j - 1 in last_matmul and first_gather[j] < last_matmul[j - 1]
+            for j in range(1, len(blocks))]

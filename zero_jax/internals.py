@@ -15,7 +15,7 @@ CHECKED = {"jax": "0.10.2", "flax": "0.12.8", "orbax-checkpoint": "0.12.8"}
 
 # XLA's pass that turns remat's optimization barriers into plain ops on the CPU backend, where
 # CSE would then merge a block's backward re-gather into its forward gather (stage 3 would hold
-# every block's whole weights). Disabled by ``zero_jax.mesh.simulate_cpu_devices``; the GPU
+# every block's whole weights). Disabled by ``zero_jax.mesh.keep_remat_barriers``; the GPU
 # compiler refuses the flag and needs no such help.
 CSE_BARRIER_PASS = "cse_barrier_expander"
 

@@ -203,9 +203,10 @@ def layout(plan: Plan, state: PyTree, found: list) -> dict:
         "frozen": [leaf.path for leaf in plan.frozen],
         "blocks": plan.blocks,
         "comm": dataclasses.asdict(plan.comm),
-        # What prefetch holds more: the largest scanned layer gathered, and its whole gradient
-        # waiting a layer to be reduced, both in the compute dtype.
-        "prefetch_bytes": 2 * layer_elements(plan) * c if plan.comm.prefetch else 0,
+        # What prefetch holds more: the largest layer (or unrolled block) gathered, and its
+        # whole gradient waiting a layer to be reduced, both in the compute dtype.
+        "prefetch_bytes": 2 * max(block_elements(plan).values(), default=0) * c
+        if plan.comm.prefetch else 0,
         "opt_state_whole": whole_opt_state(plan, state),
         "warnings": warnings(plan) + gathered_once(plan, found),
     }
@@ -273,15 +274,6 @@ def block_elements(plan: Plan) -> dict[str, int]:
             out[leaf.block] = out.get(leaf.block, 0) + layer // (t if leaf.model_dim is not None
                                                                  else 1)
     return out
-
-
-def layer_elements(plan: Plan) -> int:
-    """Elements of the largest layer of a scanned stack (one layer of each stacked leaf)."""
-    per_block: dict[str, int] = {}
-    for leaf in jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "stacked")):
-        if leaf.block and leaf.stacked:
-            per_block[leaf.block] = per_block.get(leaf.block, 0) + math.prod(leaf.shape[1:])
-    return max(per_block.values(), default=0)
 
 
 def whole_opt_state(plan: Plan, state: PyTree) -> list[dict]:

@@ -426,9 +426,6 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *,
     blocks = find_blocks(list(flat), layers.pattern) if layers else {}
     stacked = {b: scanned([flat[p] for p in blocks if blocks[p] == b])
                for b in set(blocks.values())}
-    if comm.prefetch and (unrolled := sorted(b for b, s in stacked.items() if not s)):
-        raise ValueError(f"prefetch runs the layer loop of nn.scan stacks; {unrolled[0]!r} is "
-                         f"not one (an unrolled block): turn prefetch off")
     fields = match_rules(rules, list(flat))
     # On one device nothing needs cutting, except to stream gradients and parameters to the
     # host layer by layer: with offload every leaf is cut into one shard (its collectives over
