@@ -88,8 +88,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="resume on another --data than the checkpoint was trained on")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set optimizer.name=sgd (repeatable)")
+    add_observability(p)
     add_multi_process(p)
     return p.parse_args(argv)
+
+
+def add_observability(p: argparse.ArgumentParser) -> None:
+    """Figures, TensorBoard, profiler traces and DeepSpeed configs."""
+    see = p.add_argument_group("observability (docs/guides/observability.md)")
+    see.add_argument("--plot", metavar="DIR", help="draw the report's memory by stage and "
+                     "communication (the planner's layouts), and the training curves, as PNG "
+                     "and SVG with the numbers as JSON (needs matplotlib: zero_jax[plot])")
+    see.add_argument("--tensorboard", metavar="DIR", help="write each step's metrics as "
+                     "TensorBoard scalars, and the report's headline as text (needs "
+                     "tensorboardX: zero_jax[tensorboard])")
+    see.add_argument("--profile", metavar="DIR", help="trace --profile-steps with the JAX "
+                     "profiler (for TensorBoard and Perfetto), beside the step's compiled HLO")
+    see.add_argument("--profile-steps", metavar="A:B", help="with --profile: steps A to B-1 "
+                     "(default 2:4, the two steps after the first; 1:2 in a one-step run)")
+    see.add_argument("--deepspeed-config", metavar="FILE", help="a DeepSpeed JSON config, "
+                     "mapped onto the config (printed); --set and flags override it")
 
 
 def add_multi_process(p: argparse.ArgumentParser) -> None:
@@ -107,6 +125,39 @@ def add_multi_process(p: argparse.ArgumentParser) -> None:
     multi.add_argument("--peer-timeout", type=float, default=30, metavar="S",
                        help="stop when a peer is lost or hangs this long, and the longest wait "
                        "for the coordinator at start-up (default 30)")
+
+
+OPTIONAL = {"--plot": ("matplotlib", "plot"), "--tensorboard": ("tensorboardX", "tensorboard")}
+
+
+def check_observability(args: argparse.Namespace) -> str | None:
+    """--plot, --tensorboard, --profile: directories, their packages, the profiled steps."""
+    import importlib.util
+
+    for flag in ("--plot", "--tensorboard", "--profile", "--deepspeed-config"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not value.strip():
+            what = "a file" if "config" in flag else "a directory"
+            return f"{flag} {value!r} names nothing: pass {what}"
+        if value and "config" not in flag and pathlib.Path(value).exists() \
+                and not pathlib.Path(value).is_dir():
+            return f"{flag} {value} is a file: pass a directory (made when missing)"
+        if value and flag in OPTIONAL and importlib.util.find_spec(OPTIONAL[flag][0]) is None:
+            return (f"{flag} needs {OPTIONAL[flag][0]}, which is not installed: pip install "
+                    f"'zero_jax[{OPTIONAL[flag][1]}]'")
+    if args.profile_steps is None:
+        return None
+    if not args.profile:
+        return "--profile-steps needs --profile DIR: where the trace goes"
+    a, sep, b = args.profile_steps.partition(":")
+    try:
+        args.profile_steps = (int(a), int(b)) if sep else None
+    except ValueError:
+        args.profile_steps = None
+    if args.profile_steps is None or not 1 <= args.profile_steps[0] < args.profile_steps[1]:
+        return (f"--profile-steps {a}{sep}{b} is not A:B with 1 <= A < B (steps A to B-1, "
+                "counted from 1): e.g. --profile-steps 2:4")
+    return None
 
 
 def check_args(args: argparse.Namespace) -> str | None:
@@ -231,7 +282,7 @@ class Stop:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if problem := check_args(args):
+    if problem := check_args(args) or check_observability(args):
         return fail(problem)
     from zero_jax.mesh import simulate_cpu_devices
 
@@ -288,15 +339,11 @@ def run_main(args: argparse.Namespace, watchdog=None) -> int:
         from zero_jax.checkpoint import CheckpointError
         from zero_jax.gpt import config as configs
 
-        overrides = list(args.set)
-        for flag, key in [("stage", "zero.stage"), ("steps", "train.steps"),
-                          ("seed", "train.seed"), ("zero3_size", "zero.zero3_size"),
-                          ("tensor_parallel", "mesh.tensor_parallel")]:
-            if getattr(args, flag) is not None:
-                overrides.append(f"{key}={getattr(args, flag)}")
         run = None
         try:
-            cfg = configs.load(args.config, overrides)
+            cfg = load_config(args)
+            if problem := profile_window(args, cfg["train"]["steps"]):
+                return fail(problem)
             local = {"coordinator", "num_processes", "process_id", "distributed"}
             distributed.agree("configuration", {"config": cfg, "arguments": {
                 k: v for k, v in vars(args).items() if k not in local}}, args.peer_timeout)
@@ -307,6 +354,48 @@ def run_main(args: argparse.Namespace, watchdog=None) -> int:
         finally:
             if run:
                 run.close()
+
+
+def load_config(args: argparse.Namespace) -> dict:
+    """The config: --config's file, then --deepspeed-config's keys (the mapping printed), then
+    --set, then the flags that stand for keys (--stage, --steps, ...)."""
+    from zero_jax.gpt import config as configs
+
+    overrides = list(args.set)
+    for flag, key in [("stage", "zero.stage"), ("steps", "train.steps"),
+                      ("seed", "train.seed"), ("zero3_size", "zero.zero3_size"),
+                      ("tensor_parallel", "mesh.tensor_parallel")]:
+        if getattr(args, flag) is not None:
+            overrides.append(f"{key}={getattr(args, flag)}")
+    if args.deepspeed_config:
+        import jax
+
+        from zero_jax.gpt import deepspeed
+
+        try:  # DeepSpeed's batch sizes count per data-parallel device
+            tp = configs.load(args.config, overrides)["mesh"]["tensor_parallel"]
+        except configs.ConfigError:
+            tp = 1
+        mapped, lines = deepspeed.translate(deepspeed.read(args.deepspeed_config),
+                                            (args.devices or jax.device_count()) // tp,
+                                            args.deepspeed_config)
+        print("\n".join(lines), flush=True)
+        overrides = mapped + overrides
+    return configs.load(args.config, overrides)
+
+
+def profile_window(args: argparse.Namespace, steps: int) -> str | None:
+    """--profile-steps within the run's steps (default: 2 and 3, or what the run has)."""
+    if not args.profile:
+        return None
+    if args.profile_steps is None:
+        args.profile_steps = (2, min(4, steps + 1)) if steps > 1 else (1, 2)
+        return None
+    a, b = args.profile_steps
+    if b > steps + 1:
+        return (f"--profile-steps {a}:{b} reaches past the run's {steps} steps (it traces "
+                f"steps {a} to {b - 1}): pass B of at most {steps + 1}")
+    return None
 
 
 class Run:
@@ -443,6 +532,7 @@ class Run:
             r["stages"] = report.stages_table(plan, self.exp.tx)
             print("\n" + report.format_stages(r["stages"], r["n_params"], plan.dp_size))
         self.write_report(r)
+        self.draw(r)
         return 0
 
     def plan_layouts(self) -> int:
@@ -466,19 +556,17 @@ class Run:
             rows.append(planner.measure(layout, exp.plan, state, compiled))
         best = planner.choose(rows, args.device_memory, args.host_memory, per_host)
         self.print_layouts(rows, best, per_host)
-        if args.report and self.primary:
-            with open(args.report, "w") as f:
-                json.dump({"device_memory": args.device_memory, "host_memory": args.host_memory,
-                           "devices_per_host": per_host, "devices": self.exp.mesh.size,
-                           "best": None if best is None else best.layout,
-                           "candidates": [{**c.layout, "device_bytes": c.device,
-                                           "device_state_bytes": c.device_state,
-                                           "temp_bytes": c.temp,
-                                           "model_state_bytes": c.model_states,
-                                           "host_bytes_per_host": c.host_state * per_host,
-                                           "fits": c.fits, "comm_bytes": c.comm,
-                                           "host_traffic_bytes": c.host_traffic}
-                                          for c in rows]}, f, indent=1)
+        plan = {"device_memory": args.device_memory, "host_memory": args.host_memory,
+                "devices_per_host": per_host, "devices": self.exp.mesh.size,
+                "best": None if best is None else best.layout,
+                "candidates": [{**c.layout, "device_bytes": c.device,
+                                "device_state_bytes": c.device_state, "temp_bytes": c.temp,
+                                "model_state_bytes": c.model_states,
+                                "host_bytes_per_host": c.host_state * per_host,
+                                "fits": c.fits, "comm_bytes": c.comm,
+                                "host_traffic_bytes": c.host_traffic} for c in rows]}
+        self.write_report(plan)
+        self.draw(plan)
         return 0
 
     def layouts(self, per_host: int):
@@ -593,12 +681,13 @@ class Run:
             return fail(f"{problem}: use {'a higher --stage, ' * (exp.plan.stage < 3)}"
                         "precision.param_dtype=bf16, zero.offload_grads, a smaller model or "
                         "train.batch_size, or --dry-run to see the report")
+        self.add_stages(r)
         state = self.start(target, r)
         first = int(state.step)
         if first >= t["steps"]:
             print(f"nothing to do: the checkpoint is at step {first} and --steps is {t['steps']}")
             return 0
-        metrics_file = self.open_metrics(first)
+        out = Outputs(self, first, r, step)
         losses, start, skipped, done_steps, saved = [], time.perf_counter(), 0, first, None
         guard = Guard(t["max_bad_steps"], self.cfg["precision"]["min_loss_scale"])
         bar, rows = self.progress(first)
@@ -609,12 +698,12 @@ class Run:
                 batch = self.batch(i, rows)
                 if self.watchdog:
                     self.watchdog.reach(i + 1)
+                out.before(i + 1)
                 state, m, record = self.timed(step, state, batch, i + 1)
                 skipped += m["skipped"]
                 done_steps = i + 1
                 stop_now = guard.update(m, i + 1)
-                if metrics_file:
-                    metrics_file.write(json.dumps(finite_record(record), allow_nan=False) + "\n")
+                out.after(i + 1, record)
                 losses.append(m["loss"])
                 bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
                 if ckpts:
@@ -628,13 +717,37 @@ class Run:
             return fail(str(e), 1)
         finally:
             bar.close()
-            if metrics_file:
-                metrics_file.close()
+            out.close()
+        self.draw(r, out.records)
         if stop.signum:
             return self.stopped(done_steps, saved, guard.bad_from)
         if guard.bad_from is not None:  # max_bad_steps in a row, or the run ended in a streak
             return self.diverged(guard.bad_from, done_steps, guard.last_finite, guard.diverged)
         return self.done(first, losses, time.perf_counter() - start, skipped)
+
+    def add_stages(self, r: dict) -> None:
+        """With --plot, the flat stages side by side (as a dry run reports them), for the
+        memory figure; the report written then holds them too."""
+        from zero_jax import report
+
+        if self.args.plot and self.exp.plan.outer is None:
+            r["stages"] = report.stages_table(self.exp.plan, self.exp.tx)
+
+    def draw(self, r: dict, records: list[dict] | None = None) -> None:
+        """--plot: the figures of the report (or the planner's) and of the metrics; a resumed
+        run's curves from its whole metrics file."""
+        if not (self.args.plot and self.primary):
+            return
+        import jax
+
+        from zero_jax import plot
+
+        if self.args.metrics and records is not None and os.path.exists(self.args.metrics):
+            records = plot.read_records(self.args.metrics)
+        stats = jax.devices()[0].memory_stats() or {}
+        paths = plot.draw(r, records, self.args.plot, stats.get("bytes_limit"))
+        print(f"figures: {', '.join(p.name for p in paths if p.suffix == '.png')} in "
+              f"{self.args.plot}")
 
     def done(self, first: int, losses: list[float], elapsed: float, skipped: int) -> int:
         import numpy as np
@@ -751,6 +864,85 @@ class Run:
                 "writer": {"stage": plan.stage, "devices": plan.mesh.size,
                            "processes": len({d.process_index for d in plan.mesh.devices.flat}),
                            "platform": plan.mesh.devices.flat[0].platform}}
+
+
+class Outputs:
+    """Where each step's record goes besides the progress bar, from process 0: --metrics,
+    --tensorboard, and the --profile trace around --profile-steps."""
+
+    def __init__(self, run: Run, first: int, r: dict, compiled):
+        args = run.args
+        self.metrics = run.open_metrics(first)
+        self.records: list[dict] | None = [] if args.plot else None
+        self.writer, self.tracing, self.window = None, False, None
+        if not run.primary:
+            return
+        if args.tensorboard:
+            from tensorboardX import SummaryWriter
+
+            # A resumed run hides the old events past its checkpoint (trained again).
+            self.writer = SummaryWriter(args.tensorboard, purge_step=first + 1 if first else None,
+                                        flush_secs=10)
+            self.writer.add_text("report", headline(r), first)
+        if args.profile:
+            self.window, self.dir = args.profile_steps, pathlib.Path(args.profile)
+            self.dir.mkdir(parents=True, exist_ok=True)
+            # The trace's events are named by the program's instructions: the HLO says what
+            # each one is (all_gather.3 -> an all-gather of which shapes, in which loop).
+            (self.dir / "train_step.hlo.txt").write_text(compiled.as_text())
+
+    def before(self, step: int) -> None:
+        if self.window and step == self.window[0]:
+            import jax
+
+            jax.profiler.start_trace(str(self.dir), create_perfetto_trace=True)
+            self.tracing = True
+
+    def after(self, step: int, record: dict) -> None:
+        if self.metrics:
+            self.metrics.write(json.dumps(finite_record(record), allow_nan=False) + "\n")
+        if self.records is not None:
+            self.records.append(finite_record(record))
+        if self.writer:
+            for key, value in record.items():
+                if key != "step":
+                    self.writer.add_scalar(f"train/{key}", value, step)
+        if self.tracing and step == self.window[1] - 1:
+            self.stop_trace()
+
+    def stop_trace(self) -> None:
+        import jax
+
+        self.tracing = False
+        jax.profiler.stop_trace()
+        print(f"profile of steps {self.window[0]}-{self.window[1] - 1} in {self.dir} (open it "
+              f"with TensorBoard's profile plugin, or its perfetto_trace.json.gz in "
+              "ui.perfetto.dev)")
+
+    def close(self) -> None:
+        if self.tracing:  # a run stopped inside the window: what was traced is kept
+            self.stop_trace()
+        if self.metrics:
+            self.metrics.close()
+        if self.writer:
+            self.writer.close()
+
+
+def headline(r: dict) -> str:
+    """The report's headline figures, as Markdown for TensorBoard's text tab."""
+    mib = lambda b: f"{b / 2**20:.2f} MiB"
+    mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
+    rows = [("ZeRO stage", r["stage"]), ("mesh", f"{mesh} ({r['platform']})"),
+            ("parameters", f"{r['n_params']:,}"),
+            ("model states per device", f"{mib(sum(r['per_device_bytes'].values()))} (ZeRO "
+             f"formula {mib(sum(r['zero_formula_bytes'].values()))})"),
+            ("host memory per device", mib(sum(r["per_device_host_bytes"].values()))),
+            ("compiled temp per device", mib(r["compiled"]["temp_bytes"])),
+            ("communication per step", f"{mib(r['comm_bytes_per_step'])} (ZeRO theory "
+             f"{mib(r['comm_bytes_theory'])}, {r['comm_theory_formula']})")]
+    if r.get("peak"):
+        rows.append(("peak per device", mib(r["peak"]["peak_bytes"])))
+    return "| figure | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 
 
 def read_metrics(path: str) -> list[tuple[int, str]]:
