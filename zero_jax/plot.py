@@ -143,52 +143,65 @@ def communication(report: dict) -> tuple[Any, dict]:
 
 
 def layout_name(c: dict) -> str:
-    tp = f" tp{c['tp']}" if c.get("tp", 1) > 1 else ""
-    return f"{c['stage']} {c['offload'][:3]} {c['remat']}{tp}"
+    tp = f", tp {c['tp']}" if c.get("tp", 1) > 1 else ""
+    return f"stage {c['stage']}, offload {c['offload']}, remat {c['remat']}{tp}"
+
+
+OFFLOAD_COLORS = {"none": "tab:blue", "optimizer": "tab:orange", "params": "tab:red",
+                  "as set": "tab:purple"}
 
 
 def planner(plan: dict) -> tuple[Any, dict]:
-    """Each compiled layout at (device bytes per device, host bytes per host); the region that
-    fits (within the planner's headroom of both memories) shaded, the chosen layout starred."""
+    """Each compiled layout at (device bytes per device, host bytes per host): marker the
+    stage, colour the offload, text the remat policies that land there; the region that fits
+    (within the planner's headroom of both memories) shaded, the chosen layout starred."""
     plt = _pyplot()
-    cands = plan["candidates"]
+    from matplotlib.lines import Line2D
+
+    cands, best = plan["candidates"], plan["best"]
     dev, host = plan["device_memory"], plan["host_memory"]
     name, div = unit(max([c["device_bytes"] for c in cands] + [HEADROOM * dev]))
     hname, hdiv = unit(max([c["host_bytes_per_host"] for c in cands] + [HEADROOM * host]))
+    xy = lambda c: (c["device_bytes"] / div, c["host_bytes_per_host"] / hdiv)
     fig, ax = plt.subplots(figsize=SIZE, layout="constrained")
     ax.fill_between([0, HEADROOM * dev / div], 0, HEADROOM * host / hdiv, color="palegreen",
                     alpha=0.6, label=f"fits (within {HEADROOM:.0%} of both memories)")
-    points = []
     for stage in sorted({c["stage"] for c in cands}):
         mine = [c for c in cands if c["stage"] == stage]
-        ax.scatter([c["device_bytes"] / div for c in mine],
-                   [c["host_bytes_per_host"] / hdiv for c in mine], s=28,
-                   marker="osD^"[stage], label=f"stage {stage}")
-        points += mine
-    for c in points:
-        ax.annotate(layout_name(c), (c["device_bytes"] / div, c["host_bytes_per_host"] / hdiv),
-                    fontsize=5, xytext=(3, 2), textcoords="offset points", color="0.3")
-    best = plan["best"]
+        ax.scatter([xy(c)[0] for c in mine], [xy(c)[1] for c in mine], s=30,
+                   marker="osD^"[stage], c=[OFFLOAD_COLORS[c["offload"]] for c in mine],
+                   label=f"_stage {stage}")
+    spots: dict = {}
+    for c in cands:  # remat policies that land on the same spot share one label
+        tp = f" tp{c['tp']}" if c.get("tp", 1) > 1 else ""
+        spots.setdefault(xy(c), []).append(c["remat"] + tp)
+    for (x, y), names in spots.items():
+        ax.annotate("/".join(dict.fromkeys(names)), (x, y), fontsize=5.5, rotation=35,
+                    xytext=(3, 3), textcoords="offset points", color="0.35")
     chosen = next((c for c in cands if best and all(c[k] == v for k, v in best.items())), None)
     if chosen:
-        ax.scatter([chosen["device_bytes"] / div], [chosen["host_bytes_per_host"] / hdiv],
-                   s=260, marker="*", facecolor="none", edgecolor="crimson", linewidth=1.5,
-                   label=f"chosen: {layout_name(chosen)}")
+        ax.scatter(*[[v] for v in xy(chosen)], s=300, marker="*", facecolor="none",
+                   edgecolor="crimson", linewidth=1.5, label=f"chosen: {layout_name(chosen)}")
+    handles, _ = ax.get_legend_handles_labels()
+    handles += [Line2D([], [], ls="", marker="osD^"[s], color="0.2", label=f"stage {s}")
+                for s in sorted({c["stage"] for c in cands})]
+    handles += [Line2D([], [], ls="", marker="s", color=color, label=f"offload {k}")
+                for k, color in OFFLOAD_COLORS.items() if any(c["offload"] == k for c in cands)]
+    ax.legend(handles=handles, fontsize=7, loc="center right")
     ax.set_xlim(left=0)
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.1)
     ax.set_xlabel(f"device memory, {name} per device (model state + compiled temp)")
     ax.set_ylabel(f"host memory, {hname} per host")
     ax.set_title(f"Planner: {len(cands)} layouts on {plan['devices']} devices of "
                  f"{dev / div:.1f} {name}, hosts of {host / hdiv:.1f} {hname} "
                  f"({plan['devices_per_host']} devices each)", fontsize=10)
-    ax.legend(fontsize=7, loc="upper right")
     data = {"figure": "planner", "device_unit": name, "device_unit_bytes": div,
             "host_unit": hname, "host_unit_bytes": hdiv, "headroom": HEADROOM,
             "device_memory": dev, "host_memory": host, "best": best,
             "points": [{"layout": layout_name(c), "stage": c["stage"],
                         "device_bytes": c["device_bytes"],
                         "host_bytes_per_host": c["host_bytes_per_host"], "fits": c["fits"]}
-                       for c in points]}
+                       for c in sorted(cands, key=lambda c: c["stage"])]}
     return fig, data
 
 
@@ -273,8 +286,13 @@ def main(argv: list[str] | None = None) -> int:
             return fail(f"{args.report} is not a report of train.py --report (a run's, a dry "
                         "run's or the planner's)")
         records = read_records(args.metrics) if args.metrics else None
-    except (OSError, json.JSONDecodeError, ValueError) as e:
-        return fail(f"{e}")
+    except json.JSONDecodeError as e:
+        return fail(f"{args.report} is not JSON ({e.msg}, line {e.lineno}): pass the file "
+                    "train.py --report wrote")
+    except OSError as e:
+        return fail(f"{e.filename} cannot be read ({e.strerror})")
+    except ValueError as e:
+        return fail(str(e))
     for path in draw(report, records, args.out, args.device_memory):
         print(path)
     return 0
