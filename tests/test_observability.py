@@ -329,3 +329,29 @@ def test_deepspeed_config_is_the_set_flags(ds, sets, tmp_path, capsys):
     over = train.load_config(train.parse_args(["--deepspeed-config", str(path), "--set",
                                                "optimizer.clip_norm=0.25"]))
     assert over == {**from_sets, "optimizer": {**from_sets["optimizer"], "clip_norm": 0.25}}
+
+
+def test_curves_draw_the_fp16_loss_scale_and_gaps(runs):
+    """fp16 records add the loss scale (log2 axis); a non-finite value (null in the file, as
+    train.py writes it) is a gap, not a zero."""
+    d, _ = runs
+    rows = records(d / "m.jsonl")
+    scales = [2.0**16, 2.0**15, 2.0**15, 2.0**15]
+    fp16 = [{**r, "loss_scale": s} for r, s in zip(rows, scales, strict=True)]
+    fp16[1] = {**fp16[1], "loss": None, "grad_norm": None, "nonfinite": ["loss", "grad_norm"]}
+    fig, data = plot.curves(fp16)
+    lines = {ax.get_title(): ax for ax in fig.axes if ax.lines}
+    scale = lines["fp16 loss scale (log2 axis)"]
+    assert scale.get_yscale() == "log" and list(scale.lines[0].get_ydata()) == scales
+    loss = list(lines["loss (nats per token)"].lines[0].get_ydata())
+    assert math.isnan(loss[1]) and [loss[i] for i in (0, 2, 3)] == \
+        [rows[i]["loss"] for i in (0, 2, 3)]
+    assert data["loss"][1] is None and data["loss_scale"] == scales
+
+
+def test_memory_figure_draws_the_capacity(runs):
+    d, _ = runs
+    r = json.loads((d / "r.json").read_text())
+    fig, data = plot.memory_by_stage(r, capacity=16 * MiB)
+    line = next(ln for ln in fig.axes[0].lines if ln.get_label() == "device capacity")
+    assert list(line.get_ydata()) == [16, 16] and data["capacity_bytes"] == 16 * MiB
