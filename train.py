@@ -15,6 +15,7 @@ import pathlib
 import re
 import signal
 import sys
+import tempfile
 import threading
 import time
 
@@ -139,9 +140,8 @@ def check_observability(args: argparse.Namespace) -> str | None:
         if value is not None and not value.strip():
             what = "a file" if "config" in flag else "a directory"
             return f"{flag} {value!r} names nothing: pass {what}"
-        if value and "config" not in flag and pathlib.Path(value).exists() \
-                and not pathlib.Path(value).is_dir():
-            return f"{flag} {value} is a file: pass a directory (made when missing)"
+        if value and "config" not in flag and (problem := unwritable_dir(value)):
+            return f"{flag} {value} {problem}"
         if value and flag in OPTIONAL and importlib.util.find_spec(OPTIONAL[flag][0]) is None:
             return (f"{flag} needs {OPTIONAL[flag][0]}, which is not installed: pip install "
                     f"'zero_jax[{OPTIONAL[flag][1]}]'")
@@ -157,6 +157,23 @@ def check_observability(args: argparse.Namespace) -> str | None:
     if args.profile_steps is None or not 1 <= args.profile_steps[0] < args.profile_steps[1]:
         return (f"--profile-steps {a}{sep}{b} is not A:B with 1 <= A < B (steps A to B-1, "
                 "counted from 1): e.g. --profile-steps 2:4")
+    return None
+
+
+def unwritable_dir(path: str) -> str | None:
+    """Why directory ``path`` cannot be made or written, found now; nothing is created."""
+    p = pathlib.Path(path).absolute()
+    if p.exists() and not p.is_dir():
+        return "is a file: pass a directory (made when missing)"
+    existing = next(q for q in (p, *p.parents) if q.exists())
+    try:  # a probe file, removed at once: permissions alone do not tell (root, /proc)
+        if not existing.is_dir():
+            raise NotADirectoryError
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".zero_jax-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError:
+        return f"cannot be written ({existing} is not a writable directory): pass another"
     return None
 
 
@@ -687,10 +704,10 @@ class Run:
         if first >= t["steps"]:
             print(f"nothing to do: the checkpoint is at step {first} and --steps is {t['steps']}")
             return 0
-        out = Outputs(self, first, r, step)
         losses, start, skipped, done_steps, saved = [], time.perf_counter(), 0, first, None
         guard = Guard(t["max_bad_steps"], self.cfg["precision"]["min_loss_scale"])
         bar, rows = self.progress(first)
+        out = Outputs(self, first, r, step, bar.write)
         try:
             for i in bar:
                 if stop.signum:
@@ -870,8 +887,8 @@ class Outputs:
     """Where each step's record goes besides the progress bar, from process 0: --metrics,
     --tensorboard, and the --profile trace around --profile-steps."""
 
-    def __init__(self, run: Run, first: int, r: dict, compiled):
-        args = run.args
+    def __init__(self, run: Run, first: int, r: dict, compiled, write=print):
+        args, self.write = run.args, write
         self.metrics = run.open_metrics(first)
         self.records: list[dict] | None = [] if args.plot else None
         self.writer, self.tracing, self.window = None, False, None
@@ -915,7 +932,7 @@ class Outputs:
 
         self.tracing = False
         jax.profiler.stop_trace()
-        print(f"profile of steps {self.window[0]}-{self.window[1] - 1} in {self.dir} (open it "
+        self.write(f"profile of steps {self.window[0]}-{self.window[1] - 1} in {self.dir} (open it "
               f"with TensorBoard's profile plugin, or its perfetto_trace.json.gz in "
               "ui.perfetto.dev)")
 
