@@ -210,18 +210,21 @@ def _batch(m: Mapping, n: int) -> None:
         raise m.refuse("train_batch_size", f"{total} is not train_micro_batch_size_per_gpu "
                        f"{micro} x gradient_accumulation_steps {accum} x {n} data-parallel "
                        f"devices = {micro * accum * n}: fix one of them")
+    accum_from = "gradient_accumulation_steps"
     if accum is None and total is not None and micro is not None:
         if total % (micro * n):
             raise m.refuse("train_batch_size", f"{total} is not a multiple of "
                            f"train_micro_batch_size_per_gpu {micro} x {n} devices")
-        accum = total // (micro * n)
-    accum = 1 if accum is None and (total or micro) else accum
+        accum, accum_from = total // (micro * n), "train_batch_size / (micro x devices)"
+    elif accum is None and (total or micro):
+        accum, accum_from = 1, "(no gradient_accumulation_steps)"
     if accum is not None:
-        m.set("gradient_accumulation_steps", "train.accum_steps", accum)
+        m.set(accum_from, "train.accum_steps", accum)
+    total_from = "train_batch_size"
     if total is None and micro is not None:
-        total = micro * accum * n
+        total, total_from = micro * accum * n, "micro batch x accumulation x devices"
     if total is not None:
-        m.set("train_batch_size", "train.batch_size", total,
+        m.set(total_from, "train.batch_size", total,
               f"{total // accum // n} per device per microbatch on {n} devices")
 
 
