@@ -932,9 +932,9 @@ class Outputs:
 
         self.tracing = False
         jax.profiler.stop_trace()
-        self.write(f"profile of steps {self.window[0]}-{self.window[1] - 1} in {self.dir} (open it "
-              f"with TensorBoard's profile plugin, or its perfetto_trace.json.gz in "
-              "ui.perfetto.dev)")
+        a, b = self.window
+        self.write(f"profile of steps {a}-{b - 1} in {self.dir} (open it with TensorBoard's "
+                   "profile plugin, or its perfetto_trace.json.gz in ui.perfetto.dev)")
 
     def close(self) -> None:
         if self.tracing:  # a run stopped inside the window: what was traced is kept
