@@ -15,6 +15,7 @@ import pathlib
 import re
 import signal
 import sys
+import tempfile
 import threading
 import time
 
@@ -88,8 +89,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="resume on another --data than the checkpoint was trained on")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set optimizer.name=sgd (repeatable)")
+    add_observability(p)
     add_multi_process(p)
     return p.parse_args(argv)
+
+
+def add_observability(p: argparse.ArgumentParser) -> None:
+    """Figures, TensorBoard, profiler traces and DeepSpeed configs."""
+    see = p.add_argument_group("observability (docs/guides/observability.md)")
+    see.add_argument("--plot", metavar="DIR", help="draw the report's memory by stage and "
+                     "communication (the planner's layouts), and the training curves, as PNG "
+                     "and SVG with the numbers as JSON (needs matplotlib: zero_jax[plot])")
+    see.add_argument("--tensorboard", metavar="DIR", help="write each step's metrics as "
+                     "TensorBoard scalars, and the report's headline as text (needs "
+                     "tensorboardX: zero_jax[tensorboard])")
+    see.add_argument("--profile", metavar="DIR", help="trace --profile-steps with the JAX "
+                     "profiler (for TensorBoard and Perfetto), beside the step's compiled HLO")
+    see.add_argument("--profile-steps", metavar="A:B", help="with --profile: steps A to B-1 "
+                     "(default 2:4, the two steps after the first; 1:2 in a one-step run)")
+    see.add_argument("--deepspeed-config", metavar="FILE", help="a DeepSpeed JSON config, "
+                     "mapped onto the config (printed); --set and flags override it")
 
 
 def add_multi_process(p: argparse.ArgumentParser) -> None:
@@ -107,6 +126,55 @@ def add_multi_process(p: argparse.ArgumentParser) -> None:
     multi.add_argument("--peer-timeout", type=float, default=30, metavar="S",
                        help="stop when a peer is lost or hangs this long, and the longest wait "
                        "for the coordinator at start-up (default 30)")
+
+
+OPTIONAL = {"--plot": ("matplotlib", "plot"), "--tensorboard": ("tensorboardX", "tensorboard")}
+
+
+def check_observability(args: argparse.Namespace) -> str | None:
+    """--plot, --tensorboard, --profile: directories, their packages, the profiled steps."""
+    import importlib.util
+
+    for flag in ("--plot", "--tensorboard", "--profile", "--deepspeed-config"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not value.strip():
+            what = "a file" if "config" in flag else "a directory"
+            return f"{flag} {value!r} names nothing: pass {what}"
+        if value and "config" not in flag and (problem := unwritable_dir(value)):
+            return f"{flag} {value} {problem}"
+        if value and flag in OPTIONAL and importlib.util.find_spec(OPTIONAL[flag][0]) is None:
+            return (f"{flag} needs {OPTIONAL[flag][0]}, which is not installed: pip install "
+                    f"'zero_jax[{OPTIONAL[flag][1]}]'")
+    if args.profile_steps is None:
+        return None
+    if not args.profile:
+        return "--profile-steps needs --profile DIR: where the trace goes"
+    a, sep, b = args.profile_steps.partition(":")
+    try:
+        args.profile_steps = (int(a), int(b)) if sep else None
+    except ValueError:
+        args.profile_steps = None
+    if args.profile_steps is None or not 1 <= args.profile_steps[0] < args.profile_steps[1]:
+        return (f"--profile-steps {a}{sep}{b} is not A:B with 1 <= A < B (steps A to B-1, "
+                "counted from 1): e.g. --profile-steps 2:4")
+    return None
+
+
+def unwritable_dir(path: str) -> str | None:
+    """Why directory ``path`` cannot be made or written, found now; nothing is created."""
+    p = pathlib.Path(path).absolute()
+    if p.exists() and not p.is_dir():
+        return "is a file: pass a directory (made when missing)"
+    existing = next(q for q in (p, *p.parents) if q.exists())
+    try:  # a probe file, removed at once: permissions alone do not tell (root, /proc)
+        if not existing.is_dir():
+            raise NotADirectoryError
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".zero_jax-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError:
+        return f"cannot be written ({existing} is not a writable directory): pass another"
+    return None
 
 
 def check_args(args: argparse.Namespace) -> str | None:
@@ -231,7 +299,7 @@ class Stop:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if problem := check_args(args):
+    if problem := check_args(args) or check_observability(args):
         return fail(problem)
     from zero_jax.mesh import simulate_cpu_devices
 
@@ -288,14 +356,10 @@ def run_main(args: argparse.Namespace, watchdog=None) -> int:
         from zero_jax.checkpoint import CheckpointError
         from zero_jax.gpt import config as configs
 
-        overrides = list(args.set)
-        for flag, key in [("stage", "zero.stage"), ("steps", "train.steps"),
-                          ("seed", "train.seed"), ("zero3_size", "zero.zero3_size"),
-                          ("tensor_parallel", "mesh.tensor_parallel")]:
-            if getattr(args, flag) is not None:
-                overrides.append(f"{key}={getattr(args, flag)}")
         try:
-            cfg = configs.load(args.config, overrides)
+            cfg = load_config(args)
+            if problem := profile_window(args, cfg["train"]["steps"]):
+                return fail(problem)
             local = {"coordinator", "num_processes", "process_id", "distributed"}
             distributed.agree("configuration", {"config": cfg, "arguments": {
                 k: v for k, v in vars(args).items() if k not in local}}, args.peer_timeout)
@@ -307,6 +371,48 @@ def run_main(args: argparse.Namespace, watchdog=None) -> int:
                 return train(exp, cfg, args, start, stop, watchdog)
         except (configs.ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
             return fail(str(e))
+
+
+def load_config(args: argparse.Namespace) -> dict:
+    """The config: --config's file, then --deepspeed-config's keys (the mapping printed), then
+    --set, then the flags that stand for keys (--stage, --steps, ...)."""
+    from zero_jax.gpt import config as configs
+
+    overrides = list(args.set)
+    for flag, key in [("stage", "zero.stage"), ("steps", "train.steps"),
+                      ("seed", "train.seed"), ("zero3_size", "zero.zero3_size"),
+                      ("tensor_parallel", "mesh.tensor_parallel")]:
+        if getattr(args, flag) is not None:
+            overrides.append(f"{key}={getattr(args, flag)}")
+    if args.deepspeed_config:
+        import jax
+
+        from zero_jax.gpt import deepspeed
+
+        try:  # DeepSpeed's batch sizes count per data-parallel device
+            tp = configs.load(args.config, overrides)["mesh"]["tensor_parallel"]
+        except configs.ConfigError:
+            tp = 1
+        mapped, lines = deepspeed.translate(deepspeed.read(args.deepspeed_config),
+                                            (args.devices or jax.device_count()) // tp,
+                                            args.deepspeed_config)
+        print("\n".join(lines), flush=True)
+        overrides = mapped + overrides
+    return configs.load(args.config, overrides)
+
+
+def profile_window(args: argparse.Namespace, steps: int) -> str | None:
+    """--profile-steps within the run's steps (default: 2 and 3, or what the run has)."""
+    if not args.profile:
+        return None
+    if args.profile_steps is None:
+        args.profile_steps = (2, min(4, steps + 1)) if steps > 1 else (1, 2)
+        return None
+    a, b = args.profile_steps
+    if b > steps + 1:
+        return (f"--profile-steps {a}:{b} reaches past the run's {steps} steps (it traces "
+                f"steps {a} to {b - 1}): pass B of at most {steps + 1}")
+    return None
 
 
 def build(cfg: dict, args: argparse.Namespace):
@@ -499,6 +605,7 @@ def dry_run(exp, args: argparse.Namespace) -> int:
         r["stages"] = report.stages_table(plan, exp.tx)
         print("\n" + report.format_stages(r["stages"], r["n_params"], plan.dp_size))
     write_json(args.report, r)
+    draw(args, r)
     return 0
 
 
@@ -525,13 +632,34 @@ def plan_layouts(exp, cfg: dict, args: argparse.Namespace) -> int:
     print(planner.format_table(rows, best, args.device_memory, args.host_memory, per_host,
                                exp.model.n_params, n)
           + (f": {layouts.flags(best.layout)}" if best else ""))
-    write_json(args.report, planner.as_json(rows, best, args.device_memory, args.host_memory,
-                                            per_host, n))
+    verdict = planner.as_json(rows, best, args.device_memory, args.host_memory, per_host, n)
+    write_json(args.report, verdict)
+    draw(args, verdict)
     return 0
 
 
+def draw(args: argparse.Namespace, r: dict, records: list[dict] | None = None) -> None:
+    """--plot: the figures of the report (or the planner's) and of the metrics; a resumed
+    run's curves from its whole metrics file."""
+    if not (args.plot and jax_primary()):
+        return
+    import jax
+
+    from zero_jax import plot
+
+    if args.metrics and records is not None and os.path.exists(args.metrics):
+        records = plot.read_records(args.metrics)
+    stats = jax.devices()[0].memory_stats() or {}
+    paths = plot.draw(r, records, args.plot, stats.get("bytes_limit"))
+    print(f"figures: {', '.join(p.name for p in paths if p.suffix == '.png')} in {args.plot}")
+
+
 class Hook:
-    """Called with each step's results (``n, state, metrics, record``); closed at the end."""
+    """Told before step ``n`` runs, called with its results (``n, state, metrics, record``),
+    closed at the end."""
+
+    def before(self, n: int) -> None:
+        pass
 
     def __call__(self, n: int, state, m: dict, record: dict) -> None:
         pass
@@ -586,21 +714,78 @@ class Saver(Hook):
 
 
 class Tally(Hook):
-    """A hook: the losses, the skipped steps and the progress bar's figures."""
+    """A hook: the losses, the skipped steps, the progress bar's figures, and the records for
+    --plot's curves."""
 
     def __init__(self, bar):
-        self.bar, self.losses, self.skipped = bar, [], 0
+        self.bar, self.losses, self.skipped, self.records = bar, [], 0, []
 
     def __call__(self, n: int, state, m: dict, record: dict) -> None:
         self.losses.append(m["loss"])
         self.skipped += m["skipped"]
+        self.records.append(finite_record(record))
         self.bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+
+
+class TensorBoard(Hook):
+    """A hook: each step's record as TensorBoard scalars, the report's headline as text."""
+
+    def __init__(self, directory: str, first: int, r: dict):
+        from tensorboardX import SummaryWriter
+
+        # A resumed run hides the old events past its checkpoint (trained again).
+        self.writer = SummaryWriter(directory, purge_step=first + 1 if first else None,
+                                    flush_secs=10)
+        self.writer.add_text("report", headline(r), first)
+
+    def __call__(self, n: int, state, m: dict, record: dict) -> None:
+        for key, value in record.items():
+            if key != "step":
+                self.writer.add_scalar(f"train/{key}", value, n)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class Profile(Hook):
+    """A hook: a JAX profiler trace around --profile-steps, beside the step's compiled HLO."""
+
+    def __init__(self, directory: str, window: tuple[int, int], compiled, write=print):
+        self.dir, self.window, self.write, self.tracing = pathlib.Path(directory), window, \
+            write, False
+        self.dir.mkdir(parents=True, exist_ok=True)
+        # The trace's events are named by the program's instructions: the HLO says what each
+        # one is (all_gather.3 -> an all-gather of which shapes, in which loop).
+        (self.dir / "train_step.hlo.txt").write_text(compiled.as_text())
+
+    def before(self, n: int) -> None:
+        if n == self.window[0]:
+            import jax
+
+            jax.profiler.start_trace(str(self.dir), create_perfetto_trace=True)
+            self.tracing = True
+
+    def __call__(self, n: int, state, m: dict, record: dict) -> None:
+        if self.tracing and n == self.window[1] - 1:
+            self.close()
+
+    def close(self) -> None:
+        """Also when a run stops inside the window: what was traced is kept."""
+        if not self.tracing:
+            return
+        import jax
+
+        self.tracing = False
+        jax.profiler.stop_trace()
+        a, b = self.window
+        self.write(f"profile of steps {a}-{b - 1} in {self.dir} (open it with TensorBoard's "
+                   "profile plugin, or its perfetto_trace.json.gz in ui.perfetto.dev)")
 
 
 def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
           watchdog=None) -> int:
     """Compile, check the fit, start (restore or initialize), then the loop and its hooks."""
-    from zero_jax import fit
+    from zero_jax import fit, report
     from zero_jax.checkpoint import CheckpointError
     from zero_jax.state import abstract_state
 
@@ -611,6 +796,8 @@ def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
         return fail(f"{problem}: use {'a higher --stage, ' * (exp.plan.stage < 3)}"
                     "precision.param_dtype=bf16, zero.offload_grads, a smaller model or "
                     "train.batch_size, or --dry-run to see the report")
+    if args.plot and exp.plan.outer is None:  # the memory figure's stages; the report's too
+        r["stages"] = report.stages_table(exp.plan, exp.tx)
     state = initial_state(start, target, cfg, args, exp)
     write_json(args.report, r)
     first = int(state.step)
@@ -623,6 +810,10 @@ def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
     hooks: list[Hook] = [tally]
     if args.metrics and jax_primary():
         hooks.append(MetricsFile(args.metrics, first, start.records))
+    if args.tensorboard and jax_primary():
+        hooks.append(TensorBoard(args.tensorboard, first, r))
+    if args.profile and jax_primary():
+        hooks.append(Profile(args.profile, args.profile_steps, step, bar.write))
     if start.ckpts:
         hooks.append(saver := Saver(start.ckpts, args.save_every, t["steps"], stop, guard, bar,
                                     lambda n: checkpoint_meta(exp, cfg, args, start.seed, n)))
@@ -637,6 +828,7 @@ def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
         bar.close()
         for hook in hooks:
             hook.close()
+    draw(args, r, tally.records)
     saved = saver.saved if saver else None
     if stop.signum:
         return stopped(stop, done_steps, saved, start.ckpts, guard.bad_from)
@@ -656,6 +848,8 @@ def loop(exp, step, state, start: Start, t: dict, bar, rows, hooks: list, guard:
         batch = make_batch(exp, start, t["batch_size"], i, rows)
         if watchdog:
             watchdog.reach(i + 1)
+        for hook in hooks:
+            hook.before(i + 1)
         state, m, record = timed(exp, step, state, batch, i + 1)
         done_steps = i + 1
         stop_now = guard.update(m, i + 1)
@@ -755,6 +949,23 @@ def checkpoint_meta(exp, cfg: dict, args: argparse.Namespace, seed: int, step: i
             "writer": {"stage": plan.stage, "devices": plan.mesh.size,
                        "processes": len({d.process_index for d in plan.mesh.devices.flat}),
                        "platform": plan.mesh.devices.flat[0].platform}}
+
+
+def headline(r: dict) -> str:
+    """The report's headline figures, as Markdown for TensorBoard's text tab."""
+    mib = lambda b: f"{b / 2**20:.2f} MiB"
+    mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
+    rows = [("ZeRO stage", r["stage"]), ("mesh", f"{mesh} ({r['platform']})"),
+            ("parameters", f"{r['n_params']:,}"),
+            ("model states per device", f"{mib(sum(r['per_device_bytes'].values()))} (ZeRO "
+             f"formula {mib(sum(r['zero_formula_bytes'].values()))})"),
+            ("host memory per device", mib(sum(r["per_device_host_bytes"].values()))),
+            ("compiled temp per device", mib(r["compiled"]["temp_bytes"])),
+            ("communication per step", f"{mib(r['comm_bytes_per_step'])} (ZeRO theory "
+             f"{mib(r['comm_bytes_theory'])}, {r['comm_theory_formula']})")]
+    if r.get("peak"):
+        rows.append(("peak per device", mib(r["peak"]["peak_bytes"])))
+    return "| figure | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 
 
 def read_metrics(path: str) -> list[tuple[int, str]]:

@@ -159,6 +159,11 @@ def other_ckpt(c, w):
     shutil.copytree(c / "40", w / "other" / "40")
 
 
+def deepspeed(config: dict):
+    """A fault that writes ``config`` as {w}/ds.json."""
+    return lambda c, w: (w / "ds.json").write_text(json.dumps(config))
+
+
 def empty_ckpt(c, w):
     shutil.rmtree(c)
     c.mkdir()
@@ -288,6 +293,49 @@ ROWS = [
     ("metrics = report", [*T, "--metrics", "{w}/x.json", "--report", "{w}/./x.json"], None,
      "--metrics and --report both name"),
     ("resume no dir", [*T, "--resume"], None, "--resume needs --checkpoint-dir"),
+    ("profile-steps 3:2", [*T, "--profile", "{w}/p", "--profile-steps", "3:2"], None,
+     "--profile-steps 3:2 is not A:B with 1 <= A < B"),
+    ("profile-steps x", [*T, "--profile", "{w}/p", "--profile-steps", "two:4"], None,
+     "--profile-steps two:4 is not A:B with 1 <= A < B"),
+    ("profile-steps 0:2", [*T, "--profile", "{w}/p", "--profile-steps", "0:2"], None,
+     "--profile-steps 0:2 is not A:B with 1 <= A < B"),
+    ("profile-steps past", [*T, "--profile", "{w}/p", "--profile-steps", "2:4"], None,
+     "--profile-steps 2:4 reaches past the run's 1 steps"),
+    ("profile-steps alone", [*T, "--profile-steps", "2:4"], None,
+     "--profile-steps needs --profile DIR"),
+    ("plot is file", [*T, "--plot", "{w}/file"], a_file, "--plot {w}/file is a file"),
+    ("tensorboard ''", [*T, "--tensorboard", ""], None, "--tensorboard '' names nothing"),
+    ("profile under file", [*T, "--profile", "{w}/file/prof"], a_file,
+     "--profile {w}/file/prof cannot be written ({w}/file is not a writable directory)"),
+    ("tensorboard in /proc", [*T, "--tensorboard", "/proc/tb"], None,
+     "--tensorboard /proc/tb cannot be written (/proc is not a writable directory)"),
+    ("deepspeed missing", [*T, "--deepspeed-config", "{w}/none.json"], None,
+     "--deepspeed-config {w}/none.json cannot be read"),
+    ("deepspeed unknown", [*T, "--deepspeed-config", "{w}/ds.json"],
+     deepspeed({"zero_optimization": {"stage": 2}, "sparse_attention": {"mode": "fixed"}}),
+     "--deepspeed-config {w}/ds.json: sparse_attention is not supported by zero_jax: remove"),
+    ("deepspeed unknown zero key", [*T, "--deepspeed-config", "{w}/ds.json"],
+     deepspeed({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}}),
+     "zero_optimization.zero_quantized_nontrainable_weights is not supported by zero_jax"),
+    ("deepspeed nvme", [*T, "--deepspeed-config", "{w}/ds.json"],
+     deepspeed({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}),
+     "zero_optimization.offload_param.device is nvme: the NVMe tier (ZeRO-Infinity) is not"),
+    ("deepspeed auto", [*T, "--deepspeed-config", "{w}/ds.json"],
+     deepspeed({"train_batch_size": "auto"}), "train_batch_size is \"auto\""),
+    ("deepspeed batch", [*T, "--deepspeed-config", "{w}/ds.json"],
+     deepspeed({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2,
+                "gradient_accumulation_steps": 1}),
+     "train_batch_size 32 is not train_micro_batch_size_per_gpu 2 x "
+     "gradient_accumulation_steps 1 x 8 data-parallel devices = 16"),
+    ("deepspeed static scale", [*T, "--deepspeed-config", "{w}/ds.json"],
+     deepspeed({"fp16": {"enabled": True, "loss_scale": 128}}),
+     "fp16.loss_scale is a static loss scale, which is not built"),
+    ("deepspeed lamb", [*T, "--deepspeed-config", "{w}/ds.json"],
+     deepspeed({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}),
+     "optimizer.type Lamb is not built: zero_jax maps Adam and AdamW"),
+    ("deepspeed stage type", [*T, "--deepspeed-config", "{w}/ds.json"],
+     deepspeed({"zero_optimization": {"stage": "2"}}),
+     "zero_optimization.stage must be a number (got \"2\")"),
     ("resume overwrite", [*R, "--overwrite"], None, "--resume continues the checkpoints that"),
     ("ckpt dir is file", [*T, "--checkpoint-dir", "{w}/file"], a_file, "is a file"),
     ("fresh into used", [*T, "--checkpoint-dir", "{c}"], None,

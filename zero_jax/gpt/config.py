@@ -34,7 +34,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512,
               "seq_len": 64, "remat": "full"},
     # frozen_modules: not trained (no gradient, no optimizer state), e.g. ["wpe"].
+    # schedule cosine: warmup, then cosine decay to 10% at decay_steps; constant: warmup, then
+    # lr (DeepSpeed's WarmupLR, whose default warmup_type is log: min + (lr - min) * log(t + 1)
+    # / log(warmup_steps)). Warmup starts at warmup_min_lr.
     "optimizer": {"name": "adamw", "lr": 3e-3, "warmup_steps": 20, "decay_steps": 0,
+                  "schedule": "cosine", "warmup_type": "linear", "warmup_min_lr": 0.0,
                   "b1": 0.9, "b2": 0.95,
                   "eps": 1e-8, "weight_decay": 0.1, "momentum": 0.0, "clip_norm": 1.0,
                   "frozen_modules": []},
@@ -75,6 +79,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
+SCHEDULES = ("cosine", "constant")
+WARMUPS = ("linear", "log")
 
 
 class ConfigError(ValueError):
@@ -257,8 +263,15 @@ def validate(config: dict) -> None:
 def _check_optimizer(config: dict) -> None:
     o = config["optimizer"]
     for key in ("lr", "warmup_steps", "decay_steps", "eps", "weight_decay", "momentum",
-                "clip_norm"):
+                "clip_norm", "warmup_min_lr"):
         _at_least(config, "optimizer", key, 0)
+    for key, allowed in (("schedule", SCHEDULES), ("warmup_type", WARMUPS)):
+        if o[key] not in allowed:
+            raise ConfigError(f"optimizer.{key} must be one of {', '.join(allowed)} (got "
+                              f"{o[key]!r})")
+    if o["warmup_type"] == "log" and (o["schedule"] != "constant" or o["warmup_steps"] < 2):
+        raise ConfigError("optimizer.warmup_type log is DeepSpeed WarmupLR's warmup: it needs "
+                          "optimizer.schedule=constant and optimizer.warmup_steps of at least 2")
     for key in ("b1", "b2", "momentum"):
         if not 0 <= o[key] < 1:
             raise ConfigError(f"optimizer.{key} must be in [0, 1) (got {o[key]})")

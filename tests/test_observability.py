@@ -1,0 +1,359 @@
+"""Plots, TensorBoard scalars, profiler traces and DeepSpeed configs, read back and compared
+with the report and the metrics file they came from.
+
+Three train.py runs: one trains 4 steps from a DeepSpeed config and writes everything at once
+(metrics, report, figures, TensorBoard, a profile of steps 2-3); one trains the same 4 steps
+from the equivalent --set flags; one is a small planner sweep with --plot.
+"""
+
+import collections
+import gzip
+import json
+import math
+import pathlib
+import re
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import TRAIN_ENV
+
+from zero_jax import plot
+from zero_jax.hlo import KINDS
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import train  # noqa: E402
+
+pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
+
+MiB = 2**20
+STEPS = 4
+
+# As DeepSpeed's docs write them.
+DS_STAGE2_BF16 = {
+    "train_batch_size": 8,
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0,
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 2e8,
+                          "overlap_comm": True, "reduce_scatter": True,
+                          "reduce_bucket_size": 2e8, "contiguous_gradients": True},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8,
+                                              "weight_decay": 0.1}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3,
+                                                 "warmup_num_steps": 3}},
+    "steps_per_print": 10,
+    "wall_clock_breakdown": False,
+}
+SETS_STAGE2_BF16 = [
+    "zero.stage=2", "zero.prefetch=true", "zero.bucket_mb=382",  # 2e8 x 2 bytes in MiB, up
+    "precision.param_dtype=bf16", "train.accum_steps=1", "train.batch_size=8",
+    "optimizer.name=adamw", "optimizer.lr=3e-3", "optimizer.b1=0.9", "optimizer.b2=0.95",
+    "optimizer.eps=1e-8", "optimizer.weight_decay=0.1", "optimizer.schedule=constant",
+    "optimizer.warmup_steps=3", "optimizer.warmup_type=log", "optimizer.warmup_min_lr=0.0",
+    "optimizer.clip_norm=1.0"]
+DS_STAGE3_OFFLOAD = {
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 0.5,
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True, "ratio": 0.5},
+        "offload_param": {"device": "none"},
+        "overlap_comm": False,
+        "reduce_bucket_size": 5e7,
+        "stage3_prefetch_bucket_size": 5e7,
+        "stage3_param_persistence_threshold": 1e4,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+        "sub_group_size": 1e9},
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
+                                             "weight_decay": 0.01}},
+    "fp16": {"enabled": False},
+}
+SETS_STAGE3_OFFLOAD = [
+    "zero.stage=3", "zero.prefetch=false", "zero.bucket_mb=191",  # 5e7 x 4 bytes in MiB, up
+    "zero.min_shard_elems=10000", "zero.offload_optimizer.device=cpu",
+    "zero.offload_params=none", "zero.offload_optimizer.ratio=0.5",
+    "precision.param_dtype=fp32", "train.accum_steps=2", "train.batch_size=64",  # 4 x 2 x 8
+    "optimizer.name=adamw", "optimizer.lr=1e-3", "optimizer.b1=0.9", "optimizer.b2=0.999",
+    "optimizer.eps=1e-8", "optimizer.weight_decay=0.01", "optimizer.schedule=constant",
+    "optimizer.warmup_steps=0", "optimizer.clip_norm=0.5"]
+DS_HPZ_QUANTIZED = {
+    "train_batch_size": 32,
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_clipping": 1.0,
+    "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12,
+             "loss_scale_window": 500, "hysteresis": 2, "min_loss_scale": 1},
+    "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4,
+                          "zero_quantized_weights": True, "zero_quantized_gradients": True,
+                          "reduce_bucket_size": 1e7},
+}
+SETS_HPZ_QUANTIZED = [
+    "zero.stage=3", "zero.zero3_size=4", "zero.quantize_weights=int8",
+    "zero.quantize_grads=int8", "zero.bucket_mb=20",  # 1e7 x 2 bytes in MiB, up
+    "precision.param_dtype=fp16", "precision.initial_scale_power=12",
+    "precision.loss_scale_window=500", "precision.hysteresis=2", "precision.min_loss_scale=1",
+    "train.accum_steps=1", "train.batch_size=32", "optimizer.clip_norm=1.0"]
+
+
+def run_train(*args, cache: pathlib.Path | None = None) -> subprocess.CompletedProcess:
+    env = TRAIN_ENV if cache is None else {**TRAIN_ENV, "JAX_COMPILATION_CACHE_DIR": str(cache)}
+    run = subprocess.run([sys.executable, "train.py", *map(str, args)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    return run
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The DeepSpeed-config run writing everything, and the --set run writing metrics."""
+    d = tmp_path_factory.mktemp("observe")
+    ds = d / "ds.json"
+    ds.write_text(json.dumps(DS_STAGE2_BF16, indent=2))
+    # Each run compiles its own program. Loaded from JAX's persistent cache, this stage 2 bf16
+    # step with optimizer.schedule=constant deadlocks on the CPU mesh (jax 0.10.2: 4 runs of 4,
+    # linear or log warmup; XLA's rendezvous sees devices at an all-reduce and others at a
+    # reduce-scatter as the same op and aborts after 40 s); compiled afresh it runs, and the
+    # cosine schedule's step runs from the cache too. Not understood yet: docs/limits.md.
+    out = run_train("--steps", STEPS, "--deepspeed-config", ds, "--metrics", d / "m.jsonl",
+                    "--report", d / "r.json", "--plot", d / "fig", "--tensorboard", d / "tb",
+                    "--profile", d / "prof", "--profile-steps", "2:4", cache=d / "cache-ds")
+    sets = [x for s in SETS_STAGE2_BF16 for x in ("--set", s)]
+    run_train("--steps", STEPS, *sets, "--metrics", d / "m_set.jsonl", cache=d / "cache-set")
+    return d, out.stdout
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """A planner sweep of a small model: stage 3, remat full, the three offload layouts."""
+    d = tmp_path_factory.mktemp("plan")
+    model = {"n_layers": 2, "d_model": 32, "d_ff": 64, "seq_len": 16}
+    sets = [x for k, v in model.items() for x in ("--set", f"model.{k}={v}")]
+    # test_cli.py's sweep: the persistent compilation cache has its programs when both run.
+    run_train("--dry-run", "--device-memory", "150KiB", "--host-memory", "1GB", "--stage", 3,
+              "--tensor-parallel", 1, "--set", "model.remat=full", "--set",
+              "train.batch_size=8", *sets, "--set", "zero.bucket_mb=0",
+              "--report", d / "plan.json", "--plot", d / "fig")
+    return d
+
+
+def records(path) -> list[dict]:
+    return [json.loads(line) for line in open(path)]
+
+
+def png_size(path) -> tuple[int, int]:
+    """Width and height from a PNG's signature and IHDR chunk."""
+    head = pathlib.Path(path).read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", path
+    return struct.unpack(">II", head[16:24])
+
+
+def check_files(fig: pathlib.Path, name: str) -> dict:
+    assert png_size(fig / f"{name}.png") == (800, 450)
+    assert (fig / f"{name}.svg").read_text().lstrip().startswith("<?xml")
+    return json.loads((fig / f"{name}.json").read_text())
+
+
+def bar_heights(fig) -> dict[str, list[float]]:
+    """Each bar series of the figure's axes by its legend label, read off its rectangles."""
+    ax = fig.axes[0]
+    return {c.get_label(): [p.get_height() for p in c] for c in ax.containers}
+
+
+def test_memory_by_stage_draws_the_reports_bytes(runs):
+    d, _ = runs
+    r = json.loads((d / "r.json").read_text())
+    side = check_files(d / "fig", "memory_by_stage")
+    assert len(r["stages"]) == 8 and len(side["bars"]) == 8
+    for bar, row in zip(side["bars"], r["stages"], strict=True):
+        assert [bar[k] for k in ("stage", "params", "grads", "master", "opt_state", "host")] == \
+            [row[k] for k in ("stage", "params", "grads", "master", "opt_state", "host")]
+        compiled = row["stage"] == r["stage"] and not row["offload"]
+        assert bar["temp"] == (r["compiled"]["temp_bytes"] if compiled else 0)
+    fig, data = plot.memory_by_stage(r)
+    assert data == side and data["unit"] == "MiB"
+    heights = bar_heights(fig)
+    for key, label in plot.PART_LABELS.items():
+        if key in ("temp", "host"):
+            continue
+        assert heights[label] == pytest.approx([row[key] / MiB for row in r["stages"]],
+                                               rel=1e-12)
+    temp = next(v for k, v in heights.items() if k.startswith("compiled temp"))
+    assert temp == pytest.approx([b["temp"] / MiB for b in side["bars"]], rel=1e-12)
+    assert heights[plot.PART_LABELS["host"]] == pytest.approx(
+        [row["host"] / MiB for row in r["stages"]], rel=1e-12)
+    # The stage the run trained: its bars are the report's own per-device bytes.
+    mine = next(b for b in side["bars"] if b["stage"] == 2 and not b["offload"])
+    assert {k: mine[k] for k in r["per_device_bytes"]} == r["per_device_bytes"]
+
+
+def test_communication_draws_the_collectives_and_the_theory(runs):
+    d, _ = runs
+    r = json.loads((d / "r.json").read_text())
+    side = check_files(d / "fig", "communication")
+    fig, data = plot.communication(r)
+    assert data == side and side["axes"] == ["data"]
+    heights = bar_heights(fig)
+    for kind in {g["kind"] for g in r["collectives"]}:
+        want = sum(g["volume"] for g in r["collectives"] if g["kind"] == kind)
+        assert heights[f"measured: {kind}"] == pytest.approx([want / MiB], rel=1e-12)
+    assert sum(side["measured_bytes"][k]["data"] for k in side["measured_bytes"]) == \
+        r["comm_bytes_per_step"] == r["comm_bytes_by_axes"]["data"]
+    assert heights[f"ZeRO theory ({r['comm_theory_formula']})"] == \
+        pytest.approx([r["comm_bytes_theory"] / MiB], rel=1e-12)
+
+
+def test_training_curves_are_the_metrics_file(runs):
+    d, _ = runs
+    rows = records(d / "m.jsonl")
+    side = check_files(d / "fig", "training")
+    assert side["step"] == list(range(1, STEPS + 1))
+    fig, data = plot.curves(rows)
+    assert data == side
+    lines = {ax.get_title(): ax.lines[0] for ax in fig.axes if ax.lines}
+    for key, title, _ in plot.CURVES[:4]:
+        assert list(lines[title].get_ydata()) == [row[key] for row in rows] == side[key]
+        assert list(lines[title].get_xdata()) == side["step"]
+
+
+def test_planner_figure_marks_each_layout_and_the_choice(planned):
+    plan = json.loads((planned / "plan.json").read_text())
+    side = check_files(planned / "fig", "planner")
+    assert [(p["device_bytes"], p["host_bytes_per_host"], p["fits"]) for p in side["points"]] \
+        == [(c["device_bytes"], c["host_bytes_per_host"], c["fits"]) for c in plan["candidates"]]
+    assert len(side["points"]) == 3 and side["best"] == plan["best"]
+    fig, data = plot.planner(plan)
+    assert data == side
+    ax = fig.axes[0]
+    offsets = np.concatenate([c.get_offsets() for c in ax.collections
+                              if c.get_label().startswith("_stage")])
+    np.testing.assert_allclose(offsets, [[c["device_bytes"] / side["device_unit_bytes"],
+                                          c["host_bytes_per_host"] / side["host_unit_bytes"]]
+                                         for c in plan["candidates"]], rtol=1e-12)
+    star = next(c for c in ax.collections if c.get_label().startswith("chosen"))
+    best = next(c for c in plan["candidates"]
+                if all(c[k] == v for k, v in plan["best"].items()))
+    assert star.get_offsets().tolist() == [[best["device_bytes"] / side["device_unit_bytes"],
+                                            best["host_bytes_per_host"]
+                                            / side["host_unit_bytes"]]]
+
+
+def test_plot_command_draws_the_same_from_the_files(runs, tmp_path, capsys):
+    d, _ = runs
+    assert plot.main([str(d / "r.json"), str(d / "m.jsonl"), "--out", str(tmp_path)]) == 0
+    for name in ("memory_by_stage", "communication", "training"):
+        assert (tmp_path / f"{name}.json").read_text() == (d / "fig" / f"{name}.json").read_text()
+    capsys.readouterr()
+    assert plot.main([str(d / "m.jsonl"), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {d / 'm.jsonl'} is not JSON"), err
+    assert not (tmp_path / "x").exists()
+
+
+def test_tensorboard_holds_each_steps_metrics(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    d, _ = runs
+    acc = EventAccumulator(str(d / "tb"))
+    acc.Reload()
+    rows = records(d / "m.jsonl")
+    for key in ("loss", "grad_norm", "lr", "tokens_per_s", "skipped"):
+        events = acc.Scalars(f"train/{key}")
+        assert [e.step for e in events] == list(range(1, STEPS + 1))
+        # TensorBoard keeps float32.
+        assert [e.value for e in events] == [float(np.float32(r[key])) for r in rows]
+    text = acc.Tensors("report/text_summary")
+    assert len(text) == 1
+    r = json.loads((d / "r.json").read_text())
+    assert f"| parameters | {r['n_params']:,} |" in text[0].tensor_proto.string_val[0].decode()
+
+
+def test_profile_traces_the_steps_collectives(runs):
+    """The CPU trace names each executed HLO instruction (thunk) after the compiled step's
+    instruction, once per device: every collective of the step is there, in each of the two
+    steps traced, as often as the report counts it (loop trips included) on 8 devices."""
+    d, _ = runs
+    prof = d / "prof"
+    traces = list(prof.glob("plugins/profile/*/perfetto_trace.json.gz"))
+    assert len(traces) == 1 and list(prof.glob("plugins/profile/*/*.xplane.pb"))
+    events = json.load(gzip.open(traces[0]))["traceEvents"]
+    hlo = (prof / "train_step.hlo.txt").read_text()
+    kind_of = {m.group(1): m.group(2) for m in re.finditer(
+        r"^\s*(?:ROOT )?%?([\w.\-]+) = .*? ([\w\-]+)\(", hlo, re.M) if m.group(2) in KINDS}
+    seen = [e for e in events if e.get("name") in kind_of]
+    assert {e["args"]["hlo_module"] for e in seen} == {"jit_step"}
+    assert len({e["args"]["run_id"] for e in seen}) == 2  # steps 2 and 3
+    assert {e["name"] for e in seen} == set(kind_of)
+    assert {e["args"]["device_ordinal"] for e in seen} == {str(i) for i in range(8)}
+    r = json.loads((d / "r.json").read_text())
+    expected = collections.Counter()
+    for g in r["collectives"]:
+        expected[g["kind"]] += g["count"] * 2 * 8
+    found = collections.Counter(kind_of[e["name"]] for e in seen)
+    assert set(found) == set(expected) >= {"all-gather", "reduce-scatter"}
+    for kind, n in expected.items():
+        # The CPU profiler has been seen to drop one event in a few hundred.
+        assert n - math.ceil(0.01 * n) <= found[kind] <= n, (kind, found[kind], n)
+
+
+def test_deepspeed_run_trains_as_the_set_flags(runs):
+    d, stdout = runs
+    ds, sets = records(d / "m.jsonl"), records(d / "m_set.jsonl")
+    assert [r["loss"] for r in ds] == [r["loss"] for r in sets]
+    assert [r["grad_norm"] for r in ds] == [r["grad_norm"] for r in sets]
+    # WarmupLR, log warmup over 3 steps: min + (max - min) log(t + 1) / log(3), then max.
+    want = [3e-3 * math.log(t + 1) / math.log(3) for t in range(3)] + [3e-3]
+    assert [r["lr"] for r in ds] == pytest.approx(want, rel=1e-6)
+    assert "zero_optimization.stage" in stdout and "-> zero.stage=2" in stdout
+    assert "ignored, no effect on what is computed: " in stdout
+    assert "zero_optimization.contiguous_gradients" in stdout and "steps_per_print" in stdout
+
+
+@pytest.mark.parametrize("ds, sets", [(DS_STAGE2_BF16, SETS_STAGE2_BF16),
+                                      (DS_STAGE3_OFFLOAD, SETS_STAGE3_OFFLOAD),
+                                      (DS_HPZ_QUANTIZED, SETS_HPZ_QUANTIZED)],
+                         ids=["stage-2-bf16", "stage-3-offload", "hpz-int8"])
+def test_deepspeed_config_is_the_set_flags(ds, sets, tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    from_ds = train.load_config(train.parse_args(["--deepspeed-config", str(path)]))
+    mapping = capsys.readouterr().out
+    from_sets = train.load_config(train.parse_args([x for s in sets for x in ("--set", s)]))
+    assert from_ds == from_sets
+    assert len([line for line in mapping.splitlines() if "->" in line]) >= len(sets) - 1
+    # --set after it overrides it.
+    over = train.load_config(train.parse_args(["--deepspeed-config", str(path), "--set",
+                                               "optimizer.clip_norm=0.25"]))
+    assert over == {**from_sets, "optimizer": {**from_sets["optimizer"], "clip_norm": 0.25}}
+
+
+def test_curves_draw_the_fp16_loss_scale_and_gaps(runs):
+    """fp16 records add the loss scale (log2 axis); a non-finite value (null in the file, as
+    train.py writes it) is a gap, not a zero."""
+    d, _ = runs
+    rows = records(d / "m.jsonl")
+    scales = [2.0**16, 2.0**15, 2.0**15, 2.0**15]
+    fp16 = [{**r, "loss_scale": s} for r, s in zip(rows, scales, strict=True)]
+    fp16[1] = {**fp16[1], "loss": None, "grad_norm": None, "nonfinite": ["loss", "grad_norm"]}
+    fig, data = plot.curves(fp16)
+    lines = {ax.get_title(): ax for ax in fig.axes if ax.lines}
+    scale = lines["fp16 loss scale (log2 axis)"]
+    assert scale.get_yscale() == "log" and list(scale.lines[0].get_ydata()) == scales
+    loss = list(lines["loss (nats per token)"].lines[0].get_ydata())
+    assert math.isnan(loss[1]) and [loss[i] for i in (0, 2, 3)] == \
+        [rows[i]["loss"] for i in (0, 2, 3)]
+    assert data["loss"][1] is None and data["loss_scale"] == scales
+
+
+def test_memory_figure_draws_the_capacity(runs):
+    d, _ = runs
+    r = json.loads((d / "r.json").read_text())
+    fig, data = plot.memory_by_stage(r, capacity=16 * MiB)
+    line = next(ln for ln in fig.axes[0].lines if ln.get_label() == "device capacity")
+    assert list(line.get_ydata()) == [16, 16] and data["capacity_bytes"] == 16 * MiB
