@@ -385,6 +385,19 @@ def test_partitioned_activations_keep_a_tp_slice_of_the_saved_inputs():
                      layers=zj.Layers(LAYERS, partition=True))
 
 
+def test_the_demo_gives_the_report_its_block_input():
+    """train.py's report needs the shape of a block's input (global batch, sequence, d_model),
+    which only the model knows: the demo's Experiment says it (nothing compiled here)."""
+    from zero_jax.gpt import config
+    from zero_jax.gpt.experiment import Experiment
+
+    exp = Experiment.build(config.load("tiny", ["mesh.tensor_parallel=2"]),
+                           zj.make_mesh(8, axes=MESHES["4x2"]))
+    assert exp.block_input.shape == (32, 64, 128) and exp.block_input.dtype == np.float32
+    saved = report.saved_activations(exp.plan, exp.block_input)["saved_activation_bytes"]
+    assert saved["without_pa"] == 4 * (32 // 4) * 64 * 128 * 4 == 2 * saved["with_pa"]
+
+
 def test_checkpoint_moves_between_meshes(tmp_path, gpt):
     """Written at data 2 x model 4, read back exactly at 8 x 1 (no model axis) and 4 x 2; the
     issue's chain T = 4 x D = 2 -> T = 1 x D = 8 (written again there) -> T = 2 x D = 4
