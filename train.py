@@ -583,7 +583,7 @@ def compile_report(exp, state) -> tuple[dict, object]:
 
     lowered = exp.step.lower(state, exp.batch_shape)
     compiled, peak = compile_with_peak(lowered)
-    r = report.build(exp.plan, state, lowered, compiled, peak)
+    r = report.build(exp.plan, state, lowered, compiled, peak, exp.block_input)
     print(report.format_table(r))
     return r, compiled
 

@@ -297,6 +297,20 @@ def _baseline_run(name: str, built, batches: list) -> dict:
                 compiled=compiled, states_bytes=model_state_bytes(state), checked=True)
 
 
+def bytes_by_axes(hlo_text: str, mesh: Mesh) -> str:
+    """MiB per step of a compiled step's collectives (an all-reduce counted once) by the mesh
+    axes their groups span (``report.mesh_axes``): on a 2-D mesh, ZeRO's belong on ``data``
+    and tensor parallelism's on ``model``."""
+    from zero_jax.hlo import collectives
+    from zero_jax.report import mesh_axes
+
+    totals: dict[str, int] = {}
+    for c in collectives(hlo_text, mesh.size):
+        axes = mesh_axes(c.group, mesh)
+        totals[axes] = totals.get(axes, 0) + c.count * c.bytes
+    return ", ".join(f"{axes} {v / 2 ** 20:.2f}" for axes, v in sorted(totals.items()))
+
+
 def main() -> None:
     args = harness.parse_args(__doc__.splitlines()[0])
 
@@ -359,8 +373,8 @@ def main() -> None:
 
     mib = 2 ** 20
     print("| run | step ms | time / stage 0 (same round) | temp MiB | model states MiB/device "
-          "| total MiB/device | collectives per step (count / MiB) |")
-    print("|---|---|---|---|---|---|---|")
+          "| total MiB/device | collectives per step (count / MiB) | MiB/step by mesh axes |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in runs:
         temp = r["compiled"].memory_analysis().temp_size_in_bytes
         comm = harness.collectives_summary(r["compiled"].as_text(), mesh.size)
@@ -369,7 +383,8 @@ def main() -> None:
                                                          strict=True))
         print(f"| {r['name']} | {r['ms']:.1f} | {ratio:.2f} | {temp / mib:.2f} "
               f"| {r['states_bytes'] / mib:.2f} | {(temp + r['states_bytes']) / mib:.2f} "
-              f"| {harness.format_collectives(comm)} |")
+              f"| {harness.format_collectives(comm)} "
+              f"| {bytes_by_axes(r['compiled'].as_text(), mesh)} |")
 
 
 def memory_table(name: str, sets: list[str], mesh: Mesh) -> None:
@@ -390,8 +405,9 @@ def memory_table(name: str, sets: list[str], mesh: Mesh) -> None:
         lowered[row] = fsdp_lowered(config.load(name, sets), mesh, constrain)[1]
     mib = 2 ** 20
     print(f"{name} config on {mesh.size} devices, compiled only: MiB per device\n")
-    print("| run | temp | arguments | total | peak | at the peak, by kind |")
-    print("|---|---|---|---|---|---|")
+    print("| run | temp | arguments | total | peak | at the peak, by kind "
+          "| collectives MiB/step by mesh axes |")
+    print("|---|---|---|---|---|---|---|")
     for row, low in lowered.items():
         compiled, peak = compile_with_peak(low)
         memory = compiled.memory_analysis()
@@ -399,7 +415,8 @@ def memory_table(name: str, sets: list[str], mesh: Mesh) -> None:
         kinds = ", ".join(f"{k} {v / mib:.2f}" for k, v in peak["by_kind"].items()
                           if v >= mib / 100)
         print(f"| {row} | {temp / mib:.2f} | {args / mib:.2f} | {(temp + args) / mib:.2f} "
-              f"| {peak['peak_bytes'] / mib:.2f} | {kinds} |", flush=True)
+              f"| {peak['peak_bytes'] / mib:.2f} | {kinds} "
+              f"| {bytes_by_axes(compiled.as_text(), mesh)} |", flush=True)
 
 
 if __name__ == "__main__":

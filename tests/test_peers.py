@@ -322,3 +322,21 @@ def test_estimate_on_the_saved_gpu_compile():
             got["tiny-stage-3-no-prefetch-h100"]["exposed_s"]
         assert got["tiny-stage-3-h100"]["hlo_flops"] == \
             got["tiny-stage-3-no-prefetch-h100"]["hlo_flops"]
+
+
+def test_bytes_by_axes_names_the_axes_each_collective_spans():
+    """The 2-D rows' column: a psum of 1 MiB over ``data`` and one of 2 MiB over ``model``
+    (4 x 2 mesh), each counted once, under the axis its groups span."""
+    from jax.sharding import PartitionSpec as P
+
+    import zero_jax as zj
+
+    mesh = zj.make_mesh(8, axes={"data": 4, "model": 2})
+
+    def body(a, b):
+        return jax.lax.psum(a, "data"), jax.lax.psum(b, "model")
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P())))
+    a, b = np.ones(1 << 18, np.float32), np.ones(1 << 19, np.float32)
+    assert peers.bytes_by_axes(f.lower(a, b).compile().as_text(), mesh) == (
+        "data 1.00, model 2.00")

@@ -134,7 +134,7 @@ def mesh_axes(group: tuple[int, ...], mesh: Any) -> str:
 
 
 def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None,
-          peak: dict | None = None) -> dict:
+          peak: dict | None = None, block_input: jax.ShapeDtypeStruct | None = None) -> dict:
     """The report of one step, from ``lowered = step.lower(state, batch)`` and its compilation;
     ``state`` is the (abstract or real) train state; ``peak``: what is live at the compiled
     step's peak (``zero_jax.peak``), found here when the step is compiled here."""
@@ -147,7 +147,7 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None,
     memory = compiled.memory_analysis()
     found = collectives(compiled.as_text(), mesh.size)
     groups = collective_groups(found, mesh)
-    by_axes, formula = comm_theory(plan)
+    by_axes, formula = comm_theory(plan, block_input)
     return {
         "stage": plan.stage,
         "rule": rule.moves + (
@@ -190,7 +190,7 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None,
         "comm_theory_formula": formula,
         "comm_bytes_theory_by_axes": by_axes,
         "peak": None if peak is None else {**peak, "expected": peak_expected(plan)},
-        **layout(plan, state, found),
+        **layout(plan, state, found), **saved_activations(plan, block_input),
     }
 
 
@@ -228,27 +228,75 @@ def collective_groups(found: list, mesh: Any) -> dict[tuple, dict]:
     return groups
 
 
-def comm_theory(plan: Plan) -> tuple[dict[str, int], str]:
+def layers_of(plan: Plan) -> int:
+    """The layers the blocks run: a scanned stack's length, one per unrolled block."""
+    stacks: dict[str, int] = {}
+    for leaf in jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "stacked")):
+        if leaf.block:
+            stacks[leaf.block] = leaf.shape[0] if leaf.stacked else 1
+    return sum(stacks.values())
+
+
+def activation_bytes(plan: Plan, block_input: jax.ShapeDtypeStruct) -> int:
+    """One block input (global batch, sequence, ...) per device and microbatch: the batch is
+    cut over the data axes and the microbatches."""
+    per = math.prod(block_input.shape) // (plan.dp_size * plan.accum_steps)
+    return per * jnp.dtype(block_input.dtype).itemsize
+
+
+def saved_activations(plan: Plan, block_input: jax.ShapeDtypeStruct | None) -> dict:
+    """What the blocks save for their backward per device (their inputs, under remat), given
+    the global shape of a block's input, which only the model knows: layers x local batch x
+    sequence x width, 1/T of it with ZeRO-R's Pa (cut along the sequence over ``model``)."""
+    if block_input is None or not plan.blocks:
+        return {}
+    whole = layers_of(plan) * activation_bytes(plan, block_input)
+    return {"saved_activation_bytes": {"without_pa": whole,
+                                       "with_pa": whole // plan.tp_size if plan.model else whole,
+                                       "partition_activations": plan.partition_activations}}
+
+
+def model_theory(plan: Plan, block_input: jax.ShapeDtypeStruct) -> tuple[int, str]:
+    """Megatron's tensor-parallel traffic per device per step for a transformer block: per
+    block 2 all-reduces of its activations (batch x sequence x width) forward and 2 backward;
+    1 more where stage 3 rematerializes the block (attention's: the MLP's makes the block's
+    output, which its backward never reads, and XLA drops it); plus the vocabulary-parallel
+    embedding's forward and the tied head's input gradient. An all-reduce counts twice, as in
+    ``hlo.Collective``."""
+    remat = plan.rule.shard_params and plan.remat != "none"
+    per_block = 4 + remat
+    count = layers_of(plan) * per_block + 2
+    return (2 * count * activation_bytes(plan, block_input) * plan.accum_steps,
+            f"{per_block} all-reduces of b s d per layer + 2")
+
+
+def comm_theory(plan: Plan, block_input: jax.ShapeDtypeStruct | None = None
+                ) -> tuple[dict[str, int], str]:
     """ZeRO's bytes per device per step by mesh axis, and the formula.
 
     Phase by phase, each in its dtype: a gradient reduce-scatter, then an all-gather (of
     gradients at stage 0, of updated parameters at 1-2, per layer at 3). With k microbatches
     stage 2 reduce-scatters, and stage 3 also gathers, once per microbatch. With tensor
-    parallelism each rank's ZeRO moves its part."""
+    parallelism each rank's ZeRO moves its part, and ``model`` carries Megatron's all-reduces
+    (``model_theory``) when the caller gives a block input's shape."""
     mesh, prec, k = plan.mesh, plan.precision, plan.accum_steps
     c, r = prec.compute.itemsize, prec.reduce.itemsize
     rank = round(per_rank(plan))
     theory = {0: rank * (r + r), 1: rank * (r + r), 2: rank * (r * k + c),
               3: rank * (c + c + r) * k}
     formula = {0: "2 Psi", 1: "2 Psi", 2: f"{k + 1} Psi", 3: f"{3 * k} Psi"}[plan.stage]
-    if not plan.outer:
-        return {plan.axis: theory[plan.stage] if plan.dp_size > 1 else 0}, formula
-    # Hierarchical: stage 3 within a group of K; across groups, once per step, the gradient
-    # shards (Psi/K) reduce-scattered and the updated parameter shards all-gathered back.
-    group = mesh.shape[plan.axis]
-    return ({plan.axis: theory[3] if group > 1 else 0,
-             plan.outer: rank * (r + c) // group if mesh.shape[plan.outer] > 1 else 0},
-            f"{3 * k} Psi within a group + 2 Psi/K across")
+    by_axes = {plan.axis: theory[plan.stage] if plan.dp_size > 1 else 0}
+    if plan.outer:
+        # Hierarchical: stage 3 within a group of K; across groups, once per step, the gradient
+        # shards (Psi/K) reduce-scattered and the updated parameter shards all-gathered back.
+        group = mesh.shape[plan.axis]
+        by_axes = {plan.axis: theory[3] if group > 1 else 0,
+                   plan.outer: rank * (r + c) // group if mesh.shape[plan.outer] > 1 else 0}
+        formula = f"{3 * k} Psi within a group + 2 Psi/K across"
+    if plan.model and block_input is not None and plan.blocks:
+        by_axes[MODEL], megatron = model_theory(plan, block_input)
+        formula += f"; on model: {megatron}"
+    return by_axes, formula
 
 
 def peak_expected(plan: Plan) -> dict[str, int]:
@@ -338,7 +386,18 @@ def gathered_once(plan: Plan, found: list) -> list[str]:
 
 def format_table(r: dict) -> str:
     """The report as text for a terminal."""
-    return "\n".join(_states_lines(r) + _peak_lines(r) + _comm_lines(r) + _layout_lines(r))
+    return "\n".join(_states_lines(r) + _activation_lines(r) + _peak_lines(r) + _comm_lines(r)
+                     + _layout_lines(r))
+
+
+def _activation_lines(r: dict) -> list[str]:
+    """The blocks' saved inputs per device, with and without ZeRO-R's Pa."""
+    saved = r.get("saved_activation_bytes")
+    if not saved:
+        return []
+    on = "on" if saved["partition_activations"] else "off"
+    return ["", f"  saved block inputs per device: {saved['without_pa'] / MiB:.2f} MiB without "
+                f"partitioned activations, {saved['with_pa'] / MiB:.2f} MiB with them ({on})"]
 
 
 def _states_lines(r: dict) -> list[str]:

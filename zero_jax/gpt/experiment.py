@@ -91,6 +91,13 @@ class Experiment:
                                     jnp.int32, sharding=self.batch_sharding)
 
     @property
+    def block_input(self) -> jax.ShapeDtypeStruct:
+        """What each block takes (global batch, sequence, d_model): the report's saved
+        activations and tensor-parallel theory need it (``report.build(block_input=)``)."""
+        return jax.ShapeDtypeStruct((self.cfg["train"]["batch_size"], self.model.seq_len,
+                                     self.model.d_model), self.plan.precision.compute)
+
+    @property
     def tokens_per_step(self) -> int:
         return self.cfg["train"]["batch_size"] * self.model.seq_len
 
