@@ -105,7 +105,8 @@ def memory_by_stage(report: dict, capacity: int | None = None) -> tuple[Any, dic
     ax.set_ylabel(f"{name} per device")
     ax.set_title(f"Memory per device by stage: {report['n_params']:,} parameters, {mesh}, "
                  f"{report['precision']['param_dtype']}", fontsize=10)
-    ax.legend(fontsize=8)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.3)  # room for the legend above the tallest bar
+    ax.legend(fontsize=8, loc="upper center", ncols=3)
     data = {"figure": "memory_by_stage", "unit": name, "unit_bytes": div,
             "capacity_bytes": capacity, "bars": bars}
     return fig, data
