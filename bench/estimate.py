@@ -28,6 +28,7 @@ import math
 import re
 
 from zero_jax.hlo import (
+    _TRIP,
     KINDS,
     _arrays,
     _groups,
@@ -60,7 +61,6 @@ _CALLED = re.compile(r"\bcalls=%?([\w.\-]+)")
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"(?:branch_computations=\{([^}]*)\}|(?:true_computation|false_computation"
                        r"|to_apply)=%?([\w.\-]+))")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _GEMM = re.compile(r'custom_call_target="__cublas\$(lt\$matmul|gemm)')
 _DIMS = re.compile(r"\[([\d,]*)\]")
 
