@@ -191,3 +191,26 @@ def test_reduce_and_normalize_under_shard_map(mesh):
     assert float(loss) == 2.0 and float(factor) == 1.0
     assert float(grads["wte"]["embedding"][0, 0]) == sum(range(8))
     assert grads["wpe"]["embedding"].shape == (16, 64) and not grads["wpe"]["embedding"].any()
+
+
+def test_a_block_holding_most_of_the_model_is_warned_about(mesh):
+    """One unrolled "block" with most of the cut parameters is gathered whole at once; the
+    warning names the pattern of its parts. A compiled stage-3 step whose peak holds as many
+    gathered weights as the whole parameters saves nothing over stage 2: warned too."""
+    from zero_jax import report
+
+    sds = lambda *shape: jax.ShapeDtypeStruct(shape, F32)
+    shapes = {"model": {"up": {"kernel": sds(64, 256)}, "down": {"kernel": sds(256, 64)}},
+              "head": {"kernel": sds(64, 8)}}
+    whole = zj.make_plan(shapes, mesh, 3, layers="^model$")
+    (line,) = report.one_big_block(whole)
+    assert "'model' holds 98% of the cut parameters" in line and "layers='model/[^/]+'" in line
+    parts = zj.make_plan(shapes, mesh, 3, layers="model/[^/]+")
+    assert parts.blocks == ["model/down", "model/up"] and report.one_big_block(parts) == []
+    assert report.one_big_block(zj.make_plan(shapes, mesh, 2, layers="^model$")) == []
+    assert report.one_big_block(zj.make_plan(SHAPES, mesh, 3, layers="^blocks$")) == []  # a scan
+    params = 4 * (2 * 64 * 256 + 64 * 8)
+    held = lambda size: report.held_whole(whole, {"by_kind": {"gathered weights": size}}, params)
+    (line,) = held(params)
+    assert "holds 0.13 MiB of gathered weights at its peak" in line
+    assert held(params - 1) == [] and report.held_whole(whole, None, params) == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 import jax
@@ -148,7 +149,7 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None,
     found = collectives(compiled.as_text(), mesh.size)
     groups = collective_groups(found, mesh)
     by_axes, formula = comm_theory(plan, block_input)
-    return {
+    r = {
         "stage": plan.stage,
         "rule": rule.moves + (
             f"; hierarchical: parameters cut within groups of {mesh.shape[plan.axis]}, "
@@ -192,6 +193,8 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None,
         "peak": None if peak is None else {**peak, "expected": peak_expected(plan)},
         **layout(plan, state, found), **saved_activations(plan, block_input),
     }
+    r["warnings"] += held_whole(plan, peak, psi * c)
+    return r
 
 
 def layout(plan: Plan, state: PyTree, found: list) -> dict:
@@ -208,7 +211,7 @@ def layout(plan: Plan, state: PyTree, found: list) -> dict:
         "prefetch_bytes": 2 * max(block_elements(plan).values(), default=0) * c
         if plan.comm.prefetch else 0,
         "opt_state_whole": whole_opt_state(plan, state),
-        "warnings": warnings(plan) + gathered_once(plan, found),
+        "warnings": warnings(plan) + one_big_block(plan) + gathered_once(plan, found),
     }
 
 
@@ -358,6 +361,37 @@ def warnings(plan: Plan) -> list[str]:
                 f"holds them whole through it ({where}): name the model's blocks (make_plan "
                 "layers=, zero.transformer_layers) to hold one block at a time"]
     return []
+
+
+def one_big_block(plan: Plan) -> list[str]:
+    """An unrolled block holding most of the cut parameters is gathered whole at once: stage 3
+    then holds most of the model, as stage 2 does. Its parts are the blocks to name."""
+    leaves = [leaf for leaf in jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "block"))
+              if leaf.axis is not None and not leaf.persistent]
+    cut = sum(math.prod(leaf.shape) for leaf in leaves)
+    sizes: dict[str, int] = {}
+    for leaf in leaves:
+        if leaf.block and not leaf.stacked:
+            sizes[leaf.block] = sizes.get(leaf.block, 0) + math.prod(leaf.shape)
+    big = [b for b, size in sizes.items() if cut and size > cut / 2]
+    return [f"the block {b!r} holds {sizes[b] / cut:.0%} of the cut parameters, which stage 3 "
+            f"gathers all at once: name its parts instead (layers='{re.escape(b)}/[^/]+', or "
+            "the repeated modules inside it)" for b in big if plan.rule.shard_params]
+
+
+def held_whole(plan: Plan, peak: dict | None, param_bytes: int) -> list[str]:
+    """The compiled stage-3 step against stage 2's rule: at its peak it should hold a block or
+    two of gathered weights, not as much as the whole parameters stage 2 keeps."""
+    if not (plan.rule.shard_params and peak):
+        return []
+    held = peak["by_kind"].get("gathered weights", 0)
+    whole = param_bytes // plan.mesh.shape.get(MODEL, 1)
+    if held < whole:
+        return []
+    return [f"the compiled stage-3 step holds {held / MiB:.2f} MiB of gathered weights at its "
+            f"peak, as much as the whole parameters ({whole / MiB:.2f} MiB) that stage 2 keeps "
+            "on every device: it saves nothing on parameters (name smaller blocks, see the "
+            "peak's largest buffers)"]
 
 
 def gathered_once(plan: Plan, found: list) -> list[str]:
