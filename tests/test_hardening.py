@@ -235,6 +235,9 @@ ROWS = [
     ("min_shard <0", [*T, "--set", "zero.min_shard_elems=-1"], None,
      "zero.min_shard_elems must be a finite number of at least 0"),
     ("zero3-size -2", [*T, "--zero3-size", "-2"], None, "zero.zero3_size must be a finite"),
+    ("frozen everything", [*T, "--set", "optimizer.frozen_modules=[blocks,ln_f,wpe,wte]"], None,
+     "optimizer.frozen_modules=['blocks', 'ln_f', 'wpe', 'wte'] freezes every parameter: "
+     "nothing to train"),
     ("unknown key", [*T, "--set", "model.n_layer=2"], None, "unknown config key model.n_layer"),
     ("set not yaml", [*T, "--set", "optimizer.lr=[1"], None,
      "--set optimizer.lr=[1: the value is not valid YAML: expected ',' or ']'"),
