@@ -493,21 +493,32 @@ def test_a_model_that_cannot_fit_is_refused_before_allocating(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_corrupted_newest_falls_back_and_resumes_exactly(reference, tmp_path):
-    """Flip bytes in checkpoint 40; --resume reports it, falls back to 32, moves 40 aside,
-    and trains 33-40 exactly as the uninterrupted run did. No checkpoint ever holds a
-    non-finite value."""
+@pytest.mark.parametrize("damage", ["flipped", "no opt_state", "no params/_METADATA"])
+def test_corrupted_newest_falls_back_and_resumes_exactly(damage, reference, tmp_path):
+    """Flip bytes in checkpoint 40, or delete one of its items or an item's index; --resume
+    reports it, falls back to 32, moves 40 aside, and trains 33-40 exactly as the uninterrupted
+    run did. No checkpoint ever holds a non-finite value."""
     ckpt, ref = reference
     c = tmp_path / "ckpt"
     shutil.copytree(ckpt, c)
-    flip(c / "40" / "params")
+    if damage == "flipped":
+        flip(c / "40" / "params")
+    elif damage == "no opt_state":
+        shutil.rmtree(c / "40" / "opt_state")
+    else:
+        (c / "40" / "params" / "_METADATA").unlink()
     run = run_train("--steps", REF_STEPS, "--save-every", 8, "--checkpoint-dir", c,
                     "--resume", "--metrics", tmp_path / "m.jsonl")
     assert run.returncode == 0, run.stderr
     # A flip in array data fails the digest; one in orbax's index fails the read. Either way
-    # the step and the item are named.
-    assert (f"checkpoint step 40 in {c} is corrupted: params/" in run.stderr
-            or f"checkpoint step 40 in {c} cannot be read: params" in run.stderr), run.stderr
+    # the step and the item are named; a deletion names what is missing.
+    said = {"flipped": [f"checkpoint step 40 in {c} is corrupted: params/",
+                        f"checkpoint step 40 in {c} cannot be read: params"],
+            "no opt_state": [f"checkpoint step 40 in {c} cannot be read: 40/opt_state/ is "
+                             "missing"],
+            "no params/_METADATA": [f"checkpoint step 40 in {c} cannot be read: "
+                                    "40/params/_METADATA is missing"]}[damage]
+    assert any(line in run.stderr for line in said), run.stderr
     assert "falling back to checkpoint 32" in run.stderr, run.stderr
     assert "resumed from step 32" in run.stdout
     assert f"corrupted checkpoint 40 moved aside to {c}/40.corrupt" in run.stderr
@@ -730,3 +741,4 @@ def test_sigterm_during_a_second_writer_and_exports(tmp_path, reference, capsys)
             time.sleep(0.002)
         assert export.main([str(c), str(tmp_path / f"out{i}")]) == 0, capsys.readouterr().err
     stop_and_resume(proc, tmp_path, reference, signal.SIGTERM, 143, keep=3)
+
