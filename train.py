@@ -697,20 +697,29 @@ class Saver(Hook):
         self.ckpts, self.every, self.last, self.stop = ckpts, every, last, stop
         self.guard, self.bar, self.meta = guard, bar, meta
         self.saved: int | None = None  # the newest step saved
+        self.n, self.state = None, None  # the newest step trained, for a stop signal's save
 
     def __call__(self, n: int, state, m: dict, record: dict) -> None:
-        if ((self.every and n % self.every == 0) or n == self.last or self.stop.signum) \
-                and self.guard.bad_from is None:
-            self.ckpts.save(state, self.meta(n))
-            self.saved = n
-            self.bar.write(f"saving checkpoint {n} (training goes on)")
+        self.n, self.state = n, state
+        if (self.every and n % self.every == 0) or n == self.last or self.stop.signum:
+            self.save()
         if done := self.ckpts.poll():
             self.bar.write(str(done))
 
+    def save(self) -> None:
+        if self.saved != self.n and self.guard.bad_from is None:
+            self.ckpts.save(self.state, self.meta(self.n))
+            self.saved = self.n
+            self.bar.write(f"saving checkpoint {self.n} (training goes on)")
+
     def finish(self) -> None:
-        """Wait for the saves in flight (at the run's normal end)."""
+        """Wait for the saves in flight. A stop signal that came after this step's check (in
+        the poll, say) still saves the step: the loop then stops before training another."""
+        if self.stop.signum and self.n is not None:
+            self.save()
         if done := self.ckpts.finish():
             self.bar.write(str(done))
+        self.state = None
 
 
 class Tally(Hook):

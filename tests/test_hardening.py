@@ -742,3 +742,21 @@ def test_sigterm_during_a_second_writer_and_exports(tmp_path, reference, capsys)
         assert export.main([str(c), str(tmp_path / f"out{i}")]) == 0, capsys.readouterr().err
     stop_and_resume(proc, tmp_path, reference, signal.SIGTERM, 143, keep=3)
 
+
+def test_a_signal_during_the_save_poll_still_saves_its_step(tmp_path, monkeypatch, capsys):
+    """SIGTERM landing inside the checkpoint manager's poll, after the step's save check: the
+    run stops before another step and still saves this one (exit 143), not "nothing new"."""
+    c, calls, poll = tmp_path / "ckpt", [], Checkpoints.poll
+
+    def poll_then_signal(self):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return poll(self)
+
+    monkeypatch.setattr(Checkpoints, "poll", poll_then_signal)
+    code = train.main([*MODEL, "--steps", "6", "--checkpoint-dir", str(c)])
+    err = capsys.readouterr().err
+    assert code == 143, err
+    assert f"stopped by SIGTERM after step 2: checkpoint 2 saved in {c}" in err, err
+    assert Checkpoints(c, read_only=True).steps() == [2]
