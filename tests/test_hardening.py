@@ -778,3 +778,17 @@ def test_an_output_that_fails_mid_run_stops_in_one_line(flag, tmp_path, capsys):
     else:
         assert errors == ["error: --report /dev/full: No space left on device; stopped before "
                           "training (at step 0)"], err
+
+
+def test_a_failed_save_says_the_free_space(tmp_path):
+    """A save that fails (a full disk, usually) says how much room the directory has left."""
+    ckpts = Checkpoints(tmp_path / "c")
+    try:
+        e = ckpts._failed(5, OSError(28, "No space left on device"))
+    finally:
+        ckpts.close()
+    free = shutil.disk_usage(tmp_path).free / 2**30
+    assert str(e).startswith(f"saving checkpoint 5 in {tmp_path / 'c'} (") and \
+        "GiB free there) failed: [Errno 28] No space left on device; older checkpoints are kept" \
+        in str(e), str(e)
+    assert abs(float(str(e).split(" (")[1].split(" GiB")[0]) - free) < 1, str(e)

@@ -350,7 +350,11 @@ class Checkpoints:
 
     def _failed(self, step: int | None, e: BaseException) -> CheckpointError:
         which = f" {step}" if step is not None else ""
-        return CheckpointError(f"saving checkpoint{which} in {self.path} failed: "
+        try:  # a full disk is the usual cause: say how full
+            free = f" ({shutil.disk_usage(self.path).free / 2**30:.1f} GiB free there)"
+        except OSError:
+            free = ""
+        return CheckpointError(f"saving checkpoint{which} in {self.path}{free} failed: "
                                f"{_first_line(e)}; older checkpoints are kept")
 
     def close(self) -> None:
