@@ -371,6 +371,8 @@ def run_main(args: argparse.Namespace, watchdog=None) -> int:
                 return train(exp, cfg, args, start, stop, watchdog)
         except (configs.ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
             return fail(str(e))
+        except OutputError as e:  # --report of a dry run
+            return fail(str(e), 1)
 
 
 def load_config(args: argparse.Namespace) -> dict:
@@ -588,10 +590,20 @@ def compile_report(exp, state) -> tuple[dict, object]:
     return r, compiled
 
 
+class OutputError(Exception):
+    """--metrics or --report could not be written (a full disk, say): one line, exit 1."""
+
+    def __init__(self, flag: str, path: str, e: OSError):
+        super().__init__(f"{flag} {path}: {e.strerror or e}")
+
+
 def write_json(path: str | None, obj: dict) -> None:
     if path and jax_primary():
-        with open(path, "w") as f:
-            json.dump(obj, f, indent=1)
+        try:
+            with open(path, "w") as f:
+                json.dump(obj, f, indent=1)
+        except OSError as e:
+            raise OutputError("--report", path, e) from None
 
 
 def dry_run(exp, args: argparse.Namespace) -> int:
@@ -681,12 +693,21 @@ class MetricsFile(Hook):
             tmp.write_text(keep)
             os.replace(tmp, p)
         self.file = open(p, "a" if first else "w", buffering=1)
+        self.path, self.failed = path, False
 
     def __call__(self, n: int, state, m: dict, record: dict) -> None:
-        self.file.write(json.dumps(finite_record(record), allow_nan=False) + "\n")
+        try:
+            self.file.write(json.dumps(finite_record(record), allow_nan=False) + "\n")
+        except OSError as e:
+            self.failed = True
+            raise OutputError("--metrics", self.path, e) from None
 
     def close(self) -> None:
-        self.file.close()
+        try:
+            self.file.close()
+        except OSError as e:  # the line that failed is flushed again: said already
+            if not self.failed:
+                raise OutputError("--metrics", self.path, e) from None
 
 
 class Saver(Hook):
@@ -697,20 +718,30 @@ class Saver(Hook):
         self.ckpts, self.every, self.last, self.stop = ckpts, every, last, stop
         self.guard, self.bar, self.meta = guard, bar, meta
         self.saved: int | None = None  # the newest step saved
+        self.n, self.state = None, None  # the newest step trained, for a stop signal's save
 
     def __call__(self, n: int, state, m: dict, record: dict) -> None:
-        if ((self.every and n % self.every == 0) or n == self.last or self.stop.signum) \
-                and self.guard.bad_from is None:
-            self.ckpts.save(state, self.meta(n))
-            self.saved = n
-            self.bar.write(f"saving checkpoint {n} (training goes on)")
+        self.n, self.state = n, state
+        if (self.every and n % self.every == 0) or n == self.last or self.stop.signum:
+            self.save()
         if done := self.ckpts.poll():
             self.bar.write(str(done))
 
-    def finish(self) -> None:
-        """Wait for the saves in flight (at the run's normal end)."""
+    def save(self) -> None:
+        if self.saved != self.n and self.guard.bad_from is None:
+            self.ckpts.save(self.state, self.meta(self.n))
+            self.saved = self.n
+            self.bar.write(f"saving checkpoint {self.n} (training goes on)")
+
+    def finish(self, force: bool = False) -> None:
+        """Wait for the saves in flight. A stop signal that came after this step's check (in
+        the poll, say) still saves the step: the loop then stops before training another; so
+        does ``force`` (an output that failed)."""
+        if (self.stop.signum or force) and self.n is not None:
+            self.save()
         if done := self.ckpts.finish():
             self.bar.write(str(done))
+        self.state = None
 
 
 class Tally(Hook):
@@ -799,8 +830,11 @@ def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
     if args.plot and exp.plan.outer is None:  # the memory figure's stages; the report's too
         r["stages"] = report.stages_table(exp.plan, exp.tx)
     state = initial_state(start, target, cfg, args, exp)
-    write_json(args.report, r)
     first = int(state.step)
+    try:
+        write_json(args.report, r)
+    except OutputError as e:
+        return fail(f"{e}; stopped before training (at step {first})", 1)
     if first >= t["steps"]:
         print(f"nothing to do: the checkpoint is at step {first} and --steps is {t['steps']}")
         return 0
@@ -808,15 +842,16 @@ def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
     bar, rows = progress(exp, t["steps"], first)
     tally, saver = Tally(bar), None
     hooks: list[Hook] = [tally]
+    if start.ckpts:  # before the outputs: a step whose record cannot be written is saved
+        hooks.append(saver := Saver(start.ckpts, args.save_every, t["steps"], stop, guard,
+                                    bar, lambda n: checkpoint_meta(exp, cfg, args, start.seed,
+                                                                   n)))
     if args.metrics and jax_primary():
         hooks.append(MetricsFile(args.metrics, first, start.records))
     if args.tensorboard and jax_primary():
         hooks.append(TensorBoard(args.tensorboard, first, r))
     if args.profile and jax_primary():
         hooks.append(Profile(args.profile, args.profile_steps, step, bar.write))
-    if start.ckpts:
-        hooks.append(saver := Saver(start.ckpts, args.save_every, t["steps"], stop, guard, bar,
-                                    lambda n: checkpoint_meta(exp, cfg, args, start.seed, n)))
     tick, done_steps = time.perf_counter(), first
     try:
         done_steps = loop(exp, step, state, start, t, bar, rows, hooks, guard, stop, watchdog)
@@ -824,6 +859,8 @@ def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
             saver.finish()
     except CheckpointError as e:
         return fail(str(e), 1)
+    except OutputError as e:
+        return output_failed(e, saver, first + len(tally.losses))
     finally:
         bar.close()
         for hook in hooks:
@@ -858,6 +895,22 @@ def loop(exp, step, state, start: Start, t: dict, bar, rows, hooks: list, guard:
         if stop_now:
             break
     return done_steps
+
+
+def output_failed(e: OutputError, saver: Saver | None, step: int) -> int:
+    """A --metrics write that failed mid-run: the step trained is saved (unless the
+    divergence guard forbids it), then one line and exit 1."""
+    from zero_jax.checkpoint import CheckpointError
+
+    what = ""
+    if saver:
+        try:
+            saver.finish(force=True)
+            if saver.saved == step:
+                what = f"; checkpoint {step} saved in {saver.ckpts.path}"
+        except CheckpointError as c:
+            what = f"; {c}"
+    return fail(f"{e}; stopped after step {step}{what}", 1)
 
 
 def progress(exp, steps: int, first: int):

@@ -235,6 +235,9 @@ ROWS = [
     ("min_shard <0", [*T, "--set", "zero.min_shard_elems=-1"], None,
      "zero.min_shard_elems must be a finite number of at least 0"),
     ("zero3-size -2", [*T, "--zero3-size", "-2"], None, "zero.zero3_size must be a finite"),
+    ("frozen everything", [*T, "--set", "optimizer.frozen_modules=[blocks,ln_f,wpe,wte]"], None,
+     "optimizer.frozen_modules=['blocks', 'ln_f', 'wpe', 'wte'] freezes every parameter: "
+     "nothing to train"),
     ("unknown key", [*T, "--set", "model.n_layer=2"], None, "unknown config key model.n_layer"),
     ("set not yaml", [*T, "--set", "optimizer.lr=[1"], None,
      "--set optimizer.lr=[1: the value is not valid YAML: expected ',' or ']'"),
@@ -490,21 +493,32 @@ def test_a_model_that_cannot_fit_is_refused_before_allocating(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_corrupted_newest_falls_back_and_resumes_exactly(reference, tmp_path):
-    """Flip bytes in checkpoint 40; --resume reports it, falls back to 32, moves 40 aside,
-    and trains 33-40 exactly as the uninterrupted run did. No checkpoint ever holds a
-    non-finite value."""
+@pytest.mark.parametrize("damage", ["flipped", "no opt_state", "no params/_METADATA"])
+def test_corrupted_newest_falls_back_and_resumes_exactly(damage, reference, tmp_path):
+    """Flip bytes in checkpoint 40, or delete one of its items or an item's index; --resume
+    reports it, falls back to 32, moves 40 aside, and trains 33-40 exactly as the uninterrupted
+    run did. No checkpoint ever holds a non-finite value."""
     ckpt, ref = reference
     c = tmp_path / "ckpt"
     shutil.copytree(ckpt, c)
-    flip(c / "40" / "params")
+    if damage == "flipped":
+        flip(c / "40" / "params")
+    elif damage == "no opt_state":
+        shutil.rmtree(c / "40" / "opt_state")
+    else:
+        (c / "40" / "params" / "_METADATA").unlink()
     run = run_train("--steps", REF_STEPS, "--save-every", 8, "--checkpoint-dir", c,
                     "--resume", "--metrics", tmp_path / "m.jsonl")
     assert run.returncode == 0, run.stderr
     # A flip in array data fails the digest; one in orbax's index fails the read. Either way
-    # the step and the item are named.
-    assert (f"checkpoint step 40 in {c} is corrupted: params/" in run.stderr
-            or f"checkpoint step 40 in {c} cannot be read: params" in run.stderr), run.stderr
+    # the step and the item are named; a deletion names what is missing.
+    said = {"flipped": [f"checkpoint step 40 in {c} is corrupted: params/",
+                        f"checkpoint step 40 in {c} cannot be read: params"],
+            "no opt_state": [f"checkpoint step 40 in {c} cannot be read: 40/opt_state/ is "
+                             "missing"],
+            "no params/_METADATA": [f"checkpoint step 40 in {c} cannot be read: "
+                                    "40/params/_METADATA is missing"]}[damage]
+    assert any(line in run.stderr for line in said), run.stderr
     assert "falling back to checkpoint 32" in run.stderr, run.stderr
     assert "resumed from step 32" in run.stdout
     assert f"corrupted checkpoint 40 moved aside to {c}/40.corrupt" in run.stderr
@@ -727,3 +741,54 @@ def test_sigterm_during_a_second_writer_and_exports(tmp_path, reference, capsys)
             time.sleep(0.002)
         assert export.main([str(c), str(tmp_path / f"out{i}")]) == 0, capsys.readouterr().err
     stop_and_resume(proc, tmp_path, reference, signal.SIGTERM, 143, keep=3)
+
+
+def test_a_signal_during_the_save_poll_still_saves_its_step(tmp_path, monkeypatch, capsys):
+    """SIGTERM landing inside the checkpoint manager's poll, after the step's save check: the
+    run stops before another step and still saves this one (exit 143), not "nothing new"."""
+    c, calls, poll = tmp_path / "ckpt", [], Checkpoints.poll
+
+    def poll_then_signal(self):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return poll(self)
+
+    monkeypatch.setattr(Checkpoints, "poll", poll_then_signal)
+    code = train.main([*MODEL, "--steps", "6", "--checkpoint-dir", str(c)])
+    err = capsys.readouterr().err
+    assert code == 143, err
+    assert f"stopped by SIGTERM after step 2: checkpoint 2 saved in {c}" in err, err
+    assert Checkpoints(c, read_only=True).steps() == [2]
+
+
+@pytest.mark.parametrize("flag", ["--metrics", "--report"])
+def test_an_output_that_fails_mid_run_stops_in_one_line(flag, tmp_path, capsys):
+    """A write to --metrics or --report that fails (a full disk: /dev/full) is one line and
+    exit 1, not a traceback; a failed --metrics line saves the step it was for."""
+    c = tmp_path / "ckpt"
+    code = train.main([*MODEL, "--steps", "3", "--checkpoint-dir", str(c), flag, "/dev/full"])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 1 and "Traceback" not in err, err
+    if flag == "--metrics":
+        assert errors == [f"error: --metrics /dev/full: No space left on device; stopped after "
+                          f"step 1; checkpoint 1 saved in {c}"], err
+        assert Checkpoints(c, read_only=True).steps() == [1]
+    else:
+        assert errors == ["error: --report /dev/full: No space left on device; stopped before "
+                          "training (at step 0)"], err
+
+
+def test_a_failed_save_says_the_free_space(tmp_path):
+    """A save that fails (a full disk, usually) says how much room the directory has left."""
+    ckpts = Checkpoints(tmp_path / "c")
+    try:
+        e = ckpts._failed(5, OSError(28, "No space left on device"))
+    finally:
+        ckpts.close()
+    free = shutil.disk_usage(tmp_path).free / 2**30
+    assert str(e).startswith(f"saving checkpoint 5 in {tmp_path / 'c'} (") and \
+        "GiB free there) failed: [Errno 28] No space left on device; older checkpoints are kept" \
+        in str(e), str(e)
+    assert abs(float(str(e).split(" (")[1].split(" GiB")[0]) - free) < 1, str(e)

@@ -238,6 +238,7 @@ class Checkpoints:
         step = self._step(step)
         meta = self.meta(step)
         wanted = _items(target)
+        self._check_present(step, meta, wanted)
         have = {name for name in ITEMS if (self.path / str(step) / name).exists()}
         for name in sorted(have ^ set(wanted)):
             where = "the checkpoint" if name in have else "the state being restored"
@@ -313,6 +314,18 @@ class Checkpoints:
         self.manager.reload()
         return steps
 
+    def _check_present(self, step: int, meta: dict, wanted: dict) -> None:
+        """An item the digests say was written, or whose directory is there, must have its
+        files: one gone is damage (so a resume falls back), not a different model or policy."""
+        written = {path.split("/")[0] for path in meta.get("digests") or {}}
+        for name in sorted(wanted):
+            there = (self.path / str(step) / name).exists()
+            missing = _missing_file(self.path / str(step), name) if there else \
+                name in written and f"{step}/{name}/"
+            if missing:
+                raise CorruptCheckpointError(step, f"checkpoint step {step} in {self.path} "
+                                             f"cannot be read: {missing} is missing")
+
     def _verify(self, step: int, meta: dict, restored: dict) -> None:
         """Every restored array against the digest recorded at save (format 2 on)."""
         recorded = meta.get("digests")
@@ -337,7 +350,11 @@ class Checkpoints:
 
     def _failed(self, step: int | None, e: BaseException) -> CheckpointError:
         which = f" {step}" if step is not None else ""
-        return CheckpointError(f"saving checkpoint{which} in {self.path} failed: "
+        try:  # a full disk is the usual cause: say how full
+            free = f" ({shutil.disk_usage(self.path).free / 2**30:.1f} GiB free there)"
+        except OSError:
+            free = ""
+        return CheckpointError(f"saving checkpoint{which} in {self.path}{free} failed: "
                                f"{_first_line(e)}; older checkpoints are kept")
 
     def close(self) -> None:

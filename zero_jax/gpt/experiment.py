@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -103,10 +104,12 @@ class Experiment:
 
 
 def _check_modules(cfg: dict, params_shape: Any) -> None:
-    """Module names in the config must exist: a typo would silently shard or train them."""
+    """Module names in the config must exist (a typo would silently shard or train them), and
+    something must be left to train: a run that updates nothing would still "succeed"."""
     modules = set()  # every module path: "blocks", "blocks/qkv", "wte" (a bare parameter)
-    for path, _ in jax.tree_util.tree_flatten_with_path(params_shape)[0]:
-        parts = path_str(path).split("/")
+    paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params_shape)[0]]
+    for path in paths:
+        parts = path.split("/")
         modules.update("/".join(parts[:i]) for i in range(1, len(parts) + (len(parts) == 1)))
     for key, names in [("zero.ignored_modules", cfg["zero"]["ignored_modules"]),
                        ("optimizer.frozen_modules", cfg["optimizer"]["frozen_modules"])]:
@@ -114,6 +117,11 @@ def _check_modules(cfg: dict, params_shape: Any) -> None:
             if name.strip("/") not in modules:
                 raise ValueError(f"{key}: the model has no module {name!r}; its modules are "
                                  f"{', '.join(sorted(modules))}")
+    frozen = modules_pattern(cfg["optimizer"]["frozen_modules"])
+    if frozen and all(re.search(frozen, path) for path in paths):
+        raise ValueError(f"optimizer.frozen_modules={cfg['optimizer']['frozen_modules']} "
+                         "freezes every parameter: nothing to train; leave at least one "
+                         "module out of it")
     for name in cfg["zero"]["transformer_layers"]:
         if name not in LAYER_STACKS:
             raise ValueError(f"zero.transformer_layers: {name!r} is not a layer stack of this "
