@@ -279,15 +279,36 @@ class Stop:
         self.signum: int | None = None
         self.previous: dict = {}
         self.enabled = enabled
+        self.compiling = False  # while XLA compiles, Python runs no handler until it returns
+        self.wakeup: tuple[int, int] | None = None  # the C handler's pipe, and the old fd
 
     def __enter__(self) -> Stop:
         if self.enabled and threading.current_thread() is threading.main_thread():
             self.previous = {s: signal.signal(s, self.handle) for s in SIGNAL_EXIT}
+            # The C-level handler writes each signal to this pipe at once, even while the main
+            # thread is inside a compile: a thread answers then, not after the compile.
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            self.wakeup = (write, signal.set_wakeup_fd(write, warn_on_full_buffer=False))
+            threading.Thread(target=self.acknowledge, args=(read,), daemon=True).start()
         return self
 
     def __exit__(self, *exc) -> None:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+        if self.wakeup:
+            signal.set_wakeup_fd(self.wakeup[1])
+            os.close(self.wakeup[0])  # the thread reads the end of the pipe and returns
+
+    def acknowledge(self, read: int) -> None:
+        """Say at once that a signal during compilation was heard: the run stops when the
+        compile returns, before any state exists, so there is nothing to save yet."""
+        with os.fdopen(read, "rb", buffering=0) as pipe:
+            while data := pipe.read(16):
+                if self.compiling and any(n in SIGNAL_EXIT for n in data):
+                    name = signal.Signals(next(n for n in data if n in SIGNAL_EXIT)).name
+                    print(f"\n{name} during compilation: stopping once it returns; nothing to "
+                          "save yet", file=sys.stderr, flush=True)
 
     def handle(self, signum: int, frame) -> None:
         if self.signum is not None and signum == signal.SIGINT:
@@ -822,7 +843,16 @@ def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
 
     t = cfg["train"]
     target = abstract_state(exp.plan, exp.tx)
-    r, step = compile_report(exp, target)
+    stop.compiling = True  # before the line that says so: a signal after it is answered
+    print("compiling the train step", flush=True)
+    try:
+        r, step = compile_report(exp, target)
+    finally:
+        stop.compiling = False
+    if stop.signum:  # nothing restored or initialized yet, nothing written
+        print(f"stopped by {signal.Signals(stop.signum).name} during compilation: nothing "
+              "trained, nothing saved", file=sys.stderr)
+        return SIGNAL_EXIT[stop.signum]
     if problem := fit.check(step, list(exp.mesh.devices.flat)):
         return fail(f"{problem}: use {'a higher --stage, ' * (exp.plan.stage < 3)}"
                     "precision.param_dtype=bf16, zero.offload_grads, a smaller model or "

@@ -792,3 +792,30 @@ def test_a_failed_save_says_the_free_space(tmp_path):
         "GiB free there) failed: [Errno 28] No space left on device; older checkpoints are kept" \
         in str(e), str(e)
     assert abs(float(str(e).split(" (")[1].split(" GiB")[0]) - free) < 1, str(e)
+
+
+def test_sigterm_during_compilation_is_answered_at_once(tmp_path):
+    """Python runs no signal handler while XLA compiles: the run still says at once that it
+    heard SIGTERM, then stops as the compile returns, before any state exists (exit 143,
+    nothing saved)."""
+    c = tmp_path / "ckpt"
+    env = {k: v for k, v in ENV.items() if not k.startswith("JAX_PERSISTENT_CACHE")
+           and k != "JAX_COMPILATION_CACHE_DIR"}  # a real compile, not a cache hit
+    proc = subprocess.Popen([sys.executable, "train.py", *MODEL, "--steps", "3",
+                             "--checkpoint-dir", str(c)], cwd=ROOT,
+                            env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    while "compiling the train step" not in (line := proc.stdout.readline()):
+        assert line, proc.communicate()
+    proc.send_signal(signal.SIGTERM)
+    sent = time.time()
+    heard = proc.stderr.readline() + proc.stderr.readline()  # a blank line, then the answer
+    answered = time.time() - sent
+    out, err = proc.communicate(timeout=120)
+    assert "SIGTERM during compilation: stopping once it returns; nothing to save yet" in heard
+    assert answered < 2, answered
+    assert proc.returncode == 143, err
+    assert err.strip().endswith("stopped by SIGTERM during compilation: nothing trained, "
+                                "nothing saved"), err
+    assert "Traceback" not in err and "done" not in out
+    assert not c.exists() or Checkpoints(c, read_only=True).steps() == []
