@@ -343,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     if jax.process_index():
         sys.stdout = open(os.devnull, "w")  # one progress bar, one report: process 0's
     watchdog = distributed.Watchdog(args.peer_timeout).start()
+    watchdog.checkpoints = args.checkpoint_dir  # named when a peer is lost
     try:
         code = run_main(args, watchdog)
     except Exception as e:  # reach the user with the process id, and stop the peers at once

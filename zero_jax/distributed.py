@@ -208,6 +208,7 @@ class Watchdog:
 
     def __init__(self, timeout_s: float = 30, poll_s: float = 0.5):
         self.timeout_s, self.poll_s = timeout_s, poll_s
+        self.checkpoints: str | None = None  # the run's checkpoint directory, named on exit
         self.me, self.n = jax.process_index(), jax.process_count()
         self.reached = 0  # progress counter: steps (and saves) this process has reached
         self.reached_at = time.monotonic()
@@ -311,9 +312,22 @@ class Watchdog:
         if self._stop.is_set():  # already exiting with its own error
             return
         # a new line first: a progress bar may have left the cursor in the middle of one
-        print(f"\nerror: [process {self.me}] {why}; stopping. Complete checkpoints are kept; "
-              "resume with --resume", file=sys.stderr, flush=True)
+        print(f"\nerror: [process {self.me}] {why}; stopping at step {self.reached}; "
+              f"{self.newest()}", file=sys.stderr, flush=True)
         os._exit(1)
+
+    def newest(self) -> str:
+        """The newest complete checkpoint: orbax names a step's directory by its number only
+        once every process has written it."""
+        if not self.checkpoints:
+            return "nothing was saved (no --checkpoint-dir)"
+        try:
+            steps = [int(p.name) for p in os.scandir(self.checkpoints)
+                     if p.name.isdigit() and p.is_dir()]
+        except OSError:
+            steps = []
+        return (f"newest complete checkpoint: {max(steps)} in {self.checkpoints}; resume with "
+                "--resume" if steps else f"no complete checkpoint in {self.checkpoints}")
 
 
 def _line(e: BaseException) -> str:
