@@ -14,6 +14,7 @@ quantized, exchanged all-to-all and summed locally in fp32 (qgZ), so nothing is 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any
@@ -144,12 +145,40 @@ def all_gather(xs: list[jax.Array], axes: list[int], mesh_axis: AxisName, comm: 
         if len(group) == 1 and not comm.quantize_weights:
             out[group[0]] = gathered
             continue
-        if comm.quantize_weights:
-            gathered = dequantize(*gathered, [xs[i].size for i in group],
-                                  comm.quantize_block).astype(xs[group[0]].dtype)
-        for i, r in zip(group, _split(gathered, [xs[i].shape for i in group]), strict=True):
-            out[i] = unrows(r, axes[i], xs[i].shape)
+        for i, leaf in zip(group, _cut(gathered, [xs[i] for i in group],
+                                       [axes[i] for i in group], comm), strict=True):
+            out[i] = leaf
     return out
+
+
+@jax.named_scope("gathered")  # peak.kind counts what this makes as gathered weights
+def _cut(gathered, xs: list[jax.Array], axes: list[int], comm: Comm) -> list[jax.Array]:
+    """The whole leaves of the shards ``xs`` out of their gathered bucket (``n x L``, or int8
+    and scales); under ``cut_at_once`` all copied out before any is used: else XLA fuses some
+    slices into their consumers, and the whole bucket stays live beside the leaves already cut
+    from it (in prefetch's loops, beside the next layer's too)."""
+    if comm.quantize_weights:
+        gathered = dequantize(*gathered, [x.size for x in xs],
+                              comm.quantize_block).astype(xs[0].dtype)
+    pieces = _split(gathered, [x.shape for x in xs])
+    out = [unrows(r, axis, x.shape) for r, axis, x in zip(pieces, axes, xs, strict=True)]
+    return jax.lax.optimization_barrier(out) if _AT_ONCE[-1] else out
+
+
+_AT_ONCE = [False]
+
+
+@contextlib.contextmanager
+def cut_at_once():
+    """While tracing: buckets are cut into all their leaves before any leaf is used (``_cut``).
+    Prefetch's stack loops trace under it, where the bucket would stay live beside two layers.
+    Elsewhere it is off: in the unrolled blocks' handoff it lowers the plain step's temp more
+    than prefetch's, so prefetch there would cost more than one block (tests/test_prefetch)."""
+    _AT_ONCE.append(True)
+    try:
+        yield
+    finally:
+        _AT_ONCE.pop()
 
 
 def reduce_scatter(gs: list[jax.Array], axes: list[int], mesh_axis: AxisName, dtype: str,

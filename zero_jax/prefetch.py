@@ -35,7 +35,7 @@ import flax.core
 import jax
 import jax.numpy as jnp
 
-from zero_jax import internals
+from zero_jax import buckets, internals
 from zero_jax.gather import after_inputs, materialize_tree, reduce_tree
 
 PyTree = Any
@@ -68,6 +68,7 @@ def run_stack(layer: Callable, offload: bool, params_L: PyTree, carry: PyTree,
     return _forward(layer, offload, params_L, carry, xs_L)[0]
 
 
+@buckets.cut_at_once()
 def _forward(layer, offload, params_L, carry, xs_L):
     n = jax.tree.leaves(params_L)[0].shape[0]
     save = (lambda c: _to(c, jax.memory.Space.Host)) if offload else (lambda c: c)
@@ -88,6 +89,7 @@ def _forward(layer, offload, params_L, carry, xs_L):
     return (c, _appended(ys, y)), (params_L, save(carry), inputs, xs_L)
 
 
+@buckets.cut_at_once()
 def _backward(layer, offload, saved, cts):
     params_L, first, inputs, xs_L = saved
     dc, dys = cts
@@ -109,9 +111,9 @@ def _backward(layer, offload, saved, cts):
     behind = materialize_tree(after_inputs(_slice(params_L, n - 2), cts, {}))
     dw, dc, dx_last = one(whole, n - 1, _slice(inputs, n - 2), dc)
 
-    def body(state, xs):
+    def body(state, i):
         dc, w, pending = state  # pending: layer i+1's gradient, whole
-        i, c = xs
+        c = _slice(inputs, i - 1)  # layer i's input, read in place: scanning a cut copies it
         # Layer i's backward starts (from dc) once layer i+1's gradient is packed into its
         # buckets, and layer i-1's weights are cut out of theirs once it is done: each new
         # value then takes the place of the old one in the loop's carry.
@@ -120,9 +122,8 @@ def _backward(layer, offload, saved, cts):
         behind = materialize_tree(_slice(params_L, i - 1), after=(dw, dc, dx))
         return (dc, behind, dw), (reduced, dx)
 
-    rest = jax.tree.map(lambda x: x[:n - 2], inputs)
     (dc, whole, pending), (dps, dxs) = jax.lax.scan(body, (dc, behind, dw),
-                                                    (jnp.arange(1, n - 1), rest), reverse=True)
+                                                    jnp.arange(1, n - 1), reverse=True)
     dw, dc, dx = one(whole, 0, first, dc)
     dps = _stacked(reduce(0, dw)[0], _stacked(reduce(1, pending)[0], dps))
     return dps, dc, _stacked(dx, _appended(dxs, dx_last))
