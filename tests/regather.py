@@ -3,7 +3,8 @@ beyond the device count: prints, per kind, JSON of each stage's arguments + temp
 weight all-gathers per step, and the report's warnings (``test_blocks``).
 
 ``python tests/regather.py --h100 DIR`` (with jax's CUDA plugin, no GPU needed) writes the
-unrolled model's stage 3 step compiled for 8 H100s instead, as ``tests/data`` holds it.
+unrolled model's stage 3 step compiled for 8 H100s instead, without and with prefetch, as
+``tests/data`` holds them.
 """
 
 import dataclasses
@@ -118,11 +119,14 @@ def save_h100(directory: str) -> None:
     mesh = Mesh(np.array(topology.devices), ("data",), axis_types=(AxisType.Auto,))
     init, loss, layers = dict(problems())["unrolled"]
     tx = optax.adamw(1e-3)
-    plan = zj.make_plan(jax.eval_shape(init, jax.random.key(0)), mesh, 3, layers=layers)
-    step = zj.make_train_step(plan, loss, tx)
-    text = step.lower(zj.abstract_state(plan, tx), BATCH).compile().as_text()
-    with gzip.open(os.path.join(directory, "unrolled-stage-3-h100.hlo.gz"), "wt") as f:
-        f.write(text)
+    for name, comm in [("", zj.Comm()), ("-prefetch", zj.Comm(prefetch=True))]:
+        plan = zj.make_plan(jax.eval_shape(init, jax.random.key(0)), mesh, 3, layers=layers,
+                            comm=comm)
+        step = zj.make_train_step(plan, loss, tx)
+        text = step.lower(zj.abstract_state(plan, tx), BATCH).compile().as_text()
+        with gzip.open(os.path.join(directory, f"unrolled-stage-3{name}-h100.hlo.gz"),
+                       "wt") as f:
+            f.write(text)
 
 
 if __name__ == "__main__":

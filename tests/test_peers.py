@@ -228,6 +228,35 @@ def test_unrolled_blocks_gathered_again_in_the_gpu_compile():
     assert moved["reduce-scatter", "f32"] == 4 * psi
 
 
+def test_unrolled_prefetch_overlaps_in_the_gpu_compile():
+    """The same model with prefetch (``zero_jax.handoff``), compiled for 8 H100s: the same
+    bytes; block i+1's gather overlaps block i's GEMMs (async start/done with a GEMM between:
+    none without prefetch); and XLA's combiners do not merge every block's delayed
+    reduce-scatter into one at the end (which would hold all the blocks' whole gradients):
+    none carries more than two blocks'."""
+    import gzip
+
+    import gpu
+    import regather
+
+    shapes = jax.eval_shape(dict(regather.problems())["unrolled"][0], jax.random.key(0))
+    block = sum(math.prod(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(shapes)[0]
+                if p[0].key == "h_0")
+    data = pathlib.Path(__file__).resolve().parent / "data"
+    plain, fetched = (gzip.open(data / f"unrolled-stage-3{name}-h100.hlo.gz", "rt").read()
+                      for name in ("", "-prefetch"))
+    moved = [collections.Counter({(c.kind, c.dtype): 0 for c in collectives(t, N)})
+             for t in (plain, fetched)]
+    for counter, text in zip(moved, (plain, fetched), strict=True):
+        for c in collectives(text, N):
+            counter[c.kind, c.dtype] += c.count * c.bytes
+    assert moved[0] == moved[1]
+    assert gpu.overlap(plain)["all-gather"]["matmul"] == 0
+    assert gpu.overlap(fetched)["all-gather"]["matmul"] >= 3  # blocks 1-3 in the forward
+    largest = max(c.bytes for c in collectives(fetched, N) if c.kind == "reduce-scatter")
+    assert largest <= 2 * 4 * block, (largest, block)
+
+
 # For bench/estimate.py: a 4-trip loop whose all-gather has a GEMM fusion between start and done
 # (then a plain dot on the gathered weight), and in the entry an all-gather with nothing between
 # start and done, then a cuBLAS GEMM custom call (result and workspace).

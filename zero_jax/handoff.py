@@ -58,6 +58,9 @@ def _step(block: Callable, names: tuple, offload: bool) -> Callable:
             nxt = None if last else materialize_tree(after_inputs(ahead, (arrays,), {}))
         with jax.named_scope(names[1]):
             out = block(whole, arrays)
+            # The next block starts once the gather is done: the one it issues, for the block
+            # after, cannot be combined with this one.
+            out, nxt = jax.lax.optimization_barrier((out, nxt))
         # The slot is never read: its cotangent carries this block's weights back, gathered
         # again by the next block's backward.
         handed = None if last else (nxt, whole)
@@ -90,6 +93,10 @@ def _step(block: Callable, names: tuple, offload: bool) -> Callable:
                                                     ready))[0]
             _, pull = jax.vjp(again, *primals)
             dw, dxs = pull(dout)
+        # The block before starts its backward once the next block's gradient is reduced and
+        # the previous block gathered: the collectives it issues cannot be combined with these
+        # (on GPUs XLA would merge every block's reduce-scatter into one, at the end).
+        dxs, d_ahead, prev = jax.lax.optimization_barrier((dxs, d_ahead, prev))
         d_arrays: list = [None] * len(arrays)
         for i, dx in zip(diff, dxs, strict=True):
             d_arrays[i] = dx
