@@ -167,7 +167,7 @@ class UnrolledGPT(nn.Module):
         x = wte[tokens] + wpe[: tokens.shape[1]]
         block = HFBlock
         if c.remat != "none":
-            block = nn.remat(block, prevent_cse=False, policy=remat_policy(c.remat))
+            block = nn.remat(block, policy=remat_policy(c.remat))  # CSE kept off: no scan
         for i in range(c.n_layers):
             x = block(c, name=f"h_{i}")(x)
         return nn.LayerNorm(name="ln_f")(x) @ wte.T
