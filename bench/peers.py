@@ -21,10 +21,10 @@ A wider model (``d_ff`` does not follow ``d_model`` by itself: keep GPT's 4x by 
 
 ``--model unrolled``: the same comparison on a GPT-2 whose blocks are built in a Python loop
 and named ``h_0 .. h_{n-1}`` (``UnrolledGPT``, as every HF Flax model is written), at the
-config's widths: zero_jax through its library API alone (``zj.make_plan(..., layers=r"^h_\d+$",
-comm=zj.Comm(prefetch=...))``) at stage 0, stage 3 and stage 3 with prefetch
-(``zero_jax.handoff``), beside DDP and the GSPMD FSDP baselines compiled for the same model;
-every row's first loss checked against stage 0's (the zero_jax rows' too):
+config's widths: zero_jax through its library API alone (``zj.make_plan`` with
+``layers=UNROLLED_BLOCKS``, ``comm=zj.Comm(prefetch=...)``) at stage 0, stage 3 and stage 3
+with prefetch (``zero_jax.handoff``), beside DDP and the GSPMD FSDP baselines compiled for the
+same model; every row's first loss checked against stage 0's (the zero_jax rows' too):
 
     python bench/peers.py --model unrolled --rounds 3 --steps 10
 
