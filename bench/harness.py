@@ -14,13 +14,17 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from zero_jax.mesh import simulate_cpu_devices  # noqa: E402  (before any backend starts)
 
 
-def parse_args(description: str) -> argparse.Namespace:
-    """The benchmarks' flags; simulates the CPU devices before jax is imported."""
+def parse_args(description: str,
+               extra: Callable[[argparse.ArgumentParser], None] | None = None
+               ) -> argparse.Namespace:
+    """The benchmarks' flags, and a script's own (``extra`` adds them); simulates the CPU
+    devices before jax is imported."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--config", default="tiny")
     p.add_argument("--devices", type=int)
@@ -29,6 +33,8 @@ def parse_args(description: str) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--compile-only", action="store_true",
                    help="compile, do not time: memory per device and the peak's breakdown")
+    if extra is not None:
+        extra(p)
     args = p.parse_args()
     simulate_cpu_devices(args.devices or 8)
     return args

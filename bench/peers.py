@@ -19,6 +19,15 @@ A wider model (``d_ff`` does not follow ``d_model`` by itself: keep GPT's 4x by 
 
     python bench/peers.py --rounds 3 --steps 10 --set model.d_model=512 --set model.d_ff=2048
 
+``--model unrolled``: the same comparison on a GPT-2 whose blocks are built in a Python loop
+and named ``h_0 .. h_{n-1}`` (``UnrolledGPT``, as every HF Flax model is written), at the
+config's widths: zero_jax through its library API alone (``zj.make_plan`` with
+``layers=UNROLLED_BLOCKS``, ``comm=zj.Comm(prefetch=...)``) at stage 0, stage 3 and stage 3
+with prefetch (``zero_jax.handoff``), beside DDP and the GSPMD FSDP baselines compiled for the
+same model; every row's first loss checked against stage 0's (the zero_jax rows' too):
+
+    python bench/peers.py --model unrolled --rounds 3 --steps 10
+
 Rows: zero_jax stages 0-3 (built from the config as ``bench/stages.py`` builds them), the
 ``VARIANTS`` below, then three baselines written here with plain ``jax.jit``:
 
@@ -52,6 +61,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import re
 import statistics
 import sys
@@ -61,6 +71,7 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import harness  # bench/harness.py, beside this script
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
@@ -91,13 +102,91 @@ class State(NamedTuple):
     opt_state: PyTree
 
 
-def _setup(cfg: dict, mesh: Mesh, mixed: bool = False):
+UNROLLED_BLOCKS = r"^h_\d+$"  # the plan's ``layers`` for UnrolledGPT
+
+
+def _dense(features: int, name: str, std: float = 0.02) -> nn.Dense:
+    return nn.Dense(features, kernel_init=nn.initializers.normal(std), name=name)
+
+
+class HFAttention(nn.Module):
+    """Causal self-attention as FlaxGPT2Attention names its parts (``c_attn``, ``c_proj``)."""
+
+    cfg: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.cfg
+        b, t, d = x.shape
+        dh = d // c.n_heads
+        q, k, v = jnp.split(_dense(3 * d, "c_attn")(x).reshape(b, t, 3 * c.n_heads, dh), 3, 2)
+        scores = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(dh)
+        scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, jnp.finfo(x.dtype).min)
+        att = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), v)
+        return _dense(d, "c_proj", 0.02 / math.sqrt(2 * c.n_layers))(att.reshape(b, t, d))
+
+
+class HFMLP(nn.Module):
+    """FlaxGPT2MLP's ``c_fc`` and ``c_proj``."""
+
+    cfg: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.cfg
+        h = nn.gelu(_dense(c.d_ff, "c_fc")(x))
+        return _dense(c.d_model, "c_proj", 0.02 / math.sqrt(2 * c.n_layers))(h)
+
+
+class HFBlock(nn.Module):
+    """A GPT-2 block as FlaxGPT2Block writes it: ``ln_1``, ``attn``, ``ln_2``, ``mlp``."""
+
+    cfg: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + HFAttention(self.cfg, name="attn")(nn.LayerNorm(name="ln_1")(x))
+        return x + HFMLP(self.cfg, name="mlp")(nn.LayerNorm(name="ln_2")(x))
+
+
+class UnrolledGPT(nn.Module):
+    """The demo's GPT (a ``GPTConfig``'s widths) with its blocks unrolled: a Python loop of
+    ``h_i``, each under the model's own ``nn.remat`` unless ``remat`` is none, the way published
+    Flax models are written and the way zero_jax meets them (no ``nn.scan`` to gather in)."""
+
+    cfg: Any
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        from zero_jax.gather import remat_policy
+
+        c = self.cfg
+        init = nn.initializers.normal(0.02)
+        wte = self.param("wte", init, (c.vocab_size, c.d_model))
+        wpe = self.param("wpe", init, (c.seq_len, c.d_model))
+        x = wte[tokens] + wpe[: tokens.shape[1]]
+        block = HFBlock
+        if c.remat != "none":
+            block = nn.remat(block, policy=remat_policy(c.remat))  # CSE kept off: no scan
+        for i in range(c.n_layers):
+            x = block(c, name=f"h_{i}")(x)
+        return nn.LayerNorm(name="ln_f")(x) @ wte.T
+
+
+def _model(kind: str, model_cfg):
+    """The demo's scanned GPT or ``UnrolledGPT`` (``kind``: ``--model``), of one ``GPTConfig``."""
+    from zero_jax.gpt.model import GPT
+
+    return {"scanned": GPT, "unrolled": UnrolledGPT}[kind](model_cfg)
+
+
+def _setup(cfg: dict, mesh: Mesh, mixed: bool = False, kind: str = "scanned"):
     """The model, init, loss and optimizer of ``cfg`` exactly as the experiment builds them (at
     stage 0, where the model keeps the config's own remat). ``mixed``: a compute dtype other
     than fp32 is allowed (compiled, not run: ``fsdp_lowered``); the loss then casts the fp32
-    parameters to it, as zero_jax computes from its fp32 master."""
+    parameters to it, as zero_jax computes from its fp32 master. ``kind``: ``_model``'s."""
     from zero_jax.gpt.experiment import Experiment
-    from zero_jax.gpt.model import GPT, lm_loss
+    from zero_jax.gpt.model import lm_loss
 
     cfg = copy.deepcopy(cfg)
     cfg["zero"]["stage"] = 0
@@ -106,7 +195,7 @@ def _setup(cfg: dict, mesh: Mesh, mixed: bool = False):
     if compute != np.float32 and not mixed:
         raise ValueError("the baselines compute in fp32: pass --set precision.param_dtype=fp32 "
                          "(peers.py does, unless told otherwise)")
-    model = GPT(exp.model)
+    model = _model(kind, exp.model)
     loss = lm_loss(model, fp32_logits=exp.plan.precision.autocast_output)
     if compute == np.float32:
         return exp, model, loss
@@ -139,7 +228,8 @@ def fsdp_param_specs(shapes: PyTree, mesh: Mesh) -> PyTree:
     t = mesh.shape.get("model", 1)
     n = mesh.size // t
     paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]]
-    model_dims = {p: f["model_dim"] for p, f in match_rules(TENSOR_PARALLEL, paths).items()}
+    model_dims = ({p: f["model_dim"] for p, f in match_rules(TENSOR_PARALLEL, paths).items()}
+                  if t > 1 else dict.fromkeys(paths))  # the table names the scanned model's
 
     def spec(path, x):
         name, shape = path_str(path), tuple(x.shape)
@@ -174,7 +264,8 @@ def opt_state_specs(tx: optax.GradientTransformation, params: PyTree, specs: PyT
 
 def activation_constraints(mesh: Mesh) -> Callable:
     """A flax method interceptor pinning each block's input and output, and the logits, to
-    ``P(data, None, None)``: batch-sharded, as MaxText constrains its activations."""
+    ``P(data, None, None)``: batch-sharded, as MaxText constrains its activations. The scanned
+    stack's ``Block`` and the unrolled ``HFBlock`` alike (the latter takes and returns x)."""
     from zero_jax.gpt.model import GPT, Block
 
     batch_sharded = NamedSharding(mesh, P(_axes(mesh), None, None))
@@ -187,28 +278,32 @@ def activation_constraints(mesh: Mesh) -> Callable:
             x, carry = args
             out, carry = next_fun(pin(x), carry, **kwargs)
             return pin(out), carry
-        if type(context.module) is GPT:
+        if type(context.module) is HFBlock:  # inside its remat wrapper, if any
+            return pin(next_fun(pin(args[0]), *args[1:], **kwargs))
+        if type(context.module) in (GPT, UnrolledGPT):
             return pin(next_fun(*args, **kwargs))
         return next_fun(*args, **kwargs)
     return interceptor
 
 
 @functools.cache
-def _init(model) -> Callable[[jax.Array], PyTree]:
+def _init(model, kind: str = "scanned") -> Callable[[jax.Array], PyTree]:
     """The init of the model ``model`` (a ``GPTConfig``) configures, compiled once for all the
     baselines (threefry draws the same numbers whatever the layout: these are zero_jax's
     sharded initial parameters, bit for bit)."""
-    from zero_jax.gpt.model import GPT, init_fn
+    from zero_jax.gpt.model import init_fn
 
-    return jax.jit(init_fn(GPT(model)))
+    return jax.jit(init_fn(_model(kind, model)))
 
 
 def _jitted(cfg: dict, mesh: Mesh, param_specs: Callable[[PyTree], PyTree], constrain: bool,
-            mixed: bool = False):
+            mixed: bool = False, kind: str = "scanned"):
     """``(experiment, parameter shapes, shardings, jitted step)`` of a baseline."""
-    exp, _, loss_fn = _setup(cfg, mesh, mixed)
+    from zero_jax.gpt.model import init_fn
+
+    exp, model, loss_fn = _setup(cfg, mesh, mixed, kind)
     tx = exp.tx
-    shapes = jax.eval_shape(exp.init, jax.random.key(SEED_KEY))
+    shapes = jax.eval_shape(init_fn(model), jax.random.key(SEED_KEY))
     p_specs = param_specs(shapes)
     specs = State(p_specs, opt_state_specs(tx, shapes, p_specs))
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
@@ -232,10 +327,10 @@ def _jitted(cfg: dict, mesh: Mesh, param_specs: Callable[[PyTree], PyTree], cons
 
 
 def _baseline(cfg: dict, mesh: Mesh, param_specs: Callable[[PyTree], PyTree],
-              constrain: bool, params: PyTree | None):
-    exp, _, shardings, jitted = _jitted(cfg, mesh, param_specs, constrain)
+              constrain: bool, params: PyTree | None, kind: str = "scanned"):
+    exp, _, shardings, jitted = _jitted(cfg, mesh, param_specs, constrain, kind=kind)
     if params is None:  # the same init function and key as zero_jax's (harness.build)
-        params = _init(exp.model)(jax.random.key(SEED_KEY))
+        params = _init(exp.model, kind)(jax.random.key(SEED_KEY))
     # Copies, in this layout: the caller's arrays may be donated later.
     params = jax.tree.map(lambda x, s: jax.device_put(np.asarray(x), s), params,
                           shardings.params)
@@ -244,31 +339,64 @@ def _baseline(cfg: dict, mesh: Mesh, param_specs: Callable[[PyTree], PyTree],
     return jitted, state, compiled
 
 
-def fsdp_lowered(cfg: dict, mesh: Mesh, constrain: bool = True):
+def fsdp_lowered(cfg: dict, mesh: Mesh, constrain: bool = True, kind: str = "scanned"):
     """The MaxText-style GSPMD FSDP step of ``fsdp_step``, lowered from shapes alone (no
     arrays: for a deviceless compile, ``bench/gpu.py --compile-for``), in the config's compute
     dtype: fp32 parameters and AdamW moments, cast to it in the loss."""
     exp, shapes, shardings, jitted = _jitted(
-        cfg, mesh, lambda s: fsdp_param_specs(s, mesh), constrain, mixed=True)
+        cfg, mesh, lambda s: fsdp_param_specs(s, mesh), constrain, mixed=True, kind=kind)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          State(shapes, jax.eval_shape(exp.tx.init, shapes)), shardings)
     return exp, jitted.lower(state, exp.batch_shape)
 
 
-def ddp_step(cfg: dict, mesh: Mesh, params: PyTree | None = None):
+def ddp_step(cfg: dict, mesh: Mesh, params: PyTree | None = None, kind: str = "scanned"):
     """``(jitted step, state, compiled step)`` of plain-jit data parallelism: parameters and
     optimizer state replicated, batch sharded. ``params``: initial parameters to copy (default:
     the config's init at ``jax.random.key(0)``, as zero_jax's)."""
     return _baseline(cfg, mesh, lambda shapes: jax.tree.map(lambda _: P(), shapes), False,
-                     params)
+                     params, kind)
 
 
-def fsdp_step(cfg: dict, mesh: Mesh, constrain: bool = True, params: PyTree | None = None):
+def fsdp_step(cfg: dict, mesh: Mesh, constrain: bool = True, params: PyTree | None = None,
+              kind: str = "scanned"):
     """``(jitted step, state, compiled step)`` of MaxText-style GSPMD FSDP: parameters and AdamW
     moments cut on the data axis (``fsdp_spec``), batch sharded; with ``constrain``, the
     activations pinned batch-sharded (``activation_constraints``)."""
     return _baseline(cfg, mesh, lambda shapes: fsdp_param_specs(shapes, mesh), constrain,
-                     params)
+                     params, kind)
+
+
+def unrolled_zero(cfg: dict, mesh: Mesh, stage: int, prefetch: bool = False):
+    """``(plan, tx, init, jitted step)`` of zero_jax on ``UnrolledGPT``, built as a user of the
+    library would (``make_plan`` with ``layers``, ``make_train_step``), not by the demo's
+    ``Experiment``: the optimizer and dtypes from the config. At stage 3 the step remats each
+    block itself (the config's policy), so the model's own remat is off there, as the demo's."""
+    import zero_jax as zj
+    from zero_jax.gpt.experiment import precision_from
+    from zero_jax.gpt.model import GPTConfig, init_fn, lm_loss
+    from zero_jax.gpt.optim import make_optimizer
+
+    remat = cfg["model"]["remat"]
+    model = UnrolledGPT(GPTConfig(**{**cfg["model"], "remat": "none" if stage == 3 else remat}))
+    init = init_fn(model)
+    precision = precision_from(cfg["precision"], mesh.devices.flat[0].platform,
+                               cfg["train"]["accum_steps"])
+    tx, schedule = make_optimizer(cfg["optimizer"], cfg["train"]["steps"])
+    plan = zj.make_plan(jax.eval_shape(init, jax.random.key(SEED_KEY)), mesh, stage,
+                        layers=zj.Layers(UNROLLED_BLOCKS, remat), precision=precision,
+                        comm=zj.Comm(prefetch=prefetch))
+    step = zj.make_train_step(plan, lm_loss(model, fp32_logits=precision.autocast_output), tx,
+                              lr_schedule=schedule)
+    return plan, tx, init, step
+
+
+def unrolled_rows(remat: str) -> list[tuple[str, int, bool]]:
+    """zero_jax's rows on the unrolled model: (name, stage, prefetch); prefetch where it runs."""
+    from zero_jax.rules import prefetchable
+
+    rows = [("zero_jax stage 0", 0, False), ("zero_jax stage 3, no prefetch", 3, False)]
+    return rows + [("zero_jax stage 3, prefetch", 3, True)] * prefetchable(3, True, remat, False)
 
 
 def model_state_bytes(tree: PyTree) -> int:
@@ -311,8 +439,44 @@ def bytes_by_axes(hlo_text: str, mesh: Mesh) -> str:
     return ", ".join(f"{axes} {v / 2 ** 20:.2f}" for axes, v in sorted(totals.items()))
 
 
+def _add_model_flag(p) -> None:
+    p.add_argument("--model", choices=("scanned", "unrolled"), default="scanned",
+                   help="the demo's nn.scan stack, or UnrolledGPT's blocks h_0 .. h_{n-1}")
+
+
+def _unrolled_runs(cfg: dict, mesh: Mesh, tokens, steps: int) -> list[dict]:
+    """zero_jax's rows on ``UnrolledGPT`` and the baselines compiled for it, on the same
+    batches; every row checked against stage 0's initial parameters and first loss."""
+    from zero_jax.gpt import data
+    from zero_jax.state import init_state
+
+    runs = []
+    for name, stage, prefetch in unrolled_rows(cfg["model"]["remat"]):
+        plan, tx, init, step = unrolled_zero(cfg, mesh, stage, prefetch)
+        state = init_state(plan, init, tx, jax.random.key(SEED_KEY))
+        sharding = NamedSharding(mesh, P(plan.data_axes))
+        batch, seq = cfg["train"]["batch_size"], cfg["model"]["seq_len"]
+        compiled = step.lower(state, jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32,
+                                                          sharding=sharding)).compile()
+        batches = runs[0]["batches"] if runs else [
+            jax.device_put(data.batch(tokens, i, batch, seq, 0), sharding) for i in range(steps)]
+        runs.append(dict(name=name, step=compiled, compiled=compiled, state=state,
+                         batches=batches, times=[], checked=bool(runs),
+                         states_bytes=model_state_bytes((state.params, state.master,
+                                                         state.opt_state))))
+    init = jax.tree.map(np.asarray, runs[0]["state"].params)
+    kind = dict(kind="unrolled", params=init)
+    return [*runs,
+            _baseline_run("GSPMD FSDP, activations constrained",
+                          fsdp_step(cfg, mesh, constrain=True, **kind), runs[0]["batches"]),
+            _baseline_run("DDP (jit, replicated)", ddp_step(cfg, mesh, **kind),
+                          runs[0]["batches"]),
+            _baseline_run("GSPMD FSDP, unconstrained",
+                          fsdp_step(cfg, mesh, constrain=False, **kind), runs[0]["batches"])]
+
+
 def main() -> None:
-    args = harness.parse_args(__doc__.splitlines()[0])
+    args = harness.parse_args(__doc__.splitlines()[0], _add_model_flag)
 
     from zero_jax.gpt import config, data
     from zero_jax.gpt.experiment import mesh_for
@@ -320,30 +484,21 @@ def main() -> None:
     sets = ["precision.param_dtype=fp32", *args.set]
     mesh = mesh_for(config.load(args.config, sets), args.devices)
     two_d = "model" in mesh.axis_names
+    unrolled = args.model == "unrolled"
+    if unrolled and (two_d or "replica" in mesh.axis_names):
+        raise SystemExit("--model unrolled: one data axis only (no tensor parallelism or "
+                         "hierarchical ZeRO: its blocks have no TENSOR_PARALLEL table)")
     if args.compile_only:
-        return memory_table(args.config, sets, mesh)
-    print(harness.header(args.config, mesh, args.rounds, args.steps), flush=True)
+        return memory_table(args.config, sets, mesh, args.model)
+    print(f"{args.model} model; " + harness.header(args.config, mesh, args.rounds, args.steps),
+          flush=True)
     tokens = data.stdlib_corpus()
-    runs = []
-    for stage in range(4):
-        runs.append(dict(name=f"zero_jax stage {stage}", checked=False, **harness.build(
-            config.load(args.config, [*sets, f"zero.stage={stage}"]), mesh, tokens, args.steps)))
-    for name, extra in ({} if two_d else VARIANTS).items():
-        runs.append(dict(name=name, checked=False, **harness.build(
-            config.load(args.config, [*sets, *extra]), mesh, tokens, args.steps)))
-    for r in runs:
-        r["compiled"] = r["step"]
-        s = r["state"]
-        r["states_bytes"] = model_state_bytes((s.params, s.master, s.opt_state))
+    if unrolled:
+        runs = _unrolled_runs(config.load(args.config, sets), mesh, tokens, args.steps)
+    else:
+        runs = _scanned_runs(args, sets, mesh, tokens)
     base = runs[0]
-    cfg = base["exp"].cfg
     init = jax.tree.map(np.asarray, base["state"].params)  # before any step donates it
-    runs.append(_baseline_run("GSPMD FSDP" + " x tensor" * two_d + ", activations constrained",
-                              fsdp_step(cfg, mesh, constrain=True), base["batches"]))
-    if not two_d:
-        runs += [_baseline_run("DDP (jit, replicated)", ddp_step(cfg, mesh), base["batches"]),
-                 _baseline_run("GSPMD FSDP, unconstrained",
-                               fsdp_step(cfg, mesh, constrain=False), base["batches"])]
 
     # The same first step everywhere: same parameters, same batch, the same loss.
     failures = []
@@ -356,7 +511,8 @@ def main() -> None:
         r["state"], metrics = r["step"](r["state"], base["batches"][0])
         r["loss1"] = float(metrics["loss"])
     print(f"step 1 loss, zero_jax stage 0: {base['loss1']:.7f}; difference of each run "
-          f"(baselines must be within {LOSS_TOLERANCE:g}):")
+          f"(baselines{', and stage 3 on the unrolled model,' * unrolled} must be within "
+          f"{LOSS_TOLERANCE:g}):")
     for r in runs[1:]:
         diff = r["loss1"] - base["loss1"]
         bad = r["checked"] and not abs(diff) <= LOSS_TOLERANCE
@@ -387,24 +543,60 @@ def main() -> None:
               f"| {bytes_by_axes(r['compiled'].as_text(), mesh)} |")
 
 
-def memory_table(name: str, sets: list[str], mesh: Mesh) -> None:
+def _scanned_runs(args, sets: list[str], mesh: Mesh, tokens) -> list[dict]:
+    """zero_jax's stages and ``VARIANTS`` on the demo's GPT (``harness.build``), then the
+    baselines; only the baselines checked against stage 0's initial parameters and loss."""
+    from zero_jax.gpt import config
+
+    two_d = "model" in mesh.axis_names
+    runs = []
+    for stage in range(4):
+        runs.append(dict(name=f"zero_jax stage {stage}", checked=False, **harness.build(
+            config.load(args.config, [*sets, f"zero.stage={stage}"]), mesh, tokens, args.steps)))
+    for name, extra in ({} if two_d else VARIANTS).items():
+        runs.append(dict(name=name, checked=False, **harness.build(
+            config.load(args.config, [*sets, *extra]), mesh, tokens, args.steps)))
+    for r in runs:
+        r["compiled"] = r["step"]
+        s = r["state"]
+        r["states_bytes"] = model_state_bytes((s.params, s.master, s.opt_state))
+    base = runs[0]
+    cfg = base["exp"].cfg
+    runs.append(_baseline_run("GSPMD FSDP" + " x tensor" * two_d + ", activations constrained",
+                              fsdp_step(cfg, mesh, constrain=True), base["batches"]))
+    if not two_d:
+        runs += [_baseline_run("DDP (jit, replicated)", ddp_step(cfg, mesh), base["batches"]),
+                 _baseline_run("GSPMD FSDP, unconstrained",
+                               fsdp_step(cfg, mesh, constrain=False), base["batches"])]
+    return runs
+
+
+def memory_table(name: str, sets: list[str], mesh: Mesh, kind: str = "scanned") -> None:
     """``--compile-only``: each row compiled from shapes alone, its memory per device."""
     from zero_jax.gpt import config
     from zero_jax.gpt.experiment import Experiment
     from zero_jax.peak import compile_with_peak
     from zero_jax.state import abstract_state
 
-    rows = [(f"zero_jax stage {s}", [f"zero.stage={s}"]) for s in range(4)]
-    rows += [] if "model" in mesh.axis_names else list(VARIANTS.items())
     lowered = {}
-    for row, extra in rows:
-        exp = Experiment.build(config.load(name, [*sets, *extra]), mesh)
-        lowered[row] = exp.step.lower(abstract_state(exp.plan, exp.tx), exp.batch_shape)
+    if kind == "unrolled":
+        cfg = config.load(name, sets)
+        batch = Experiment.build(cfg, mesh).batch_shape  # the demo's: same global batch
+        for row, stage, prefetch in unrolled_rows(cfg["model"]["remat"]):
+            plan, tx, _, step = unrolled_zero(cfg, mesh, stage, prefetch)
+            lowered[row] = step.lower(abstract_state(plan, tx), batch)
+    else:
+        rows = [(f"zero_jax stage {s}", [f"zero.stage={s}"]) for s in range(4)]
+        rows += [] if "model" in mesh.axis_names else list(VARIANTS.items())
+        for row, extra in rows:
+            exp = Experiment.build(config.load(name, [*sets, *extra]), mesh)
+            lowered[row] = exp.step.lower(abstract_state(exp.plan, exp.tx), exp.batch_shape)
     for row, constrain in (("GSPMD FSDP, activations constrained", True),
                            ("GSPMD FSDP, unconstrained", False)):
-        lowered[row] = fsdp_lowered(config.load(name, sets), mesh, constrain)[1]
+        lowered[row] = fsdp_lowered(config.load(name, sets), mesh, constrain, kind)[1]
     mib = 2 ** 20
-    print(f"{name} config on {mesh.size} devices, compiled only: MiB per device\n")
+    print(f"{name} config, {kind} model, on {mesh.size} devices, compiled only: MiB per "
+          "device\n")
     print("| run | temp | arguments | total | peak | at the peak, by kind "
           "| collectives MiB/step by mesh axes |")
     print("|---|---|---|---|---|---|---|")

@@ -369,3 +369,25 @@ def test_bytes_by_axes_names_the_axes_each_collective_spans():
     a, b = np.ones(1 << 18, np.float32), np.ones(1 << 19, np.float32)
     assert peers.bytes_by_axes(f.lower(a, b).compile().as_text(), mesh) == (
         "data 1.00, model 2.00")
+
+
+def test_unrolled_model_steps_alike_in_zero_jax_and_the_baseline(mesh):
+    """``--model unrolled``: zero_jax stage 0 on the HF-style blocks (through the library API)
+    and the GSPMD FSDP baseline compiled for the same model take the same first step from the
+    same parameters, and the baseline's constraints reach the unrolled blocks. (Stage 3 with
+    the handoff's prefetch equals stage 0 on unrolled blocks: test_prefetch.)"""
+    cfg = config.load("tiny", SETS)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    batch = jax.device_put(np.random.default_rng(0).integers(0, 256, (B, T + 1), np.int32),
+                           sharding)
+    plan, tx, init_params, step = peers.unrolled_zero(cfg, mesh, 0)
+    assert plan.blocks == ["h_0", "h_1"]
+    state = init_state(plan, init_params, tx, jax.random.key(peers.SEED_KEY))
+    init = jax.tree.map(np.asarray, state.params)
+    _, metrics = step(state, batch)
+    _, state, compiled = peers.fsdp_step(cfg, mesh, constrain=True, params=init,
+                                         kind="unrolled")
+    # Pinned activations: the partitioner gathers weights, never a (batch, sequence, ...) one.
+    assert not any(s[:2] == (B, T) for s in peers.gathered_shapes(compiled.as_text()))
+    _, base = compiled(state, batch)
+    assert abs(float(base["loss"]) - float(metrics["loss"])) < 1e-5
