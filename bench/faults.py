@@ -1,0 +1,290 @@
+"""Fault injection: SIGKILL, SIGTERM, a damaged checkpoint and a full disk, each at a random
+moment of a small ``train.py`` run, then ``--resume`` to the end; a table per kind.
+
+    python bench/faults.py --trials 4 --seed 0 [--kinds kill,term,corrupt,diskfull] [--json F]
+
+Not part of the test suite (minutes of wall time): the suite tests each fault once at a fixed
+moment (``tests/test_checkpoint.py``, ``tests/test_hardening.py``); this repeats them where a
+fixed test would not look. For each trial it reports the complete checkpoints that existed
+before the fault and are gone or unreadable after it, whether the resumed run's losses equal an
+uninterrupted run's bit for bit, any Python traceback, and the exit codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+KINDS = ("kill", "term", "corrupt", "diskfull")
+DAMAGES = ("flip", "truncate", "delete-file", "delete-opt_state", "delete-params-_METADATA")
+STEPS = 12
+# Tiny and quick; --keep 100 so that no save rotates out a checkpoint the count would call lost.
+RUN = ["--set", "model.n_layers=1", "--set", "train.batch_size=8", "--steps", str(STEPS),
+       "--checkpoint-dir", "ckpt", "--save-every", "2", "--keep", "100"]
+FSIZE = 64 * 1024  # above the metrics and log files, below every checkpoint's array files
+TIMEOUT = 600
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit code 2, as train.py's bad input
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--trials", type=int, default=4, help="trials per kind (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the moments and damages")
+    p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated, of " +
+                   ", ".join(KINDS))
+    p.add_argument("--json", metavar="FILE", help="also write the table and trials as JSON")
+    p.add_argument("--workdir", metavar="DIR", help="keep the runs here (default: a temporary "
+                   "directory, deleted)")
+    args = p.parse_args(argv)
+    args.kinds = [k for k in args.kinds.split(",") if k]
+    bad = [k for k in args.kinds if k not in KINDS]
+    if bad or not args.kinds:
+        p.error(f"--kinds: {', '.join(bad) or 'none given'}: pick from {', '.join(KINDS)}")
+    if args.workdir and os.path.exists(args.workdir) and os.listdir(args.workdir):
+        p.error(f"--workdir {args.workdir} is not empty: the trials need a fresh directory")
+    if args.trials < 1:
+        p.error(f"--trials must be at least 1, not {args.trials}")
+    return args
+
+
+def environment(work: pathlib.Path) -> dict:
+    """One compilation cache for every run, so a trial costs a start-up, not a compile."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=1")
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(work / "jax-cache"))
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    return env
+
+
+def ignore_sigxfsz() -> None:
+    """In the child: a write past RLIMIT_FSIZE then fails with EFBIG instead of killing it."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
+def start(run: pathlib.Path, name: str, extra: list[str], env: dict) -> subprocess.Popen:
+    """``train.py`` in ``run``, its stdout and stderr in files named after ``name``."""
+    argv = [sys.executable, str(ROOT / "train.py"), *RUN, "--metrics", "metrics.jsonl", *extra]
+    with open(run / f"{name}.out", "w") as out, open(run / f"{name}.err", "w") as err:
+        return subprocess.Popen(argv, cwd=run, env=env, stdout=out, stderr=err,
+                                stdin=subprocess.DEVNULL, preexec_fn=ignore_sigxfsz)
+
+
+def finish(proc: subprocess.Popen) -> int:
+    try:
+        return proc.wait(TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def wait_first_step(run: pathlib.Path, proc: subprocess.Popen) -> None:
+    """Until the first record is in the metrics file: before it the run is compiling."""
+    metrics = run / "metrics.jsonl"
+    while proc.poll() is None and not (metrics.exists() and metrics.stat().st_size):
+        time.sleep(0.05)
+
+
+def losses(run: pathlib.Path) -> dict[int, float]:
+    """Step -> loss from the metrics file; a line cut short by a kill is left out."""
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        out[record["step"]] = record["loss"]
+    return out
+
+
+def reference(work: pathlib.Path, env: dict) -> tuple[dict[int, float], float]:
+    """The uninterrupted run's losses, and how long it trains (the window for the faults)."""
+    run = work / "reference"
+    run.mkdir()
+    proc = start(run, "run", [], env)
+    wait_first_step(run, proc)
+    tick = time.monotonic()
+    if (rc := finish(proc)) != 0:
+        sys.exit(f"error: the reference run exited {rc}: see {run / 'run.err'}")
+    return losses(run), time.monotonic() - tick
+
+
+def complete_steps(ckpt: pathlib.Path) -> set[int]:
+    """Numbered step directories: orbax renames a save to its number only once complete."""
+    if not ckpt.is_dir():
+        return set()
+    return {int(d.name) for d in ckpt.iterdir() if d.name.isdigit() and d.is_dir()}
+
+
+def inject(kind: str, proc: subprocess.Popen, ckpt: pathlib.Path, rng: random.Random,
+           window: float) -> dict:
+    """The fault, at a random moment of the training; the checkpoints complete before it."""
+    finish_first = kind == "corrupt" and rng.random() < 0.5
+    if not finish_first:
+        time.sleep(rng.uniform(0, window))
+    before = complete_steps(ckpt)
+    fault = {"landed": proc.poll() is None and not finish_first, "before": sorted(before)}
+    if fault["landed"] and kind in ("kill", "corrupt"):
+        proc.send_signal(signal.SIGKILL)
+    elif fault["landed"] and kind == "term":
+        proc.send_signal(signal.SIGTERM)
+    elif fault["landed"]:  # the limit applies to writes from now on, as a disk that fills up
+        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (FSIZE, resource.RLIM_INFINITY))
+    fault["rc"] = finish(proc)
+    if kind == "corrupt":
+        fault["damaged"] = damage(ckpt, rng)
+    return fault
+
+
+def damage(ckpt: pathlib.Path, rng: random.Random) -> dict | None:
+    """One of several damages to the newest complete checkpoint, chosen at random."""
+    if not (steps := complete_steps(ckpt)):
+        return None
+    step, how = max(steps), rng.choice(DAMAGES)
+    root = ckpt / str(step)
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    target = {"delete-opt_state": root / "opt_state",
+              "delete-params-_METADATA": root / "params" / "_METADATA"}.get(how, rng.choice(files))
+    if how == "flip":
+        data = bytearray(target.read_bytes())
+        for i in rng.sample(range(len(data)), min(8, len(data))):
+            data[i] ^= 0xFF
+        target.write_bytes(bytes(data))
+    elif how == "truncate":
+        os.truncate(target, target.stat().st_size // 2)
+    elif target.is_dir():
+        shutil.rmtree(target)
+    else:
+        target.unlink()
+    return {"step": step, "how": how, "path": str(target.relative_to(ckpt))}
+
+
+def trial(kind: str, n: int, work: pathlib.Path, env: dict, rng: random.Random,
+          ref: tuple[dict[int, float], float]) -> dict:
+    """One run, one fault at a random moment, one ``--resume`` to the end, checked."""
+    run = work / f"{kind}-{n}"
+    run.mkdir()
+    ckpt = run / "ckpt"
+    proc = start(run, "run", [], env)
+    wait_first_step(run, proc)
+    fault = inject(kind, proc, ckpt, rng, ref[1])
+    after = complete_steps(ckpt)
+    resumed = finish(start(run, "resume", ["--resume"], env))
+    return {"kind": kind, "trial": n, **fault, "after": sorted(after), "resume_rc": resumed,
+            **check(run, fault, after, ref[0])}
+
+
+def check(run: pathlib.Path, fault: dict, after: set[int], ref: dict[int, float]) -> dict:
+    """What the trial is judged by: lost checkpoints, exact losses, tracebacks, detection."""
+    err = (run / "run.err").read_text() + (run / "resume.err").read_text()
+    damaged = (fault.get("damaged") or {}).get("step")
+    named = {int(s) for s in re.findall(r"^warning: .*?checkpoint (?:step )?(\d+)\b.*corrupt",
+                                        err, re.M)}
+    lost = (set(fault["before"]) - after - {damaged}) | (named & set(fault["before"]) - {damaged})
+    got = losses(run)
+    out = {"lost": sorted(lost), "resume_step": resume_step(run),
+           "bit_exact": got == ref, "differs": sorted(s for s in ref if got.get(s) != ref[s]),
+           "traceback": "Traceback" in err,
+           "errors": [line for line in err.splitlines() if line.startswith("error:")]}
+    if damaged is not None:
+        out["detected"] = damaged in named
+    return out
+
+
+def resume_step(run: pathlib.Path) -> int | None:
+    """The step the resume started from, as its stdout says (0: it found no checkpoint)."""
+    text = (run / "resume.out").read_text()
+    if m := re.search(r"resumed from step (\d+)|the checkpoint is at step (\d+)", text):
+        return int(m.group(1) or m.group(2))
+    return 0 if "starting fresh" in text else None
+
+
+def summarize(trials: list[dict]) -> list[dict]:
+    """One row per kind, in the order the kinds ran."""
+    rows = []
+    for kind in dict.fromkeys(t["kind"] for t in trials):
+        ts = [t for t in trials if t["kind"] == kind]
+        damaged = [t for t in ts if "detected" in t]
+        rows.append({
+            "kind": kind, "trials": len(ts), "landed": sum(t["landed"] for t in ts),
+            "checkpoints_lost": sum(len(t["lost"]) for t in ts),
+            "bit_exact": sum(t["bit_exact"] for t in ts),
+            "tracebacks": sum(t["traceback"] for t in ts),
+            "detected": (f"{sum(t['detected'] for t in damaged)}/{len(damaged)}"
+                         if damaged else "-"),
+            "exit_codes": f"run {codes(t['rc'] for t in ts)}; "
+                          f"resume {codes(t['resume_rc'] for t in ts)}"})
+    return rows
+
+
+def codes(rcs) -> str:
+    """``143 x3, SIGKILL x1``: each exit code seen, how often, commonest first; a process that
+    a signal ended (Popen's negative code) by the signal's name."""
+    rcs = [signal.Signals(-rc).name if rc < 0 else str(rc) for rc in rcs]
+    return ", ".join(f"{rc} x{rcs.count(rc)}" for rc in sorted(set(rcs), key=rcs.count,
+                                                                 reverse=True))
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown, as it goes into docs/guides/checkpoints.md."""
+    lines = ["| fault | trials | fault landed | checkpoints lost | resumes bit-exact "
+             "| tracebacks | corruption detected | exit codes |", "|" + "---|" * 8]
+    for r in rows:
+        lines.append(f"| {r['kind']} | {r['trials']} | {r['landed']} | {r['checkpoints_lost']} "
+                     f"| {r['bit_exact']}/{r['trials']} | {r['tracebacks']} | {r['detected']} "
+                     f"| {r['exit_codes']} |")
+    return "\n".join(lines)
+
+
+def describe(t: dict) -> str:
+    """One line per trial, for the log: enough to find the run directory's story."""
+    bits = [f"{t['kind']} #{t['trial']}: landed={t['landed']} rc={t['rc']}",
+            f"resume from {t['resume_step']} rc={t['resume_rc']}",
+            f"lost={t['lost']} exact={t['bit_exact']} traceback={t['traceback']}"]
+    if t.get("damaged"):
+        d = t["damaged"]
+        bits.append(f"damaged {d['how']} {d['path']} detected={t['detected']}")
+    return "; ".join(bits)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory(prefix="faults-") as tmp:
+        work = pathlib.Path(args.workdir or tmp).absolute()
+        work.mkdir(parents=True, exist_ok=True)
+        env = environment(work)
+        ref = reference(work, env)
+        print(f"reference: {len(ref[0])} steps, training window {ref[1]:.1f} s", flush=True)
+        trials = []
+        for kind in args.kinds:
+            for n in range(args.trials):
+                trials.append(trial(kind, n, work, env, rng, ref))
+                print(describe(trials[-1]), flush=True)
+    rows = summarize(trials)
+    print(format_table(rows))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({"rows": rows, "trials": trials,
+                                                       "seed": args.seed}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
