@@ -18,14 +18,15 @@ def trial(kind, rc, lost=(), exact=True, traceback=False, **extra):
 
 def test_the_table_counts_each_kind():
     trials = [trial("term", 143), trial("term", -15, lost=[4]),
-              trial("corrupt", -9, exact=False, detected=True),
-              trial("corrupt", 0, traceback=True, detected=False)]
+              trial("corrupt", -9, exact=False, outcome="fell back"),
+              trial("corrupt", 0, traceback=True, outcome="refused")]
     assert faults.format_table(faults.summarize(trials)).splitlines() == [
         "| fault | trials | fault landed | checkpoints lost | resumes bit-exact | tracebacks "
-        "| corruption detected | exit codes |",
+        "| damaged checkpoint | exit codes |",
         "|---|---|---|---|---|---|---|---|",
         "| term | 2 | 2 | 1 | 2/2 | 0 | - | run 143 x1, SIGTERM x1; resume 0 x2 |",
-        "| corrupt | 2 | 2 | 0 | 1/2 | 1 | 1/2 | run SIGKILL x1, 0 x1; resume 0 x2 |"]
+        "| corrupt | 2 | 2 | 0 | 1/2 | 1 | fell back 1, refused 1 "
+        "| run SIGKILL x1, 0 x1; resume 0 x2 |"]
 
 
 @pytest.mark.parametrize("how", faults.DAMAGES)
