@@ -24,14 +24,19 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KINDS = ("kill", "term", "corrupt", "diskfull")
 DAMAGES = ("flip", "truncate", "delete-file", "delete-opt_state", "delete-params-_METADATA")
-STEPS = 12
-# Tiny and quick; --keep 100 so that no save rotates out a checkpoint the count would call lost.
-RUN = ["--set", "model.n_layers=1", "--set", "train.batch_size=8", "--steps", str(STEPS),
+# The faulted run trains STEPS, its resume and the reference TOTAL: so that every resume restores
+# and trains, even from the faulted run's last checkpoint. The schedule is fixed (not spread over
+# --steps) for that. Tiny and quick; --keep 100: no save rotates out a checkpoint the count would
+# call lost.
+STEPS, TOTAL = 12, 14
+RUN = ["--set", "model.n_layers=1", "--set", "train.batch_size=8", "--set",
+       "optimizer.warmup_steps=4", "--set", "optimizer.decay_steps=16",
        "--checkpoint-dir", "ckpt", "--save-every", "2", "--keep", "100"]
 FSIZE = 64 * 1024  # above the metrics and log files, below every checkpoint's array files
 TIMEOUT = 600
@@ -83,20 +88,36 @@ def ignore_sigxfsz() -> None:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
-def start(run: pathlib.Path, name: str, extra: list[str], env: dict) -> subprocess.Popen:
-    """``train.py`` in ``run``, its stdout and stderr in files named after ``name``."""
-    argv = [sys.executable, str(ROOT / "train.py"), *RUN, "--metrics", "metrics.jsonl", *extra]
-    with open(run / f"{name}.out", "w") as out, open(run / f"{name}.err", "w") as err:
-        return subprocess.Popen(argv, cwd=run, env=env, stdout=out, stderr=err,
-                                stdin=subprocess.DEVNULL, preexec_fn=ignore_sigxfsz)
+def start(run: pathlib.Path, name: str, steps: int, extra: list[str],
+          env: dict) -> subprocess.Popen:
+    """``train.py`` in ``run``, its stdout and stderr in files named after ``name``. Through
+    pipes, copied here: a file the child wrote itself would be cut at its file-size limit."""
+    argv = [sys.executable, str(ROOT / "train.py"), *RUN, "--steps", str(steps), "--metrics",
+            "metrics.jsonl", *extra]
+    proc = subprocess.Popen(argv, cwd=run, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            preexec_fn=ignore_sigxfsz)
+    proc.copiers = [threading.Thread(target=copy, args=(pipe, run / f"{name}.{ext}"))
+                    for pipe, ext in ((proc.stdout, "out"), (proc.stderr, "err"))]
+    for copier in proc.copiers:
+        copier.start()
+    return proc
+
+
+def copy(pipe, path: pathlib.Path) -> None:
+    with pipe, open(path, "wb") as out:
+        shutil.copyfileobj(pipe, out)
 
 
 def finish(proc: subprocess.Popen) -> int:
+    """Its exit code, once its output is all in the files; killed after TIMEOUT."""
     try:
-        return proc.wait(TIMEOUT)
+        proc.wait(TIMEOUT)
     except subprocess.TimeoutExpired:
         proc.kill()
-        return proc.wait()
+    for copier in proc.copiers:
+        copier.join()
+    return proc.wait()
 
 
 def wait_records(run: pathlib.Path, proc: subprocess.Popen, n: int = 1) -> None:
@@ -121,11 +142,11 @@ def losses(run: pathlib.Path) -> dict[int, float]:
 
 def reference(work: pathlib.Path, env: dict) -> tuple[dict[int, float], float, float]:
     """The uninterrupted run's losses, and the windows for the faults: from the first record
-    to the process's exit (the last save and the shutdown too), and to the last record (a
-    limit on file size set then still meets the last save)."""
+    to the process's exit (a kill may land in the last save or the shutdown), and to the
+    STEPS-th record (SIGTERM and the file-size limit: where they land in training)."""
     run = work / "reference"
     run.mkdir()
-    proc = start(run, "run", [], env)
+    proc = start(run, "run", TOTAL, [], env)
     wait_records(run, proc)
     tick = time.monotonic()
     wait_records(run, proc, STEPS)
@@ -171,6 +192,7 @@ def damage(ckpt: pathlib.Path, rng: random.Random) -> dict | None:
     files = sorted(p for p in root.rglob("*") if p.is_file())
     target = {"delete-opt_state": root / "opt_state",
               "delete-params-_METADATA": root / "params" / "_METADATA"}.get(how, rng.choice(files))
+    size = target.stat().st_size if target.is_file() else None
     if how == "flip":
         data = bytearray(target.read_bytes())
         for i in rng.sample(range(len(data)), min(8, len(data))):
@@ -182,7 +204,7 @@ def damage(ckpt: pathlib.Path, rng: random.Random) -> dict | None:
         shutil.rmtree(target)
     else:
         target.unlink()
-    return {"step": step, "how": how, "path": str(target.relative_to(ckpt))}
+    return {"step": step, "how": how, "path": str(target.relative_to(ckpt)), "bytes": size}
 
 
 def trial(kind: str, n: int, work: pathlib.Path, env: dict, rng: random.Random,
@@ -191,11 +213,11 @@ def trial(kind: str, n: int, work: pathlib.Path, env: dict, rng: random.Random,
     run = work / f"{kind}-{n}"
     run.mkdir()
     ckpt = run / "ckpt"
-    proc = start(run, "run", [], env)
+    proc = start(run, "run", STEPS, [], env)
     wait_records(run, proc)
-    fault = inject(kind, proc, ckpt, rng, ref[2] if kind == "diskfull" else ref[1])
+    fault = inject(kind, proc, ckpt, rng, ref[1] if kind in ("kill", "corrupt") else ref[2])
     after = complete_steps(ckpt)
-    resumed = finish(start(run, "resume", ["--resume"], env))
+    resumed = finish(start(run, "resume", TOTAL, ["--resume"], env))
     return {"kind": kind, "trial": n, **fault, "after": sorted(after), "resume_rc": resumed,
             **check(run, fault, after, resumed == 0, ref[0])}
 
