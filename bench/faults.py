@@ -178,6 +178,8 @@ def inject(kind: str, proc: subprocess.Popen, ckpt: pathlib.Path, rng: random.Ra
     elif fault["landed"]:  # the limit applies to writes from now on, as a disk that fills up
         resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (FSIZE, resource.RLIM_INFINITY))
     fault["rc"] = finish(proc)
+    if kind != "diskfull":  # a signal sent as the run exited finds it gone
+        fault["landed"] = fault["landed"] and fault["rc"] != 0
     if kind == "corrupt":
         fault["damaged"] = damage(ckpt, rng)
     return fault
@@ -227,8 +229,8 @@ def check(run: pathlib.Path, fault: dict, after: set[int], resumed: bool,
     """What the trial is judged by: lost checkpoints, exact losses, tracebacks, detection."""
     err = (run / "run.err").read_text() + (run / "resume.err").read_text()
     damaged = (fault.get("damaged") or {}).get("step")
-    named = {int(s) for s in re.findall(r"^warning: .*?checkpoint (?:step )?(\d+)\b.*corrupt",
-                                        err, re.M)}
+    named = {int(s) for s in re.findall(r"^warning: .*?checkpoint (?:step )?(\d+)\b.*"
+                                        r"(?:corrupt|cannot be read|falling back)", err, re.M)}
     lost = (set(fault["before"]) - after - {damaged}) | (named & set(fault["before"]) - {damaged})
     got = losses(run)
     out = {"lost": sorted(lost), "resume_step": resume_step(run),
