@@ -274,8 +274,8 @@ def codes(rcs) -> str:
     """``143 x3, SIGKILL x1``: each exit code seen, how often, commonest first; a process that
     a signal ended (Popen's negative code) by the signal's name."""
     rcs = [signal.Signals(-rc).name if rc < 0 else str(rc) for rc in rcs]
-    return ", ".join(f"{rc} x{rcs.count(rc)}" for rc in sorted(set(rcs), key=rcs.count,
-                                                                 reverse=True))
+    seen = sorted(dict.fromkeys(rcs), key=rcs.count, reverse=True)  # ties: first seen first
+    return ", ".join(f"{rc} x{rcs.count(rc)}" for rc in seen)
 
 
 def format_table(rows: list[dict]) -> str:
