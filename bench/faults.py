@@ -163,12 +163,15 @@ def complete_steps(ckpt: pathlib.Path) -> set[int]:
     return {int(d.name) for d in ckpt.iterdir() if d.name.isdigit() and d.is_dir()}
 
 
-def inject(kind: str, proc: subprocess.Popen, ckpt: pathlib.Path, rng: random.Random,
+def inject(kind: str, proc: subprocess.Popen, run: pathlib.Path, rng: random.Random,
            window: float) -> dict:
     """The fault, at a random moment of the training; the checkpoints complete before it."""
     finish_first = kind == "corrupt" and rng.random() < 0.5
-    if not finish_first:
+    if kind == "diskfull":  # by step, not time: on a loaded machine a time may be past the saves
+        wait_records(run, proc, rng.randrange(1, STEPS))
+    elif not finish_first:
         time.sleep(rng.uniform(0, window))
+    ckpt = run / "ckpt"
     before = complete_steps(ckpt)
     fault = {"landed": proc.poll() is None and not finish_first, "before": sorted(before)}
     if fault["landed"] and kind in ("kill", "corrupt"):
@@ -178,8 +181,8 @@ def inject(kind: str, proc: subprocess.Popen, ckpt: pathlib.Path, rng: random.Ra
     elif fault["landed"]:  # the limit applies to writes from now on, as a disk that fills up
         resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (FSIZE, resource.RLIM_INFINITY))
     fault["rc"] = finish(proc)
-    if kind != "diskfull":  # a signal sent as the run exited finds it gone
-        fault["landed"] = fault["landed"] and fault["rc"] != 0
+    # A signal sent as the run exited finds it gone; a limit set after the last save, unmet.
+    fault["landed"] = fault["landed"] and fault["rc"] != 0
     if kind == "corrupt":
         fault["damaged"] = damage(ckpt, rng)
     return fault
@@ -217,7 +220,7 @@ def trial(kind: str, n: int, work: pathlib.Path, env: dict, rng: random.Random,
     ckpt = run / "ckpt"
     proc = start(run, "run", STEPS, [], env)
     wait_records(run, proc)
-    fault = inject(kind, proc, ckpt, rng, ref[1] if kind in ("kill", "corrupt") else ref[2])
+    fault = inject(kind, proc, run, rng, ref[1] if kind in ("kill", "corrupt") else ref[2])
     after = complete_steps(ckpt)
     resumed = finish(start(run, "resume", TOTAL, ["--resume"], env))
     return {"kind": kind, "trial": n, **fault, "after": sorted(after), "resume_rc": resumed,
