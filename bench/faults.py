@@ -2,17 +2,21 @@
 moment of a small ``train.py`` run, then ``--resume`` to the end; a table per kind.
 
     python bench/faults.py --trials 4 --seed 0 [--kinds kill,term,corrupt,diskfull] [--json F]
+                           [--workdir DIR]
 
 Not part of the test suite (minutes of wall time): the suite tests each fault once at a fixed
 moment (``tests/test_checkpoint.py``, ``tests/test_hardening.py``); this repeats them where a
 fixed test would not look. For each trial it reports the complete checkpoints that existed
 before the fault and are gone or unreadable after it, whether the resumed run's losses equal an
-uninterrupted run's bit for bit, any Python traceback, and the exit codes.
+uninterrupted run's bit for bit, any Python traceback, and the exit codes; for a damaged
+checkpoint, whether the resume fell back from it, refused it, or did not need the damaged bytes.
+The figures and what they show: docs/guides/checkpoints.md, "Fault injection".
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -213,7 +217,7 @@ def damage(ckpt: pathlib.Path, rng: random.Random) -> dict | None:
 
 
 def trial(kind: str, n: int, work: pathlib.Path, env: dict, rng: random.Random,
-          ref: tuple[dict[int, float], float]) -> dict:
+          ref: tuple[dict[int, float], float, float]) -> dict:
     """One run, one fault at a random moment, one ``--resume`` to the end, checked."""
     run = work / f"{kind}-{n}"
     run.mkdir()
@@ -303,6 +307,14 @@ def describe(t: dict) -> str:
     return "; ".join(bits)
 
 
+def versions() -> dict:
+    """What the figures were measured with, for the JSON beside them."""
+    out = {"python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d")}
+    for name in ("jax", "jaxlib", "orbax-checkpoint"):
+        out[name] = importlib.metadata.version(name)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rng = random.Random(args.seed)
@@ -320,8 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(trials)
     print(format_table(rows))
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"rows": rows, "trials": trials,
-                                                       "seed": args.seed}, indent=1))
+        pathlib.Path(args.json).write_text(json.dumps(
+            {"rows": rows, "trials": trials, "seed": args.seed, "versions": versions()}, indent=1))
     return 0
 
 
