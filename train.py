@@ -835,22 +835,18 @@ class Profile(Hook):
                    "profile plugin, or its perfetto_trace.json.gz in ui.perfetto.dev)")
 
 
-def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
-          watchdog=None) -> int:
-    """Compile, check the fit, start (restore or initialize), then the loop and its hooks."""
-    from zero_jax import fit, report
-    from zero_jax.checkpoint import CheckpointError
-    from zero_jax.state import abstract_state
+def compile_checked(exp, target, stop: Stop):
+    """``(report, compiled step)``, or the exit code: a signal during the compile (nothing
+    restored or initialized yet, nothing written), or a model that cannot fit."""
+    from zero_jax import fit
 
-    t = cfg["train"]
-    target = abstract_state(exp.plan, exp.tx)
     stop.compiling = True  # before the line that says so: a signal after it is answered
     print("compiling the train step", flush=True)
     try:
         r, step = compile_report(exp, target)
     finally:
         stop.compiling = False
-    if stop.signum:  # nothing restored or initialized yet, nothing written
+    if stop.signum:
         print(f"stopped by {signal.Signals(stop.signum).name} during compilation: nothing "
               "trained, nothing saved", file=sys.stderr)
         return SIGNAL_EXIT[stop.signum]
@@ -858,6 +854,22 @@ def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
         return fail(f"{problem}: use {'a higher --stage, ' * (exp.plan.stage < 3)}"
                     "precision.param_dtype=bf16, zero.offload_grads, a smaller model or "
                     "train.batch_size, or --dry-run to see the report")
+    return r, step
+
+
+def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
+          watchdog=None) -> int:
+    """Compile, check the fit, start (restore or initialize), then the loop and its hooks."""
+    from zero_jax import report
+    from zero_jax.checkpoint import CheckpointError
+    from zero_jax.state import abstract_state
+
+    t = cfg["train"]
+    target = abstract_state(exp.plan, exp.tx)
+    compiled = compile_checked(exp, target, stop)
+    if isinstance(compiled, int):
+        return compiled
+    r, step = compiled
     if args.plot and exp.plan.outer is None:  # the memory figure's stages; the report's too
         r["stages"] = report.stages_table(exp.plan, exp.tx)
     state = initial_state(start, target, cfg, args, exp)

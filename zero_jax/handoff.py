@@ -48,7 +48,6 @@ def _step(block: Callable, names: tuple, offload: bool) -> Callable:
     ``names``: the three blocks' (None where there is none)."""
     first, last = names[0] is None, names[2] is None
     names = tuple(n or "" for n in names)
-    host, device = jax.memory.Space.Host, jax.memory.Space.Device
 
     def fwd(behind, shards, ahead, hand, arrays):
         # Each collective under the name of the block it serves: read back from the program.
@@ -57,14 +56,11 @@ def _step(block: Callable, names: tuple, offload: bool) -> Callable:
         with jax.named_scope(names[2]):
             nxt = None if last else materialize_tree(after_inputs(ahead, (arrays,), {}))
         with jax.named_scope(names[1]):
-            out = block(whole, arrays)
-            # The next block starts once the gather is done: the one it issues, for the block
-            # after, cannot be combined with this one.
-            out, nxt = jax.lax.optimization_barrier((out, nxt))
-        # The slot is never read: its cotangent carries this block's weights back, gathered
-        # again by the next block's backward.
-        handed = None if last else (nxt, whole)
-        return (out, handed), (behind, shards, ahead, _moved(arrays, host) if offload else arrays)
+            # The next block starts once this gather is done: XLA cannot combine the two.
+            out, nxt = jax.lax.optimization_barrier((block(whole, arrays), nxt))
+        # The slot is never read: its cotangent brings this block's weights back, re-gathered.
+        saved = _moved(arrays, jax.memory.Space.Host) if offload else arrays
+        return (out, None if last else (nxt, whole)), (behind, shards, ahead, saved)
 
     def bwd(saved, cts):
         behind, shards, ahead, arrays = saved
@@ -77,7 +73,7 @@ def _step(block: Callable, names: tuple, offload: bool) -> Callable:
             # The next block's gradient, reduced one block behind, beside this one's backward.
             d_ahead = None if last else reduce_tree(ahead, dhand[0])[0]
         with jax.named_scope(names[1]):
-            arrays = _moved(arrays, device) if offload else arrays
+            arrays = _moved(arrays, jax.memory.Space.Device) if offload else arrays
             diff = [i for i, x in enumerate(arrays) if _inexact(x)]
 
             def again(w, xs):
@@ -93,9 +89,8 @@ def _step(block: Callable, names: tuple, offload: bool) -> Callable:
                                                     ready))[0]
             _, pull = jax.vjp(again, *primals)
             dw, dxs = pull(dout)
-        # The block before starts its backward once the next block's gradient is reduced and
-        # the previous block gathered: the collectives it issues cannot be combined with these
-        # (on GPUs XLA would merge every block's reduce-scatter into one, at the end).
+        # The block before runs once these collectives are done, so XLA cannot combine its own
+        # with them (on GPUs it merged every block's reduce-scatter into one, at the end).
         dxs, d_ahead, prev = jax.lax.optimization_barrier((dxs, d_ahead, prev))
         d_arrays: list = [None] * len(arrays)
         for i, dx in zip(diff, dxs, strict=True):

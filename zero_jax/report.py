@@ -149,7 +149,7 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None,
     found = collectives(compiled.as_text(), mesh.size)
     groups = collective_groups(found, mesh)
     by_axes, formula = comm_theory(plan, block_input)
-    r = {
+    return {
         "stage": plan.stage,
         "rule": rule.moves + (
             f"; hierarchical: parameters cut within groups of {mesh.shape[plan.axis]}, "
@@ -191,14 +191,14 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None,
         "comm_theory_formula": formula,
         "comm_bytes_theory_by_axes": by_axes,
         "peak": None if peak is None else {**peak, "expected": peak_expected(plan)},
-        **layout(plan, state, found), **saved_activations(plan, block_input),
+        **layout(plan, state, found, held_whole(plan, peak, psi * c)),
+        **saved_activations(plan, block_input),
     }
-    r["warnings"] += held_whole(plan, peak, psi * c)
-    return r
 
 
-def layout(plan: Plan, state: PyTree, found: list) -> dict:
-    """The report's view of the plan: what is not cut as the rule says, and how leaves travel."""
+def layout(plan: Plan, state: PyTree, found: list, more: list[str] = ()) -> dict:
+    """The report's view of the plan: what is not cut as the rule says, and how leaves travel;
+    ``more`` warnings found elsewhere (the compiled peak's)."""
     c = plan.precision.compute.itemsize
     return {
         "replicated": [{"path": leaf.path, "shape": list(leaf.shape), "reason": leaf.reason}
@@ -211,7 +211,7 @@ def layout(plan: Plan, state: PyTree, found: list) -> dict:
         "prefetch_bytes": 2 * max(block_elements(plan).values(), default=0) * c
         if plan.comm.prefetch else 0,
         "opt_state_whole": whole_opt_state(plan, state),
-        "warnings": warnings(plan) + one_big_block(plan) + gathered_once(plan, found),
+        "warnings": [*warnings(plan), *one_big_block(plan), *gathered_once(plan, found), *more],
     }
 
 
