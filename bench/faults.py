@@ -31,6 +31,8 @@ import tempfile
 import threading
 import time
 
+from zero_jax.internals import ORBAX_TREE_FILES  # orbax's names live there alone
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KINDS = ("kill", "term", "corrupt", "diskfull")
 DAMAGES = ("flip", "truncate", "delete-file", "delete-opt_state", "delete-params-_METADATA")
@@ -200,7 +202,8 @@ def damage(ckpt: pathlib.Path, rng: random.Random) -> dict | None:
     root = ckpt / str(step)
     files = sorted(p for p in root.rglob("*") if p.is_file())
     target = {"delete-opt_state": root / "opt_state",
-              "delete-params-_METADATA": root / "params" / "_METADATA"}.get(how, rng.choice(files))
+              "delete-params-_METADATA": root / "params" / ORBAX_TREE_FILES[0]}.get(
+                  how, rng.choice(files))
     size = target.stat().st_size if target.is_file() else None
     if how == "flip":
         data = bytearray(target.read_bytes())

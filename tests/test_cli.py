@@ -38,12 +38,15 @@ def test_trains_and_writes_metrics(tmp_path):
 
 
 def peak_rss_mb(*args: str) -> tuple[subprocess.CompletedProcess, float]:
-    """Run train.py in a child that prints its own peak resident memory as its last line."""
-    code = ("import resource, runpy, sys\n"
+    """Run train.py in a child that prints its own peak resident memory as its last line:
+    VmHWM, its address space's high-water mark. Not ``ru_maxrss``, which Linux carries across
+    exec: a child of a large process (a pytest worker) would report the parent's size."""
+    code = ("import runpy, sys\n"
             f"sys.argv = ['train.py', *{list(args)!r}]\n"
             "try:\n    runpy.run_path('train.py', run_name='__main__')\n"
             "finally:\n"
-            "    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)\n")
+            "    print(next(int(x.split()[1]) for x in open('/proc/self/status')\n"
+            "               if x.startswith('VmHWM')) / 1024)\n")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True,
                          text=True, timeout=300)
     return run, float(run.stdout.strip().splitlines()[-1])
