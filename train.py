@@ -768,15 +768,17 @@ class Saver(Hook):
 
 class Tally(Hook):
     """A hook: the losses, the skipped steps, the progress bar's figures, and the records for
-    --plot's curves."""
+    --plot's curves (kept only for them: a long run's records add up)."""
 
-    def __init__(self, bar):
-        self.bar, self.losses, self.skipped, self.records = bar, [], 0, []
+    def __init__(self, bar, keep_records: bool = False):
+        self.bar, self.losses, self.skipped = bar, [], 0
+        self.records: list[dict] | None = [] if keep_records else None
 
     def __call__(self, n: int, state, m: dict, record: dict) -> None:
         self.losses.append(m["loss"])
         self.skipped += m["skipped"]
-        self.records.append(finite_record(record))
+        if self.records is not None:
+            self.records.append(finite_record(record))
         self.bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
 
 
@@ -804,8 +806,8 @@ class Profile(Hook):
     """A hook: a JAX profiler trace around --profile-steps, beside the step's compiled HLO."""
 
     def __init__(self, directory: str, window: tuple[int, int], compiled, write=print):
-        self.dir, self.window, self.write, self.tracing = pathlib.Path(directory), window, \
-            write, False
+        self.dir, self.window, self.write = pathlib.Path(directory), window, write
+        self.tracing = False
         self.dir.mkdir(parents=True, exist_ok=True)
         # The trace's events are named by the program's instructions: the HLO says what each
         # one is (all_gather.3 -> an all-gather of which shapes, in which loop).
@@ -883,7 +885,7 @@ def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
         return 0
     guard = Guard(t["max_bad_steps"], cfg["precision"]["min_loss_scale"])
     bar, rows = progress(exp, t["steps"], first)
-    tally, saver = Tally(bar), None
+    tally, saver = Tally(bar, keep_records=bool(args.plot)), None
     hooks: list[Hook] = [tally]
     if start.ckpts:  # before the outputs: a step whose record cannot be written is saved
         hooks.append(saver := Saver(start.ckpts, args.save_every, t["steps"], stop, guard,
