@@ -33,7 +33,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from zero_jax import buckets, internals
+from zero_jax import buckets, internals, tiling
 from zero_jax.buckets import Comm
 from zero_jax.mesh import MODEL
 from zero_jax.offload import in_host_memory
@@ -63,6 +63,9 @@ class Shard:
     # Tensor parallelism: the dimension (negative) cut over the ``model`` axis, which the
     # partitioner places; ZeRO's collectives run on each tensor-parallel rank's piece.
     model_dim: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # Memory-centric tiling: (dimension counted from the end, tiles). Never made whole: its
+    # layer gathers it tile by tile (``zero_jax.tiling``).
+    tile: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def kind(self) -> str:
@@ -155,7 +158,7 @@ def _groups(leaves: list) -> list[list[int]]:
     and trained or frozen."""
     groups: dict[tuple, list[int]] = {}
     for i, x in enumerate(leaves):
-        if is_shard(x):
+        if is_shard(x) and not x.tile:
             key = (x.kind, x.mesh_axis, x.reduce_dtype, x.comm, x.frozen,
                    (x.gather_from if x.gather_from is not None else x.value).dtype)
             groups.setdefault(key, []).append(i)
@@ -218,7 +221,8 @@ def is_shard(x) -> bool:
 
 
 def has_shards(tree: PyTree) -> bool:
-    return any(is_shard(x) for x in jax.tree.leaves(tree, is_leaf=is_shard))
+    """Whether ``tree`` holds a ``Shard`` still to make whole (a tiled one never is)."""
+    return any(is_shard(x) and not x.tile for x in jax.tree.leaves(tree, is_leaf=is_shard))
 
 
 def _gathers(tree: PyTree) -> bool:
@@ -253,11 +257,14 @@ class Layers:
     blocks "h_\\d+", or an ``nn.scan`` stack "blocks"); ``remat``, the policy of the blocks
     stage 3 rematerializes (``REMAT``, ``remat_policy``); ``partition``, their saved inputs cut
     over the ``model`` axis (ZeRO-R's partitioned activation checkpoints; needs tensor
-    parallelism and stage 3)."""
+    parallelism and stage 3); ``tile_mb``, a bound in MB above which a block's parameter is
+    never gathered whole but one tile at a time by the layer that uses it (ZeRO-Infinity's
+    memory-centric tiling, ``zero_jax.tiling``; stage 3)."""
 
     pattern: str
     remat: str = "full"
     partition: bool = False
+    tile_mb: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.pattern, str) or not self.pattern:
@@ -265,6 +272,15 @@ class Layers:
                              f"{self.pattern!r})")
         if self.remat not in REMAT:
             raise ValueError(f"remat must be one of {', '.join(REMAT)} (got {self.remat!r})")
+        if self.tile_mb is not None and (isinstance(self.tile_mb, bool) or not isinstance(
+                self.tile_mb, int | float) or self.tile_mb <= 0):
+            raise ValueError(f"Layers: tile_mb must be a positive number of MB, or None "
+                             f"(got {self.tile_mb!r})")
+
+    @property
+    def tile_bytes(self) -> int:
+        """The tile bound in bytes; 0: no tiling."""
+        return 0 if self.tile_mb is None else int(self.tile_mb * 2**20)
 
 
 def remat_policy(name: str, gathers: bool = False) -> Any:
@@ -346,6 +362,10 @@ def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = Fals
 
     def intercept(next_fun, args, kwargs, context):
         module = context.module
+        tiled = tiling.use(module, context.method_name, args, kwargs,
+                           lambda s: _materialize_group([s], ())[0], materialize_tree)
+        if tiled is not tiling.UNTILED:
+            return tiled
         path = "/".join(module.path) if module.scope is not None else None
         if path not in names:
             return next_fun(*args, **kwargs)
@@ -428,6 +448,9 @@ def _per_block_class(cls: type) -> type:
     def __call__(self, *args, **kwargs):
         active = _ACTIVE.get()
         shards = [v.get_raw_value() for v in shard_vars(self)]
+        if any(s.tile for s in shards):
+            raise ValueError(f"Layers(tile_mb=...) tiles linen nn.Dense layers; the NNX block "
+                             f"{cls.__name__} holds a leaf above the bound: turn tiling off")
         if active is None or not shards:
             return cls.__call__(self, *args, **kwargs)
         if not _gathers(shards):

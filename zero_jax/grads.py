@@ -12,6 +12,7 @@ its ``Leaf`` and the stage; the phases only read it:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -21,6 +22,7 @@ from flax.errors import ScopeParamShapeError
 from jax.sharding import PartitionSpec as P
 
 from zero_jax import buckets, handoff, prefetch
+from zero_jax.buckets import Comm
 from zero_jax.gather import Shard, materialize_tree, per_block, per_model_rank
 from zero_jax.offload import in_host_memory, on_host_leaves
 from zero_jax.rules import Leaf, Plan
@@ -120,6 +122,12 @@ def wrap(g: GradStep, params: PyTree, whole: PyTree | None) -> PyTree:
     are made whole here, once, together."""
     plan, reduce = g.plan, g.plan.precision.reduce.name
 
+    def comm(r: Route) -> Comm:  # tiling: no gather of a block above the bound, buckets too
+        if not plan.tile_bytes or r.leaf.block is None:
+            return plan.comm
+        return dataclasses.replace(plan.comm, bucket_bytes=min(plan.comm.bucket_bytes,
+                                                               plan.tile_bytes))
+
     def one(r: Route, p, w=None):
         model_dim = None if r.leaf.model_dim is None or not plan.model else \
             r.leaf.model_dim - len(r.leaf.shape)
@@ -129,10 +137,12 @@ def wrap(g: GradStep, params: PyTree, whole: PyTree | None) -> PyTree:
         if not r.cut:
             return p
         args = (r.leaf.axis - len(r.leaf.shape), plan.axis, reduce)
+        tile = r.leaf.tile and (r.leaf.tile[0] - len(r.leaf.shape), r.leaf.tile[1])
         # Stage 3 streaming to the host: ``p`` carries the gradient, ``w`` is gathered.
         return Shard(p, None if r.streamed or not g.stage2 else w, *args,
-                     gather_from=w if r.streamed else None, comm=plan.comm,
-                     frozen=r.leaf.frozen, model_dim=model_dim)
+                     gather_from=w if r.streamed else None, comm=comm(r),
+                     frozen=r.leaf.frozen, model_dim=model_dim, tile=tile)
+
     tree = g.map(one, params) if whole is None else g.map(one, params, whole)
     outside = materialize_tree(g.map(lambda r, x: None if r.leaf.block else x, tree))
     return g.map(lambda r, x, o: x if r.leaf.block else o, tree, outside)

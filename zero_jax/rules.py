@@ -66,6 +66,8 @@ class Leaf:
     frozen: bool = False  # not trained: no gradient, no optimizer state
     offload: bool = False  # ZeRO-Offload: its master and optimizer state in host memory
     model_dim: int | None = None  # dimension cut over the ``model`` axis (tensor parallelism)
+    # Memory-centric tiling: (dimension, tiles) its layer gathers it in, never whole
+    tile: tuple[int, int] | None = None
 
 
 def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
@@ -100,6 +102,26 @@ def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
                     f"persistent: {size} < {min_shard_elems} elements per layer",
                     model_dim=model_dim)
     return Leaf(path, shape, stacked, axis, model_dim=model_dim)
+
+
+def tile_leaf(leaf: Leaf, bound: int, itemsize: int) -> Leaf:
+    """``leaf`` with the tiles its layer gathers it in, when it is a block's cut leaf of more
+    than ``bound`` bytes per layer (ZeRO-Infinity's memory-centric tiling): the fewest tiles
+    within the bound, along its largest dimension that is neither the cut one nor the layer
+    index. Raises when no such cut fits the bound."""
+    first = 1 if leaf.stacked else 0
+    size = math.prod(leaf.shape[first:]) * itemsize
+    if not bound or leaf.block is None or leaf.axis is None or leaf.persistent or size <= bound:
+        return leaf
+    for d in sorted(set(range(first, len(leaf.shape))) - {leaf.axis},
+                    key=lambda d: -leaf.shape[d]):
+        k = next((k for k in range(2, leaf.shape[d] + 1)
+                  if leaf.shape[d] % k == 0 and size <= k * bound), None)
+        if k is not None:
+            return dataclasses.replace(leaf, tile=(d, k))
+    raise ValueError(f"{leaf.path} ({size / 2**20:.2f} MB per layer, shape {leaf.shape}, cut "
+                     f"along {leaf.axis}) has no tile within tile_mb={bound / 2**20:g}: raise "
+                     f"tile_mb, or leave its module out of layers=")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +264,7 @@ class Plan:
     remat: str = "full"  # the policy of the blocks stage 3 rematerializes (gather.remat_policy)
     comm: Comm = Comm()  # buckets and int8 collectives (zero_jax.buckets)
     partition_activations: bool = False  # ZeRO-R's Pa: blocks' saved inputs cut over model
+    tile_bytes: int = 0  # memory-centric tiling's bound on what a block gathers; 0: none
 
     @property
     def data_axes(self) -> tuple[str, ...]:
@@ -447,11 +470,14 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *,
 
     leaves = jax.tree_util.tree_map_with_path(rule, params_shape)
     host = offloaded(jax.tree.leaves(leaves, is_leaf=_is_leaf), offload.optimizer)
-    leaves = jax.tree.map(lambda leaf: dataclasses.replace(leaf, offload=leaf.path in host),
-                          leaves, is_leaf=_is_leaf)
+    bound = layers.tile_bytes if layers else 0
+    leaves = jax.tree.map(lambda leaf: tile_leaf(dataclasses.replace(
+        leaf, offload=leaf.path in host), bound, precision.compute.itemsize), leaves,
+        is_leaf=_is_leaf)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_shape)
     return Plan(stage, mesh, axis, leaves, shapes, precision, outer, offload,
-                layers.remat if layers else "full", comm, bool(layers and layers.partition))
+                layers.remat if layers else "full", comm, bool(layers and layers.partition),
+                bound)
 
 
 def data_axes(mesh: Mesh) -> tuple[str, str | None]:
@@ -473,6 +499,14 @@ def _check_combination(stage: int, layers: Layers | None, offload: Offload, comm
     if layers and layers.partition and not (tensor_parallel and stage == 3):
         raise ValueError("Layers(partition=True) cuts the blocks' saved inputs over the 'model' "
                          "axis: it needs tensor parallelism and stage 3")
+    if layers and layers.tile_bytes and (stage != 3 or comm.prefetch or offload.any
+                                         or tensor_parallel):
+        what = next(w for w, on in ((f"stage {stage}", stage != 3), ("prefetch", comm.prefetch),
+                                    ("offload", offload.any),
+                                    ("tensor parallelism", tensor_parallel)) if on)
+        raise ValueError(f"Layers(tile_mb=...) gathers stage 3's large parameters tile by tile; "
+                         f"it is not built with {what}: use stage 3, without prefetch, offload "
+                         f"or tensor parallelism")
     if offload.params and stage != 3:
         raise ValueError(f"Offload.params keeps stage 3's parameter shards in host memory; "
                          f"stage {stage} keeps whole parameters on every device: use stage 3")
