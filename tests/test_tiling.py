@@ -131,3 +131,51 @@ def test_nothing_above_the_bound_is_gathered_and_temp_drops():
     temp = lambda c: c.memory_analysis().temp_size_in_bytes
     # The untiled step holds a layer's two kernels whole; the tiled one at most two tiles.
     assert temp(plain) - temp(tiled) >= 2 * KERNEL - 2 * BOUND, (temp(plain), temp(tiled))
+
+
+@pytest.mark.parametrize(("kwargs", "phrase"), [
+    (dict(stage=2), "not built with stage 2"),
+    (dict(comm=zj.Comm(prefetch=True)), "not built with prefetch"),
+    (dict(offload=zj.Offload(optimizer=1.0)), "not built with offload"),
+    (dict(axes={"data": 4, "model": 2}), "not built with tensor parallelism"),
+    (dict(tile=F * 4 / 2), r"h_0/down/kernel \(0.28 MB per layer, shape \(2048, 36\), cut "
+                          r"along 0\): its smallest tile, 0.00781 MB, is above tile_mb=0.00391"),
+    (dict(tile=0), "tile_mb must be a positive number"),
+])
+def test_refused_when_planned(kwargs, phrase):
+    init, _, pattern = problem(False)
+    mesh = zj.make_mesh(8, axes=kwargs.pop("axes", None))
+    tile = kwargs.pop("tile", BOUND) / 2**20
+    with pytest.raises(ValueError, match=phrase):
+        zj.make_plan(jax.eval_shape(init, KEY), mesh, kwargs.pop("stage", 3),
+                     layers=zj.Layers(pattern, tile_mb=tile), **kwargs)
+
+
+class Raw(nn.Module):
+    """A block that reads its large weight itself, not through a Dense."""
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.normal(0.02), (D, F))
+        b = self.param("b", nn.initializers.zeros, (F,))
+        return x + (x @ w + b)[..., :D]
+
+
+class RawNet(nn.Module):
+    @nn.compact
+    def __call__(self, toks):
+        embed = nn.Embed(V, D, name="embed")
+        return embed.attend(Raw(name="raw")(embed(toks)))
+
+
+def test_a_tiled_leaf_read_by_another_module_is_refused_by_name():
+    model = RawNet()
+    init = lambda key: model.init(key, jnp.zeros((1, T), jnp.int32))["params"]
+    loss_fn = lambda p, toks: model.apply({"params": p}, toks[:, :-1]).mean()
+    plan = zj.make_plan(jax.eval_shape(init, KEY), zj.make_mesh(8), 3,
+                        layers=zj.Layers("raw", tile_mb=BOUND / 2**20))
+    assert plan.leaves["raw"]["w"].tile == (0, 4)  # cut along its columns, tiled along rows
+    with pytest.raises(ValueError, match=r"parameter raw/w is larger than Layers\(tile_mb=\.\.\.\) "
+                                         r"\(0\.28 MB whole\) and reaches Raw\.__call__"):
+        jax.eval_shape(zj.make_grad_fn(plan, loss_fn), zj.abstract_state(plan, optax.sgd(0.1))
+                       .params, jax.ShapeDtypeStruct((16, T + 1), jnp.int32))

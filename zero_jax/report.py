@@ -211,6 +211,7 @@ def layout(plan: Plan, state: PyTree, found: list, more: list[str] = ()) -> dict
         "prefetch_bytes": 2 * max(block_elements(plan).values(), default=0) * c
         if plan.comm.prefetch else 0,
         "opt_state_whole": whole_opt_state(plan, state),
+        **tiled(plan, found),
         "warnings": [*warnings(plan), *one_big_block(plan), *gathered_once(plan, found), *more],
     }
 
@@ -316,15 +317,31 @@ def peak_expected(plan: Plan) -> dict[str, int]:
 
 def block_elements(plan: Plan) -> dict[str, int]:
     """Elements each block gathers at a time (one layer of a scanned stack), on each
-    tensor-parallel rank (its slice of the leaves cut over ``model``)."""
+    tensor-parallel rank (its slice of the leaves cut over ``model``): with tiling, its leaves
+    within the bound and the largest tile of the others (gathered one at a time)."""
     t = plan.mesh.shape.get(MODEL, 1)
     out: dict[str, int] = {}
+    tile: dict[str, int] = {}
     for leaf in jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "stacked")):
         if leaf.block:
             layer = math.prod(leaf.shape[1:] if leaf.stacked else leaf.shape)
-            out[leaf.block] = out.get(leaf.block, 0) + layer // (t if leaf.model_dim is not None
-                                                                 else 1)
-    return out
+            layer //= t if leaf.model_dim is not None else 1
+            if leaf.tile:
+                tile[leaf.block] = max(tile.get(leaf.block, 0), layer // leaf.tile[1])
+            out[leaf.block] = out.get(leaf.block, 0) + (0 if leaf.tile else layer)
+    return {b: n + tile.get(b, 0) for b, n in out.items()}
+
+
+def tiled(plan: Plan, found: list) -> dict:
+    """Memory-centric tiling: the leaves gathered tile by tile, and the largest all-gather of
+    the compiled step (a tile, or a bucket within the bound, unless outside the blocks)."""
+    leaves = [leaf for leaf in jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "tile"))
+              if leaf.tile]
+    return {"tile_bytes": plan.tile_bytes,
+            "tiled": [{"path": leaf.path, "shape": list(leaf.shape), "dim": leaf.tile[0],
+                       "tiles": leaf.tile[1]} for leaf in leaves],
+            "largest_gather_bytes": max((x.bytes for x in found if x.kind == "all-gather"),
+                                        default=0)}
 
 
 def whole_opt_state(plan: Plan, state: PyTree) -> list[dict]:
@@ -543,6 +560,13 @@ def _layout_lines(r: dict) -> list[str]:
     if r["blocks"]:
         shown = ", ".join(r["blocks"][:4]) + (", ..." if len(r["blocks"]) > 4 else "")
         lines += ["", f"  gathered block by block ({len(r['blocks'])} blocks): {shown}"]
+    if r.get("tiled"):
+        lines += ["", f"  tiled within {r['tile_bytes'] / MiB:.3g} MiB ({len(r['tiled'])} leaves, "
+                  f"their layers gather one tile at a time; the step's largest all-gather "
+                  f"{r['largest_gather_bytes'] / MiB:.3g} MiB, leaves outside the blocks "
+                  f"whole): "
+                  + ", ".join(f"{x['path']} in {x['tiles']}" for x in r["tiled"][:4])
+                  + (", ..." if len(r["tiled"]) > 4 else "")]
     if r["opt_state_whole"]:
         lines += ["", f"  optimizer state kept whole, not shaped like its parameter "
                   f"({len(r['opt_state_whole'])} leaves): "

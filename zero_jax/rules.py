@@ -113,15 +113,17 @@ def tile_leaf(leaf: Leaf, bound: int, itemsize: int) -> Leaf:
     size = math.prod(leaf.shape[first:]) * itemsize
     if not bound or leaf.block is None or leaf.axis is None or leaf.persistent or size <= bound:
         return leaf
-    for d in sorted(set(range(first, len(leaf.shape))) - {leaf.axis},
-                    key=lambda d: -leaf.shape[d]):
+    dims = sorted(set(range(first, len(leaf.shape))) - {leaf.axis}, key=lambda d: -leaf.shape[d])
+    for d in dims:
         k = next((k for k in range(2, leaf.shape[d] + 1)
                   if leaf.shape[d] % k == 0 and size <= k * bound), None)
         if k is not None:
             return dataclasses.replace(leaf, tile=(d, k))
+    smallest = size // leaf.shape[dims[0]] if dims else size
     raise ValueError(f"{leaf.path} ({size / 2**20:.2f} MB per layer, shape {leaf.shape}, cut "
-                     f"along {leaf.axis}) has no tile within tile_mb={bound / 2**20:g}: raise "
-                     f"tile_mb, or leave its module out of layers=")
+                     f"along {leaf.axis}): its smallest tile, {smallest / 2**20:.3g} MB, is above "
+                     f"tile_mb={bound / 2**20:.3g}: raise tile_mb, or leave its module out of "
+                     f"layers=")
 
 
 @dataclasses.dataclass(frozen=True)

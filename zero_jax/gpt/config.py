@@ -62,11 +62,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # one more gathered layer and one more whole layer gradient; on wherever it applies (remat
     # full or offload, no offload of parameters or optimizer). partition_activations (ZeRO-R's
     # Pa, with tensor parallelism at stage 3): each block's saved input cut over the model axis.
+    # tile_mb > 0 (stage 3, ZeRO-Infinity's memory-centric tiling): a layer's parameter above
+    # this many MiB is never gathered whole; its Dense gathers it tile by tile (no prefetch).
     "zero": {"stage": 3, "min_shard_elems": 0, "zero3_size": 0, "transformer_layers": ["blocks"],
              "ignored_modules": [], "offload_grads": False,
              "offload_optimizer": {"device": "none", "ratio": 1.0}, "offload_params": "none",
              "bucket_mb": 25, "quantize_weights": "none", "quantize_grads": "none",
-             "quantize_block": 64, "prefetch": True, "partition_activations": False},
+             "quantize_block": 64, "prefetch": True, "partition_activations": False,
+             "tile_mb": 0.0},
     # tensor_parallel T: a 2-D mesh, data x model, T adjacent devices per tensor-parallel group
     # (Megatron's layout of each block, zero_jax.gpt.model.TENSOR_PARALLEL); ZeRO over data.
     "mesh": {"tensor_parallel": 1},
@@ -287,7 +290,7 @@ def _check_optimizer(config: dict) -> None:
 
 def _check_zero(config: dict) -> None:
     z = config["zero"]
-    for key in ("min_shard_elems", "zero3_size", "bucket_mb"):
+    for key in ("min_shard_elems", "zero3_size", "bucket_mb", "tile_mb"):
         _at_least(config, "zero", key, 0)
     _at_least(config, "zero", "quantize_block", 1)
     for key, least in (("quantize_weights", 3), ("quantize_grads", 2)):

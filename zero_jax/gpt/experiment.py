@@ -74,7 +74,8 @@ class Experiment:
         layers = modules_pattern(z["transformer_layers"])
         plan = make_plan(shapes, mesh, z["stage"],
                          layers=layers and Layers(layers, cfg["model"]["remat"],
-                                                  z["partition_activations"]),
+                                                  z["partition_activations"],
+                                                  z["tile_mb"] or None),
                          rules=[*rules_from(cfg), *TENSOR_PARALLEL],
                          precision=precision, offload=offload_from(z),
                          comm=comm_from(z, cfg["model"]["remat"], cfg["mesh"]["tensor_parallel"]))
@@ -155,10 +156,11 @@ def mesh_for(cfg: dict, devices: int | None) -> Mesh:
 
 def comm_from(z: dict, remat: str, tensor_parallel: int = 1) -> Comm:
     """The ``zero`` section's buckets, int8 collectives and prefetch; prefetch where it applies
-    (as DeepSpeed reads its prefetch settings at stage 3 only)."""
+    (as DeepSpeed reads its prefetch settings at stage 3 only; not with tiling)."""
     offload = z["offload_params"] != "none" or z["offload_optimizer"]["device"] != "none"
     prefetch = z["prefetch"] and prefetchable(z["stage"], bool(z["transformer_layers"]), remat,
-                                              offload) and tensor_parallel == 1
+                                              offload) and tensor_parallel == 1 \
+        and not z["tile_mb"]
     return Comm(int(z["bucket_mb"] * 2 ** 20), z["quantize_weights"] == "int8",
                 z["quantize_grads"] == "int8", z["quantize_block"], prefetch)
 
