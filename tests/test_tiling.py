@@ -4,6 +4,7 @@ backward. It must train as the untiled step does, gather nothing above the bound
 than the untiled step's whole gathered block, and refuse what it does not handle, by name."""
 
 import functools
+import math
 
 import flax.linen as nn
 import jax
@@ -16,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
+from zero_jax import report
 from zero_jax.hlo import collectives
 
 pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
@@ -73,8 +75,8 @@ LAYOUTS = {"unrolled, sgd": (False, lambda: optax.sgd(0.3)),
 
 @functools.cache
 def trained(layout: str, tile: float | None):
-    """(plan, compiled step, losses, final parameters) of ``STEPS`` steps at stage 3, tiled
-    within ``tile`` bytes or not: one compile, read and then run."""
+    """(plan, lowered and compiled step, losses, final state) of ``STEPS`` steps at stage 3,
+    tiled within ``tile`` bytes or not: one compile, read and then run."""
     scan, make_tx = LAYOUTS[layout]
     init, loss_fn, pattern = problem(scan)
     mesh, tx = zj.make_mesh(8), make_tx()
@@ -82,24 +84,25 @@ def trained(layout: str, tile: float | None):
         pattern, tile_mb=tile and tile / 2**20))
     state = zj.init_state(plan, init, tx, KEY)
     put = lambda b: jax.device_put(b, NamedSharding(mesh, P("data")))
-    compiled = zj.make_train_step(plan, loss_fn, tx).lower(state, put(batch(0))).compile()
+    lowered = zj.make_train_step(plan, loss_fn, tx).lower(state, put(batch(0)))
+    compiled = lowered.compile()
     losses = []
     for i in range(STEPS):
         state, m = compiled(state, put(batch(i)))
         losses.append(float(m["loss"]))
-    return plan, compiled, np.array(losses), state.params
+    return plan, lowered, compiled, np.array(losses), state
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_tiled_training_equals_untiled(layout):
-    plan, _, losses, params = trained(layout, BOUND)
-    _, _, plain_losses, plain_params = trained(layout, None)
+    plan, _, _, losses, state = trained(layout, BOUND)
+    _, _, _, plain_losses, plain = trained(layout, None)
     block = plan.leaves[plan.blocks[0]]
     assert block["up"]["kernel"].tile[1] == block["down"]["kernel"].tile[1] == 4
     assert rel(losses, plain_losses) < 1e-6, (losses, plain_losses)
     # "up" sums its tiles' products, in another order than one matmul: rounding, which Adam
     # turns into about its sign where a gradient is near zero.
-    assert tree_rel(params, plain_params) < (1e-6 if "sgd" in layout else 1e-5)
+    assert tree_rel(state.params, plain.params) < (1e-6 if "sgd" in layout else 1e-5)
     assert losses[-1] < losses[0]  # and it trains
 
 
@@ -116,8 +119,8 @@ def test_tiled_gradient_equals_one_device():
 
 
 def test_nothing_above_the_bound_is_gathered_and_temp_drops():
-    _, tiled, _, _ = trained("scanned, adamw", BOUND)
-    _, plain, _, _ = trained("scanned, adamw", None)
+    plan, lowered, tiled, _, state = trained("scanned, adamw", BOUND)
+    plain = trained("scanned, adamw", None)[2]
     gathers = lambda c: [x for x in collectives(c.as_text(), 8) if x.kind == "all-gather"]
     assert max(x.bytes for x in gathers(tiled)) <= BOUND
     assert max(x.bytes for x in gathers(plain)) >= 2 * KERNEL  # the block's kernels, whole
@@ -131,6 +134,14 @@ def test_nothing_above_the_bound_is_gathered_and_temp_drops():
     temp = lambda c: c.memory_analysis().temp_size_in_bytes
     # The untiled step holds a layer's two kernels whole; the tiled one at most two tiles.
     assert temp(plain) - temp(tiled) >= 2 * KERNEL - 2 * BOUND, (temp(plain), temp(tiled))
+    # The report states the tiles and the largest gather, and counts a tile as gathered.
+    r = report.build(plan, state, lowered, tiled)
+    assert r["largest_gather_bytes"] == BOUND and r["tile_bytes"] == BOUND
+    assert [(x["path"], x["tiles"]) for x in r["tiled"]] == [("blocks/down/kernel", 4),
+                                                            ("blocks/up/kernel", 4)]
+    assert "tiled within 0.0703 MiB (2 leaves" in report.format_table(r)
+    layer = sum(math.prod(x.shape[1:]) for x in jax.tree.leaves(plan.shapes["blocks"]))
+    assert report.block_elements(plan) == {"blocks": layer - 2 * D * F + D * F // 4}
 
 
 @pytest.mark.parametrize(("kwargs", "phrase"), [
