@@ -187,6 +187,12 @@ def _materialize_group(xs: list[Shard], after: tuple) -> list[jax.Array]:
     return wholes
 
 
+def _tile(x: Shard) -> jax.Array:
+    """One tile of a tiled leaf made whole (``zero_jax.tiling``): its gradient reduce-scattered
+    as any gathered leaf's."""
+    return _materialize_group([x], ())[0]
+
+
 def materialize_tree(tree: PyTree, after: tuple = ()) -> PyTree:
     """Every ``Shard`` in ``tree`` made whole; leaves that travel alike share buckets. Gathered
     leaves are cut out of their buckets only once ``after`` is computed (``buckets.all_gather``:
@@ -362,8 +368,7 @@ def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = Fals
 
     def intercept(next_fun, args, kwargs, context):
         module = context.module
-        tiled = tiling.use(module, context.method_name, args, kwargs,
-                           lambda s: _materialize_group([s], ())[0], materialize_tree)
+        tiled = tiling.use(module, context.method_name, args, kwargs, _tile, materialize_tree)
         if tiled is not tiling.UNTILED:
             return tiled
         path = "/".join(module.path) if module.scope is not None else None
