@@ -272,6 +272,11 @@ ROWS = [
      "mesh.tensor_parallel 2 is not built with offload yet"),
     ("pa without tp", [*T, "--set", "zero.partition_activations=true"], None,
      "zero.partition_activations cuts each block's saved input over the tensor-parallel"),
+    ("tile stage 2", [*T, "--stage", "2", "--set", "zero.tile_mb=1"], None,
+     "Layers(tile_mb=...) gathers stage 3's large parameters tile by tile; it is not built "
+     "with stage 2"),
+    ("tile <0", [*T, "--set", "zero.tile_mb=-1"], None,
+     "zero.tile_mb must be a finite number of at least 0"),
     ("bucket <0", [*T, "--set", "zero.bucket_mb=-1"], None,
      "zero.bucket_mb must be a finite number of at least 0"),
     ("int4 weights", [*T, "--set", "zero.quantize_weights=int4"], None,
