@@ -69,21 +69,25 @@ def batch(i: int) -> np.ndarray:
     return np.asarray(jax.random.randint(jax.random.key(i), (16, T + 1), 0, V))
 
 
-LAYOUTS = {"unrolled, sgd": (False, lambda: optax.sgd(0.3)),
-           "scanned, adamw": (True, lambda: optax.adamw(3e-3, weight_decay=0.1))}
+# (scanned, optimizer, mesh axes, microbatches): the tiles' gradients also cross groups
+# (hierarchical ZeRO) and accumulate as the untiled ones do.
+LAYOUTS = {"unrolled, sgd": (False, lambda: optax.sgd(0.3), None, 1),
+           "scanned, adamw": (True, lambda: optax.adamw(3e-3, weight_decay=0.1), None, 1),
+           "scanned, sgd, hierarchical, 2 microbatches": (True, lambda: optax.sgd(0.3),
+                                                          {"replica": 2, "data": 4}, 2)}
 
 
 @functools.cache
 def trained(layout: str, tile: float | None):
     """(plan, lowered and compiled step, losses, final state) of ``STEPS`` steps at stage 3,
     tiled within ``tile`` bytes or not: one compile, read and then run."""
-    scan, make_tx = LAYOUTS[layout]
+    scan, make_tx, axes, accum = LAYOUTS[layout]
     init, loss_fn, pattern = problem(scan)
-    mesh, tx = zj.make_mesh(8), make_tx()
+    mesh, tx = zj.make_mesh(8, axes=axes), make_tx()
     plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=zj.Layers(
-        pattern, tile_mb=tile and tile / 2**20))
+        pattern, tile_mb=tile and tile / 2**20), precision=zj.Precision(accum_steps=accum))
     state = zj.init_state(plan, init, tx, KEY)
-    put = lambda b: jax.device_put(b, NamedSharding(mesh, P("data")))
+    put = lambda b: jax.device_put(b, NamedSharding(mesh, P(plan.data_axes)))
     lowered = zj.make_train_step(plan, loss_fn, tx).lower(state, put(batch(0)))
     compiled = lowered.compile()
     losses = []
@@ -103,6 +107,8 @@ def test_tiled_training_equals_untiled(layout):
     # "up" sums its tiles' products, in another order than one matmul: rounding, which Adam
     # turns into about its sign where a gradient is near zero.
     assert tree_rel(state.params, plain.params) < (1e-6 if "sgd" in layout else 1e-5)
+    assert jax.tree.map(lambda x: x.sharding.spec, state.params) == \
+        jax.tree.map(lambda x: x.sharding.spec, plain.params)  # the same layout
     assert losses[-1] < losses[0]  # and it trains
 
 
