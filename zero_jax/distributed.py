@@ -7,6 +7,7 @@ that every process was started with the same configuration (else they would comp
 programs and hang in their first collective), and a watchdog that turns a dead or hung peer
 into one error line within a bounded time. JAX's own heartbeat also notices a dead peer, but it
 aborts with a C++ stack trace; the watchdog fires first and says which process was lost.
+(Losing process 0 aborts the others at once: ``zero_jax.supervise`` reports that.)
 """
 
 from __future__ import annotations
