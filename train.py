@@ -380,9 +380,10 @@ def run_main(args: argparse.Namespace, watchdog=None) -> int:
                         f"{args.zero3_size!r})")
     with Stop(enabled=not args.dry_run) as stop:  # a dry run has nothing to save
         from zero_jax import distributed
-        from zero_jax.checkpoint import CheckpointError
+        from zero_jax.checkpoint import CheckpointError, quiet_background_errors
         from zero_jax.gpt import config as configs
 
+        quiet_background_errors()  # a failed save is its one CheckpointError line below
         try:
             cfg = load_config(args)
             if problem := profile_window(args, cfg["train"]["steps"]):
