@@ -325,13 +325,17 @@ def main(argv: list[str] | None = None) -> int:
     from zero_jax.mesh import simulate_cpu_devices
 
     simulate_cpu_devices(args.devices or 8)
-    from zero_jax import distributed  # jax is imported from here on
+    from zero_jax import distributed, supervise  # jax is imported from here on
 
     try:
         spec = distributed.settings(args.coordinator, args.num_processes, args.process_id,
                                     auto=args.distributed)
+        if spec is not None and not supervise.attach():  # the worker runs as our child
+            return supervise.run([sys.executable, os.path.abspath(__file__),
+                                  *(sys.argv[1:] if argv is None else argv)],
+                                 spec.get("process_id"), args.checkpoint_dir)
         if spec is not None:
-            distributed.initialize(spec, args.peer_timeout)
+            group = distributed.initialize(spec, args.peer_timeout)
     except distributed.StartupError as e:
         return fail(str(e))
     if spec is None:
@@ -344,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout = open(os.devnull, "w")  # one progress bar, one report: process 0's
     watchdog = distributed.Watchdog(args.peer_timeout).start()
     watchdog.checkpoints = args.checkpoint_dir  # named when a peer is lost
+    supervise.track(lambda: (group.process_id, watchdog.reached, group.coordinator or "-"))
     try:
         code = run_main(args, watchdog)
     except Exception as e:  # reach the user with the process id, and stop the peers at once
@@ -375,9 +380,10 @@ def run_main(args: argparse.Namespace, watchdog=None) -> int:
                         f"{args.zero3_size!r})")
     with Stop(enabled=not args.dry_run) as stop:  # a dry run has nothing to save
         from zero_jax import distributed
-        from zero_jax.checkpoint import CheckpointError
+        from zero_jax.checkpoint import CheckpointError, quiet_background_errors
         from zero_jax.gpt import config as configs
 
+        quiet_background_errors()  # a failed save is its one CheckpointError line below
         try:
             cfg = load_config(args)
             if problem := profile_window(args, cfg["train"]["steps"]):
@@ -903,6 +909,8 @@ def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
         if saver:
             saver.finish()
     except CheckpointError as e:
+        if watchdog:  # a save's collective that failed: a lost peer is named by the watchdog
+            watchdog.settle(e)
         return fail(str(e), 1)
     except OutputError as e:
         return output_failed(e, saver, first + len(tally.losses))

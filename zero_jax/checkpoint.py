@@ -21,9 +21,11 @@ state with non-finite values is never saved. One process writes a directory at a
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pathlib
 import shutil
+import sys
 import time
 from typing import Any
 
@@ -412,6 +414,36 @@ def _missing_file(step_dir: pathlib.Path, items: str) -> str | None:
 def _tree_of(metadata: Any) -> PyTree:
     tree = getattr(metadata, "tree", metadata)
     return tree if tree is not None else {}
+
+
+class _OrbaxErrors(logging.Filter):
+    """Orbax's own error records, and asyncio's about orbax's tasks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        orbax = f"{os.sep}orbax{os.sep}"
+        return not (record.levelno >= logging.ERROR and
+                    (orbax in record.pathname or orbax in record.getMessage()))
+
+
+def quiet_background_errors() -> None:
+    """Keep a failed save to the one line its ``CheckpointError`` says. Orbax logs each failed
+    background write with its traceback (absl's logger) before ``finish`` raises it, and the
+    asyncio loops it closes on the way out leave "Event loop is closed" tracebacks behind
+    (``sys.unraisablehook``), as do its tasks nobody awaits once the save has failed
+    (asyncio's logger: "Task exception was never retrieved"). For a program that reports
+    ``CheckpointError`` itself, as train.py does; everything else passes through."""
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _OrbaxErrors) for f in logger.filters):
+            logger.addFilter(_OrbaxErrors())
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        e = unraisable.exc_value
+        if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def _first_line(e: BaseException) -> str:

@@ -7,6 +7,7 @@ that every process was started with the same configuration (else they would comp
 programs and hang in their first collective), and a watchdog that turns a dead or hung peer
 into one error line within a bounded time. JAX's own heartbeat also notices a dead peer, but it
 aborts with a C++ stack trace; the watchdog fires first and says which process was lost.
+(Losing process 0 aborts the others at once: ``zero_jax.supervise`` reports that.)
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def initialize(spec: dict, timeout_s: float = 30) -> Group:
         raise StartupError(f"process {spec.get('process_id', '?')} could not reach the "
                            f"coordinator at {where} within {timeout_s:g} s ({_line(e)}): start "
                            "process 0 first and check the address, port and firewall") from None
-    return Group(spec.get("coordinator"), jax.process_count(), jax.process_index())
+    return Group(spec.get("coordinator") or internals.coordinator_address(), jax.process_count(),
+                 jax.process_index())
 
 
 def _wait_for(address: str, process_id: Any, timeout_s: float) -> None:
@@ -254,9 +256,14 @@ class Watchdog:
             time.sleep(0.1)
 
     def settle(self, error: BaseException) -> None:
-        """A collective failed (gloo: "Connection reset by peer"): most likely a peer died. Give
-        the watchdog the time it needs to name it, then let the caller report ``error``."""
-        if self.n > 1 and self._thread.is_alive() and isinstance(error, jax.errors.JaxRuntimeError):
+        """A collective failed (gloo: "Connection reset by peer"), maybe inside a checkpoint's
+        save (the cause of ``error``): most likely a peer died. Give the watchdog the time it
+        needs to name it, then let the caller report ``error``."""
+        causes = [error]
+        while len(causes) < 8 and (cause := causes[-1].__cause__ or causes[-1].__context__):
+            causes.append(cause)
+        if (self.n > 1 and self._thread.is_alive()
+                and any(isinstance(c, jax.errors.JaxRuntimeError) for c in causes)):
             time.sleep(self.timeout_s + 4 * self.poll_s)
 
     def stop(self) -> None:
@@ -317,17 +324,20 @@ class Watchdog:
         os._exit(1)
 
     def newest(self) -> str:
-        """The newest complete checkpoint: orbax names a step's directory by its number only
-        once every process has written it."""
-        if not self.checkpoints:
-            return "nothing was saved (no --checkpoint-dir)"
-        try:
-            steps = [int(p.name) for p in os.scandir(self.checkpoints)
-                     if p.name.isdigit() and p.is_dir()]
-        except OSError:
-            steps = []
-        return (f"newest complete checkpoint: {max(steps)} in {self.checkpoints}; resume with "
-                "--resume" if steps else f"no complete checkpoint in {self.checkpoints}")
+        return newest_checkpoint(self.checkpoints)
+
+
+def newest_checkpoint(directory: str | None) -> str:
+    """The newest complete checkpoint, in words: orbax names a step's directory by its number
+    only once every process has written it."""
+    if not directory:
+        return "nothing was saved (no --checkpoint-dir)"
+    try:
+        steps = [int(p.name) for p in os.scandir(directory) if p.name.isdigit() and p.is_dir()]
+    except OSError:
+        steps = []
+    return (f"newest complete checkpoint: {max(steps)} in {directory}; resume with --resume"
+            if steps else f"no complete checkpoint in {directory}")
 
 
 def _line(e: BaseException) -> str:

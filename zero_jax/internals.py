@@ -44,6 +44,14 @@ def distributed_client() -> Any:
     return global_state.client
 
 
+def coordinator_address() -> str | None:
+    """``jax._src.distributed.global_state.coordinator_address``: where process 0's
+    coordination service listens, also when JAX detected it (SLURM, Cloud TPU)."""
+    from jax._src.distributed import global_state
+
+    return global_state.coordinator_address
+
+
 @contextlib.contextmanager
 def flax_lift_scan(wrap: Callable[[Callable], Callable]) -> Iterator[None]:
     """``flax.core.lift.scan`` replaced by ``wrap(original)`` while the block runs: how
