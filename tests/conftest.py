@@ -1,4 +1,5 @@
-"""Eight simulated CPU devices, set before jax is imported, and the shared small model."""
+"""Eight simulated CPU devices, set before jax is imported, and the shared small model
+(``tests/lm.py``)."""
 
 import os
 import pathlib
@@ -35,9 +36,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
+from lm import LM, SMALL, batches, init_fn, lm_loss  # noqa: E402
 
-from zero_jax.gpt import data  # noqa: E402
-from zero_jax.gpt.model import GPT, GPTConfig, init_fn, lm_loss  # noqa: E402
 from zero_jax.mesh import make_mesh  # noqa: E402
 
 N = 8
@@ -76,10 +76,6 @@ def local_bytes(tree) -> int:
     """Bytes device 0 really holds: read off the arrays' addressable shards."""
     return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
-# Shapes chosen to exercise the rules: vocab 250 and seq 12 do not divide by 8 (embeddings are
-# cut along d_model), fc1's bias (100,) does not divide at all and stays replicated.
-SMALL = GPTConfig(vocab_size=250, d_model=40, n_layers=2, n_heads=4, d_ff=100, seq_len=12)
-
 
 @pytest.fixture(scope="session")
 def mesh():
@@ -89,11 +85,9 @@ def mesh():
 
 @pytest.fixture(scope="session")
 def small():
-    """(model, init, loss_fn, batches) of the small GPT on the stdlib corpus."""
-    model = GPT(SMALL)
-    tokens = data.stdlib_corpus(1 << 18) % SMALL.vocab_size
-    batches = [data.batch(tokens, i, 16, SMALL.seq_len, seed=0) for i in range(10)]
-    return model, init_fn(model), lm_loss(model), [np.asarray(b) for b in batches]
+    """(model, init, loss_fn, batches) of the suite's small language model (``tests/lm.py``)."""
+    model = LM(SMALL)
+    return model, init_fn(model), lm_loss(model), batches(SMALL, 10)
 
 
 KEY = jax.random.key(42)

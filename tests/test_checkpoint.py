@@ -13,10 +13,10 @@ import numpy as np
 import optax
 import pytest
 from conftest import TRAIN_ENV, example
+from lm import LAYERS
 
 import zero_jax as zj
 from zero_jax.checkpoint import CheckpointError, Checkpoints
-from zero_jax.gpt.model import LAYERS
 
 pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
 

@@ -14,12 +14,12 @@ import pytest
 from conftest import KEY, OPTIMIZERS, tree_rel
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from lm import LAYERS
 
 import zero_jax as zj
 from zero_jax import buckets, report
 from zero_jax.gpt import config
 from zero_jax.gpt.experiment import Experiment
-from zero_jax.gpt.model import LAYERS
 from zero_jax.hlo import collectives
 
 pytestmark = pytest.mark.slow  # the tiers: docs/testing.md

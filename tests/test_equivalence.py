@@ -11,6 +11,7 @@ import pytest
 from conftest import CLIP, KEY, OPTIMIZERS, max_rel, rel, tree_rel
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from lm import LAYERS
 
 from zero_jax import (
     Offload,
@@ -21,7 +22,6 @@ from zero_jax import (
     make_train_step,
     modules_pattern,
 )
-from zero_jax.gpt.model import LAYERS
 from zero_jax.hlo import collectives
 from zero_jax.rules import path_str
 

@@ -10,11 +10,11 @@ import optax
 import pytest
 from conftest import KEY, OPTIMIZERS, max_rel, tree_rel
 from jax.sharding import PartitionSpec as P
+from lm import LAYERS
 
 import zero_jax as zj
 from zero_jax import report
 from zero_jax.checkpoint import Checkpoints
-from zero_jax.gpt.model import LAYERS
 from zero_jax.hlo import collectives
 from zero_jax.precision import Precision
 from zero_jax.rules import modules_pattern, path_str

@@ -15,9 +15,9 @@ from conftest import KEY, OPTIMIZERS, equations
 from jax import export
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from lm import LAYERS
 
 from zero_jax import Offload, make_plan, make_train_step
-from zero_jax.gpt.model import LAYERS
 from zero_jax.rules import path_str
 from zero_jax.state import abstract_state
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import OPTIMIZED, SMALL, SUBPROCESS_ENV, local_bytes, tree_rel
+from conftest import OPTIMIZED, SUBPROCESS_ENV, local_bytes, tree_rel
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -24,7 +24,8 @@ from zero_jax.precision import LossScaleConfig, Precision
 pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
 
 N = 8
-TINY = GPTConfig()
+TINY = GPTConfig()  # the demo's default model, whose figures the docs give
+SMALL = GPTConfig(vocab_size=250, d_model=40, n_layers=2, n_heads=4, d_ff=100, seq_len=12)
 PSI = TINY.n_params
 KEY = jax.random.key(0)
 BF16 = Precision(param_dtype="bf16")

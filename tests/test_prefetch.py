@@ -15,9 +15,11 @@ import numpy as np
 import optax
 import pytest
 import regather
-from conftest import KEY, OPTIMIZERS, SMALL
+from conftest import KEY, OPTIMIZERS
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from lm import LAYERS, LM, SMALL, init_fn, lm_loss
+from lm import batches as lm_batches
 from test_comm import volume
 from test_nnx import Listed, Scanned
 from test_nnx import problem as nnx_problem
@@ -25,8 +27,6 @@ from test_remat import scan_outputs_in_host_memory
 
 import zero_jax as zj
 from zero_jax import report
-from zero_jax.gpt import data
-from zero_jax.gpt.model import GPT, LAYERS, init_fn, lm_loss
 from zero_jax.hlo import (
     collectives,
     copied_bytes,
@@ -42,7 +42,7 @@ STEPS = 5
 # Four layers: the forward loop runs layers 0-2 (3 after it), the backward loop layers 2-1 (3
 # before it, 0 after it); fewer would leave XLA a backward loop of one iteration, which it
 # removes.
-MODEL = GPT(dataclasses.replace(SMALL, n_layers=4))
+MODEL = LM(dataclasses.replace(SMALL, n_layers=4))
 # (optimizer, hierarchical, accumulation, comm): SGD, hierarchical, one collective per leaf;
 # AdamW with accumulation, buckets and int8 weights and gradients (exact too: prefetch gathers
 # the same int8 blocks, only earlier).
@@ -54,9 +54,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def problem():
-    tokens = data.stdlib_corpus(1 << 18) % SMALL.vocab_size
-    batches = [np.asarray(data.batch(tokens, i, 16, SMALL.seq_len, seed=0)) for i in range(STEPS)]
-    return init_fn(MODEL), lm_loss(MODEL), batches
+    return init_fn(MODEL), lm_loss(MODEL), lm_batches(MODEL.cfg, STEPS)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

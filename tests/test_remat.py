@@ -12,12 +12,12 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import KEY, SMALL, equations
+from conftest import KEY, equations
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from lm import LAYERS, LM, SMALL, init_fn, lm_loss
 
 from zero_jax import Layers, init_state, make_plan, make_train_step
-from zero_jax.gpt.model import GPT, LAYERS, init_fn, lm_loss
 
 POLICIES = ("full", "dots", "none", "offload")
 
@@ -35,7 +35,7 @@ def runs(mesh, small):
     batches = small[3][:3]
     out = {}
     for policy in POLICIES:
-        model = GPT(dataclasses.replace(SMALL, remat="none"))  # stage 3 remats the blocks itself
+        model = LM(dataclasses.replace(SMALL, remat="none"))  # stage 3 remats the blocks itself
         init, loss_fn, tx = init_fn(model), lm_loss(model), optax.sgd(0.5)
         plan = make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=Layers(LAYERS, policy))
         state = init_state(plan, init, tx, KEY)

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import KEY, OPTIMIZERS, SMALL, equations, max_rel
+from conftest import KEY, OPTIMIZERS, equations, max_rel
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -23,12 +23,14 @@ from jax.sharding import PartitionSpec as P
 import zero_jax as zj
 from zero_jax import report
 from zero_jax.gpt import data
-from zero_jax.gpt.model import GPT, LAYERS, TENSOR_PARALLEL, init_fn, lm_loss
+from zero_jax.gpt.model import GPT, LAYERS, TENSOR_PARALLEL, GPTConfig, init_fn, lm_loss
 from zero_jax.hlo import collectives
 from zero_jax.rules import Leaf
 
 STEPS = 5
-CFG = dataclasses.replace(SMALL, vocab_size=256)  # the vocabulary cut over model too
+# The GPT demo's own tensor-parallel rules (``TENSOR_PARALLEL``), on a small GPT whose
+# vocabulary is cut over ``model`` too.
+CFG = GPTConfig(vocab_size=256, d_model=40, n_layers=2, n_heads=4, d_ff=100, seq_len=12)
 MESHES = {"4x2": {"data": 4, "model": 2}, "2x4": {"data": 2, "model": 4},
           "hierarchical 2x2x2": {"replica": 2, "data": 2, "model": 2}}
 
