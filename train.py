@@ -656,6 +656,7 @@ def plan_layouts(exp, cfg: dict, args: argparse.Namespace) -> int:
 
     from zero_jax import planner
     from zero_jax.gpt import layouts
+    from zero_jax.peak import compile_with_peak
     from zero_jax.state import abstract_state
 
     if exp.plan.outer is not None:
@@ -666,8 +667,8 @@ def plan_layouts(exp, cfg: dict, args: argparse.Namespace) -> int:
                                         per_host, n):
         e = build(c, args)
         state = abstract_state(e.plan, e.tx)
-        rows.append(planner.measure(layout, e.plan, state,
-                                    e.step.lower(state, e.batch_shape).compile()))
+        compiled, peak = compile_with_peak(e.step.lower(state, e.batch_shape))
+        rows.append(planner.measure(layout, e.plan, state, compiled, peak))
     best = planner.choose(rows, args.device_memory, args.host_memory, per_host)
     print(planner.format_table(rows, best, args.device_memory, args.host_memory, per_host,
                                exp.model.n_params, n)

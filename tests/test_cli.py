@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -148,6 +149,16 @@ def test_planner_names_the_layout_that_fits(tmp_path):
     assert r["best"] == {"stage": 3, "offload": "optimizer", "remat": "full", "tp": 1}
     assert "--stage 3 --set model.remat=full --set zero.offload_optimizer.device=cpu" \
         in run.stdout
+    # What fills each layout's peak, by kind (XLA's live set: the kinds add up to it), beside
+    # ZeRO's figures (one block gathered, two with prefetch, which offload turns off); the
+    # chosen layout's split printed under the table.
+    for c in r["candidates"]:
+        peak, prefetch = c["peak"], c["offload"] == "none"
+        assert peak["peak_bytes"] == sum(peak["by_kind"].values()) > c["temp_bytes"] / 2
+        assert peak["expected"]["gathered weights"] == (1 + prefetch) * peak["expected"][
+            "gradients"] > 0
+    split = run.stdout.split("at the peak of stage 3, offload optimizer, remat full")[1]
+    assert re.search(r"\n +gathered weights +[\d.]+ MiB +ZeRO: [\d.]+ MiB\n", split)
 
 
 def test_planner_names_tensor_parallelism_when_nothing_fits_without_it(tmp_path):

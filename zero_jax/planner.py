@@ -17,7 +17,7 @@ import jax
 
 from zero_jax.fit import HEADROOM
 from zero_jax.hlo import collectives
-from zero_jax.report import model_states, shard_bytes
+from zero_jax.report import model_states, peak_expected, peak_split, shard_bytes
 from zero_jax.state import grads_in_host_memory
 
 
@@ -31,6 +31,7 @@ class Candidate:
     host_traffic: int  # bytes crossing between host and device per step, per device
     model_states: int  # ZeRO's accounting in device memory (parameters, gradients, master,
     # optimizer state), per device: the dry run's per-stage table; the gradient is in temp too
+    peak: dict | None = None  # what is live at the step's peak, by kind (``zero_jax.peak``)
     fits: bool = False
 
     @property
@@ -38,14 +39,17 @@ class Candidate:
         return self.device_state + self.temp
 
 
-def measure(layout: dict, plan: Any, state: Any, compiled: Any) -> Candidate:
+def measure(layout: dict, plan: Any, state: Any, compiled: Any,
+            peak: dict | None = None) -> Candidate:
     """A compiled candidate: ``state`` is its abstract train state (shardings with memory
-    kinds), ``compiled`` its step."""
+    kinds), ``compiled`` its step, ``peak`` what is live at the step's peak
+    (``zero_jax.peak.compile_with_peak``)."""
     comm = sum(c.volume for c in collectives(compiled.as_text(), plan.mesh.size))
     return Candidate(layout, shard_bytes(state, "device"),
                      compiled.memory_analysis().temp_size_in_bytes,
                      shard_bytes(state, "pinned_host"), comm, offload_traffic(plan, state),
-                     sum(model_states(plan, state)[0].values()))
+                     sum(model_states(plan, state)[0].values()),
+                     peak and {**peak, "expected": peak_expected(plan)})
 
 
 def offload_traffic(plan: Any, state: Any) -> int:
@@ -99,6 +103,15 @@ def format_table(candidates: list[Candidate], best: Candidate | None, device_mem
                      f"{c.host_state * devices_per_host / div:>9.2f}"
                      f"{'yes' if c.fits else 'no':>6}{c.comm / 2**20:>10.2f}"
                      f"{c.host_traffic / 2**20:>16.2f}")
+    # What fills the peak of the chosen layout, or of the one closest to fitting: what to change.
+    shown = best or min(candidates, key=lambda c: c.device, default=None)
+    if shown is not None and shown.peak and shown.peak["peak_bytes"]:
+        lo = shown.layout
+        lines += [f"\nat the peak of stage {lo['stage']}, offload {lo['offload']}, remat "
+                  f"{lo['remat']}, tensor parallel {lo['tp']} ({shown.peak['peak_bytes'] / div:.2f}"
+                  f" {unit} live per device, arguments included; temp {shown.temp / div:.2f} "
+                  f"{unit}):",
+                  *peak_split(shown.peak, unit, div)]
     if best is None:
         lines.append("\nnothing fits: more devices, a smaller model or train.batch_size")
     else:
@@ -119,4 +132,5 @@ def as_json(candidates: list[Candidate], best: Candidate | None, device_memory: 
                             "model_state_bytes": c.model_states,
                             "host_bytes_per_host": c.host_state * devices_per_host,
                             "fits": c.fits, "comm_bytes": c.comm,
-                            "host_traffic_bytes": c.host_traffic} for c in candidates]}
+                            "host_traffic_bytes": c.host_traffic, "peak": c.peak}
+                           for c in candidates]}

@@ -538,13 +538,19 @@ def _peak_lines(r: dict) -> list[str]:
     peak = r.get("peak")
     if not peak or not peak["peak_bytes"]:
         return []
-    lines = ["", f"  at the compiled step's peak ({peak['peak_bytes'] / MiB:.2f} MiB per device; "
-                 f"XLA's temp allocation {r['compiled']['temp_bytes'] / MiB:.2f} MiB):"]
+    return ["", f"  at the compiled step's peak ({peak['peak_bytes'] / MiB:.2f} MiB per device; "
+                f"XLA's temp allocation {r['compiled']['temp_bytes'] / MiB:.2f} MiB):",
+            *peak_split(peak)]
+
+
+def peak_split(peak: dict, unit: str = "MiB", div: int = MiB) -> list[str]:
+    """One line per kind live at the peak, beside ZeRO's figure where it has one."""
+    lines = []
     for kind, size in peak["by_kind"].items():
         if size:
             zero = peak["expected"].get(kind)
-            lines.append(f"    {kind:<24}{size / MiB:>8.2f} MiB"
-                         + (f"   ZeRO: {zero / MiB:.2f} MiB" if zero is not None else ""))
+            lines.append(f"    {kind:<24}{size / div:>8.2f} {unit}"
+                         + (f"   ZeRO: {zero / div:.2f} {unit}" if zero is not None else ""))
     return lines
 
 
