@@ -547,8 +547,8 @@ def peak_split(peak: dict, unit: str = "MiB", div: int = MiB) -> list[str]:
     """One line per kind live at the peak, beside ZeRO's figure where it has one."""
     lines = []
     for kind, size in peak["by_kind"].items():
-        if size:
-            zero = peak["expected"].get(kind)
+        zero = peak["expected"].get(kind)
+        if size or zero is not None:
             lines.append(f"    {kind:<24}{size / div:>8.2f} {unit}"
                          + (f"   ZeRO: {zero / div:.2f} {unit}" if zero is not None else ""))
     return lines
