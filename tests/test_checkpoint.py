@@ -222,7 +222,9 @@ def test_disk_full_during_save_stops_and_keeps_older_checkpoints(tmp_path):
     assert len(errors) == 1 and re.fullmatch(
         rf"error: saving checkpoint 15 in {re.escape(str(ckpt))} \([\d.]+ GiB free there\) "
         r"failed: .*File too large; older checkpoints are kept", errors[0]), run.stderr[-3000:]
-    assert "Traceback" not in run.stderr and "ERROR:absl" not in run.stderr, run.stderr[-3000:]
+    # (asyncio's "exception was never retrieved" of orbax's futures showed on a loaded machine)
+    noise = ("Traceback", "ERROR:absl", "ERROR:asyncio", "never retrieved", "never awaited")
+    assert not any(x in run.stderr for x in noise), run.stderr[-3000:]
     ckpts = Checkpoints(ckpt)
     assert ckpts.manager.all_steps() == [5, 10]  # keep=2 deleted nothing for the failed 15
     assert ckpts.meta(10)["step"] == 10

@@ -106,6 +106,20 @@ def test_orbax_writes_the_files_we_check(tmp_path):
     assert (step / "meta" / internals.ORBAX_JSON_FILE).exists(), broke("orbax's JSON file name")
 
 
+def test_orbax_names_what_a_failed_save_leaves():
+    """A failed save's asyncio noise is recognized by orbax's temporary directory suffix and
+    its write coroutine's name (``checkpoint.quiet_background_errors``)."""
+    import inspect
+
+    from orbax.checkpoint._src.path import atomicity_types
+    from orbax.checkpoint._src.serialization import serialization
+
+    assert atomicity_types.TMP_DIR_SUFFIX == internals.ORBAX_TMP_SUFFIX, broke(
+        "orbax's temporary directory suffix")
+    assert f"def {internals.ORBAX_WRITE_COROUTINE}(" in inspect.getsource(
+        serialization.async_serialize_from_host), broke("orbax's write coroutine")
+
+
 def test_the_disabled_xla_pass_keeps_remat_barriers():
     """Without the pass, remat's optimization barriers survive the CPU compiler; with it they
     are gone (what lets CSE merge a block's backward gather into its forward one)."""

@@ -27,6 +27,8 @@ import pathlib
 import shutil
 import sys
 import time
+import traceback
+import warnings
 from typing import Any
 
 import jax
@@ -34,7 +36,13 @@ import orbax.checkpoint as ocp
 from flax import serialization
 
 from zero_jax import integrity
-from zero_jax.internals import ORBAX_JSON_FILE, ORBAX_STEP_FILE, ORBAX_TREE_FILES
+from zero_jax.internals import (
+    ORBAX_JSON_FILE,
+    ORBAX_STEP_FILE,
+    ORBAX_TMP_SUFFIX,
+    ORBAX_TREE_FILES,
+    ORBAX_WRITE_COROUTINE,
+)
 from zero_jax.lock import LockedError, WriterLock
 from zero_jax.state import TrainState
 
@@ -417,12 +425,17 @@ def _tree_of(metadata: Any) -> PyTree:
 
 
 class _OrbaxErrors(logging.Filter):
-    """Orbax's own error records, and asyncio's about orbax's tasks."""
+    """Orbax's own error records, and asyncio's about orbax's tasks and futures: a task names
+    orbax's code; a future names nothing, but its exception's traceback runs through orbax or
+    (a write tensorstore failed) its message names orbax's temporary directory."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         orbax = f"{os.sep}orbax{os.sep}"
-        return not (record.levelno >= logging.ERROR and
-                    (orbax in record.pathname or orbax in record.getMessage()))
+        tb = record.exc_info[2] if record.exc_info else None
+        text = record.getMessage()
+        return not (record.levelno >= logging.ERROR and (
+            orbax in record.pathname or orbax in text or ORBAX_TMP_SUFFIX in text
+            or any(orbax in frame.filename for frame in traceback.extract_tb(tb))))
 
 
 def quiet_background_errors() -> None:
@@ -430,7 +443,8 @@ def quiet_background_errors() -> None:
     background write with its traceback (absl's logger) before ``finish`` raises it, and the
     asyncio loops it closes on the way out leave "Event loop is closed" tracebacks behind
     (``sys.unraisablehook``), as do its tasks nobody awaits once the save has failed
-    (asyncio's logger: "Task exception was never retrieved"). For a program that reports
+    (asyncio's logger: "Task exception was never retrieved", the same of futures), and the
+    writes it never started warn, unawaited, at exit. For a program that reports
     ``CheckpointError`` itself, as train.py does; everything else passes through."""
     for name in ("absl", "asyncio"):
         logger = logging.getLogger(name)
@@ -444,6 +458,9 @@ def quiet_background_errors() -> None:
             previous(unraisable)
 
     sys.unraisablehook = hook
+    # The writes a failed save never started, collected unawaited at exit.
+    warnings.filterwarnings("ignore", f"coroutine '.*{ORBAX_WRITE_COROUTINE}' was never awaited",
+                            RuntimeWarning)
 
 
 def _first_line(e: BaseException) -> str:

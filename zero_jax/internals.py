@@ -24,6 +24,11 @@ CSE_BARRIER_PASS = "cse_barrier_expander"
 ORBAX_STEP_FILE = "_CHECKPOINT_METADATA"
 ORBAX_TREE_FILES = ("_METADATA", "manifest.ocdbt")
 ORBAX_JSON_FILE = "metadata"
+# What a failed save leaves behind: the writes that failed name orbax's temporary directory
+# (``orbax.checkpoint._src.path.atomicity_types.TMP_DIR_SUFFIX``) in their errors, and the
+# writes never started are this coroutine of ``async_serialize_from_host``, never awaited.
+ORBAX_TMP_SUFFIX = ".orbax-checkpoint-tmp"
+ORBAX_WRITE_COROUTINE = "write_fragment"
 
 
 def compute_on_primitive() -> Any:
