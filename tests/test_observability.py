@@ -298,8 +298,9 @@ def test_profile_traces_the_steps_collectives(runs):
     found = collections.Counter(kind_of[e["name"]] for e in seen)
     assert set(found) == set(expected) >= {"all-gather", "reduce-scatter"}
     for kind, n in expected.items():
-        # The CPU profiler has been seen to drop one event in a few hundred.
-        assert n - math.ceil(0.01 * n) <= found[kind] <= n, (kind, found[kind], n)
+        # The CPU profiler drops events on a loaded machine: one in a few hundred was seen, and
+        # 4 of 256 all-gathers with the whole suite running on 2 cores (2026-11-25). None added.
+        assert n - math.ceil(0.03 * n) <= found[kind] <= n, (kind, found[kind], n)
 
 
 def test_deepspeed_run_trains_as_the_set_flags(runs):
