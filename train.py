@@ -7,6 +7,7 @@ otherwise), so every shard is its own buffer and every collective really runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -662,14 +663,22 @@ def plan_layouts(exp, cfg: dict, args: argparse.Namespace) -> int:
     if exp.plan.outer is not None:
         raise ValueError("the planner compares the flat stages; drop zero3_size")
     per_host, n = args.devices_per_host or jax.local_device_count(), exp.mesh.size
-    rows = []
-    for layout, c in layouts.candidates(cfg, args.set, args.stage, args.tensor_parallel,
-                                        per_host, n):
+
+    def measure(layout: dict, c: dict):
         e = build(c, args)
         state = abstract_state(e.plan, e.tx)
         compiled, peak = compile_with_peak(e.step.lower(state, e.batch_shape))
-        rows.append(planner.measure(layout, e.plan, state, compiled, peak))
+        return planner.measure(layout, e.plan, state, compiled, peak)
+
+    rows = [measure(layout, c) for layout, c in layouts.candidates(
+        cfg, args.set, args.stage, args.tensor_parallel, per_host, n)]
     best = planner.choose(rows, args.device_memory, args.host_memory, per_host)
+    if best is None:  # ZeRO-Infinity's tiling, where a bound can cut the largest leaf
+        for layout, c in layouts.tiled(cfg, args.set, args.stage, args.tensor_parallel,
+                                       planner.largest_block_leaf_bytes(exp.plan)):
+            with contextlib.suppress(ValueError):  # no tile of some leaf within this bound
+                rows.append(measure(layout, c))
+        best = planner.choose(rows, args.device_memory, args.host_memory, per_host)
     print(planner.format_table(rows, best, args.device_memory, args.host_memory, per_host,
                                exp.model.n_params, n)
           + (f": {layouts.flags(best.layout)}" if best else ""))

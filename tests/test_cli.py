@@ -177,3 +177,27 @@ def test_planner_names_tensor_parallelism_when_nothing_fits_without_it(tmp_path)
     assert rows[2]["temp_bytes"] < rows[1]["temp_bytes"]
     assert r["best"]["tp"] == 2
     assert "--tensor-parallel 2 --set zero.partition_activations=true" in run.stdout
+
+
+def test_planner_tiles_when_nothing_fits_untiled(tmp_path):
+    """Stage 3, T = 1, no offload, remat full: untiled, the default model needs about 8.2 MiB per
+    device; with nothing fitting 8.8 MiB (7.9 usable), the planner compiles ZeRO-Infinity's
+    tiling at a quarter and a sixteenth of the blocks' largest leaf (fc1's kernel, 128 x 512 in
+    fp32: 256 KiB a layer), each about 7.7 MiB, and names the one that communicates least."""
+    report = tmp_path / "plan.json"
+    run = train("--dry-run", "--device-memory", "8.8MiB", "--host-memory", "1GB", "--stage", "3",
+                "--tensor-parallel", "1", "--set", "model.remat=full",
+                "--set", "zero.offload_optimizer.device=none", "--report", str(report))
+    assert run.returncode == 0, run.stderr
+    r = json.loads(report.read_text())
+    plain = [c for c in r["candidates"] if "tile_mb" not in c]
+    tiled = {c["tile_mb"]: c for c in r["candidates"] if "tile_mb" in c}
+    assert len(plain) == 1 and not plain[0]["fits"]
+    assert sorted(tiled) == [0.25 / 16, 0.25 / 4]
+    for c in tiled.values():  # less temp, more all-gathers (a tile gathered up to 3 times)
+        assert c["fits"] and c["temp_bytes"] < plain[0]["temp_bytes"]
+        assert c["comm_bytes"] > plain[0]["comm_bytes"]
+    assert r["best"] == {"stage": 3, "offload": "none", "remat": "full", "tp": 1,
+                         "tile_mb": 0.0625}
+    assert "tiled within 0.0625 MiB: --stage 3 --set model.remat=full --set zero.tile_mb=0.0625" \
+        in run.stdout

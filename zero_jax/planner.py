@@ -73,6 +73,15 @@ def offload_traffic(plan: Any, state: Any) -> int:
     return int(total)
 
 
+def largest_block_leaf_bytes(plan: Any) -> int:
+    """One layer's largest cut parameter of the declared blocks, in the compute dtype: what
+    tiling's bound (``Layers.tile_mb``) is set against."""
+    leaves = jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "stacked"))
+    return max((math.prod(leaf.shape[1:] if leaf.stacked else leaf.shape) for leaf in leaves
+                if leaf.block and leaf.axis is not None), default=0) \
+        * plan.precision.compute.itemsize
+
+
 def choose(candidates: list[Candidate], device_memory: int, host_memory: int,
            devices_per_host: int) -> Candidate | None:
     """Mark which fit (device and host figures within ``HEADROOM`` of the sizes) and return the
@@ -102,7 +111,8 @@ def format_table(candidates: list[Candidate], best: Candidate | None, device_mem
                      f"{c.device / div:>9.2f}{c.device_state / div:>9.2f}{c.temp / div:>9.2f}"
                      f"{c.host_state * devices_per_host / div:>9.2f}"
                      f"{'yes' if c.fits else 'no':>6}{c.comm / 2**20:>10.2f}"
-                     f"{c.host_traffic / 2**20:>16.2f}")
+                     f"{c.host_traffic / 2**20:>16.2f}"
+                     + (f"   tiled within {lo['tile_mb']:.3g} MiB" if lo.get("tile_mb") else ""))
     # What fills the peak of the chosen layout, or of the one closest to fitting: what to change.
     shown = best or min(candidates, key=lambda c: c.device, default=None)
     if shown is not None and shown.peak and shown.peak["peak_bytes"]:
@@ -117,7 +127,8 @@ def format_table(candidates: list[Candidate], best: Candidate | None, device_mem
     else:
         lo = best.layout
         lines.append(f"\nfits and communicates least: stage {lo['stage']}, offload "
-                     f"{lo['offload']}, remat {lo['remat']}, tensor parallel {lo['tp']}")
+                     f"{lo['offload']}, remat {lo['remat']}, tensor parallel {lo['tp']}"
+                     + (f", tiled within {lo['tile_mb']:.3g} MiB" if lo.get("tile_mb") else ""))
     return "\n".join(lines)
 
 

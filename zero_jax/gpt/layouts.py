@@ -45,6 +45,28 @@ def candidates(cfg: dict, sets: list[str], stage: int | None, tensor_parallel: i
         yield {"stage": s, "offload": offload, "remat": remat, "tp": t}, c
 
 
+def tiled(cfg: dict, sets: list[str], stage: int | None, tensor_parallel: int | None,
+          largest_leaf_bytes: int) -> Iterator[tuple[dict, dict]]:
+    """When no layout fits: ZeRO-Infinity's tiling, at stage 3 without offload or tensor
+    parallelism (what it composes with), each remat the sweep tried, with the bound at a
+    quarter and at a sixteenth of the blocks' largest leaf (``largest_leaf_bytes``, in the
+    compute dtype). Nothing when the command line fixed what excludes it."""
+    fixed = lambda key: any(s.startswith(key) for s in sets)
+    if cfg["zero"]["tile_mb"] or stage not in (None, 3) or tensor_parallel not in (None, 1) or \
+            (fixed("mesh.tensor_parallel") and cfg["mesh"]["tensor_parallel"] > 1) or \
+            (fixed("zero.offload_") and (cfg["zero"]["offload_optimizer"]["device"] != "none"
+                                         or cfg["zero"]["offload_params"] != "none")):
+        return
+    for parts, remat in itertools.product(
+            (4, 16), [cfg["model"]["remat"]] if fixed("model.remat") else REMAT):
+        c = copy.deepcopy(cfg)
+        tile_mb = largest_leaf_bytes / parts / 2**20
+        c["zero"].update(stage=3, offload_params="none", partition_activations=False,
+                         offload_optimizer={"device": "none", "ratio": 1.0}, tile_mb=tile_mb)
+        c["model"]["remat"], c["mesh"]["tensor_parallel"] = remat, 1
+        yield {"stage": 3, "offload": "none", "remat": remat, "tp": 1, "tile_mb": tile_mb}, c
+
+
 def flags(layout: dict) -> str:
     """train.py's flags for ``layout``."""
     out = [f"--stage {layout['stage']}", f"--set model.remat={layout['remat']}"]
@@ -54,4 +76,6 @@ def flags(layout: dict) -> str:
         out.append("--set zero.offload_params=cpu")
     if layout["tp"] > 1:
         out += [f"--tensor-parallel {layout['tp']}", "--set zero.partition_activations=true"]
+    if layout.get("tile_mb"):
+        out.append(f"--set zero.tile_mb={layout['tile_mb']:.6g}")
     return " ".join(out)
