@@ -201,3 +201,41 @@ def test_planner_tiles_when_nothing_fits_untiled(tmp_path):
                          "tile_mb": 0.0625}
     assert "tiled within 0.0625 MiB: --stage 3 --set model.remat=full --set zero.tile_mb=0.0625" \
         in run.stdout
+
+
+# The ZeRO paper's 1T example: GPT with d_model 25600, 128 layers, 160 heads, d_ff 102400,
+# vocabulary 51200, batch 1024 x 2048 tokens, bf16, on 1024 devices of 80 GB, 8 per host.
+TRILLION = {"d_model": 25600, "n_layers": 128, "n_heads": 160, "d_ff": 102400,
+            "vocab_size": 51200, "seq_len": 2048}
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_a_trillion_parameters_fit_80gb_tiled_or_tensor_parallel(tp, tmp_path):
+    """Stage 3, no offload, remat full, compiled on abstract arrays for 1024 devices (seconds
+    each): untiled at T = 1 nothing fits (a layer is 7.9 B parameters) and the planner's tiling
+    does; at T = 8 with partitioned activations the layout fits as it is. Beside each, ZeRO's
+    accounting of the model states: (2 + 2 + 12) Psi / 1024 per device, the paper's 1T row
+    (16 TB over 1024 devices, 15.6 GB each), within the few leaves that stay whole."""
+    report = tmp_path / "plan.json"
+    sets = [x for k, v in TRILLION.items() for x in ("--set", f"model.{k}={v}")]
+    run = train("--dry-run", "--devices", "1024", "--stage", "3", "--tensor-parallel", str(tp),
+                *sets, "--set", "train.batch_size=1024", "--set", "precision.param_dtype=bf16",
+                "--set", "model.remat=full", "--set", "zero.offload_optimizer.device=none",
+                "--set", f"zero.partition_activations={'true' if tp > 1 else 'false'}",
+                "--device-memory", "80GB", "--host-memory", "2TB", "--devices-per-host", "8",
+                "--report", str(report), timeout=600)
+    assert run.returncode == 0, run.stderr
+    r = json.loads(report.read_text())
+    psi = GPTConfig(**TRILLION).n_params
+    assert psi == 1_008_038_758_400
+    for c in r["candidates"]:
+        assert 16 * psi / 1024 <= c["model_state_bytes"] <= 1.015 * 16 * psi / 1024
+        assert c["fits"] == (c["device_bytes"] <= 0.9 * 80e9)
+    untiled = [c for c in r["candidates"] if "tile_mb" not in c]
+    best = r["best"]
+    assert len(untiled) == 1 and best is not None
+    if tp == 1:
+        assert untiled[0]["device_bytes"] > 80e9 and best["tile_mb"] > 0
+        assert "--set zero.tile_mb=" in run.stdout
+    else:
+        assert untiled[0]["fits"] and best["tp"] == 8 and "tile_mb" not in best

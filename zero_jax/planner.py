@@ -110,7 +110,7 @@ def format_table(candidates: list[Candidate], best: Candidate | None, device_mem
         lines.append(f"  {lo['stage']:<6}{lo['offload']:<10}{lo['remat']:<8}{lo['tp']:>3}"
                      f"{c.device / div:>9.2f}{c.device_state / div:>9.2f}{c.temp / div:>9.2f}"
                      f"{c.host_state * devices_per_host / div:>9.2f}"
-                     f"{'yes' if c.fits else 'no':>6}{c.comm / 2**20:>10.2f}"
+                     f"{'yes' if c.fits else 'no':>6} {c.comm / 2**20:>9.2f}"
                      f"{c.host_traffic / 2**20:>16.2f}"
                      + (f"   tiled within {lo['tile_mb']:.3g} MiB" if lo.get("tile_mb") else ""))
     # What fills the peak of the chosen layout, or of the one closest to fitting: what to change.
