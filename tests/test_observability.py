@@ -358,3 +358,21 @@ def test_memory_figure_draws_the_capacity(runs):
     fig, data = plot.memory_by_stage(r, capacity=16 * MiB)
     line = next(ln for ln in fig.axes[0].lines if ln.get_label() == "device capacity")
     assert list(line.get_ydata()) == [16, 16] and data["capacity_bytes"] == 16 * MiB
+
+
+def test_planner_figure_stars_a_tiled_choice():
+    """The planner's tiled layouts (added when nothing fits untiled) share stage, offload, remat
+    and T with an untiled one: the star and the labels tell them apart by ``tile_mb``."""
+    row = {"stage": 3, "offload": "none", "remat": "full", "tp": 1, "host_bytes_per_host": 0,
+           "device_state_bytes": 1 << 20}
+    cands = [{**row, "device_bytes": 9 << 20, "fits": False},
+             {**row, "tile_mb": 0.25, "device_bytes": 7 << 20, "fits": True}]
+    best = {"stage": 3, "offload": "none", "remat": "full", "tp": 1, "tile_mb": 0.25}
+    plan = {"candidates": cands, "best": best, "device_memory": 8 << 20,
+            "host_memory": 1 << 30, "devices": 8, "devices_per_host": 8}
+    fig, _ = plot.planner(plan)
+    ax = fig.axes[0]
+    star = next(c for c in ax.collections if c.get_label().startswith("chosen"))
+    assert star.get_offsets().tolist() == [[7.0, 0.0]]
+    assert star.get_label() == "chosen: stage 3, offload none, remat full, tiled 0.25 MiB"
+    assert {t.get_text() for t in ax.texts} == {"full", "full tiled"}

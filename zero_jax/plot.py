@@ -145,7 +145,8 @@ def communication(report: dict) -> tuple[Any, dict]:
 
 def layout_name(c: dict) -> str:
     tp = f", tp {c['tp']}" if c.get("tp", 1) > 1 else ""
-    return f"stage {c['stage']}, offload {c['offload']}, remat {c['remat']}{tp}"
+    tiled = f", tiled {c['tile_mb']:.3g} MiB" if c.get("tile_mb") else ""
+    return f"stage {c['stage']}, offload {c['offload']}, remat {c['remat']}{tp}{tiled}"
 
 
 OFFLOAD_COLORS = {"none": "tab:blue", "optimizer": "tab:orange", "params": "tab:red",
@@ -175,11 +176,13 @@ def planner(plan: dict) -> tuple[Any, dict]:
     spots: dict = {}
     for c in cands:  # remat policies that land on the same spot share one label
         tp = f" tp{c['tp']}" if c.get("tp", 1) > 1 else ""
-        spots.setdefault(xy(c), []).append(c["remat"] + tp)
+        spots.setdefault(xy(c), []).append(c["remat"] + tp + (" tiled" if c.get("tile_mb") else ""))
     for (x, y), names in spots.items():
         ax.annotate("/".join(dict.fromkeys(names)), (x, y), fontsize=5.5, rotation=35,
                     xytext=(3, 3), textcoords="offset points", color="0.35")
-    chosen = next((c for c in cands if best and all(c[k] == v for k, v in best.items())), None)
+    # The layout's own keys; only the planner's tiled layouts carry tile_mb.
+    same = lambda c: all(c.get(k) == best.get(k) for k in (*best, "tile_mb"))
+    chosen = next((c for c in cands if best and same(c)), None)
     if chosen:
         ax.scatter(*[[v] for v in xy(chosen)], s=300, marker="*", facecolor="none",
                    edgecolor="crimson", linewidth=1.5, label=f"chosen: {layout_name(chosen)}")
