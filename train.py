@@ -679,8 +679,9 @@ def plan_layouts(exp, cfg: dict, args: argparse.Namespace) -> int:
             with contextlib.suppress(ValueError):  # no tile of some leaf within this bound
                 rows.append(measure(layout, c))
         best = planner.choose(rows, args.device_memory, args.host_memory, per_host)
+    untried = layouts.untried(cfg, args.set, [r.layout for r in rows]) if best is None else []
     print(planner.format_table(rows, best, args.device_memory, args.host_memory, per_host,
-                               exp.model.n_params, n)
+                               exp.model.n_params, n, untried)
           + (f": {layouts.flags(best.layout)}" if best else ""))
     verdict = planner.as_json(rows, best, args.device_memory, args.host_memory, per_host, n)
     write_json(args.report, verdict)

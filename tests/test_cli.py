@@ -239,3 +239,15 @@ def test_a_trillion_parameters_fit_80gb_tiled_or_tensor_parallel(tp, tmp_path):
         assert "--set zero.tile_mb=" in run.stdout
     else:
         assert untiled[0]["fits"] and best["tp"] == 8 and "tile_mb" not in best
+
+
+def test_planner_names_what_it_did_not_try_when_nothing_fits():
+    """One layout fixed (stage 3, T = 1, no offload, remat full, tiled) and too small a device:
+    the advice names the flags the command line kept from the search."""
+    run = train("--dry-run", "--device-memory", "2MiB", "--host-memory", "1GB", "--stage", "3",
+                "--tensor-parallel", "1", "--set", "model.remat=full",
+                "--set", "zero.offload_optimizer.device=none", "--set", "zero.tile_mb=0.0625")
+    assert run.returncode == 0, run.stderr
+    assert ("nothing fits: more devices, a smaller model or train.batch_size; not tried in this "
+            "search: zero.offload_optimizer.device=cpu, zero.offload_params=cpu, "
+            "--tensor-parallel T\n") in run.stdout, run.stdout[-800:]

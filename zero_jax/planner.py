@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -95,9 +96,11 @@ def choose(candidates: list[Candidate], device_memory: int, host_memory: int,
 
 
 def format_table(candidates: list[Candidate], best: Candidate | None, device_memory: int,
-                 host_memory: int, devices_per_host: int, n_params: int, devices: int) -> str:
+                 host_memory: int, devices_per_host: int, n_params: int, devices: int,
+                 untried: Sequence[str] = ()) -> str:
     """The candidates as a table: device memory (state + temp), host memory per host, whether
-    it fits, communication; and which was chosen."""
+    it fits, communication; and which was chosen. ``untried``: what the search left out, named
+    when nothing fits."""
     unit, div = ("GiB", 2**30) if device_memory >= 2**30 else ("MiB", 2**20)
     lines = [f"layouts of {n_params:,} parameters on {devices} devices of "
              f"{device_memory / div:.1f} {unit}, {devices_per_host} per host of "
@@ -123,7 +126,8 @@ def format_table(candidates: list[Candidate], best: Candidate | None, device_mem
                   f"{unit}):",
                   *peak_split(shown.peak, unit, div)]
     if best is None:
-        lines.append("\nnothing fits: more devices, a smaller model or train.batch_size")
+        lines.append("\nnothing fits: more devices, a smaller model or train.batch_size"
+                     + (f"; not tried in this search: {', '.join(untried)}" if untried else ""))
     else:
         lo = best.layout
         lines.append(f"\nfits and communicates least: stage {lo['stage']}, offload "

@@ -67,6 +67,22 @@ def tiled(cfg: dict, sets: list[str], stage: int | None, tensor_parallel: int | 
         yield {"stage": 3, "offload": "none", "remat": remat, "tp": 1, "tile_mb": tile_mb}, c
 
 
+def untried(cfg: dict, sets: list[str], layouts: list[dict]) -> list[str]:
+    """What the command line kept the search from trying, as the flags that would: for the
+    planner's advice when nothing fits."""
+    fixed = lambda key: any(s.startswith(key) for s in sets)
+    out = []
+    if all(lo["stage"] < 3 for lo in layouts):
+        out.append("--stage 3")
+    if fixed("zero.offload_") and all(lo["offload"] == "as set" for lo in layouts):
+        out.append("zero.offload_optimizer.device=cpu, zero.offload_params=cpu")
+    if all(lo["tp"] == 1 for lo in layouts):
+        out.append("--tensor-parallel T")
+    if not cfg["zero"]["tile_mb"] and not any(lo.get("tile_mb") for lo in layouts):
+        out.append("zero.tile_mb (stage 3, without offload or tensor parallelism)")
+    return out
+
+
 def flags(layout: dict) -> str:
     """train.py's flags for ``layout``."""
     out = [f"--stage {layout['stage']}", f"--set model.remat={layout['remat']}"]
