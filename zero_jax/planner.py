@@ -75,12 +75,20 @@ def offload_traffic(plan: Any, state: Any) -> int:
 
 
 def largest_block_leaf_bytes(plan: Any) -> int:
-    """One layer's largest cut parameter of the declared blocks, in the compute dtype: what
-    tiling's bound (``Layers.tile_mb``) is set against."""
+    """One layer's largest parameter of the declared blocks that tiling may cut (cut over the
+    devices, not persistent; ``rules.tile_leaf``), in the compute dtype: what tiling's bound
+    (``Layers.tile_mb``) is set against."""
     leaves = jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "stacked"))
-    return max((math.prod(leaf.shape[1:] if leaf.stacked else leaf.shape) for leaf in leaves
-                if leaf.block and leaf.axis is not None), default=0) \
+    return max((leaf.layer_elements for leaf in leaves
+                if leaf.block and leaf.axis is not None and not leaf.persistent), default=0) \
         * plan.precision.compute.itemsize
+
+
+def describe(layout: dict) -> str:
+    """A layout in words, as the table's verdict and split name it."""
+    return (f"stage {layout['stage']}, offload {layout['offload']}, remat {layout['remat']}, "
+            f"tensor parallel {layout['tp']}"
+            + (f", tiled within {layout['tile_mb']:.3g} MiB" if layout.get("tile_mb") else ""))
 
 
 def choose(candidates: list[Candidate], device_memory: int, host_memory: int,
@@ -119,9 +127,7 @@ def format_table(candidates: list[Candidate], best: Candidate | None, device_mem
     # What fills the peak of the chosen layout, or of the one closest to fitting: what to change.
     shown = best or min(candidates, key=lambda c: c.device, default=None)
     if shown is not None and shown.peak and shown.peak["peak_bytes"]:
-        lo = shown.layout
-        lines += [f"\nat the peak of stage {lo['stage']}, offload {lo['offload']}, remat "
-                  f"{lo['remat']}, tensor parallel {lo['tp']} ({shown.peak['peak_bytes'] / div:.2f}"
+        lines += [f"\nat the peak of {describe(shown.layout)} ({shown.peak['peak_bytes'] / div:.2f}"
                   f" {unit} live per device, arguments included; temp {shown.temp / div:.2f} "
                   f"{unit}):",
                   *peak_split(shown.peak, unit, div)]
@@ -129,10 +135,7 @@ def format_table(candidates: list[Candidate], best: Candidate | None, device_mem
         lines.append("\nnothing fits: more devices, a smaller model or train.batch_size"
                      + (f"; not tried in this search: {', '.join(untried)}" if untried else ""))
     else:
-        lo = best.layout
-        lines.append(f"\nfits and communicates least: stage {lo['stage']}, offload "
-                     f"{lo['offload']}, remat {lo['remat']}, tensor parallel {lo['tp']}"
-                     + (f", tiled within {lo['tile_mb']:.3g} MiB" if lo.get("tile_mb") else ""))
+        lines.append(f"\nfits and communicates least: {describe(best.layout)}")
     return "\n".join(lines)
 
 

@@ -324,8 +324,7 @@ def block_elements(plan: Plan) -> dict[str, int]:
     tile: dict[str, int] = {}
     for leaf in jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "stacked")):
         if leaf.block:
-            layer = math.prod(leaf.shape[1:] if leaf.stacked else leaf.shape)
-            layer //= t if leaf.model_dim is not None else 1
+            layer = leaf.layer_elements // (t if leaf.model_dim is not None else 1)
             if leaf.tile:
                 tile[leaf.block] = max(tile.get(leaf.block, 0), layer // leaf.tile[1])
             out[leaf.block] = out.get(leaf.block, 0) + (0 if leaf.tile else layer)

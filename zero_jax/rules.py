@@ -69,6 +69,11 @@ class Leaf:
     # Memory-centric tiling: (dimension, tiles) its layer gathers it in, never whole
     tile: tuple[int, int] | None = None
 
+    @property
+    def layer_elements(self) -> int:
+        """Elements of one layer: a scanned stack's leaf without its layer index."""
+        return math.prod(self.shape[1:] if self.stacked else self.shape)
+
 
 def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
               min_shard_elems: int, cut_one: bool = False, model_dim: int | None = None,
@@ -110,7 +115,7 @@ def tile_leaf(leaf: Leaf, bound: int, itemsize: int) -> Leaf:
     within the bound, along its largest dimension that is neither the cut one nor the layer
     index. Raises when no such cut fits the bound."""
     first = 1 if leaf.stacked else 0
-    size = math.prod(leaf.shape[first:]) * itemsize
+    size = leaf.layer_elements * itemsize
     if not bound or leaf.block is None or leaf.axis is None or leaf.persistent or size <= bound:
         return leaf
     dims = sorted(set(range(first, len(leaf.shape))) - {leaf.axis}, key=lambda d: -leaf.shape[d])

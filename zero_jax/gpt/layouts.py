@@ -7,6 +7,7 @@ module says which configs to compile and how to spell the chosen one as train.py
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 from collections.abc import Iterator
 
@@ -21,7 +22,7 @@ def candidates(cfg: dict, sets: list[str], stage: int | None, tensor_parallel: i
     with partitioned activations and no offload, as ZeRO's paper trains its largest models.
     With zero.tile_mb, only stage 3 without offload or tensor parallelism tiles."""
     z, m = cfg["zero"], cfg["model"]
-    fixed = lambda key: any(s.startswith(key) for s in sets)
+    fixed = functools.partial(_fixed, sets)
     offloads = {"none": ("none", "none"), "optimizer": ("cpu", "none"),
                 "params": ("cpu", "cpu")}
     if fixed("zero.offload_"):
@@ -51,7 +52,7 @@ def tiled(cfg: dict, sets: list[str], stage: int | None, tensor_parallel: int | 
     parallelism (what it composes with), each remat the sweep tried, with the bound at a
     quarter and at a sixteenth of the blocks' largest leaf (``largest_leaf_bytes``, in the
     compute dtype). Nothing when the command line fixed what excludes it."""
-    fixed = lambda key: any(s.startswith(key) for s in sets)
+    fixed = functools.partial(_fixed, sets)
     if cfg["zero"]["tile_mb"] or stage not in (None, 3) or tensor_parallel not in (None, 1) or \
             (fixed("mesh.tensor_parallel") and cfg["mesh"]["tensor_parallel"] > 1) or \
             (fixed("zero.offload_") and (cfg["zero"]["offload_optimizer"]["device"] != "none"
@@ -70,7 +71,7 @@ def tiled(cfg: dict, sets: list[str], stage: int | None, tensor_parallel: int | 
 def untried(cfg: dict, sets: list[str], layouts: list[dict]) -> list[str]:
     """What the command line kept the search from trying, as the flags that would: for the
     planner's advice when nothing fits."""
-    fixed = lambda key: any(s.startswith(key) for s in sets)
+    fixed = functools.partial(_fixed, sets)
     out = []
     if all(lo["stage"] < 3 for lo in layouts):
         out.append("--stage 3")
@@ -81,6 +82,11 @@ def untried(cfg: dict, sets: list[str], layouts: list[dict]) -> list[str]:
     if not cfg["zero"]["tile_mb"] and not any(lo.get("tile_mb") for lo in layouts):
         out.append("zero.tile_mb (stage 3, without offload or tensor parallelism)")
     return out
+
+
+def _fixed(sets: list[str], key: str) -> bool:
+    """Whether a ``--set`` of the command line fixed ``key`` (or a key under it)."""
+    return any(s.startswith(key) for s in sets)
 
 
 def flags(layout: dict) -> str:
