@@ -17,7 +17,7 @@ from zero_jax.checkpoint import Checkpoints
 from zero_jax.gather import Layers, nnx_merge, remat_policy
 from zero_jax.grads import Weighted, device_key, make_grad_fn
 from zero_jax.mesh import keep_remat_barriers, make_mesh
-from zero_jax.offload import Offload
+from zero_jax.offload import Nvme, Offload
 from zero_jax.partitioning import tensor_parallel_rules
 from zero_jax.precision import Precision
 from zero_jax.rules import STAGES, Plan, Rule, make_plan, modules_pattern
@@ -26,7 +26,7 @@ from zero_jax.step import make_train_step
 
 keep_remat_barriers()  # before jax starts its backend, if it has not yet
 
-__all__ = ["STAGES", "Checkpoints", "Comm", "Layers", "Offload", "Plan", "Precision", "Rule",
+__all__ = ["STAGES", "Checkpoints", "Comm", "Layers", "Nvme", "Offload", "Plan", "Precision", "Rule",
            "TrainState", "Weighted", "abstract_state", "device_key", "init_state", "make_grad_fn",
            "make_mesh", "make_plan", "make_train_step", "modules_pattern", "nnx_merge",
            "remat_policy", "state_shardings", "state_specs", "tensor_parallel_rules"]

@@ -181,6 +181,10 @@ class Checkpoints:
         master copy or optimizer state, and a step not newer than the latest on disk."""
         self.finish()
         step = int(state.step)
+        if state.opt_state is None:
+            raise CheckpointError(
+                "this state's master and optimizer state live in the NVMe tier's files: save "
+                "step.tier.give(state, state_shardings(plan, tx)) instead")
         if self.read_only:
             raise CheckpointError(f"{self.path} was opened read-only")
         if (latest := self.latest_step()) is not None and step <= latest:

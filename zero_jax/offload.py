@@ -24,6 +24,7 @@ from jax.extend import core as jex_core
 from zero_jax.internals import compute_on_primitive
 
 PyTree = Any
+MiB = 1 << 20
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 
 
@@ -178,6 +179,35 @@ def _pick(flags: list[bool], tree: PyTree) -> list:
 
 
 @dataclasses.dataclass(frozen=True)
+class Nvme:
+    """Where and how the NVMe tier keeps the optimizer's state (``Offload.nvme``).
+
+    ``path``: an existing, writable directory on a local disk; each process writes only under
+    ``path/process<i>``. ``chunk_mb``: the rows of master and state read, updated and written
+    together (DeepSpeed's ``buffer_size``). ``buffers``: chunks alive at once (at least 3: one
+    read ahead, one updated, one being written; DeepSpeed's ``buffer_count``)."""
+
+    path: str
+    chunk_mb: float = 16.0
+    buffers: int = 4
+
+    def __post_init__(self):
+        if not self.path:
+            raise ValueError("Nvme.path is empty: name a directory on a local disk")
+        if not self.chunk_mb > 0:
+            raise ValueError(f"Nvme.chunk_mb is the size of one chunk in MiB, above 0 "
+                             f"(got {self.chunk_mb})")
+        if self.buffers < 3:
+            raise ValueError(f"Nvme.buffers must be at least 3 (one chunk read ahead, one "
+                             f"updated, one written back), got {self.buffers}")
+
+    @property
+    def chunk_bytes(self) -> int:
+        return max(1, int(self.chunk_mb * MiB))
+
+
+
+@dataclasses.dataclass(frozen=True)
 class Offload:
     """What lives in host memory (ZeRO-Offload, and ZeRO-Infinity's CPU tier).
 
@@ -186,17 +216,22 @@ class Offload:
     Megatron's offload fraction). ``params``: stage 3's parameter shards in host memory, each
     copied to the device as it is gathered; the gradients then reach the host layer by layer,
     so the whole update runs there (``optimizer`` 1). ``grads``: the gradient accumulator waits
-    in host memory between microbatches.
+    in host memory between microbatches. ``nvme``: ZeRO-Infinity's NVMe tier, the master and
+    optimizer state in files on a local disk instead of host memory (``zero_jax.nvme``).
     """
 
     optimizer: float = 0.0
     params: bool = False
     grads: bool = False
+    nvme: Nvme | None = None
 
     def __post_init__(self):
         if not 0.0 <= self.optimizer <= 1.0:
             raise ValueError(f"Offload.optimizer is the fraction of optimizer state in host "
                              f"memory, 0 to 1 (got {self.optimizer})")
+        if self.nvme is not None and self.optimizer != 1.0:
+            raise ValueError("Offload.nvme keeps the whole optimizer in files and updates it on "
+                             "the host: it needs Offload(optimizer=1.0)")
         if self.params and self.optimizer != 1.0:
             raise ValueError("Offload.params brings each layer's gradient to the host, where "
                              "the whole update must then run: it needs Offload(optimizer=1.0)")

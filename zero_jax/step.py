@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from zero_jax import buckets
 from zero_jax.grads import make_grad_fn, put
+from zero_jax.nvme import Tier
 from zero_jax.offload import in_host_memory, on_host_leaves, split_update
 from zero_jax.precision import update_loss_scale
 from zero_jax.rules import Leaf, Plan
@@ -124,10 +125,11 @@ def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformat
     ``lr_schedule(optimizer steps taken)`` when given, and the auxiliary metrics.
     """
     grad_fn = make_grad_fn(plan, loss_fn, batch_spec, has_aux)
-    update = make_update(plan, tx)
     prec = plan.precision
 
-    def step(state: TrainState, batch: PyTree, *, key: jax.Array | None = None):
+    def gradients(state: TrainState, batch: PyTree, key: jax.Array | None):
+        """The gradient half: fp32 gradients in the optimizer's layout, whether they are
+        finite, the step's metrics and the next loss scale."""
         scale = state.loss_scale.scale if state.loss_scale is not None else 1.0
         key = None if key is None else jax.random.fold_in(key, state.step)
         loss, grads = grad_fn(state.params, batch, scale, key)
@@ -138,9 +140,6 @@ def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformat
         norm = jnp.sqrt(squares)  # optax.tree.norm, over the host's gradients too
         finite = jnp.isfinite(norm) if prec.skip_nonfinite or prec.loss_scale is not None else \
             jnp.asarray(True)
-        master = state.master if plan.has_master else constrain(state.params, plan,
-                                                                  plan.opt_specs)
-        new_master, opt_state, compute = update(grads, state.opt_state, master, finite)
         loss_scale = state.loss_scale if state.loss_scale is None else \
             update_loss_scale(state.loss_scale, finite, prec.loss_scale)
         metrics = {**aux, "loss": loss, "grad_norm": norm, "skipped": (~finite).astype(jnp.int32)}
@@ -148,6 +147,18 @@ def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformat
             metrics["loss_scale"] = state.loss_scale.scale
         if lr_schedule is not None:
             metrics["lr"] = lr_schedule(state.step - state.skipped)
+        return grads, finite, metrics, loss_scale
+
+    replicated = NamedSharding(plan.mesh, P())
+    if plan.offload.nvme is not None:
+        return _nvme_step(plan, tx, gradients)
+    update = make_update(plan, tx)
+
+    def step(state: TrainState, batch: PyTree, *, key: jax.Array | None = None):
+        grads, finite, metrics, loss_scale = gradients(state, batch, key)
+        master = state.master if plan.has_master else constrain(state.params, plan,
+                                                                  plan.opt_specs)
+        new_master, opt_state, compute = update(grads, state.opt_state, master, finite)
         new = TrainState(state.step + 1, to_params(plan, compute),
                          new_master if plan.has_master else None, opt_state, loss_scale,
                          state.skipped + metrics["skipped"])
@@ -155,9 +166,44 @@ def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformat
 
     # No in_shardings (jit refuses them beside a keyword argument): the state arrives in its
     # layout, and shard_map cuts the batch by ``batch_spec``; put it there to avoid a copy.
-    replicated = NamedSharding(plan.mesh, P())
     return jax.jit(step, out_shardings=(state_shardings(plan, tx), replicated),
                    donate_argnums=(0,))
+
+
+def _nvme_step(plan: Plan, tx: optax.GradientTransformation, gradients: Callable) -> Callable:
+    """The step with ZeRO-Infinity's NVMe tier: a compiled gradient half, the update through
+    the files (``zero_jax.nvme.Tier``), a compiled gather of the new compute copy. The state's
+    master and optimizer state live in the files: the first call moves them there, and
+    ``step.tier.give(state, state_shardings(plan, tx))`` reads them back."""
+    tier = Tier(plan, tx)
+    shardings = state_shardings(plan, tx)
+    grads_program = jax.jit(gradients)
+    leaves = jax.tree.leaves(plan.leaves, is_leaf=_is_leaf)
+    opt = jax.tree.leaves(plan.shardings(plan.opt_specs))
+    shapes = jax.tree.leaves(plan.shapes)
+
+    def new_params(compute: list, params: PyTree) -> PyTree:  # frozen leaves keep theirs
+        kept = jax.tree.leaves(constrain(params, plan, plan.opt_specs))
+        flat = [kept[i] if c is None else c for i, c in enumerate(compute)]
+        return to_params(plan, jax.tree.unflatten(jax.tree.structure(plan.shapes), flat))
+    params_program = jax.jit(new_params, out_shardings=shardings.params)
+
+    def step(state: TrainState, batch: PyTree, *, key: jax.Array | None = None):
+        if state.opt_state is not None:  # the first step: the state moves to the files
+            state = tier.take(state)
+        grads, finite, metrics, loss_scale = grads_program(state, batch, key)
+        params = state.params
+        if bool(finite):
+            compute: list = [None] * len(leaves)
+            for i, arrays in tier.update(grads).items():
+                compute[i] = jax.make_array_from_single_device_arrays(
+                    shapes[i].shape, opt[i], arrays)
+            params = params_program(compute, params)
+        return TrainState(state.step + 1, params, None, None, loss_scale,
+                          state.skipped + metrics["skipped"]), metrics
+
+    step.tier = tier
+    return step
 
 
 def _is_leaf(x) -> bool:

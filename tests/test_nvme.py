@@ -1,0 +1,181 @@
+"""ZeRO-Infinity's NVMe tier: the master and optimizer state in files, updated band by band.
+
+Against ``Offload(optimizer=1.0)`` (the same optax update, in host memory): the same losses,
+parameters and state, bit for bit, at every stage; the files where the policy says and nowhere
+else; the bands alive at once bounded by ``Nvme.buffers`` while the state is many times that;
+checkpoints across the tiers; bad paths, failed files and unchunkable optimizers refused with
+one line.
+"""
+
+import os
+import tracemalloc
+from types import SimpleNamespace
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import KEY
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from lm import LAYERS
+
+from zero_jax import Offload, Precision, init_state, make_plan, make_train_step
+from zero_jax.checkpoint import CheckpointError, Checkpoints
+from zero_jax.nvme import Nvme, NvmeError, check_elementwise
+from zero_jax.state import abstract_state, state_shardings
+
+pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
+
+STEPS = 5
+BUFFERS = 3
+CHUNK_MB = 1 / 128  # 8 KiB: the small model's state is read in many bands
+ADAMW = optax.adamw(3e-3, weight_decay=0.1)
+_HOST = {}  # per stage: the host-memory run, shared by the tests that compare with it
+
+
+def plans(mesh, small, stage, path, **nvme):
+    _, init, _, _ = small
+    shapes = jax.eval_shape(init, KEY)
+    kw = dict(layers=LAYERS, precision=Precision("bf16"))
+    return (make_plan(shapes, mesh, stage, offload=Offload(optimizer=1.0), **kw),
+            make_plan(shapes, mesh, stage, offload=Offload(optimizer=1.0, nvme=Nvme(
+                str(path), **{"chunk_mb": CHUNK_MB, "buffers": BUFFERS, **nvme})), **kw))
+
+
+def train(plan, small, state=None, first=0, steps=STEPS, step=None):
+    _, init, loss_fn, batches = small
+    state = init_state(plan, init, ADAMW, KEY) if state is None else state
+    step = step or make_train_step(plan, loss_fn, ADAMW)
+    losses = []
+    for b in batches[first:first + steps]:
+        state, m = step(state, jax.device_put(b, NamedSharding(plan.mesh, P("data"))))
+        losses.append(float(m["loss"]))
+    return step, state, losses
+
+
+def host_run(mesh, small, stage, tmp_path):
+    if stage not in _HOST:
+        _HOST[stage] = train(plans(mesh, small, stage, tmp_path)[0], small)[1:]
+    return _HOST[stage]
+
+
+def assert_states_equal(a, b):
+    for name in ("params", "master", "opt_state"):
+        for x, y in zip(jax.tree.leaves(getattr(a, name)), jax.tree.leaves(getattr(b, name)),
+                        strict=True):
+            assert x.sharding.is_equivalent_to(y.sharding, x.ndim), name
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_equals_host_memory_offload_bit_for_bit(stage, mesh, small, tmp_path):
+    want, want_losses = host_run(mesh, small, stage, tmp_path)
+    _, nvme = plans(mesh, small, stage, tmp_path)
+    step, got, losses = train(nvme, small)
+    assert losses == want_losses
+    assert got.master is None and got.opt_state is None  # they live in the files
+    tier = step.tier
+    assert_states_equal(tier.give(got, state_shardings(nvme, ADAMW)), want)
+    # At most ``buffers`` bands of at most a chunk each were alive, of a state 10x their size
+    chunk = nvme.offload.nvme.chunk_bytes
+    assert 0 < tier.high_water <= BUFFERS * chunk
+    assert tier.bytes >= 10 * BUFFERS * chunk
+    # each step reads and writes every trained file once; the files are all it wrote
+    trained = sum(os.path.getsize(f) for s in tier._shards if not tier._leaves[s.leaf].frozen
+                  for f in s.files.values())
+    assert tier.read_bytes == tier.written_bytes == trained
+    assert os.listdir(tmp_path) == ["process0"]
+    assert sorted(os.listdir(tmp_path / "process0")) == sorted(
+        [os.path.basename(f) for f in tier.files] + ["layout.json"])
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x_BxD):
+        for _ in range(4):
+            x_BxD = jnp.tanh(nn.Dense(512)(x_BxD))
+        return x_BxD
+
+
+def test_host_memory_is_the_buffers_not_the_state(mesh, tmp_path):
+    """A 1M-parameter model (12 MiB of master and Adam moments) through 3 buffers of 64 KiB:
+    what the host allocates during a step stays a small fraction of the state."""
+    model, x_BxD = MLP(), jax.random.normal(KEY, (16, 512))
+    init = lambda key: model.init(key, x_BxD)  # noqa: E731
+    loss_fn = lambda params, x_BxD: jnp.mean(jnp.square(model.apply(params, x_BxD) - 0.5))
+    plan = make_plan(jax.eval_shape(init, KEY), mesh, 2, offload=Offload(
+        optimizer=1.0, nvme=Nvme(str(tmp_path), chunk_mb=1 / 16, buffers=BUFFERS)))
+    state = init_state(plan, init, ADAMW, KEY)
+    step = make_train_step(plan, loss_fn, ADAMW)
+    batch = jax.device_put(x_BxD, NamedSharding(mesh, P("data")))
+    state, first = step(state, batch)  # compiles, and moves the state to the files
+    tracemalloc.start()  # the host's allocations during one step (numpy's are traced)
+    state, second = step(state, batch)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    tier = step.tier
+    assert tier.bytes == 12 * sum(x.size for x in jax.tree.leaves(state.params))
+    assert tier.bytes >= 50 * BUFFERS * plan.offload.nvme.chunk_bytes
+    assert tier.high_water <= BUFFERS * plan.offload.nvme.chunk_bytes
+    # On the CPU backend the devices keep the new compute copy in numpy's buffers (device
+    # memory is host memory there): those are the parameters, not the optimizer's state.
+    params = sum(x.nbytes for x in jax.tree.leaves(state.params))  # one copy, in pieces
+    assert peak - params < tier.bytes / 8, (peak, params, tier.bytes)
+    assert second["loss"] < first["loss"]
+
+
+def test_checkpoints_cross_between_the_tiers(mesh, small, tmp_path):
+    """A checkpoint of an NVMe run restores in host memory and back into files, and training
+    goes on with the same losses."""
+    host, nvme = plans(mesh, small, 3, tmp_path / "nvme")
+    os.mkdir(tmp_path / "nvme")
+    _, want_losses = host_run(mesh, small, 3, tmp_path)
+    step, state, losses = train(nvme, small, steps=3)
+    with pytest.raises(CheckpointError, match="live in the NVMe tier's files"):
+        Checkpoints(tmp_path / "refused").save(state, {})
+    ckpts = Checkpoints(tmp_path / "ckpt")
+    ckpts.save(step.tier.give(state, state_shardings(nvme, ADAMW)), {})
+    ckpts.finish()
+    for plan in (host, nvme):  # restored into host memory, and into the files again
+        restored, _ = ckpts.restore(abstract_state(plan, ADAMW))
+        _, _, more = train(plan, small, restored, 3, 2)
+        assert losses + more == want_losses
+    ckpts.close()
+
+
+def test_refuses_bad_paths_and_unchunkable_optimizers(mesh, small, tmp_path, monkeypatch):
+    _, _, loss_fn, _ = small
+    for path, match in [(tmp_path / "missing", "is not an existing directory"),
+                        ("/proc", r"is not writable \(")]:
+        with pytest.raises(ValueError, match=match):
+            make_train_step(plans(mesh, small, 3, path)[1], loss_fn, ADAMW)
+    monkeypatch.setattr("shutil.disk_usage", lambda path: SimpleNamespace(free=1000))
+    with pytest.raises(ValueError, match=r"has 0.000 GiB free; this process's optimizer "
+                                         r"state needs 0.00\d GiB"):
+        make_train_step(plans(mesh, small, 3, tmp_path)[1], loss_fn, ADAMW)
+    monkeypatch.undo()
+    assert not os.listdir(tmp_path)  # nothing written
+    nvme = plans(mesh, small, 3, tmp_path)[1]
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), ADAMW)
+    with pytest.raises(ValueError, match="optimizer must be elementwise .* a reduction"):
+        make_train_step(nvme, loss_fn, clipped)
+    with pytest.raises(ValueError, match="factored moments"):
+        make_train_step(nvme, loss_fn, optax.adafactor(1e-3, min_dim_size_to_factor=8))
+    w = {"w": jax.ShapeDtypeStruct((4, 3), np.float32)}
+    check_elementwise(lambda g, s, p: ADAMW.update(g, s, p), w, jax.eval_shape(ADAMW.init, w),
+                      w)
+
+
+def test_a_file_lost_mid_run_is_one_line(mesh, small, tmp_path):
+    nvme = plans(mesh, small, 3, tmp_path)[1]
+    step, state, _ = train(nvme, small, steps=1)
+    lost = step.tier.files[-1]
+    os.remove(lost)
+    with pytest.raises(NvmeError, match=rf"^the NVMe tier's files under {tmp_path}/process0 "
+                                        rf"failed mid-step \(.*{os.path.basename(lost)}.*\): "
+                                        rf"the optimizer state there is partly updated; "
+                                        rf"restart from the last checkpoint$"):
+        train(nvme, small, state, 1, 1, step)

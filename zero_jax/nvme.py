@@ -1,0 +1,502 @@
+"""ZeRO-Infinity's NVMe tier: the fp32 master and optimizer state in files, updated in chunks.
+
+With ``Offload(optimizer=1.0, nvme=Nvme(path))`` the compiled step stops after the gradient
+(``make_train_step``): the offloaded state is not an argument of any program. The update runs
+here, on the host, through each shard this process owns: a chunk of rows of the master and of
+every per-parameter part of the optimizer state is read from its files, updated by the same
+optax computation as in memory, and written back, while the next chunk is being read and the
+previous one written (DeepSpeed's pipelined swapper). At most ``Nvme.buffers`` chunks are alive
+at once, so the host holds buffers, not the state.
+
+Chunking by rows is exact when the optimizer is elementwise (SGD, momentum, Adam, AdamW, Lion):
+``check_elementwise`` reads that off the update's jaxpr and refuses the rest (global-norm
+clipping, Adafactor's factored moments), naming what it found.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.extend import core as jex_core
+
+from zero_jax.offload import Nvme  # noqa: F401 (the policy, re-exported)
+from zero_jax.rules import Leaf, Plan
+
+PyTree = Any
+
+
+# Primitives that keep their operands' shape yet mix their elements: a chunk of rows would see
+# only its own rows, so an update that uses one cannot be computed chunk by chunk.
+_MIXING = {"iota", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort", "rev",
+           "gather", "scatter", "scatter-add", "scatter_add", "dynamic_slice",
+           "dynamic_update_slice", "transpose", "reshape", "concatenate", "pad", "slice",
+           "squeeze", "expand_dims", "dot_general", "conv_general_dilated", "fft",
+           "random_bits", "random_seed", "random_wrap", "random_unwrap", "rng_bit_generator",
+           "argsort", "top_k", "reduce_precision_mixed"}
+
+
+def check_elementwise(update: Callable, *args: Any) -> None:
+    """Raise unless every array result of ``update(*args)`` is computed element by element from
+    the arrays of the same shape (scalars may be read anywhere): then the update of a chunk of
+    rows needs only those rows. Read off the jaxpr, control flow and calls included."""
+    closed = jax.make_jaxpr(update)(*args)
+    problem = _first_mixing(closed.jaxpr)
+    if problem:
+        raise ValueError(
+            f"the NVMe tier updates the optimizer state in chunks of rows, so the optimizer "
+            f"must be elementwise (SGD, Adam, AdamW, Lion; clip by value, not by global norm); "
+            f"this one uses {problem}: use Offload(optimizer=1.0) without nvme, or an "
+            f"elementwise optimizer")
+
+
+def _first_mixing(jaxpr) -> str | None:
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        subs = [v for v in eqn.params.values() if _is_jaxpr(v)]
+        subs += [b for v in eqn.params.values() if isinstance(v, tuple | list)
+                 for b in v if _is_jaxpr(b)]
+        for sub in subs:
+            found = _first_mixing(getattr(sub, "jaxpr", sub))
+            if found:
+                return found
+        if subs:
+            continue
+        shapes = {tuple(v.aval.shape) for v in eqn.invars
+                  if not isinstance(v, jex_core.Literal) and hasattr(v.aval, "shape")
+                  and v.aval.shape != ()}
+        outs = {tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")}
+        if name in _MIXING and (shapes or outs - {()}):
+            return f"'{name}'"
+        if len(shapes) > 1:
+            return f"'{name}' over arrays of shapes {sorted(shapes)}"
+        if shapes and outs == {()}:
+            return f"a reduction ('{name}' of a {list(shapes)[0]} array to a scalar)"
+    return None
+
+
+def _is_jaxpr(v) -> bool:
+    return isinstance(v, jex_core.Jaxpr | jex_core.ClosedJaxpr)
+
+
+@dataclasses.dataclass
+class _Shard:
+    """One unique piece of a parameter that this process updates: where it is, its files."""
+
+    leaf: int
+    index: tuple[slice, ...]
+    piece: tuple[int, ...]  # its shape
+    split: int  # the dimension its bands cut: rows are its elements before and along it
+    shape: tuple[int, int]  # as rows: (rows, elements per row), C order, as in its files
+    devices: list  # the devices holding this piece (replicas share one update)
+    files: dict[int | None, str]  # its master's (None) and optimizer-state leaves' files
+
+
+class Tier:
+    """The files, and the chunked update through them, for one process.
+
+    ``Tier(plan, tx)`` checks the path and the optimizer; ``take(state)`` writes a state's
+    master and optimizer state to the files and returns the state without them;
+    ``update(grads)`` runs the pipeline; ``give(state, shardings)`` reads them back into a
+    whole state (for a checkpoint, or to compare)."""
+
+    def __init__(self, plan: Plan, tx: optax.GradientTransformation):
+        self.plan, self.nvme = plan, plan.offload.nvme
+        self.tx = plan.optimizer(tx)
+        self.root = os.path.join(self.nvme.path, f"process{jax.process_index()}")
+        self._leaves: list[Leaf] = jax.tree.leaves(plan.leaves, is_leaf=lambda x: isinstance(
+            x, Leaf))
+        self._shapes = jax.tree.leaves(plan.shapes)
+        self._p_tree = jax.tree.structure(plan.shapes)
+        state_shape = jax.eval_shape(self.tx.init, plan.shapes)
+        self._s_flat, self._s_tree = jax.tree.flatten(state_shape)
+        # Per leaf of the state: the parameter it belongs to (-1: shared, like Adam's count).
+        owners = jax.tree.leaves(plan.map_opt_state(
+            tx, lambda x, i, leaf: i if x.shape == leaf.shape else -2,
+            jax.tree.unflatten(self._p_tree, list(range(len(self._shapes)))), -1))
+        for state_leaf, o in zip(self._s_flat, owners, strict=True):
+            if o == -2:
+                raise ValueError(
+                    f"the NVMe tier updates the optimizer state in chunks of rows; this "
+                    f"optimizer keeps state of shape {state_leaf.shape} for a parameter of "
+                    f"another shape (factored moments): use an elementwise optimizer")
+        self._owner: list[int] = owners
+        self._shared_idx = [j for j, o in enumerate(self._owner) if o < 0]
+        self._shards = self._layout()
+        self._check_optimizer()
+        self.check_path()
+        self._slots, self._nbands, self._rows = self._bands()
+        self._frozen = {i for i, leaf in enumerate(self._leaves) if leaf.frozen}
+        self._fns = {"band": self._band_fn(self._rows)}
+        self._cpu = jax.local_devices(backend="cpu")[0]
+        self.shared: list[np.ndarray] | None = None  # the shared state leaves, in memory
+        self.read_bytes = self.written_bytes = 0  # of the last update
+        self.high_water = 0  # the most chunk bytes alive at once, over all updates
+
+    # -- layout ------------------------------------------------------------------------------
+    def _layout(self) -> list[_Shard]:
+        specs = jax.tree.leaves(self.plan.opt_specs, is_leaf=lambda x: isinstance(
+            x, jax.sharding.PartitionSpec))
+        shards = []
+        # Rows small enough that one of every parameter's takes half a chunk at most.
+        row_budget = self.nvme.chunk_bytes / (2 * len(self._shapes)) / (
+            4 + sum(x.dtype.itemsize for x, o in zip(self._s_flat, self._owner, strict=True)
+                    if o >= 0) / max(1, len(self._shapes)))
+        for i, (shape, spec) in enumerate(zip(self._shapes, specs, strict=True)):
+            sharding = jax.sharding.NamedSharding(self.plan.mesh, spec)
+            pieces: dict[tuple, list] = collections.defaultdict(list)
+            for device, index in sharding.addressable_devices_indices_map(
+                    shape.shape).items():
+                key = tuple((s.start, s.stop) for s in index)
+                pieces[key].append((device, index))
+            for k, where in enumerate(pieces.values()):  # in the order of the devices
+                index = where[0][1]
+                piece = tuple(len(range(*s.indices(n))) for s, n in zip(index, shape.shape,
+                                                                       strict=True))
+                split = _split(piece, row_budget)
+                rows, row = math.prod(piece[:split + 1]), math.prod(piece[split + 1:])
+                parts = [None] + [j for j, o in enumerate(self._owner) if o == i]
+                name = lambda j: "master" if j is None else f"state{j}"
+                files = {j: os.path.join(self.root, f"{i:04d}-{name(j)}-{k}.bin") for j in parts}
+                shards.append(_Shard(i, index, piece, split, (rows, row),
+                                     [d for d, _ in where], files))
+        return shards
+
+    def _row_bytes(self, shard: _Shard) -> int:
+        """Bytes of one row across the files of a piece (master and state parts)."""
+        return sum(shard.shape[1] * np.dtype(self._dtype(j)).itemsize for j in shard.files)
+
+    def _dtype(self, part: int | None):
+        return jnp.float32 if part is None else self._s_flat[part].dtype
+
+    @property
+    def bytes(self) -> int:
+        """The bytes this process keeps in files."""
+        return sum(s.shape[0] * self._row_bytes(s) for s in self._shards)
+
+    @property
+    def files(self) -> list[str]:
+        return [f for s in self._shards for f in s.files.values()]
+
+    def check_path(self) -> None:
+        """One clear error, before anything is written, for a path that cannot hold the
+        state: missing, not a directory, not writable, or without the room."""
+        path = self.nvme.path
+        if not os.path.isdir(path):
+            raise ValueError(f"NVMe path {path} is not an existing directory: create it on a "
+                             f"local disk, or set another")
+        try:  # root passes os.access everywhere; a read-only file system still refuses
+            os.close(fd := os.open(probe := os.path.join(path, ".zero_jax-probe"),
+                                   os.O_CREAT | os.O_WRONLY, 0o600))
+            os.remove(probe)
+        except OSError as e:
+            raise ValueError(f"NVMe path {path} is not writable ({e.strerror}): set a "
+                             f"directory you can write to") from None
+        del fd
+        existing = sum(os.path.getsize(f) for f in self.files if os.path.exists(f))
+        free = shutil.disk_usage(path).free + existing
+        if free < self.bytes:
+            raise ValueError(f"NVMe path {path} has {free / 2**30:.3f} GiB free; this "
+                             f"process's optimizer state needs {self.bytes / 2**30:.3f} GiB: "
+                             f"free space there, or spread the state over more devices")
+
+    # -- the update of one chunk --------------------------------------------------------------
+    def _optimize(self, grads, opt_state, master):
+        updates, opt_state = self.tx.update(grads, opt_state, master)
+        return optax.apply_updates(master, updates), opt_state
+
+    def _check_optimizer(self) -> None:
+        local = {s.leaf: s.shape for s in self._shards}
+        grads = [jax.ShapeDtypeStruct(self._piece_shape(i, local[i][0]), jnp.float32)
+                 for i in range(len(self._shapes))]
+        state = [jax.ShapeDtypeStruct(x.shape, x.dtype) if o < 0 else
+                 jax.ShapeDtypeStruct(self._piece_shape(o, local[o][0]), x.dtype)
+                 for x, o in zip(self._s_flat, self._owner, strict=True)]
+        check_elementwise(lambda g, s, m: self._optimize(
+            self._p_tree.unflatten(g), self._s_tree.unflatten(s), self._p_tree.unflatten(m)),
+            grads, state, grads)
+
+    def _piece_shape(self, i: int, rows: int) -> tuple[int, ...]:
+        """The shape that ``rows`` rows of parameter ``i``'s piece are handed to the optimizer
+        in: its rank and the dimensions after its split kept (masks by rank or shape still
+        apply), ones before. A scalar stays a scalar."""
+        s = next(s for s in self._shards if s.leaf == i)
+        if not s.piece:
+            return ()
+        return (1,) * s.split + (rows,) + s.piece[s.split + 1:]
+
+    def _bands(self) -> tuple[list[dict[int, _Shard]], int, list[int]]:
+        """The update's work: per slot (the k-th piece of every parameter: one device's share),
+        ``bands`` bands, each ``rows[i]`` rows of every parameter ``i`` (zeros past its end),
+        about ``Nvme.chunk_bytes`` together."""
+        slots: list[dict[int, _Shard]] = []
+        for s in self._shards:
+            k = sum(1 for t in self._shards[:self._shards.index(s)] if t.leaf == s.leaf)
+            if k == len(slots):
+                slots.append({})
+            slots[k][s.leaf] = s
+        first = slots[0]
+        total = sum(s.shape[0] * self._row_bytes(s) for s in first.values())
+        bands = max(1, min(-(-2 * total // self.nvme.chunk_bytes),
+                           max(s.shape[0] for s in first.values())))
+        rows = [-(-first[i].shape[0] // bands) if i in first else 1
+                for i in range(len(self._shapes))]
+        return slots, bands, rows
+
+    def _band_fn(self, rows: list[int]) -> Callable:
+        """``fn(grads, masters, states) -> (masters, states, computes)`` over one band: the
+        optimizer over the whole parameter tree, each leaf ``rows[i]`` rows of its piece, so
+        that XLA sees the program it sees in memory (it rewrites Adam's divisions by the bias
+        corrections differently when fewer leaves share them), and rounds the same."""
+        compute = self.plan.precision.compute
+        band = [self._piece_shape(i, r) for i, r in enumerate(rows)]
+
+        def fn(grads, masters, states):
+            new_m, new_s = self._optimize(self._p_tree.unflatten(grads),
+                                          self._s_tree.unflatten(states),
+                                          self._p_tree.unflatten(masters))
+            new_m = jax.tree.leaves(new_m)
+            return new_m, jax.tree.leaves(new_s), [m.astype(compute) for m in new_m]
+
+        self._band = band
+        return jax.jit(fn)  # runs where its arguments are: the host's CPU
+
+    # -- files --------------------------------------------------------------------------------
+    def take(self, state):
+        """Write ``state``'s master and optimizer state to the files; return the state without
+        them (``master`` and ``opt_state`` None), the shared scalars kept here."""
+        os.makedirs(self.root, exist_ok=True)
+        masters, states = jax.tree.leaves(state.master), jax.tree.leaves(state.opt_state)
+        for s in self._shards:
+            for part, f in s.files.items():
+                _write_all(f, _local(masters[s.leaf] if part is None else states[part], s))
+        self.shared = [np.asarray(states[j]) for j in self._shared_idx]
+        self._write_meta()
+        return state._replace(master=None, opt_state=None)
+
+    def give(self, state, shardings):
+        """``state`` with its master and optimizer state read back from the files, laid out by
+        ``shardings`` (``state_shardings``'s): for a checkpoint, or to compare."""
+        m_sh, s_sh = jax.tree.leaves(shardings.master), jax.tree.leaves(shardings.opt_state)
+        pieces: dict[tuple[int, int | None], list] = collections.defaultdict(list)
+        for s in self._shards:
+            for part, f in s.files.items():
+                piece = np.fromfile(f, self._dtype(part)).reshape(s.piece)
+                pieces[(s.leaf, part)] += [jax.device_put(piece, d) for d in s.devices]
+        masters: list[Any] = [None] * len(self._shapes)
+        states: list[Any] = [None] * len(self._s_flat)
+        for (i, part), arrays in pieces.items():
+            sh, x = (m_sh[i], self._shapes[i]) if part is None else (s_sh[part],
+                                                                      self._s_flat[part])
+            whole = jax.make_array_from_single_device_arrays(
+                x.shape, jax.sharding.NamedSharding(sh.mesh, sh.spec), arrays)
+            (masters if part is None else states)[i if part is None else part] = \
+                jax.device_put(whole, sh)
+        for j, value in zip(self._shared_idx, self.shared, strict=True):
+            states[j] = jax.device_put(value, s_sh[j])
+        return state._replace(master=self._p_tree.unflatten(masters),
+                              opt_state=self._s_tree.unflatten(states))
+
+    def _write_meta(self) -> None:
+        meta = [{"file": os.path.basename(f), "parameter": self._leaves[s.leaf].path,
+                 "part": "master" if part is None else f"optimizer state leaf {part}",
+                 "rows": s.shape[0], "row_elements": s.shape[1]}
+                for s in self._shards for part, f in s.files.items()]
+        with open(os.path.join(self.root, "layout.json"), "w") as fh:
+            json.dump({"files": meta}, fh, indent=1)
+
+    # -- the pipeline -------------------------------------------------------------------------
+    def update(self, grads: PyTree) -> dict[int, list[jax.Array]]:
+        """``_update``, with a failed read or write said in one line."""
+        try:
+            return self._update(grads)
+        except OSError as e:
+            raise NvmeError(
+                f"the NVMe tier's files under {self.root} failed mid-step ({e}): the optimizer "
+                f"state there is partly updated; restart from the last checkpoint") from None
+
+    def _update(self, grads: PyTree) -> dict[int, list[jax.Array]]:
+        """One optimizer step over every piece this process owns, band by band: band k+1 is
+        read and band k-1 written while band k is updated, at most ``Nvme.buffers`` bands
+        alive. Returns each trained parameter's new compute copy, as the single-device arrays
+        of its pieces, each put on its devices as soon as its slot is done."""
+        flat = jax.tree.leaves(grads)
+        buffers = _Buffers(self.nvme.buffers)
+        self.read_bytes = self.written_bytes = 0
+        out: dict[int, list[jax.Array]] = collections.defaultdict(list)
+        with ThreadPoolExecutor(1) as reader, ThreadPoolExecutor(1) as writer:
+            writes: list[Future] = []
+            reads = collections.deque(reader.submit(self._read, slot, k, buffers)
+                                      for slot in self._slots for k in range(self._nbands))
+            try:
+                for slot in self._slots:
+                    mine = [i for i in slot if i not in self._frozen]
+                    g = {i: _local(flat[i], slot[i]).reshape(slot[i].shape) for i in mine}
+                    computes = {i: np.empty(slot[i].shape, self.plan.precision.compute)
+                                for i in mine}
+                    for k in range(self._nbands):
+                        new, shared = self._update_band(slot, k, reads.popleft().result(), g,
+                                                        computes)
+                        writes.append(writer.submit(self._write, slot, k, new, buffers))
+                        self.read_bytes += self._size(slot, k)
+                        self.written_bytes += self._size(slot, k)
+                    for i in mine:
+                        piece = computes[i].reshape(slot[i].piece)
+                        out[i] += [jax.device_put(piece, d) for d in slot[i].devices]
+                for w in writes:
+                    w.result()  # a failed write raises here
+            except BaseException:
+                buffers.abort(len(reads))  # the reader may wait for a buffer never freed
+                raise
+        self.high_water = max(self.high_water, buffers.high_water)
+        self.shared = shared
+        return out
+
+    def _update_band(self, slot: dict[int, _Shard], k: int, got: dict, g: dict,
+                     computes: dict) -> tuple[dict, list]:
+        """Band ``k`` of ``slot`` through the optimizer: its new rows of each file, and the
+        new shared state; its rows of the compute copy go into ``computes``."""
+        rows, n = self._rows, len(self._shapes)
+        zeros = lambda i, dtype: np.zeros(self._band[i], dtype)
+        band_g = [zeros(i, np.float32) for i in range(n)]
+        for i in g:
+            a, b = self._span(slot[i], k)
+            band_g[i].reshape(rows[i], -1)[:max(0, b - a)] = g[i][a:b]
+        masters = [got[i, None].reshape(self._band[i]) if (i, None) in got else
+                   zeros(i, np.float32) for i in range(n)]
+        shared = iter(self.shared)
+        states = [next(shared) if o < 0 else got[o, j].reshape(self._band[o])
+                  if (o, j) in got else zeros(o, x.dtype)
+                  for j, (x, o) in enumerate(zip(self._s_flat, self._owner, strict=True))]
+        new_m, new_s, new_c = self._fns["band"](*jax.device_put((band_g, masters, states),
+                                                                self._cpu))
+        new = {}
+        for i, p in got:
+            a, b = self._span(slot[i], k)
+            new[i, p] = np.asarray(new_m[i] if p is None else new_s[p]).reshape(
+                rows[i], -1)[:b - a]
+            if p is None:
+                computes[i][a:b] = np.asarray(new_c[i]).reshape(rows[i], -1)[:b - a]
+        return new, [np.asarray(new_s[j]) for j in self._shared_idx]
+
+    def _span(self, s: _Shard, k: int) -> tuple[int, int]:
+        """The rows of piece ``s`` in band ``k`` (empty past its end)."""
+        r = self._rows[s.leaf]
+        return k * r, min(s.shape[0], (k + 1) * r)
+
+    def _size(self, slot: dict[int, _Shard], k: int) -> int:
+        """Bytes of band ``k`` of ``slot`` in the files (trained parameters only)."""
+        return sum(max(0, b - a) * self._row_bytes(s) for s in slot.values()
+                   if s.leaf not in self._frozen for a, b in [self._span(s, k)])
+
+    def _read(self, slot: dict[int, _Shard], k: int, buffers: _Buffers) -> dict:
+        if not buffers.take(self._size(slot, k)):
+            return {}
+        got = {}
+        for i, s in slot.items():
+            a, b = self._span(s, k)
+            if i not in self._frozen and b > a:
+                for p, f in s.files.items():
+                    got[i, p] = _read_rows(f, self._dtype(p), a, b - a, s.shape[1],
+                                           self._rows[i])
+        return got
+
+    def _write(self, slot: dict[int, _Shard], k: int, new: dict, buffers: _Buffers) -> None:
+        try:
+            for (i, p), x in new.items():
+                _write_rows(slot[i].files[p], x, self._span(slot[i], k)[0] * slot[i].shape[1])
+        finally:
+            buffers.free(self._size(slot, k))
+
+
+
+class _Buffers:
+    """At most ``n`` bands alive: a read waits for a buffer, a finished write frees one."""
+
+    def __init__(self, n: int):
+        self._free, self._stop, self._lock = threading.Semaphore(n), threading.Event(), \
+            threading.Lock()
+        self.alive = self.high_water = 0
+
+    def take(self, nbytes: int) -> bool:
+        self._free.acquire()
+        if self._stop.is_set():
+            return False
+        with self._lock:
+            self.alive += nbytes
+            self.high_water = max(self.high_water, self.alive)
+        return True
+
+    def free(self, nbytes: int) -> None:
+        with self._lock:
+            self.alive -= nbytes
+        self._free.release()
+
+    def abort(self, waiting: int) -> None:
+        self._stop.set()
+        for _ in range(waiting + 1):
+            self._free.release()
+
+
+class NvmeError(RuntimeError):
+    """A read or write of the NVMe tier's files failed during a step."""
+
+
+def _split(piece: tuple[int, ...], budget: float) -> int:
+    """The first dimension whose trailing dimensions hold at most ``budget`` elements (the
+    last, if none)."""
+    for d in range(len(piece)):
+        if math.prod(piece[d + 1:]) <= budget:
+            return d
+    return max(0, len(piece) - 1)
+
+
+def _local(x: jax.Array, s: _Shard) -> np.ndarray:
+    """The piece ``s`` of the global array ``x``, from a device of this process holding it."""
+    for shard in x.addressable_shards:
+        if shard.device == s.devices[0]:
+            return np.asarray(shard.data)
+    raise AssertionError("a piece with no local device")
+
+
+def _write_all(path: str, x: np.ndarray) -> None:
+    with open(path, "wb") as fh:
+        fh.write(np.ascontiguousarray(x).tobytes())
+
+
+def _read_rows(path: str, dtype, first: int, rows: int, row: int, pad_to: int) -> np.ndarray:
+    """Rows ``first`` to ``first + rows`` of a file of ``row``-element rows, then zero rows up
+    to ``pad_to`` rows."""
+    itemsize = np.dtype(dtype).itemsize
+    out = np.zeros(pad_to * row, dtype)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = os.preadv(fd, [memoryview(out[:rows * row]).cast("B")], first * row * itemsize)
+    finally:
+        os.close(fd)
+    if got != rows * row * itemsize:
+        raise OSError(f"{path}: short read ({got} of {rows * row * itemsize} bytes)")
+    return out
+
+
+def _write_rows(path: str, x: np.ndarray, first_element: int) -> None:
+    x = np.ascontiguousarray(x)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        done = os.pwrite(fd, memoryview(x).cast("B"), first_element * x.itemsize)
+    finally:
+        os.close(fd)
+    if done != x.nbytes:
+        raise OSError(f"{path}: short write ({done} of {x.nbytes} bytes)")
