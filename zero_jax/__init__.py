@@ -26,7 +26,7 @@ from zero_jax.step import make_train_step
 
 keep_remat_barriers()  # before jax starts its backend, if it has not yet
 
-__all__ = ["STAGES", "Checkpoints", "Comm", "Layers", "Nvme", "Offload", "Plan", "Precision", "Rule",
-           "TrainState", "Weighted", "abstract_state", "device_key", "init_state", "make_grad_fn",
-           "make_mesh", "make_plan", "make_train_step", "modules_pattern", "nnx_merge",
-           "remat_policy", "state_shardings", "state_specs", "tensor_parallel_rules"]
+__all__ = ["STAGES", "Checkpoints", "Comm", "Layers", "Nvme", "Offload", "Plan", "Precision",
+           "Rule", "TrainState", "Weighted", "abstract_state", "device_key", "init_state",
+           "make_grad_fn", "make_mesh", "make_plan", "make_train_step", "modules_pattern",
+           "nnx_merge", "remat_policy", "state_shardings", "state_specs", "tensor_parallel_rules"]
