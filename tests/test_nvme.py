@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import KEY
+from conftest import KEY, example
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from lm import LAYERS
@@ -179,3 +179,15 @@ def test_a_file_lost_mid_run_is_one_line(mesh, small, tmp_path):
                                         rf"the optimizer state there is partly updated; "
                                         rf"restart from the last checkpoint$"):
         train(nvme, small, state, 1, 1, step)
+
+
+def test_the_guides_example_runs_as_written(mesh, small, tmp_path):
+    _, init, loss_fn, batches = small
+    ns = {"params_shape": jax.eval_shape(init, KEY), "mesh": mesh, "init_params": init,
+          "tx": ADAMW, "key": KEY, "loss_fn": loss_fn,
+          "batch": jax.device_put(batches[0], NamedSharding(mesh, P("data")))}
+    code = example("docs/guides/nvme.md", "nvme").replace('"/local/nvme"', repr(str(tmp_path)))
+    exec(compile(code, "docs/guides/nvme.md", "exec"), ns)
+    assert ns["state"].opt_state is None and ns["plan"].blocks == ["blocks"]
+    assert float(ns["metrics"]["loss"]) == host_run(mesh, small, 3, tmp_path)[1][0]
+    assert len(os.listdir(tmp_path / "process0")) == len(ns["step"].tier.files) + 1

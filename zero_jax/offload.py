@@ -188,7 +188,7 @@ class Nvme:
     read ahead, one updated, one being written; DeepSpeed's ``buffer_count``)."""
 
     path: str
-    chunk_mb: float = 16.0
+    chunk_mb: float = 64.0
     buffers: int = 4
 
     def __post_init__(self):

@@ -304,8 +304,8 @@ def _check_zero(config: dict) -> None:
     for key, device in [("offload_optimizer.device", off["device"]),
                         ("offload_params", z["offload_params"])]:
         if device not in ("none", "cpu"):
-            raise ConfigError(f"zero.{key} must be none or cpu (got {device!r}); NVMe is not "
-                              f"reachable through JAX's memory kinds")
+            raise ConfigError(f"zero.{key} must be none or cpu (got {device!r}); the NVMe "
+                              f"tier is in the library only (zero_jax.Nvme), not in train.py")
     if z["offload_params"] == "cpu" and (z["stage"] != 3 or off["device"] != "cpu"
                                          or off["ratio"] != 1):
         raise ConfigError("zero.offload_params cpu needs stage 3 and the whole optimizer "

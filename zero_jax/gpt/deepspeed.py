@@ -159,7 +159,8 @@ def _offload(m: Mapping) -> None:
             continue
         if device == "nvme":
             raise m.refuse(f"{ds_key}.device", "is nvme: the NVMe tier (ZeRO-Infinity) is not "
-                           "built in zero_jax; use \"cpu\" (host memory) or \"none\"")
+                           "offered by train.py (library only: zero_jax.Nvme); use \"cpu\" "
+                           "(host memory) or \"none\"")
         if device not in ("cpu", "none"):
             raise m.refuse(f"{ds_key}.device", f"must be cpu or none (got {device!r})")
         m.set(f"{ds_key}.device", key, device)
