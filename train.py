@@ -753,9 +753,11 @@ class Saver(Hook):
     """A hook: save at --save-every, at the last step and on a stop signal, unless the
     divergence guard is in a streak of bad steps; report finished saves."""
 
-    def __init__(self, ckpts, every: int, last: int, stop: Stop, guard: Guard, bar, meta):
+    def __init__(self, ckpts, every: int, last: int, stop: Stop, guard: Guard, bar, meta,
+                 whole=lambda state: state):
         self.ckpts, self.every, self.last, self.stop = ckpts, every, last, stop
         self.guard, self.bar, self.meta = guard, bar, meta
+        self.whole = whole  # the state to save: with the NVMe tier, read back from its files
         self.saved: int | None = None  # the newest step saved
         self.n, self.state = None, None  # the newest step trained, for a stop signal's save
 
@@ -768,7 +770,7 @@ class Saver(Hook):
 
     def save(self) -> None:
         if self.saved != self.n and self.guard.bad_from is None:
-            self.ckpts.save(self.state, self.meta(self.n))
+            self.ckpts.save(self.whole(self.state), self.meta(self.n))
             self.saved = self.n
             self.bar.write(f"saving checkpoint {self.n} (training goes on)")
 
@@ -907,7 +909,7 @@ def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
     if start.ckpts:  # before the outputs: a step whose record cannot be written is saved
         hooks.append(saver := Saver(start.ckpts, args.save_every, t["steps"], stop, guard,
                                     bar, lambda n: checkpoint_meta(exp, cfg, args, start.seed,
-                                                                   n)))
+                                                                   n), whole_state(step, target)))
     if args.metrics and jax_primary():
         hooks.append(MetricsFile(args.metrics, first, start.records))
     if args.tensorboard and jax_primary():
@@ -936,6 +938,13 @@ def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
     if guard.bad_from is not None:  # max_bad_steps in a row, or the run ended in a streak
         return diverged(t["max_bad_steps"], guard, done_steps, start.ckpts)
     return done(exp, t["steps"], first, tally, time.perf_counter() - tick)
+
+
+def whole_state(step, target):
+    """What a checkpoint saves of a trained state: itself, or with the NVMe tier, the state
+    with its master and optimizer state read back from the files (laid out as ``target``)."""
+    tier = getattr(step, "tier", None)
+    return (lambda state: state) if tier is None else (lambda state: tier.give(state, target))
 
 
 def loop(exp, step, state, start: Start, t: dict, bar, rows, hooks: list, guard: Guard,

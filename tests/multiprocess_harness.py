@@ -40,13 +40,21 @@ LAYOUTS["hier-adamw"] = ["zero.stage=3", "zero.zero3_size=4", "optimizer.name=ad
 # Tensor parallelism within a process (its 4 devices one model group), ZeRO across processes.
 LAYOUTS["tp4-stage3-sgd"] = ["zero.stage=3", "optimizer.name=sgd", "mesh.tensor_parallel=4",
                              "model.n_heads=4"]
+# ZeRO-Infinity's NVMe tier, each process its own files, against the same update in host memory.
+ADAMW_HOST = ["zero.stage=2", "optimizer.name=adamw", "optimizer.clip_norm=0",
+              "zero.offload_optimizer.device=cpu"]
+LAYOUTS["stage2-adamw-host"] = ADAMW_HOST
+LAYOUTS["stage2-adamw-nvme"] = [*ADAMW_HOST, "zero.offload_optimizer.device=nvme"]
 # Only built, to restore the 2-process checkpoint into: another stage of the same optimizer.
 RESTORE_ONLY = {"stage1-adamw": ["zero.stage=1", "optimizer.name=adamw"]}
 CKPT_LAYOUT = "stage3-adamw"  # saved after STEPS, restored across process counts
 
 
-def build(layout: str) -> Experiment:
-    cfg = configs.load("tiny", TINY + {**LAYOUTS, **RESTORE_ONLY}[layout] +
+def build(layout: str, out: pathlib.Path | None = None) -> Experiment:
+    """The layout's experiment; an NVMe layout keeps its files under ``out/nvme``."""
+    nvme = [f"zero.offload_optimizer.nvme_path={out / 'nvme'}"] if layout.endswith("nvme") \
+        else []
+    cfg = configs.load("tiny", TINY + {**LAYOUTS, **RESTORE_ONLY}[layout] + nvme +
                        [f"train.steps={2 * STEPS}"])
     return Experiment.build(cfg, mesh_for(cfg, None))
 
@@ -83,8 +91,9 @@ def run(out: pathlib.Path, reference_ckpt: str | None) -> dict:
     tokens = data.stdlib_corpus(1 << 16)
     results: dict = {"losses": {}}
     hosts = {}  # the initial parameters, once per model: each layout only places them
+    (out / "nvme").mkdir(exist_ok=True)
     for layout in LAYOUTS:
-        exp = build(layout)
+        exp = build(layout, out)
         if exp.model not in hosts:
             hosts[exp.model] = jax.tree.map(np.asarray, jax.jit(exp.init)(jax.random.key(0)))
         host = hosts[exp.model]

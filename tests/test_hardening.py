@@ -252,7 +252,12 @@ ROWS = [
      "config key optimizer.lr must be a float, got 'fast'"),
     ("remat policy", [*T, "--set", "model.remat=some"], None, "model.remat must be one of full"),
     ("offload nvme", [*T, "--set", "zero.offload_optimizer.device=nvme"], None,
-     "zero.offload_optimizer.device must be none or cpu"),
+     "zero.offload_optimizer.device nvme keeps the whole optimizer in files: set "
+     "zero.offload_optimizer.nvme_path=DIR"),
+    ("nvme path", [*T, "--set", "zero.offload_optimizer.device=nvme", "--set",
+                   "zero.offload_optimizer.nvme_path=/no/such/dir", "--set",
+                   "optimizer.clip_norm=0"], None,
+     "NVMe path /no/such/dir is not an existing directory"),
     ("offload ratio 2", [*T, "--set", "zero.offload_optimizer.ratio=2"], None,
      "zero.offload_optimizer.ratio is the fraction"),
     ("params no optimizer", [*T, "--set", "zero.offload_params=cpu"], None,
@@ -333,7 +338,8 @@ ROWS = [
      "zero_optimization.zero_quantized_nontrainable_weights is not supported by zero_jax"),
     ("deepspeed nvme", [*T, "--deepspeed-config", "{w}/ds.json"],
      deepspeed({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}),
-     "zero_optimization.offload_param.device is nvme: the NVMe tier (ZeRO-Infinity) is not"),
+     "zero_optimization.offload_param.device is nvme: the NVMe tier (ZeRO-Infinity) holds "
+     "the optimizer's state, not the parameters"),
     ("deepspeed auto", [*T, "--deepspeed-config", "{w}/ds.json"],
      deepspeed({"train_batch_size": "auto"}), "train_batch_size is \"auto\""),
     ("deepspeed batch", [*T, "--deepspeed-config", "{w}/ds.json"],

@@ -53,6 +53,19 @@ def test_two_processes_train_like_one(runs, layout):
     assert b[-1] < b[0]  # it trains
 
 
+def test_the_nvme_tier_in_two_processes_equals_host_memory(runs):
+    """Each process updates its own pieces through its own files: bit for bit the losses of
+    the same update in host memory, in one process and in two."""
+    one, two, ref, results = runs
+    for losses in (results["losses"], ref["losses"]):  # two processes, then one
+        assert losses["stage2-adamw-nvme"] == losses["stage2-adamw-host"]
+    assert sorted(p.name for p in (two / "nvme").iterdir()) == ["process0", "process1"]
+    assert [p.name for p in (one / "nvme").iterdir()] == ["process0"]
+    for process in (two / "nvme").iterdir():  # each wrote its own pieces, and named them
+        assert len(list(process.glob("*.bin"))) == len(json.loads(
+            (process / "layout.json").read_text())["files"]) > 0
+
+
 def test_hierarchical_keeps_the_loop_within_a_process(runs):
     _, _, one, two = runs
     r = two["report"]

@@ -7,7 +7,10 @@ checkpoints across the tiers; bad paths, failed files and unchunkable optimizers
 one line.
 """
 
+import json
 import os
+import shutil
+import sys
 import tracemalloc
 from types import SimpleNamespace
 
@@ -17,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import KEY, example
+from conftest import KEY, ROOT, example
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from lm import LAYERS
@@ -191,3 +194,37 @@ def test_the_guides_example_runs_as_written(mesh, small, tmp_path):
     assert ns["state"].opt_state is None and ns["plan"].blocks == ["blocks"]
     assert float(ns["metrics"]["loss"]) == host_run(mesh, small, 3, tmp_path)[1][0]
     assert len(os.listdir(tmp_path / "process0")) == len(ns["step"].tier.files) + 1
+
+
+def test_train_py_trains_resumes_and_reports_with_the_tier(tmp_path, monkeypatch, capsys):
+    """``zero.offload_optimizer.device nvme``: the same losses as ``cpu``; a checkpoint of it
+    resumes into either tier with the same losses; the report names the files."""
+    sys.path.insert(0, str(ROOT))
+    import train as cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "nvme").mkdir()
+    base = ["--config", "tiny", "--set", "model.n_layers=1", "--set", "optimizer.clip_norm=0",
+            "--set", "zero.offload_optimizer.nvme_path=nvme"]
+    losses = {}
+
+    def run(device, steps, *more):
+        out = tmp_path / f"{device}-{steps}.jsonl"
+        assert cli.main([*base, "--set", f"zero.offload_optimizer.device={device}", "--steps",
+                         str(steps), "--metrics", str(out), *more]) == 0
+        return [json.loads(line)["loss"] for line in out.read_text().splitlines()]
+
+    for device in ("cpu", "nvme"):
+        losses[device] = run(device, 4, "--checkpoint-dir", f"ck-{device}", "--save-every", "2")
+    assert losses["nvme"] == losses["cpu"] and len(losses["cpu"]) == 4
+    want = run("cpu", 6, "--checkpoint-dir", "ck-cpu", "--resume")  # steps 5-6
+    for device in ("cpu", "nvme"):  # the NVMe run's checkpoint 4, into each tier
+        shutil.copytree(tmp_path / "ck-nvme", tmp_path / f"from-nvme-{device}")
+        assert run(device, 6, "--checkpoint-dir", f"from-nvme-{device}", "--resume") == want
+    assert len(want) == 2
+    capsys.readouterr()
+    assert cli.main([*base, "--set", "zero.offload_optimizer.device=nvme", "--dry-run",
+                     "--report", "r.json"]) == 0
+    assert "in files under nvme (the NVMe tier)" in capsys.readouterr().out
+    report = json.loads((tmp_path / "r.json").read_text())["offload"]["nvme"]
+    assert report["swapped_bytes_per_step"] == 2 * sum(report["file_bytes"].values()) > 0

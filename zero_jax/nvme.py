@@ -288,8 +288,10 @@ class Tier:
 
     def give(self, state, shardings):
         """``state`` with its master and optimizer state read back from the files, laid out by
-        ``shardings`` (``state_shardings``'s): for a checkpoint, or to compare."""
-        m_sh, s_sh = jax.tree.leaves(shardings.master), jax.tree.leaves(shardings.opt_state)
+        ``shardings`` (``state_shardings``'s, or an ``abstract_state``): for a checkpoint, or
+        to compare."""
+        sharding = lambda tree: [getattr(x, "sharding", x) for x in jax.tree.leaves(tree)]
+        m_sh, s_sh = sharding(shardings.master), sharding(shardings.opt_state)
         pieces: dict[tuple[int, int | None], list] = collections.defaultdict(list)
         for s in self._shards:
             for part, f in s.files.items():
@@ -402,15 +404,22 @@ class Tier:
                    if s.leaf not in self._frozen for a, b in [self._span(s, k)])
 
     def _read(self, slot: dict[int, _Shard], k: int, buffers: _Buffers) -> dict:
+        """Band ``k`` of ``slot``, once a buffer is free; and the kernel asked to start reading
+        band k+1 (a band reads a little of many files, which its own read-ahead misses)."""
         if not buffers.take(self._size(slot, k)):
             return {}
         got = {}
         for i, s in slot.items():
-            a, b = self._span(s, k)
-            if i not in self._frozen and b > a:
-                for p, f in s.files.items():
+            if i in self._frozen:
+                continue
+            (a, b), (c, d) = self._span(s, k), self._span(s, k + 1)
+            for p, f in s.files.items():
+                if b > a:
                     got[i, p] = _read_rows(f, self._dtype(p), a, b - a, s.shape[1],
                                            self._rows[i])
+                if d > c:
+                    _will_need(f, c * s.shape[1] * np.dtype(self._dtype(p)).itemsize,
+                               (d - c) * s.shape[1] * np.dtype(self._dtype(p)).itemsize)
         return got
 
     def _write(self, slot: dict[int, _Shard], k: int, new: dict, buffers: _Buffers) -> None:
@@ -489,6 +498,14 @@ def _read_rows(path: str, dtype, first: int, rows: int, row: int, pad_to: int) -
     if got != rows * row * itemsize:
         raise OSError(f"{path}: short read ({got} of {rows * row * itemsize} bytes)")
     return out
+
+
+def _will_need(path: str, offset: int, nbytes: int) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
 
 
 def _write_rows(path: str, x: np.ndarray, first_element: int) -> None:

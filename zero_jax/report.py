@@ -143,8 +143,8 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None,
         compiled, peak = compile_with_peak(lowered)
     mesh, rule, prec = plan.mesh, plan.rule, plan.precision
     psi = sum(math.prod(p.shape) for p in jax.tree.leaves(state.params))
-    c = prec.compute.itemsize
     actual, zero, host, zero_host = model_states(plan, state)
+    nvme = nvme_files(plan, host, zero_host)  # takes its bytes out of the host tables
     memory = compiled.memory_analysis()
     found = collectives(compiled.as_text(), mesh.size)
     groups = collective_groups(found, mesh)
@@ -158,7 +158,7 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None,
         "mesh": dict(mesh.shape),
         "platform": mesh.devices.flat[0].platform,
         "n_params": psi,
-        "param_bytes": psi * c,  # one whole compute copy of the parameters
+        "param_bytes": psi * prec.compute.itemsize,  # one whole compute copy of the parameters
         "precision": {"param_dtype": prec.compute.name, "reduce_dtype": prec.reduce.name,
                       "grad_dtype": jnp.dtype(plan.grad_dtype).name,
                       "master": plan.has_master, "accum_steps": plan.accum_steps,
@@ -169,7 +169,7 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None,
         "zero_formula_host_bytes": zero_host,
         "offload": {"optimizer_leaves": [leaf.path for leaf in jax.tree.leaves(
                         plan.leaves, is_leaf=lambda x: hasattr(x, "offload")) if leaf.offload],
-                    "params": plan.offload.params},
+                    "params": plan.offload.params, "nvme": nvme},
         # XLA's figures; the CPU backend counts host buffers as device ones (its host_* are 0).
         "compiled": {f"{k}_bytes": getattr(memory, f"{k}_size_in_bytes") for k in (
             "argument", "output", "temp", "alias", "host_argument", "host_output", "host_temp")},
@@ -191,9 +191,24 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None,
         "comm_theory_formula": formula,
         "comm_bytes_theory_by_axes": by_axes,
         "peak": None if peak is None else {**peak, "expected": peak_expected(plan)},
-        **layout(plan, state, found, held_whole(plan, peak, psi * c)),
+        **layout(plan, state, found, held_whole(plan, peak, psi * prec.compute.itemsize)),
         **saved_activations(plan, block_input),
     }
+
+
+def nvme_files(plan: Plan, host: dict, zero_host: dict) -> dict | None:
+    """With the NVMe tier, per device: the bytes of master and optimizer state in files (taken
+    out of the host tables, where they only stream through), read and written once a step,
+    and the host buffers per process."""
+    nvme = plan.offload.nvme
+    if nvme is None:
+        return None
+    in_files = {k: host[k] for k in ("master", "opt_state")}
+    for table in (host, zero_host):
+        table.update(master=0, opt_state=0)
+    return {"path": nvme.path, "file_bytes": in_files,
+            "swapped_bytes_per_step": 2 * sum(in_files.values()),
+            "buffer_bytes": nvme.buffers * nvme.chunk_bytes}
 
 
 def layout(plan: Plan, state: PyTree, found: list, more: list[str] = ()) -> dict:
@@ -474,8 +489,14 @@ def _states_lines(r: dict) -> list[str]:
                  f"{sum(r['zero_formula_bytes'].values()) / MiB:>14.2f}"
                  + (f"{sum(host.values()) / MiB:>12.2f}{sum(zero_host.values()) / MiB:>12.2f}"
                     if offloaded else ""))
-    if offloaded:
-        leaves = r["offload"]["optimizer_leaves"]
+    nvme, leaves = r["offload"]["nvme"], r["offload"]["optimizer_leaves"]
+    if nvme:
+        lines.append(f"  in files under {nvme['path']} (the NVMe tier): master and optimizer "
+                     f"state of {len(leaves)} leaves, "
+                     f"{sum(nvme['file_bytes'].values()) / MiB:.2f} MiB per device, read and "
+                     f"written once a step through {nvme['buffer_bytes'] / MiB:.0f} MiB of "
+                     f"host buffers per process")
+    elif offloaded:
         lines.append(f"  offloaded to host memory: master and optimizer state of {len(leaves)} "
                      f"leaves (updated there)" + (", parameter shards" if r["offload"]["params"]
                                                   else ""))

@@ -151,7 +151,7 @@ def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformat
 
     replicated = NamedSharding(plan.mesh, P())
     if plan.offload.nvme is not None:
-        return _nvme_step(plan, tx, gradients)
+        return NvmeStep(plan, tx, gradients)
     update = make_update(plan, tx)
 
     def step(state: TrainState, batch: PyTree, *, key: jax.Array | None = None):
@@ -170,40 +170,79 @@ def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformat
                    donate_argnums=(0,))
 
 
-def _nvme_step(plan: Plan, tx: optax.GradientTransformation, gradients: Callable) -> Callable:
+class NvmeStep:
     """The step with ZeRO-Infinity's NVMe tier: a compiled gradient half, the update through
     the files (``zero_jax.nvme.Tier``), a compiled gather of the new compute copy. The state's
     master and optimizer state live in the files: the first call moves them there, and
-    ``step.tier.give(state, state_shardings(plan, tx))`` reads them back."""
-    tier = Tier(plan, tx)
-    shardings = state_shardings(plan, tx)
-    grads_program = jax.jit(gradients)
-    leaves = jax.tree.leaves(plan.leaves, is_leaf=_is_leaf)
-    opt = jax.tree.leaves(plan.shardings(plan.opt_specs))
-    shapes = jax.tree.leaves(plan.shapes)
+    ``step.tier.give(state, state_shardings(plan, tx))`` reads them back.
 
-    def new_params(compute: list, params: PyTree) -> PyTree:  # frozen leaves keep theirs
-        kept = jax.tree.leaves(constrain(params, plan, plan.opt_specs))
-        flat = [kept[i] if c is None else c for i, c in enumerate(compute)]
-        return to_params(plan, jax.tree.unflatten(jax.tree.structure(plan.shapes), flat))
-    params_program = jax.jit(new_params, out_shardings=shardings.params)
+    Like a jitted step it can be lowered and compiled ahead of time (``step.lower(state,
+    batch).compile()``): what is lowered is the gradient half, the one program that runs on
+    the devices between two updates."""
 
-    def step(state: TrainState, batch: PyTree, *, key: jax.Array | None = None):
+    def __init__(self, plan: Plan, tx: optax.GradientTransformation, gradients: Callable,
+                 grads_program: Callable | None = None, tier: Tier | None = None):
+        self.plan, self.tx, self.gradients = plan, tx, gradients
+        self.tier = tier or Tier(plan, tx)
+        self.grads_program = grads_program or jax.jit(gradients)
+        self._opt = jax.tree.leaves(plan.shardings(plan.opt_specs))
+        self._shapes = jax.tree.leaves(plan.shapes)
+        self._params_program = jax.jit(self._new_params,
+                                       out_shardings=state_shardings(plan, tx).params)
+
+    def _new_params(self, compute: list, params: PyTree) -> PyTree:
+        kept = jax.tree.leaves(constrain(params, self.plan, self.plan.opt_specs))
+        flat = [kept[i] if c is None else c for i, c in enumerate(compute)]  # frozen: kept
+        return to_params(self.plan, jax.tree.unflatten(jax.tree.structure(self.plan.shapes),
+                                                       flat))
+
+    def lower(self, state: TrainState, batch: PyTree, *, key: jax.Array | None = None):
+        lowered = self.grads_program.lower(state._replace(master=None, opt_state=None), batch,
+                                           key)
+        return _Lowered(lowered, self)
+
+    def __call__(self, state: TrainState, batch: PyTree, *, key: jax.Array | None = None):
         if state.opt_state is not None:  # the first step: the state moves to the files
-            state = tier.take(state)
-        grads, finite, metrics, loss_scale = grads_program(state, batch, key)
+            state = self.tier.take(state)
+        grads, finite, metrics, loss_scale = self.grads_program(state, batch, key)
         params = state.params
         if bool(finite):
-            compute: list = [None] * len(leaves)
-            for i, arrays in tier.update(grads).items():
+            compute: list = [None] * len(self._shapes)
+            for i, arrays in self.tier.update(grads).items():
                 compute[i] = jax.make_array_from_single_device_arrays(
-                    shapes[i].shape, opt[i], arrays)
-            params = params_program(compute, params)
+                    self._shapes[i].shape, self._opt[i], arrays)
+            params = self._params_program(compute, params)
         return TrainState(state.step + 1, params, None, None, loss_scale,
                           state.skipped + metrics["skipped"]), metrics
 
-    step.tier = tier
-    return step
+
+class _Lowered:
+    """The gradient half lowered; ``compile`` gives the whole step, compiled."""
+
+    def __init__(self, lowered, step: NvmeStep):
+        self._lowered, self._step = lowered, step
+
+    def compile(self, *args, **kwargs) -> _Compiled:
+        return _Compiled(self._lowered.compile(*args, **kwargs), self._step)
+
+    def __getattr__(self, name: str):
+        return getattr(self._lowered, name)
+
+
+class _Compiled:
+    """The NVMe step around its compiled gradient half, which answers for the program
+    (``memory_analysis``, ``as_text``)."""
+
+    def __init__(self, compiled, step: NvmeStep):
+        self._compiled, self.tier = compiled, step.tier
+        self._step = NvmeStep(step.plan, step.tx, step.gradients,
+                              lambda state, batch, key: compiled(state, batch, key), step.tier)
+
+    def __call__(self, state: TrainState, batch: PyTree):
+        return self._step(state, batch)
+
+    def __getattr__(self, name: str):
+        return getattr(self._compiled, name)
 
 
 def _is_leaf(x) -> bool:

@@ -54,6 +54,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # offload_optimizer (ZeRO-Offload): device cpu puts the fp32 master and optimizer state of
     # that fraction (ratio) of the parameters in host memory and updates them there;
     # offload_params cpu (stage 3, ZeRO-Infinity's CPU tier): the parameter shards too.
+    # offload_optimizer device nvme (ZeRO-Infinity's NVMe tier): the whole master and optimizer
+    # state in files under nvme_path, updated on the host buffer_count bands of about
+    # buffer_mb MiB at a time.
     # bucket_mb: a layer's leaves travel in flat buffers of at most this many MiB (0: one
     # collective per leaf); quantize_weights / quantize_grads int8 (ZeRO++'s qwZ / qgZ): stage
     # 3's parameter all-gathers / stages 2-3's gradient reduce-scatters in int8, one fp32 scale
@@ -66,7 +69,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # this many MiB is never gathered whole; its Dense gathers it tile by tile (no prefetch).
     "zero": {"stage": 3, "min_shard_elems": 0, "zero3_size": 0, "transformer_layers": ["blocks"],
              "ignored_modules": [], "offload_grads": False,
-             "offload_optimizer": {"device": "none", "ratio": 1.0}, "offload_params": "none",
+             "offload_optimizer": {"device": "none", "ratio": 1.0, "nvme_path": "",
+                                   "buffer_count": 4, "buffer_mb": 64.0},
+             "offload_params": "none",
              "bucket_mb": 25, "quantize_weights": "none", "quantize_grads": "none",
              "quantize_block": 64, "prefetch": True, "partition_activations": False,
              "tile_mb": 0.0},
@@ -301,11 +306,24 @@ def _check_zero(config: dict) -> None:
                               f"{'' if least == 3 else '-3'} communicates; stage {z['stage']} "
                               f"does not: use --stage {least} or --set zero.{key}=none")
     off = z["offload_optimizer"]
-    for key, device in [("offload_optimizer.device", off["device"]),
-                        ("offload_params", z["offload_params"])]:
-        if device not in ("none", "cpu"):
-            raise ConfigError(f"zero.{key} must be none or cpu (got {device!r}); the NVMe "
-                              f"tier is in the library only (zero_jax.Nvme), not in train.py")
+    for key, device, allowed in [("offload_optimizer.device", off["device"], ("none", "cpu",
+                                                                            "nvme")),
+                                 ("offload_params", z["offload_params"], ("none", "cpu"))]:
+        if device not in allowed:
+            raise ConfigError(f"zero.{key} must be {', '.join(allowed[:-1])} or {allowed[-1]} "
+                              f"(got {device!r})")
+    if off["device"] == "nvme" and (not off["nvme_path"] or off["ratio"] != 1
+                                    or z["offload_params"] != "none"):
+        raise ConfigError("zero.offload_optimizer.device nvme keeps the whole optimizer in "
+                          "files: set zero.offload_optimizer.nvme_path=DIR, ratio 1, and no "
+                          "offload_params")
+    if off["device"] == "nvme" and config["optimizer"]["clip_norm"] > 0:
+        raise ConfigError("zero.offload_optimizer.device nvme updates the optimizer state band "
+                          "by band, where a global-norm clip cannot be computed: set "
+                          "optimizer.clip_norm=0")
+    if off["buffer_count"] < 3 or not off["buffer_mb"] > 0:
+        raise ConfigError(f"zero.offload_optimizer.buffer_count must be at least 3 and "
+                          f"buffer_mb above 0 (got {off['buffer_count']}, {off['buffer_mb']})")
     if z["offload_params"] == "cpu" and (z["stage"] != 3 or off["device"] != "cpu"
                                          or off["ratio"] != 1):
         raise ConfigError("zero.offload_params cpu needs stage 3 and the whole optimizer "

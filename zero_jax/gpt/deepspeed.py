@@ -157,10 +157,17 @@ def _offload(m: Mapping) -> None:
         device = m.get(f"{ds_key}.device", None, str)
         if device is None:
             continue
+        if device == "nvme" and part == "offload_param":
+            raise m.refuse(f"{ds_key}.device", "is nvme: the NVMe tier (ZeRO-Infinity) holds "
+                           "the optimizer's state, not the parameters; use \"cpu\" (host "
+                           "memory) or \"none\"")
         if device == "nvme":
-            raise m.refuse(f"{ds_key}.device", "is nvme: the NVMe tier (ZeRO-Infinity) is not "
-                           "offered by train.py (library only: zero_jax.Nvme); use \"cpu\" "
-                           "(host memory) or \"none\"")
+            m.set(f"{ds_key}.device", key, device)
+            m.set(f"{ds_key}.nvme_path", "zero.offload_optimizer.nvme_path",
+                  m.get(f"{ds_key}.nvme_path", "", str))
+            if (count := m.get(f"{ds_key}.buffer_count", None, int)) is not None:
+                m.set(f"{ds_key}.buffer_count", "zero.offload_optimizer.buffer_count", count)
+            continue
         if device not in ("cpu", "none"):
             raise m.refuse(f"{ds_key}.device", f"must be cpu or none (got {device!r})")
         m.set(f"{ds_key}.device", key, device)

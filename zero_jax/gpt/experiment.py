@@ -29,7 +29,7 @@ from zero_jax.gpt.model import (
 )
 from zero_jax.gpt.optim import make_optimizer
 from zero_jax.mesh import make_mesh
-from zero_jax.offload import Offload
+from zero_jax.offload import Nvme, Offload
 from zero_jax.precision import LossScaleConfig, Precision, default_param_dtype
 from zero_jax.rules import Plan, Rule, make_plan, modules_pattern, path_str, prefetchable
 from zero_jax.step import make_train_step
@@ -179,14 +179,16 @@ def rules_from(cfg: dict) -> list[Rule]:
 
 def offload_from(z: dict) -> Offload:
     """The ``zero`` section's offload keys as the plan's policy."""
-    return Offload(offload_ratio(z["offload_optimizer"]), z["offload_params"] == "cpu",
-                   z["offload_grads"])
+    off = z["offload_optimizer"]
+    nvme = Nvme(off["nvme_path"], off["buffer_mb"], off["buffer_count"]) \
+        if off["device"] == "nvme" else None
+    return Offload(offload_ratio(off), z["offload_params"] == "cpu", z["offload_grads"], nvme)
 
 
 def offload_ratio(cfg: dict) -> float:
     """The fraction of the optimizer state in host memory: DeepSpeed's ``offload_optimizer``
     with Megatron's offload fraction as ``ratio``."""
-    return cfg["ratio"] if cfg["device"] == "cpu" else 0.0
+    return cfg["ratio"] if cfg["device"] in ("cpu", "nvme") else 0.0
 
 
 def precision_from(cfg: dict, platform: str, accum_steps: int = 1) -> Precision:
