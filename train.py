@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "name the layout that fits and communicates least")
     p.add_argument("--host-memory", metavar="SIZE",
                    help="with --device-memory: each host's memory (e.g. 1TB)")
+    p.add_argument("--nvme-memory", metavar="SIZE",
+                   help="with --device-memory: each host's NVMe disk; also plan the layouts "
+                   "whose optimizer is offloaded with it in files (ZeRO-Infinity's NVMe tier)")
     p.add_argument("--devices-per-host", type=int, metavar="K",
                    help="with --device-memory: devices sharing one host's memory (default: "
                    "this machine's devices)")
@@ -209,7 +212,9 @@ def check_args(args: argparse.Namespace) -> str | None:
                 "e.g. --dry-run --device-memory 80GB --host-memory 1TB")
     if args.devices_per_host is not None and args.devices_per_host < 1:
         return f"--devices-per-host must be at least 1 (got {args.devices_per_host})"
-    for flag in ("device_memory", "host_memory"):
+    if args.nvme_memory and not args.device_memory:
+        return "--nvme-memory plans layouts: pass it with --dry-run --device-memory --host-memory"
+    for flag in ("device_memory", "host_memory", "nvme_memory"):
         if (size := getattr(args, flag)) is not None:
             if (value := memory_size(size)) is None:
                 return (f"--{flag.replace('_', '-')} {size!r} is not a memory size: write e.g. "
@@ -672,13 +677,19 @@ def plan_layouts(exp, cfg: dict, args: argparse.Namespace) -> int:
 
     rows = [measure(layout, c) for layout, c in layouts.candidates(
         cfg, args.set, args.stage, args.tensor_parallel, per_host, n)]
-    best = planner.choose(rows, args.device_memory, args.host_memory, per_host)
+    off = cfg["zero"]["offload_optimizer"]
+    if args.nvme_memory:  # the NVMe tier: the host-offload layouts, their state on the disk
+        rows += [planner.on_nvme(r, int(off["buffer_count"] * off["buffer_mb"] * 2**20),
+                                 per_host) for r in rows if r.layout["offload"] == "optimizer"]
+    fits = lambda: planner.choose(rows, args.device_memory, args.host_memory, per_host,
+                                  args.nvme_memory or 0)
+    best = fits()
     if best is None:  # ZeRO-Infinity's tiling, where a bound can cut the largest leaf
         for layout, c in layouts.tiled(cfg, args.set, args.stage, args.tensor_parallel,
                                        planner.largest_block_leaf_bytes(exp.plan)):
             with contextlib.suppress(ValueError):  # no tile of some leaf within this bound
                 rows.append(measure(layout, c))
-        best = planner.choose(rows, args.device_memory, args.host_memory, per_host)
+        best = fits()
     untried = layouts.untried(cfg, args.set, [r.layout for r in rows]) if best is None else []
     print(planner.format_table(rows, best, args.device_memory, args.host_memory, per_host,
                                exp.model.n_params, n, untried)

@@ -33,6 +33,8 @@ class Candidate:
     model_states: int  # ZeRO's accounting in device memory (parameters, gradients, master,
     # optimizer state), per device: the dry run's per-stage table; the gradient is in temp too
     peak: dict | None = None  # what is live at the step's peak, by kind (``zero_jax.peak``)
+    host_optimizer: int = 0  # of ``host_state``: master and optimizer state, per device
+    nvme_state: int = 0  # in files on the host's disk (the NVMe tier), per device
     fits: bool = False
 
     @property
@@ -50,7 +52,18 @@ def measure(layout: dict, plan: Any, state: Any, compiled: Any,
                      compiled.memory_analysis().temp_size_in_bytes,
                      shard_bytes(state, "pinned_host"), comm, offload_traffic(plan, state),
                      sum(model_states(plan, state)[0].values()),
-                     peak and {**peak, "expected": peak_expected(plan)})
+                     peak and {**peak, "expected": peak_expected(plan)},
+                     shard_bytes((state.master, state.opt_state), "pinned_host"))
+
+
+def on_nvme(c: Candidate, buffer_bytes: int, devices_per_host: int) -> Candidate:
+    """A layout whose whole optimizer is offloaded, with ZeRO-Infinity's NVMe tier instead:
+    the same compiled gradient half and traffic to the host; master and optimizer state move
+    from host memory to the disk, and the host keeps the tier's buffers (at most the state)."""
+    files = c.host_optimizer
+    buffers = min(buffer_bytes, files * devices_per_host) / devices_per_host
+    return dataclasses.replace(c, layout={**c.layout, "offload": "nvme"}, nvme_state=files,
+                               host_state=int(c.host_state - files + buffers), fits=False)
 
 
 def offload_traffic(plan: Any, state: Any) -> int:
@@ -92,15 +105,17 @@ def describe(layout: dict) -> str:
 
 
 def choose(candidates: list[Candidate], device_memory: int, host_memory: int,
-           devices_per_host: int) -> Candidate | None:
-    """Mark which fit (device and host figures within ``HEADROOM`` of the sizes) and return the
-    one that communicates least (then: crosses least between host and device, then holds least
-    on the device); None when none fits."""
+           devices_per_host: int, nvme_memory: int = 0) -> Candidate | None:
+    """Mark which fit (device, host and NVMe figures within ``HEADROOM`` of the sizes) and
+    return the one that communicates least (then: crosses least between host and device, then
+    keeps least on the disk, then holds least on the device); None when none fits."""
     for c in candidates:
         c.fits = (c.device <= HEADROOM * device_memory and
-                  c.host_state * devices_per_host <= HEADROOM * host_memory)
+                  c.host_state * devices_per_host <= HEADROOM * host_memory and
+                  c.nvme_state * devices_per_host <= HEADROOM * nvme_memory)
     fitting = [c for c in candidates if c.fits]
-    return min(fitting, key=lambda c: (c.comm, c.host_traffic, c.device), default=None)
+    return min(fitting, key=lambda c: (c.comm, c.host_traffic, c.nvme_state, c.device),
+               default=None)
 
 
 def format_table(candidates: list[Candidate], best: Candidate | None, device_memory: int,
@@ -123,7 +138,9 @@ def format_table(candidates: list[Candidate], best: Candidate | None, device_mem
                      f"{c.host_state * devices_per_host / div:>9.2f}"
                      f"{'yes' if c.fits else 'no':>6} {c.comm / 2**20:>9.2f}"
                      f"{c.host_traffic / 2**20:>16.2f}"
-                     + (f"   tiled within {lo['tile_mb']:.3g} MiB" if lo.get("tile_mb") else ""))
+                     + (f"   tiled within {lo['tile_mb']:.3g} MiB" if lo.get("tile_mb") else "")
+                     + (f"   {c.nvme_state * devices_per_host / div:.2f} {unit} on NVMe"
+                        if c.nvme_state else ""))
     # What fills the peak of the chosen layout, or of the one closest to fitting: what to change.
     shown = best or min(candidates, key=lambda c: c.device, default=None)
     if shown is not None and shown.peak and shown.peak["peak_bytes"]:
@@ -149,6 +166,7 @@ def as_json(candidates: list[Candidate], best: Candidate | None, device_memory: 
                             "device_state_bytes": c.device_state, "temp_bytes": c.temp,
                             "model_state_bytes": c.model_states,
                             "host_bytes_per_host": c.host_state * devices_per_host,
+                            "nvme_bytes_per_host": c.nvme_state * devices_per_host,
                             "fits": c.fits, "comm_bytes": c.comm,
                             "host_traffic_bytes": c.host_traffic, "peak": c.peak}
                            for c in candidates]}

@@ -25,7 +25,7 @@ def candidates(cfg: dict, sets: list[str], stage: int | None, tensor_parallel: i
     fixed = functools.partial(_fixed, sets)
     offloads = {"none": ("none", "none"), "optimizer": ("cpu", "none"),
                 "params": ("cpu", "cpu")}
-    if fixed("zero.offload_"):
+    if _offload_fixed(sets):
         offloads = {"as set": (z["offload_optimizer"]["device"], z["offload_params"])}
     tps = [cfg["mesh"]["tensor_parallel"]]
     if tensor_parallel is None and not fixed("mesh.tensor_parallel"):
@@ -55,7 +55,7 @@ def tiled(cfg: dict, sets: list[str], stage: int | None, tensor_parallel: int | 
     fixed = functools.partial(_fixed, sets)
     if cfg["zero"]["tile_mb"] or stage not in (None, 3) or tensor_parallel not in (None, 1) or \
             (fixed("mesh.tensor_parallel") and cfg["mesh"]["tensor_parallel"] > 1) or \
-            (fixed("zero.offload_") and (cfg["zero"]["offload_optimizer"]["device"] != "none"
+            (_offload_fixed(sets) and (cfg["zero"]["offload_optimizer"]["device"] != "none"
                                          or cfg["zero"]["offload_params"] != "none")):
         return
     for parts, remat in itertools.product(
@@ -71,17 +71,25 @@ def tiled(cfg: dict, sets: list[str], stage: int | None, tensor_parallel: int | 
 def untried(cfg: dict, sets: list[str], layouts: list[dict]) -> list[str]:
     """What the command line kept the search from trying, as the flags that would: for the
     planner's advice when nothing fits."""
-    fixed = functools.partial(_fixed, sets)
     out = []
     if all(lo["stage"] < 3 for lo in layouts):
         out.append("--stage 3")
-    if fixed("zero.offload_") and all(lo["offload"] == "as set" for lo in layouts):
+    if _offload_fixed(sets) and all(lo["offload"] == "as set" for lo in layouts):
         out.append("zero.offload_optimizer.device=cpu, zero.offload_params=cpu")
+    elif not any(lo["offload"] == "nvme" for lo in layouts):
+        out.append("--nvme-memory SIZE (the NVMe tier)")
     if all(lo["tp"] == 1 for lo in layouts):
         out.append("--tensor-parallel T")
     if not cfg["zero"]["tile_mb"] and not any(lo.get("tile_mb") for lo in layouts):
         out.append("zero.tile_mb (stage 3, without offload or tensor parallelism)")
     return out
+
+
+def _offload_fixed(sets: list[str]) -> bool:
+    """Whether the command line chose where the state lives (the NVMe tier's buffer sizes
+    leave it open)."""
+    return any(_fixed(sets, f"zero.{key}") for key in (
+        "offload_optimizer.device", "offload_optimizer.ratio", "offload_params"))
 
 
 def _fixed(sets: list[str], key: str) -> bool:
@@ -94,6 +102,9 @@ def flags(layout: dict) -> str:
     out = [f"--stage {layout['stage']}", f"--set model.remat={layout['remat']}"]
     if layout["offload"] in ("optimizer", "params"):
         out.append("--set zero.offload_optimizer.device=cpu")
+    if layout["offload"] == "nvme":
+        out += ["--set zero.offload_optimizer.device=nvme",
+                "--set zero.offload_optimizer.nvme_path=DIR", "--set optimizer.clip_norm=0"]
     if layout["offload"] == "params":
         out.append("--set zero.offload_params=cpu")
     if layout["tp"] > 1:
