@@ -892,7 +892,7 @@ def compile_checked(exp, target, stop: Stop):
 def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
           watchdog=None) -> int:
     """Compile, check the fit, start (restore or initialize), then the loop and its hooks."""
-    from zero_jax import report
+    from zero_jax import nvme, report
     from zero_jax.checkpoint import CheckpointError
     from zero_jax.state import abstract_state
 
@@ -932,7 +932,7 @@ def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
         done_steps = loop(exp, step, state, start, t, bar, rows, hooks, guard, stop, watchdog)
         if saver:
             saver.finish()
-    except CheckpointError as e:
+    except (CheckpointError, nvme.NvmeError) as e:
         if watchdog:  # a save's collective that failed: a lost peer is named by the watchdog
             watchdog.settle(e)
         return fail(str(e), 1)

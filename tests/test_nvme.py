@@ -196,6 +196,10 @@ def test_the_guides_example_runs_as_written(mesh, small, tmp_path):
     assert len(os.listdir(tmp_path / "process0")) == len(ns["step"].tier.files) + 1
 
 
+def _full():
+    raise OSError(28, "No space left on device")
+
+
 def test_train_py_trains_resumes_and_reports_with_the_tier(tmp_path, monkeypatch, capsys):
     """``zero.offload_optimizer.device nvme``: the same losses as ``cpu``; a checkpoint of it
     resumes into either tier with the same losses; the report names the files."""
@@ -222,7 +226,18 @@ def test_train_py_trains_resumes_and_reports_with_the_tier(tmp_path, monkeypatch
         shutil.copytree(tmp_path / "ck-nvme", tmp_path / f"from-nvme-{device}")
         assert run(device, 6, "--checkpoint-dir", f"from-nvme-{device}", "--resume") == want
     assert len(want) == 2
+    # a disk that fills mid-run: one line, exit 1, the last checkpoint kept
+    writes = iter(range(10**6))
     capsys.readouterr()
+    with monkeypatch.context() as m:
+        m.setattr("zero_jax.nvme._write_rows", lambda *a: next(writes) < 40 or _full())
+        assert cli.main([*base, "--set", "zero.offload_optimizer.device=nvme", "--steps", "8",
+                         "--checkpoint-dir", "from-nvme-nvme", "--resume"]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err[-1].startswith("error: the NVMe tier's files under nvme/process0 failed "
+                              "mid-step ([Errno 28] No space left on device)"), err
+    assert "Traceback" not in "\n".join(err)
+    assert Checkpoints(tmp_path / "from-nvme-nvme", read_only=True).steps() == [2, 4, 6]
     assert cli.main([*base, "--set", "zero.offload_optimizer.device=nvme", "--dry-run",
                      "--report", "r.json"]) == 0
     assert "in files under nvme (the NVMe tier)" in capsys.readouterr().out
