@@ -1,14 +1,14 @@
-"""ZeRO-Infinity's NVMe tier: the fp32 master and optimizer state in files, updated in chunks.
+"""ZeRO-Infinity's NVMe tier: the fp32 master and optimizer state in files, updated in bands.
 
 With ``Offload(optimizer=1.0, nvme=Nvme(path))`` the compiled step stops after the gradient
 (``make_train_step``): the offloaded state is not an argument of any program. The update runs
-here, on the host, through each shard this process owns: a chunk of rows of the master and of
-every per-parameter part of the optimizer state is read from its files, updated by the same
-optax computation as in memory, and written back, while the next chunk is being read and the
-previous one written (DeepSpeed's pipelined swapper). At most ``Nvme.buffers`` chunks are alive
-at once, so the host holds buffers, not the state.
+here, on the host, through the pieces this process owns: a band (some rows of every
+parameter's piece) of the master and of every per-parameter part of the optimizer state is
+read from its files, updated by the same optax computation as in memory, and written back,
+while the next band is read and the previous one written (DeepSpeed's pipelined swapper). At
+most ``Nvme.buffers`` bands are alive at once, so the host holds buffers, not the state.
 
-Chunking by rows is exact when the optimizer is elementwise (SGD, momentum, Adam, AdamW, Lion):
+Cutting rows is exact when the optimizer is elementwise (SGD, momentum, Adam, AdamW, Lion):
 ``check_elementwise`` reads that off the update's jaxpr and refuses the rest (global-norm
 clipping, Adafactor's factored moments), naming what it found.
 """
@@ -96,7 +96,7 @@ class _Shard:
     """One unique piece of a parameter that this process updates: where it is, its files."""
 
     leaf: int
-    index: tuple[slice, ...]
+    slot: int  # its place among the parameter's pieces here: the band loop's outer index
     piece: tuple[int, ...]  # its shape
     split: int  # the dimension its bands cut: rows are its elements before and along it
     shape: tuple[int, int]  # as rows: (rows, elements per row), C order, as in its files
@@ -139,7 +139,8 @@ class Tier:
         self.check_path()
         self._slots, self._nbands, self._rows = self._bands()
         self._frozen = {i for i, leaf in enumerate(self._leaves) if leaf.frozen}
-        self._fns = {"band": self._band_fn(self._rows)}
+        self._band = [self._piece_shape(i, r) for i, r in enumerate(self._rows)]
+        self._band_update = jax.jit(self._band_fn())  # runs where its arguments are: the CPU
         self._cpu = jax.local_devices(backend="cpu")[0]
         self.shared: list[np.ndarray] | None = None  # the shared state leaves, in memory
         self.read_bytes = self.written_bytes = 0  # of the last update
@@ -170,8 +171,8 @@ class Tier:
                 parts = [None] + [j for j, o in enumerate(self._owner) if o == i]
                 name = lambda j: "master" if j is None else f"state{j}"
                 files = {j: os.path.join(self.root, f"{i:04d}-{name(j)}-{k}.bin") for j in parts}
-                shards.append(_Shard(i, index, piece, split, (rows, row),
-                                     [d for d, _ in where], files))
+                shards.append(_Shard(i, k, piece, split, (rows, row), [d for d, _ in where],
+                                     files))
         return shards
 
     def _row_bytes(self, shard: _Shard) -> int:
@@ -241,12 +242,9 @@ class Tier:
         """The update's work: per slot (the k-th piece of every parameter: one device's share),
         ``bands`` bands, each ``rows[i]`` rows of every parameter ``i`` (zeros past its end),
         about ``Nvme.chunk_bytes`` together."""
-        slots: list[dict[int, _Shard]] = []
+        slots: list[dict[int, _Shard]] = [{} for _ in range(max(s.slot for s in self._shards) + 1)]
         for s in self._shards:
-            k = sum(1 for t in self._shards[:self._shards.index(s)] if t.leaf == s.leaf)
-            if k == len(slots):
-                slots.append({})
-            slots[k][s.leaf] = s
+            slots[s.slot][s.leaf] = s
         first = slots[0]
         total = sum(s.shape[0] * self._row_bytes(s) for s in first.values())
         bands = max(1, min(-(-2 * total // self.nvme.chunk_bytes),
@@ -255,13 +253,12 @@ class Tier:
                 for i in range(len(self._shapes))]
         return slots, bands, rows
 
-    def _band_fn(self, rows: list[int]) -> Callable:
+    def _band_fn(self) -> Callable:
         """``fn(grads, masters, states) -> (masters, states, computes)`` over one band: the
-        optimizer over the whole parameter tree, each leaf ``rows[i]`` rows of its piece, so
+        optimizer over the whole parameter tree, each leaf ``self._band[i]`` of its piece, so
         that XLA sees the program it sees in memory (it rewrites Adam's divisions by the bias
         corrections differently when fewer leaves share them), and rounds the same."""
         compute = self.plan.precision.compute
-        band = [self._piece_shape(i, r) for i, r in enumerate(rows)]
 
         def fn(grads, masters, states):
             new_m, new_s = self._optimize(self._p_tree.unflatten(grads),
@@ -270,8 +267,7 @@ class Tier:
             new_m = jax.tree.leaves(new_m)
             return new_m, jax.tree.leaves(new_s), [m.astype(compute) for m in new_m]
 
-        self._band = band
-        return jax.jit(fn)  # runs where its arguments are: the host's CPU
+        return fn
 
     # -- files --------------------------------------------------------------------------------
     def take(self, state):
@@ -352,8 +348,8 @@ class Tier:
                         new, shared = self._update_band(slot, k, reads.popleft().result(), g,
                                                         computes)
                         writes.append(writer.submit(self._write, slot, k, new, buffers))
-                        self.read_bytes += self._size(slot, k)
-                        self.written_bytes += self._size(slot, k)
+                        self.read_bytes += (n := self._size(slot, k))
+                        self.written_bytes += n
                     for i in mine:
                         piece = computes[i].reshape(slot[i].piece)
                         out[i] += [jax.device_put(piece, d) for d in slot[i].devices]
@@ -382,7 +378,7 @@ class Tier:
         states = [next(shared) if o < 0 else got[o, j].reshape(self._band[o])
                   if (o, j) in got else zeros(o, x.dtype)
                   for j, (x, o) in enumerate(zip(self._s_flat, self._owner, strict=True))]
-        new_m, new_s, new_c = self._fns["band"](*jax.device_put((band_g, masters, states),
+        new_m, new_s, new_c = self._band_update(*jax.device_put((band_g, masters, states),
                                                                 self._cpu))
         new = {}
         for i, p in got:
@@ -414,13 +410,9 @@ class Tier:
                 continue
             (a, b), (c, d) = self._span(s, k), self._span(s, k + 1)
             for p, f in s.files.items():
-                if b > a:
-                    got[i, p] = _read_rows(f, self._dtype(p), a, b - a, s.shape[1],
-                                           self._rows[i])
-                if d > c:
-                    _will_need(f, c * s.shape[1] * np.dtype(self._dtype(p)).itemsize,
-                               (d - c) * s.shape[1] * np.dtype(self._dtype(p)).itemsize)
-        return got
+                got[i, p] = _read_rows(f, self._dtype(p), (a, b), (c, d), s.shape[1],
+                                       self._rows[i])
+        return {key: x for key, x in got.items() if x is not None}
 
     def _write(self, slot: dict[int, _Shard], k: int, new: dict, buffers: _Buffers) -> None:
         try:
@@ -485,27 +477,26 @@ def _write_all(path: str, x: np.ndarray) -> None:
         fh.write(np.ascontiguousarray(x).tobytes())
 
 
-def _read_rows(path: str, dtype, first: int, rows: int, row: int, pad_to: int) -> np.ndarray:
-    """Rows ``first`` to ``first + rows`` of a file of ``row``-element rows, then zero rows up
-    to ``pad_to`` rows."""
+def _read_rows(path: str, dtype, rows: tuple[int, int], ahead: tuple[int, int], row: int,
+               pad_to: int) -> np.ndarray | None:
+    """Rows ``rows`` (first, end) of a file of ``row``-element rows, then zero rows up to
+    ``pad_to`` rows (None when the range is empty); and the kernel asked to start reading the
+    rows ``ahead``."""
     itemsize = np.dtype(dtype).itemsize
-    out = np.zeros(pad_to * row, dtype)
+    (a, b), (c, d) = rows, ahead
+    out = np.zeros(pad_to * row, dtype) if b > a else None
     fd = os.open(path, os.O_RDONLY)
     try:
-        got = os.preadv(fd, [memoryview(out[:rows * row]).cast("B")], first * row * itemsize)
+        if out is not None:
+            got = os.preadv(fd, [memoryview(out[:(b - a) * row]).cast("B")], a * row * itemsize)
+            if got != (b - a) * row * itemsize:
+                raise OSError(f"{path}: short read ({got} of {(b - a) * row * itemsize} bytes)")
+        if d > c:
+            os.posix_fadvise(fd, c * row * itemsize, (d - c) * row * itemsize,
+                             os.POSIX_FADV_WILLNEED)
     finally:
         os.close(fd)
-    if got != rows * row * itemsize:
-        raise OSError(f"{path}: short read ({got} of {rows * row * itemsize} bytes)")
     return out
-
-
-def _will_need(path: str, offset: int, nbytes: int) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
-    finally:
-        os.close(fd)
 
 
 def _write_rows(path: str, x: np.ndarray, first_element: int) -> None:

@@ -183,9 +183,10 @@ class Nvme:
     """Where and how the NVMe tier keeps the optimizer's state (``Offload.nvme``).
 
     ``path``: an existing, writable directory on a local disk; each process writes only under
-    ``path/process<i>``. ``chunk_mb``: the rows of master and state read, updated and written
-    together (DeepSpeed's ``buffer_size``). ``buffers``: chunks alive at once (at least 3: one
-    read ahead, one updated, one being written; DeepSpeed's ``buffer_count``)."""
+    ``path/process<i>``. ``chunk_mb``: the size of a band, the rows of every parameter's master
+    and state read, updated and written together (DeepSpeed's ``buffer_size``). ``buffers``:
+    bands alive at once (at least 3: one read ahead, one updated, one being written;
+    DeepSpeed's ``buffer_count``)."""
 
     path: str
     chunk_mb: float = 64.0
@@ -195,16 +196,15 @@ class Nvme:
         if not self.path:
             raise ValueError("Nvme.path is empty: name a directory on a local disk")
         if not self.chunk_mb > 0:
-            raise ValueError(f"Nvme.chunk_mb is the size of one chunk in MiB, above 0 "
+            raise ValueError(f"Nvme.chunk_mb is the size of one band in MiB, above 0 "
                              f"(got {self.chunk_mb})")
         if self.buffers < 3:
-            raise ValueError(f"Nvme.buffers must be at least 3 (one chunk read ahead, one "
+            raise ValueError(f"Nvme.buffers must be at least 3 (one band read ahead, one "
                              f"updated, one written back), got {self.buffers}")
 
     @property
     def chunk_bytes(self) -> int:
         return max(1, int(self.chunk_mb * MiB))
-
 
 
 @dataclasses.dataclass(frozen=True)
