@@ -140,7 +140,8 @@ class Tier:
         self._slots, self._nbands, self._rows = self._bands()
         self._frozen = {i for i, leaf in enumerate(self._leaves) if leaf.frozen}
         self._band = [self._piece_shape(i, r) for i, r in enumerate(self._rows)]
-        self._band_update = jax.jit(self._band_fn())  # runs where its arguments are: the CPU
+        self.band_fn = self._band_fn()
+        self.band_program = jax.jit(self.band_fn)  # runs where its arguments are: the CPU
         self._cpu = jax.local_devices(backend="cpu")[0]
         self.shared: list[np.ndarray] | None = None  # the shared state leaves, in memory
         self.read_bytes = self.written_bytes = 0  # of the last update
@@ -316,16 +317,18 @@ class Tier:
             json.dump({"files": meta}, fh, indent=1)
 
     # -- the pipeline -------------------------------------------------------------------------
-    def update(self, grads: PyTree) -> dict[int, list[jax.Array]]:
-        """``_update``, with a failed read or write said in one line."""
+    def update(self, grads: PyTree, program: Callable | None = None
+               ) -> dict[int, list[jax.Array]]:
+        """``_update`` (with ``program`` for ``band_program``: one compiled with other options),
+        a failed read or write said in one line."""
         try:
-            return self._update(grads)
+            return self._update(grads, program or self.band_program)
         except OSError as e:
             raise NvmeError(
                 f"the NVMe tier's files under {self.root} failed mid-step ({e}): the optimizer "
                 f"state there is partly updated; restart from the last checkpoint") from None
 
-    def _update(self, grads: PyTree) -> dict[int, list[jax.Array]]:
+    def _update(self, grads: PyTree, program: Callable) -> dict[int, list[jax.Array]]:
         """One optimizer step over every piece this process owns, band by band: band k+1 is
         read and band k-1 written while band k is updated, at most ``Nvme.buffers`` bands
         alive. Returns each trained parameter's new compute copy, as the single-device arrays
@@ -345,8 +348,8 @@ class Tier:
                     computes = {i: np.empty(slot[i].shape, self.plan.precision.compute)
                                 for i in mine}
                     for k in range(self._nbands):
-                        new, shared = self._update_band(slot, k, reads.popleft().result(), g,
-                                                        computes)
+                        new, shared = self._update_band(program, slot, k,
+                                                        reads.popleft().result(), g, computes)
                         writes.append(writer.submit(self._write, slot, k, new, buffers))
                         self.read_bytes += (n := self._size(slot, k))
                         self.written_bytes += n
@@ -362,8 +365,8 @@ class Tier:
         self.shared = shared
         return out
 
-    def _update_band(self, slot: dict[int, _Shard], k: int, got: dict, g: dict,
-                     computes: dict) -> tuple[dict, list]:
+    def _update_band(self, program: Callable, slot: dict[int, _Shard], k: int, got: dict,
+                     g: dict, computes: dict) -> tuple[dict, list]:
         """Band ``k`` of ``slot`` through the optimizer: its new rows of each file, and the
         new shared state; its rows of the compute copy go into ``computes``."""
         rows, n = self._rows, len(self._shapes)
@@ -378,8 +381,7 @@ class Tier:
         states = [next(shared) if o < 0 else got[o, j].reshape(self._band[o])
                   if (o, j) in got else zeros(o, x.dtype)
                   for j, (x, o) in enumerate(zip(self._s_flat, self._owner, strict=True))]
-        new_m, new_s, new_c = self._band_update(*jax.device_put((band_g, masters, states),
-                                                                self._cpu))
+        new_m, new_s, new_c = program(*jax.device_put((band_g, masters, states), self._cpu))
         new = {}
         for i, p in got:
             a, b = self._span(slot[i], k)

@@ -181,13 +181,17 @@ class NvmeStep:
     the devices between two updates."""
 
     def __init__(self, plan: Plan, tx: optax.GradientTransformation, gradients: Callable,
-                 grads_program: Callable | None = None, tier: Tier | None = None):
+                 grads_program: Callable | None = None, tier: Tier | None = None,
+                 compiler_options: dict | None = None):
         self.plan, self.tx, self.gradients = plan, tx, gradients
         self.tier = tier or Tier(plan, tx)
         self.grads_program = grads_program or jax.jit(gradients)
         self._opt = jax.tree.leaves(plan.shardings(plan.opt_specs))
         self._shapes = jax.tree.leaves(plan.shapes)
-        self._params_program = jax.jit(self._new_params,
+        # Options given to ``compile`` reach the update and the gather as well.
+        self._band_program = compiler_options and jax.jit(self.tier.band_fn,
+                                                          compiler_options=compiler_options)
+        self._params_program = jax.jit(self._new_params, compiler_options=compiler_options,
                                        out_shardings=state_shardings(plan, tx).params)
 
     def _new_params(self, compute: list, params: PyTree) -> PyTree:
@@ -208,7 +212,7 @@ class NvmeStep:
         params = state.params
         if bool(finite):
             compute: list = [None] * len(self._shapes)
-            for i, arrays in self.tier.update(grads).items():
+            for i, arrays in self.tier.update(grads, self._band_program).items():
                 compute[i] = jax.make_array_from_single_device_arrays(
                     self._shapes[i].shape, self._opt[i], arrays)
             params = self._params_program(compute, params)
@@ -222,8 +226,8 @@ class _Lowered:
     def __init__(self, lowered, step: NvmeStep):
         self._lowered, self._step = lowered, step
 
-    def compile(self, *args, **kwargs) -> _Compiled:
-        return _Compiled(self._lowered.compile(*args, **kwargs), self._step)
+    def compile(self, compiler_options: dict | None = None) -> _Compiled:
+        return _Compiled(self._lowered.compile(compiler_options), self._step, compiler_options)
 
     def __getattr__(self, name: str):
         return getattr(self._lowered, name)
@@ -233,10 +237,11 @@ class _Compiled:
     """The NVMe step around its compiled gradient half, which answers for the program
     (``memory_analysis``, ``as_text``)."""
 
-    def __init__(self, compiled, step: NvmeStep):
+    def __init__(self, compiled, step: NvmeStep, compiler_options: dict | None):
         self._compiled, self.tier = compiled, step.tier
         self._step = NvmeStep(step.plan, step.tx, step.gradients,
-                              lambda state, batch, key: compiled(state, batch, key), step.tier)
+                              lambda state, batch, key: compiled(state, batch, key), step.tier,
+                              compiler_options)
 
     def __call__(self, state: TrainState, batch: PyTree):
         return self._step(state, batch)
