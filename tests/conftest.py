@@ -7,10 +7,9 @@ import re
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The suite compiles hundreds of small programs, where LLVM's optimizations cost more time than
-# they save (about a third of the suite). They act below the HLO: collectives, buffers and
-# memory_analysis() are the same without them (checked for the stage 2 and 3 steps).
-FAST_COMPILE = "--xla_backend_optimization_level=0"
+# The compiler's settings: fast, and exact where a test compares bits (tests/flags.py).
+from flags import FAST_COMPILE  # noqa: E402
+
 # A test that runs one program for many steps compiles it with them (``compiler_options``):
 # the default model's step then runs 2.3x faster, for 20% more compile time.
 OPTIMIZED = {"xla_backend_optimization_level": 2}
@@ -25,7 +24,8 @@ SUBPROCESS_ENV = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
 # For the train.py runs that train: LLVM's level 1 runs as fast as level 2 and compiles about as
 # fast as level 0 (train.py's default run, 60 steps: 32 s at 0, 18 s at 1; the three files of
 # train.py runs: 235 -> 209 s). Not for compile-bound ones (the multi-process runs: 74 -> 98 s).
-TRAIN_ENV = {**SUBPROCESS_ENV, "XLA_FLAGS": "--xla_backend_optimization_level=1"}
+TRAIN_ENV = {**SUBPROCESS_ENV,
+             "XLA_FLAGS": FAST_COMPILE.replace("level=0", "level=1")}
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
 from zero_jax.mesh import simulate_cpu_devices  # noqa: E402
@@ -83,11 +83,13 @@ def mesh():
     return make_mesh(N)
 
 
-@pytest.fixture(scope="session")
-def small():
+def small_problem() -> tuple:
     """(model, init, loss_fn, batches) of the suite's small language model (``tests/lm.py``)."""
     model = LM(SMALL)
     return model, init_fn(model), lm_loss(model), batches(SMALL, 10)
+
+
+small = pytest.fixture(small_problem, scope="session", name="small")
 
 
 KEY = jax.random.key(42)

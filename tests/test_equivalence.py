@@ -4,11 +4,14 @@ Gradients are compared directly and SGD is run beside AdamW: Adam divides out a 
 scale, so a gradient N times too large would still give Adam's losses.
 """
 
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import optax
 import pytest
-from conftest import CLIP, KEY, OPTIMIZERS, max_rel, rel, tree_rel
+from conftest import CLIP, KEY, OPTIMIZERS, ROOT, SUBPROCESS_ENV, max_rel, rel, tree_rel
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from lm import LAYERS
@@ -83,12 +86,10 @@ def test_training_equals_single_device(stage, opt, mesh, small, reference):
     state = init_state(plan, init, tx, KEY)
     step = make_train_step(plan, loss_fn, tx)
     losses, norms = [], []
-    for i, b in enumerate(batches):
+    for b in batches:
         state, m = step(state, shard(mesh, b))
         losses.append(float(m["loss"]))
         norms.append(float(m["grad_norm"]))
-        if i + 1 == OFFLOAD_STEPS:
-            at_offload_steps = jax.device_get(state.params)
     ref = reference[opt]
     np.testing.assert_allclose(losses, ref["losses"], rtol=1e-5)
     assert tree_rel(state.params, ref["params"]) < 1e-5
@@ -103,27 +104,37 @@ def test_training_equals_single_device(stage, opt, mesh, small, reference):
         assert max(ref_norms) > CLIP
     assert int(state.step) == len(batches)
 
-    # ZeRO-Offload computes exactly the same: the offloaded leaves' master and optimizer state
-    # live in host memory and are updated there (a fraction of them, or all), the rest on the
-    # device; clipping still sees the global norm. At stage 3 with everything offloaded, the
-    # parameter shards too (the cut ones: whole and persistent leaves stay on the device).
+
+def check_offload(stage: int, opt: str, mesh, small) -> None:
+    """ZeRO-Offload computes exactly the same: the offloaded leaves' master and optimizer state
+    live in host memory and are updated there (a fraction of them, or all), the rest on the
+    device; clipping still sees the global norm. At stage 3 with everything offloaded, the
+    parameter shards too (the cut ones: whole and persistent leaves stay on the device).
+    Run by tests/offload_exact.py, in a process that compiles every program exactly."""
+    _, init, loss_fn, batches = small
     ratio = OFFLOAD_RATIO[stage, opt]
+
+    def train(offload):
+        tx = OPTIMIZERS[opt]()
+        plan = make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=LAYERS,
+                         rules=[Rule("", min_shard_elems=MIN_SHARD)], offload=offload)
+        state = init_state(plan, init, tx, KEY)
+        step = make_train_step(plan, loss_fn, tx)
+        losses = []
+        for b in batches[:OFFLOAD_STEPS]:
+            state, m = step(state, shard(mesh, b))
+            losses.append(float(m["loss"]))
+        return plan, state, losses
+
+    _, in_memory, losses = train(Offload())
     params_too = stage == 3 and ratio == 1  # ZeRO-Infinity's CPU tier: parameters offloaded
-    plan = make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=LAYERS,
-                     rules=[Rule("", min_shard_elems=MIN_SHARD)],
-                     offload=Offload(optimizer=ratio, params=params_too))
+    plan, state, offload_losses = train(Offload(optimizer=ratio, params=params_too))
     offloaded = {leaf.path for leaf in jax.tree.leaves(plan.leaves, is_leaf=is_leaf)
                  if leaf.offload}
     assert 0 < len(offloaded) <= plan_leaves(plan) and (len(offloaded) == plan_leaves(plan)) \
         == (ratio == 1)
-    state = init_state(plan, init, tx, KEY)
-    step = make_train_step(plan, loss_fn, tx)
-    offload_losses = []
-    for b in batches[:OFFLOAD_STEPS]:
-        state, m = step(state, shard(mesh, b))
-        offload_losses.append(float(m["loss"]))
-    np.testing.assert_allclose(offload_losses, losses[:OFFLOAD_STEPS], rtol=1e-6)
-    assert max_rel(state.params, at_offload_steps) < 1e-6
+    np.testing.assert_allclose(offload_losses, losses, rtol=1e-6)
+    assert max_rel(state.params, in_memory.params) < 1e-6
     # In host memory exactly where the plan says: the master (kept even in fp32, for the
     # device's compute copy) and the optimizer state of the offloaded leaves.
     kinds = lambda tree: {path_str(p): x.sharding.memory_kind
@@ -137,6 +148,15 @@ def test_training_equals_single_device(stage, opt, mesh, small, reference):
         param = next((p for p in sorted(offloaded, key=len)[::-1] if path.endswith(p)), None)
         shared = not any(path.endswith(leaf) for leaf in kinds(state.master))
         assert (kind == "pinned_host") == (param is not None or (shared and ratio == 1)), path
+
+
+def test_offload_equals_in_memory_at_every_stage():
+    """``check_offload`` for every stage and optimizer (``OFFLOAD_RATIO``), in one process."""
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "offload_exact.py")],
+                         env={**SUBPROCESS_ENV, "XLA_FLAGS": ""}, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == [f"{stage}-{opt}" for stage, opt in OFFLOAD_RATIO]
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import N, max_rel, rel, tree_rel
+from flags import EXACT
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -90,7 +91,7 @@ def test_listed_blocks_train_like_one_device(stage, opt, mesh):
     plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=r"^blocks/\d+$")
     assert plan.blocks == [f"blocks/{i}" for i in range(8)]
     state = zj.init_state(plan, init, tx, KEY)
-    step = zj.make_train_step(plan, loss_fn, tx)
+    step = zj.make_train_step(plan, loss_fn, tx).lower(state, put(mesh, data(0))).compile(EXACT)
     params = init(KEY)
     if opt == "sgd":  # gradients directly, at the initial parameters (once per stage)
         _, grads = jax.jit(zj.make_grad_fn(plan, loss_fn))(state.params, put(mesh, data(0)))
@@ -98,9 +99,10 @@ def test_listed_blocks_train_like_one_device(stage, opt, mesh):
         # Summed over 8 devices in another order: 1e-5 of the whole, 1e-4 of the smallest leaf.
         assert tree_rel(grads, ref) < 1e-5 and max_rel(grads, ref) < 1e-4
     opt_state = tx.init(params)
+    grad = jax.jit(jax.value_and_grad(loss_fn), compiler_options=EXACT)
     for i in range(5):
         state, m = step(state, put(mesh, data(i)))
-        loss, g = jax.value_and_grad(loss_fn)(params, data(i))
+        loss, g = grad(params, data(i))
         updates, opt_state = tx.update(g, opt_state, params)
         params = optax.apply_updates(params, updates)
         assert rel(m["loss"], loss) < 1e-5
@@ -109,8 +111,7 @@ def test_listed_blocks_train_like_one_device(stage, opt, mesh):
     assert max_rel(state.params, params) < (1e-4 if opt == "sgd" else 1e-3)
     if stage == 3:  # each block's buffer (its two matrices and cut biases) gathered in the
         # forward and again in the backward
-        compiled = step.lower(state, put(mesh, data(0))).compile()
-        blocks = [c for c in collectives(compiled.as_text(), N) if c.bytes >= 2 * 4 * D * H]
+        blocks = [c for c in collectives(step.as_text(), N) if c.bytes >= 2 * 4 * D * H]
         assert sum(c.count for c in blocks if c.kind == "all-gather") == 2 * 8
 
 

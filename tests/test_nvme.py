@@ -21,6 +21,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import KEY, ROOT, example
+from flags import EXACT
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from lm import LAYERS
@@ -51,10 +52,13 @@ def plans(mesh, small, stage, path, **nvme):
 def train(plan, small, state=None, first=0, steps=STEPS, step=None):
     _, init, loss_fn, batches = small
     state = init_state(plan, init, ADAMW, KEY) if state is None else state
-    step = step or make_train_step(plan, loss_fn, ADAMW)
+    put = lambda b: jax.device_put(b, NamedSharding(plan.mesh, P("data")))
+    # The file's comparisons are bit for bit: every program compiled ``EXACT``.
+    step = step or make_train_step(plan, loss_fn, ADAMW).lower(state, put(batches[first])
+                                                                ).compile(EXACT)
     losses = []
     for b in batches[first:first + steps]:
-        state, m = step(state, jax.device_put(b, NamedSharding(plan.mesh, P("data"))))
+        state, m = step(state, put(b))
         losses.append(float(m["loss"]))
     return step, state, losses
 

@@ -16,6 +16,7 @@ import optax
 import pytest
 import regather
 from conftest import KEY, OPTIMIZERS
+from flags import EXACT
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from lm import LAYERS, LM, SMALL, init_fn, lm_loss
@@ -71,7 +72,7 @@ def test_prefetch_trains_bit_identically_and_gathers_a_layer_ahead(layout, probl
         state = zj.init_state(plan, init, tx, KEY)
         put = lambda b: jax.device_put(b, NamedSharding(mesh, P(plan.data_axes)))
         lowered = zj.make_train_step(plan, loss_fn, tx).lower(state, put(batches[0]))
-        compiled = lowered.compile()  # read, then run: one compile
+        compiled = lowered.compile(EXACT)  # read, then run: one compile
         losses = []
         for b in batches:
             state, m = compiled(state, put(b))
@@ -235,7 +236,7 @@ def test_unrolled_and_nnx_blocks_hand_the_next_block_its_weights(kind, mesh):
             plan = zj.make_plan(shapes, mesh, 3, layers=layers,
                                 comm=zj.Comm(bucket_bytes, prefetch=on))
             state = zj.init_state(plan, init, tx, KEY)
-            compiled = zj.make_train_step(plan, loss, tx).lower(state, batches[0]).compile()
+            compiled = zj.make_train_step(plan, loss, tx).lower(state, batches[0]).compile(EXACT)
             losses = []
             for b in batches:
                 state, m = compiled(state, b)
