@@ -101,8 +101,7 @@ OPTIMIZERS = {
 }
 
 
-@pytest.fixture(scope="session")
-def reference(small):
+def reference_runs(small: tuple) -> dict:
     """Per optimizer: losses, gradients and final parameters of a one-device optax loop over
     the small model's 10 batches, from ``init(KEY)``."""
     _, init, loss_fn, batches = small
@@ -125,6 +124,9 @@ def reference(small):
             grads.append(g)
         out[name] = {"losses": np.array(losses), "grads": grads, "params": params}
     return out
+
+
+reference = pytest.fixture(reference_runs, scope="session", name="reference")
 
 
 def equations(jaxpr, skip: str | None = None, loop=None, scans=None):

@@ -18,7 +18,7 @@ import os
 
 # Not where the host-offloaded part of a program must equal the device's: that part takes the
 # process's settings, not a compile's, so a process started with ZJ_EXACT=1 compiles all
-# programs exactly (tests/offload_exact.py).
+# programs exactly (tests/equivalence_exact.py).
 FAST_COMPILE = "--xla_backend_optimization_level=0" + (
     "" if os.environ.get("ZJ_EXACT") else " --xla_cpu_use_fusion_emitters=false")
 # For ``step.lower(...).compile(EXACT)`` and ``jax.jit(f, compiler_options=EXACT)``.
