@@ -15,6 +15,8 @@ pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENV = TRAIN_ENV
+sys.path.insert(0, str(ROOT))
+import train as train_py  # noqa: E402
 
 
 def train(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -91,12 +93,23 @@ def test_dry_run_of_1_3b_compiles_without_allocating(tmp_path):
     (["--set", "train.ckpt_load_path=/no/such/dir"],
      "train.ckpt_load_path: checkpoint directory /no/such/dir does not exist"),
 ])
-def test_bad_input_gives_one_line_and_exit_2(args, message):
-    run = train(*args, "--steps", "1", timeout=120)
-    assert run.returncode == 2
-    lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], run.stderr
-    assert "Traceback" not in run.stderr
+def test_bad_input_gives_one_line_and_exit_2(args, message, capsys):
+    """``train.main`` in this process (train.py's own start-up is run by the tests above)."""
+    try:
+        code = train_py.main([*args, "--steps", "1"])
+    except SystemExit as e:  # argparse
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_bad_input_from_the_command_line():
+    run = train("--stage", "4", "--steps", "1", timeout=120)
+    assert run.returncode == 2 and run.stderr.strip() == \
+        "error: ZeRO stage must be 0, 1, 2 or 3 (got 4)", run.stderr
 
 
 def test_user_data_files(tmp_path):
