@@ -24,6 +24,8 @@ SUBPROCESS_ENV = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
 # For the train.py runs that train: LLVM's level 1 runs as fast as level 2 and compiles about as
 # fast as level 0 (train.py's default run, 60 steps: 32 s at 0, 18 s at 1; the three files of
 # train.py runs: 235 -> 209 s). Not for compile-bound ones (the multi-process runs: 74 -> 98 s).
+# Those with the default emitters; with the older ones test_cli + test_checkpoint took 244 s at
+# level 1 and 231 s at 0 (one run each, side by side): within the noise, so left at 1.
 TRAIN_ENV = {**SUBPROCESS_ENV,
              "XLA_FLAGS": FAST_COMPILE.replace("level=0", "level=1")}
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
