@@ -97,28 +97,53 @@ def test_blocks_found_by_path(mesh, net):
 # SGD at every stage (it shows a gradient of the wrong scale, which Adam would hide); AdamW once:
 # the blocks' routing does not depend on the optimizer, and test_equivalence runs AdamW with
 # clipping at every stage.
-@pytest.mark.parametrize(("stage", "opt"), [(0, "sgd"), (1, "sgd"), (2, "sgd"), (3, "sgd"),
-                                            (3, "adamw")])
-def test_training_equals_one_device(stage, opt, mesh, net):
+TXS = {"sgd": lambda: optax.sgd(0.3), "adamw": lambda: optax.adamw(3e-3, weight_decay=0.1)}
+
+
+def optax_steps(loss_fn, tx, params, steps: int) -> dict:
+    """Plain optax on one device over ``tokens(0..steps-1)``: the gradient at the initial
+    parameters, each step's loss, the final parameters and optimizer state."""
+
+    @jax.jit
+    def step(params, opt_state, toks):
+        loss, g = jax.value_and_grad(loss_fn)(params, toks)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, g
+
+    opt_state, losses, grads = tx.init(params), [], []
+    for i in range(steps):
+        params, opt_state, loss, g = step(params, opt_state, tokens(i))
+        losses.append(loss)
+        grads.append(g)
+    return {"grad": grads[0], "losses": losses, "params": params, "opt_state": opt_state}
+
+
+@pytest.fixture(scope="module")
+def one_device(net):
+    """Per optimizer, ``optax_steps`` over 5 batches (computed once for the stages)."""
     model, init = net
     loss_fn = lambda params, toks: ce(model, params, toks).mean()
-    tx = optax.sgd(0.3) if opt == "sgd" else optax.adamw(3e-3, weight_decay=0.1)
+    return {name: optax_steps(loss_fn, make(), init(KEY), 5) for name, make in TXS.items()}
+
+
+@pytest.mark.parametrize(("stage", "opt"), [(0, "sgd"), (1, "sgd"), (2, "sgd"), (3, "sgd"),
+                                            (3, "adamw")])
+def test_training_equals_one_device(stage, opt, mesh, net, one_device):
+    model, init = net
+    loss_fn = lambda params, toks: ce(model, params, toks).mean()
+    tx = TXS[opt]()
     plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=BLOCKS)
     state = zj.init_state(plan, init, tx, KEY)
     step = zj.make_train_step(plan, loss_fn, tx)
-    params = init(KEY)
-    opt_state = tx.init(params)
+    ref = one_device[opt]
     if opt == "sgd":  # gradients directly, at the initial parameters (once per stage)
         grad_fn = jax.jit(zj.make_grad_fn(plan, loss_fn))
         _, grads = grad_fn(state.params, shard_batch(mesh, tokens(0)))
-        assert max_rel(grads, jax.grad(loss_fn)(params, tokens(0))) < 1e-5
+        assert max_rel(grads, ref["grad"]) < 1e-5
     for i in range(5):
-        toks = tokens(i)
-        state, m = step(state, shard_batch(mesh, toks))
-        loss, g = jax.value_and_grad(loss_fn)(params, toks)
-        updates, opt_state = tx.update(g, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        assert rel(m["loss"], loss) < 1e-5
+        state, m = step(state, shard_batch(mesh, tokens(i)))
+        assert rel(m["loss"], ref["losses"][i]) < 1e-5
+    params = ref["params"]
     assert tree_rel(state.params, params) < 1e-5
     # Adam turns a near-zero gradient into about its sign, so the rounding of summing 8 partial
     # gradients shows on zero-initialised biases (at stage 0 as much as at 3): per leaf, SGD only.
@@ -292,25 +317,31 @@ UNLIKE_STATE = {
 }
 
 
+@pytest.fixture(scope="module")
+def two_blocks():
+    """A 2-block net, and per optimizer of ``UNLIKE_STATE`` its ``optax_steps`` over 4
+    batches, computed once for the stages."""
+    model, init = setup(2)
+    loss_fn = lambda params, toks: ce(model, params, toks).mean()
+    refs = {name: optax_steps(loss_fn, make(), init(KEY), 4)
+            for name, make in UNLIKE_STATE.items()}
+    return init, loss_fn, refs
+
+
 @pytest.mark.parametrize(("stage", "opt"), [(s, o) for o in UNLIKE_STATE for s in (1, 2, 3)]
                          + [(0, "sm3")])
-def test_optimizers_with_unlike_state(stage, opt, mesh):
+def test_optimizers_with_unlike_state(stage, opt, mesh, two_blocks):
     """Adafactor's factored moments are not shaped like the parameters; MultiSteps adds
     counters; SM3 keeps a list of per-dimension accumulators under each parameter: such leaves
     stay whole, the rest is cut, and the result is one device's."""
-    model, init = setup(2)
-    loss_fn = lambda params, toks: ce(model, params, toks).mean()
+    init, loss_fn, refs = two_blocks
     tx = UNLIKE_STATE[opt]()
     plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=BLOCKS)
     state = zj.init_state(plan, init, tx, KEY)
     step = zj.make_train_step(plan, loss_fn, tx)
-    params = init(KEY)
-    opt_state = tx.init(params)
     for i in range(4):
-        toks = tokens(i)
-        state, m = step(state, shard_batch(mesh, toks))
-        updates, opt_state = tx.update(jax.grad(loss_fn)(params, toks), opt_state, params)
-        params = optax.apply_updates(params, updates)
+        state, m = step(state, shard_batch(mesh, tokens(i)))
+    params, opt_state = refs[opt]["params"], refs[opt]["opt_state"]
     assert tree_rel(state.params, params) < 1e-5
     assert tree_rel(state.opt_state, opt_state) < 1e-5
     whole = [x["path"] for x in report.whole_opt_state(plan, state)]
