@@ -189,8 +189,8 @@ class NvmeStep:
         self._opt = jax.tree.leaves(plan.shardings(plan.opt_specs))
         self._shapes = jax.tree.leaves(plan.shapes)
         # Options given to ``compile`` reach the update and the gather as well.
-        self._band_program = compiler_options and jax.jit(self.tier.band_fn,
-                                                          compiler_options=compiler_options)
+        self._band_program = jax.jit(self.tier.band_fn, compiler_options=compiler_options) \
+            if compiler_options else None  # None: the tier's own
         self._params_program = jax.jit(self._new_params, compiler_options=compiler_options,
                                        out_shardings=state_shardings(plan, tx).params)
 
