@@ -189,7 +189,7 @@ def test_stage3_holds_one_block_at_a_time(mesh):
 
 def test_backward_gathers_again_with_no_flag_set():
     """An unrolled linen model, an NNX model and a scanned stack, in a process where nobody
-    set an XLA flag beyond the device count (``tests/regather.py``): each block is gathered in
+    set an XLA flag that names an HLO pass (``tests/regather.py``): each block is gathered in
     the forward and again in the backward, and stage 3 holds at most 0.6x stage 2. With the
     CPU compiler's barrier pass back on, XLA merges the two gathers and the report says so."""
     run = subprocess.run([sys.executable, str(ROOT / "tests" / "regather.py")],

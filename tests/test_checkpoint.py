@@ -41,26 +41,28 @@ def listing(directory: pathlib.Path) -> dict:
 
 
 def test_resume_is_bit_identical(tmp_path):
-    """10 steps, stop, resume to 20 == 20 uninterrupted steps, loss for loss, on the CPU mesh.
-    The second run starts from the first's directory through train.ckpt_load_path (the seed's
-    key) and saves into its own; --resume from a directory is tested with the SIGKILL below."""
+    """6 steps, stop, resume to 12 == 12 uninterrupted steps, loss for loss, on the CPU mesh
+    (inside the warmup and after it: the schedule's step is restored too). The second run
+    starts from the first's directory through train.ckpt_load_path (the seed's key) and saves
+    into its own; --resume from a directory is tested with the SIGKILL below."""
     ckpt, split, whole = tmp_path / "ckpt", tmp_path / "split.jsonl", tmp_path / "whole.jsonl"
-    common = ["--stage", "3", "--set", "optimizer.decay_steps=20"]
-    first = train(*common, "--steps", 10, "--save-every", 5, "--checkpoint-dir", ckpt,
+    common = ["--stage", "3", "--set", "optimizer.decay_steps=12",
+              "--set", "optimizer.warmup_steps=8"]
+    first = train(*common, "--steps", 6, "--save-every", 3, "--checkpoint-dir", ckpt,
                   "--resume", "--metrics", split)
     assert first.returncode == 0, first.stderr
     assert "starting fresh" in first.stdout
-    assert "checkpoint 10:" in first.stdout and "MiB on disk" in first.stdout
-    second = train(*common, "--steps", 20, "--checkpoint-dir", tmp_path / "next",
+    assert "checkpoint 6:" in first.stdout and "MiB on disk" in first.stdout
+    second = train(*common, "--steps", 12, "--checkpoint-dir", tmp_path / "next",
                    "--set", f"train.ckpt_load_path={ckpt}", "--metrics", split)
     assert second.returncode == 0, second.stderr
-    assert "resumed from step 10" in second.stdout
-    third = train(*common, "--steps", 20, "--metrics", whole)
+    assert "resumed from step 6" in second.stdout
+    third = train(*common, "--steps", 12, "--metrics", whole)
     assert third.returncode == 0, third.stderr
     assert losses(split) == losses(whole)  # exact float equality, step for step
-    assert [s for s, _ in losses(split)] == list(range(1, 21))
-    assert Checkpoints(ckpt).manager.all_steps() == [5, 10]  # read, not written
-    assert Checkpoints(tmp_path / "next").manager.all_steps() == [20]
+    assert [s for s, _ in losses(split)] == list(range(1, 13))
+    assert Checkpoints(ckpt).manager.all_steps() == [3, 6]  # read, not written
+    assert Checkpoints(tmp_path / "next").manager.all_steps() == [12]
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +207,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
 
 def test_disk_full_during_save_stops_and_keeps_older_checkpoints(tmp_path):
     ckpt = tmp_path / "ckpt"
-    assert train("--steps", 10, "--save-every", 5, "--keep", 2,
+    assert train("--steps", 4, "--save-every", 2, "--keep", 2,
                  "--checkpoint-dir", ckpt).returncode == 0
     # The kernel refuses to grow any file past 4 KB from here on: writes fail as on a full disk.
     limit = ("import resource, runpy, signal, sys\n"
@@ -214,24 +216,24 @@ def test_disk_full_during_save_stops_and_keeps_older_checkpoints(tmp_path):
              "(4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
              "sys.argv = sys.argv[1:]\n"
              "runpy.run_path(sys.argv[0], run_name='__main__')\n")
-    run = train("--steps", 20, "--save-every", 5, "--keep", 2, "--checkpoint-dir", ckpt,
+    run = train("--steps", 8, "--save-every", 2, "--keep", 2, "--checkpoint-dir", ckpt,
                 "--resume", prefix=["-c", limit])
     assert run.returncode == 1
     # one line; orbax's logged tracebacks and asyncio's "Event loop is closed" are kept quiet
     errors = [x for x in run.stderr.splitlines() if x.startswith("error:")]
     assert len(errors) == 1 and re.fullmatch(
-        rf"error: saving checkpoint 15 in {re.escape(str(ckpt))} \([\d.]+ GiB free there\) "
+        rf"error: saving checkpoint 6 in {re.escape(str(ckpt))} \([\d.]+ GiB free there\) "
         r"failed: .*File too large; older checkpoints are kept", errors[0]), run.stderr[-3000:]
     # (asyncio's "exception was never retrieved" of orbax's futures showed on a loaded machine)
     noise = ("Traceback", "ERROR:absl", "ERROR:asyncio", "never retrieved", "never awaited")
     assert not any(x in run.stderr for x in noise), run.stderr[-3000:]
     ckpts = Checkpoints(ckpt)
-    assert ckpts.manager.all_steps() == [5, 10]  # keep=2 deleted nothing for the failed 15
-    assert ckpts.meta(10)["step"] == 10
+    assert ckpts.manager.all_steps() == [2, 4]  # keep=2 deleted nothing for the failed 6
+    assert ckpts.meta(4)["step"] == 4
 
 
 def test_export_reads_with_plain_orbax_and_generates(tmp_path):
-    assert train("--steps", 30, "--checkpoint-dir", "runs/ckpt", cwd=tmp_path).returncode == 0
+    assert train("--steps", 2, "--checkpoint-dir", "runs/ckpt", cwd=tmp_path).returncode == 0
     run = subprocess.run([sys.executable, "-m", "zero_jax.export", "runs/ckpt", "runs/export",
                           "--dtype", "bf16"], cwd=tmp_path, env=ENV, capture_output=True,
                          text=True)

@@ -7,20 +7,24 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TRAIN_ENV
+from conftest import SUBPROCESS_ENV, TRAIN_ENV
 
 from zero_jax.gpt.model import GPTConfig
 
 pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ENV = TRAIN_ENV
 sys.path.insert(0, str(ROOT))
 import train as train_py  # noqa: E402
 
 
+def env(args) -> dict:
+    """A dry run only compiles: LLVM at level 0 (the trillion planner's run: 13 -> 8 s)."""
+    return SUBPROCESS_ENV if "--dry-run" in args else TRAIN_ENV
+
+
 def train(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=ENV,
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env(args),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -50,8 +54,8 @@ def peak_rss_mb(*args: str) -> tuple[subprocess.CompletedProcess, float]:
             "finally:\n"
             "    print(next(int(x.split()[1]) for x in open('/proc/self/status')\n"
             "               if x.startswith('VmHWM')) / 1024)\n")
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(args),
+                         capture_output=True, text=True, timeout=300)
     return run, float(run.stdout.strip().splitlines()[-1])
 
 
