@@ -103,29 +103,30 @@ OPTIMIZERS = {
 }
 
 
+def optax_steps(loss_fn, tx, params, batches) -> dict:
+    """Plain optax on one device, one jitted step per batch: each step's loss and gradient,
+    the final parameters and optimizer state."""
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, grads
+
+    opt_state, losses, grads = tx.init(params), [], []
+    for b in batches:
+        params, opt_state, loss, g = step(params, opt_state, b)
+        losses.append(float(loss))
+        grads.append(g)
+    return {"losses": np.array(losses), "grads": grads, "params": params,
+            "opt_state": opt_state}
+
+
 def reference_runs(small: tuple) -> dict:
-    """Per optimizer: losses, gradients and final parameters of a one-device optax loop over
-    the small model's 10 batches, from ``init(KEY)``."""
+    """Per optimizer: ``optax_steps`` over the small model's 10 batches, from ``init(KEY)``."""
     _, init, loss_fn, batches = small
-    out = {}
-    for name, make_tx in OPTIMIZERS.items():
-        tx = make_tx()
-        params = init(KEY)
-        opt_state = tx.init(params)
-
-        @jax.jit
-        def step(params, opt_state, batch, tx=tx):
-            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss, grads
-
-        losses, grads = [], []
-        for b in batches:
-            params, opt_state, loss, g = step(params, opt_state, b)
-            losses.append(float(loss))
-            grads.append(g)
-        out[name] = {"losses": np.array(losses), "grads": grads, "params": params}
-    return out
+    return {name: optax_steps(loss_fn, make_tx(), init(KEY), batches)
+            for name, make_tx in OPTIMIZERS.items()}
 
 
 reference = pytest.fixture(reference_runs, scope="session", name="reference")
