@@ -214,6 +214,7 @@ def test_prefetch_refused_where_it_cannot_run(mesh):
                        .params, batch)
 
 
+PERSISTENT = [zj.Rule("", min_shard_elems=256)]  # norms and 128-wide biases: whole in a block
 BLOCKS = {"unrolled": [f"h_{i}" for i in range(4)], "nnx": [f"blocks/{i}" for i in range(4)]}
 
 
@@ -221,8 +222,9 @@ BLOCKS = {"unrolled": [f"h_{i}" for i in range(4)], "nnx": [f"blocks/{i}" for i 
 def test_unrolled_and_nnx_blocks_hand_the_next_block_its_weights(kind, mesh):
     """Four blocks built in a Python loop (linen) or held in a list (NNX): with prefetch each
     block's call gathers the next block's weights, the steps train bit-identically (SGD with
-    buckets, AdamW per leaf), and the compiled program gathers every block while the block
-    before runs (in the backward: the block after), at most one gathered block more temp."""
+    buckets, AdamW per leaf; the layer norms whole, their gradients all-reduced in the
+    blocks' buckets), and the compiled program gathers every block while the block before
+    runs (in the backward: the block after), at most one gathered block more temp."""
     init, loss, layers = dict(regather.problems())[kind]
     put = lambda b: jax.device_put(b, NamedSharding(mesh, P("data")))
     batches = [put(jax.random.randint(jax.random.key(i), regather.BATCH.shape, 0,
@@ -233,7 +235,7 @@ def test_unrolled_and_nnx_blocks_hand_the_next_block_its_weights(kind, mesh):
     for opt, bucket_bytes in (("sgd", 25 << 20), ("adamw", 0)):
         tx, runs = OPTIMIZERS[opt](), {}
         for on in (False, True):
-            plan = zj.make_plan(shapes, mesh, 3, layers=layers,
+            plan = zj.make_plan(shapes, mesh, 3, layers=layers, rules=PERSISTENT,
                                 comm=zj.Comm(bucket_bytes, prefetch=on))
             state = zj.init_state(plan, init, tx, KEY)
             compiled = zj.make_train_step(plan, loss, tx).lower(state, batches[0]).compile(EXACT)

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
@@ -128,13 +129,16 @@ def _reduce(how: _How, gs: list, hold: PyTree = ()) -> tuple[list, PyTree]:
     if how.kind == "replica":
         summed = per_model_rank(lambda gs: buckets.all_reduce(
             gs, how.mesh_axis, how.reduce_dtype, how.comm), gs, how.model_dims)
-    elif any(d is not None for d in how.model_dims):  # no prefetch: nothing to hold
-        summed = per_model_rank(lambda gs: buckets.reduce_scatter(
-            gs, list(how.axes), how.mesh_axis, how.reduce_dtype, how.comm)[0], gs,
-            how.model_dims)
-    else:
-        summed, hold = buckets.reduce_scatter(gs, list(how.axes), how.mesh_axis,
-                                              how.reduce_dtype, how.comm, hold)
+    else:  # each tensor-parallel rank's pieces; ``hold`` is whole on ``model``
+        held, tree = jax.tree.flatten(hold)
+        n = len(gs)
+
+        def scatter(xs):
+            out, kept = buckets.reduce_scatter(xs[:n], list(how.axes), how.mesh_axis,
+                                               how.reduce_dtype, how.comm, tree.unflatten(xs[n:]))
+            return out + jax.tree.leaves(kept)
+        out = per_model_rank(scatter, gs + held, how.model_dims + (None,) * len(held))
+        summed, hold = out[:n], tree.unflatten(out[n:])
     return [g.astype(d) for g, d in zip(summed, how.dtypes, strict=True)], hold
 
 
@@ -344,6 +348,33 @@ def partitioned(x: Any, cut: bool) -> Any:
         return x
     spec = P(None, MODEL) if cut else P()
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """How a block's inputs wait for its backward in the loops prefetch runs itself (what remat
+    does for a plain block): ``offload``, in host memory (remat ``offload``); ``partition``, cut
+    over ``model`` (ZeRO-R's Pa)."""
+
+    offload: bool = False
+    partition: bool = False
+
+    def _move(self, x: Any, space: Any) -> Any:
+        inexact = isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact)
+        return jax.device_put(x, space) if self.offload and inexact else x
+
+    def cut(self, tree: PyTree) -> PyTree:
+        """Pa: laid out cut over ``model`` (as it waits between blocks, too)."""
+        return jax.tree.map(lambda x: partitioned(x, True), tree) if self.partition else tree
+
+    def whole(self, tree: PyTree) -> PyTree:
+        return jax.tree.map(lambda x: partitioned(x, False), tree) if self.partition else tree
+
+    def save(self, tree: PyTree) -> PyTree:
+        return jax.tree.map(lambda x: self._move(x, jax.memory.Space.Host), self.cut(tree))
+
+    def load(self, tree: PyTree) -> PyTree:
+        return self.whole(jax.tree.map(lambda x: self._move(x, jax.memory.Space.Device), tree))
 
 
 @contextlib.contextmanager

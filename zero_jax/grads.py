@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from zero_jax import buckets, handoff, prefetch
 from zero_jax.buckets import Comm
-from zero_jax.gather import Shard, materialize_tree, per_block, per_model_rank
+from zero_jax.gather import Saved, Shard, materialize_tree, per_block, per_model_rank
 from zero_jax.offload import in_host_memory, on_host_leaves
 from zero_jax.rules import Leaf, Plan
 from zero_jax.state import grads_in_host_memory, params_in_host_memory
@@ -158,9 +158,9 @@ def run_loss(g: GradStep, tree: PyTree, micro: PyTree, key: jax.Array | None):
     args = (tree, micro) if key is None else (tree, micro, key)
     chain = None
     if plan.comm.prefetch:  # unrolled and NNX blocks: the order they run in, read first
-        chain = handoff.Chain(offload=plan.remat == "offload")
+        chain = handoff.Chain(None, saved_inputs(plan))
         jax.eval_shape(lambda a: _traced(g, a, chain)[0], jax.lax.stop_gradient(args))
-        chain = handoff.Chain(chain.recorded, chain.offload)
+        chain = handoff.Chain(chain.recorded, chain.saved)
     out, seen, prefetched = _traced(g, args, chain)
     if chain is not None:
         chain.check_done()
@@ -179,13 +179,19 @@ def run_loss(g: GradStep, tree: PyTree, micro: PyTree, key: jax.Array | None):
             jax.tree.map(lambda a: jnp.asarray(a, jnp.float32) * weight, aux))
 
 
+def saved_inputs(plan: Plan) -> Saved:
+    """How the blocks prefetch runs keep their inputs for the backward: the plan's remat
+    ``offload`` and partitioned activations."""
+    return Saved(plan.remat == "offload", plan.partition_activations)
+
+
 def _traced(g: GradStep, args: tuple, chain: handoff.Chain | None):
     """The loss on ``args`` with the plan's blocks gathered as they run (``chain``: handing
     each other their weights; scanned stacks: run by ``zero_jax.prefetch``): ``(out, blocks
     that ran, stacks prefetched)``."""
     plan, blocks = g.plan, g.plan.blocks
     prefetched: set[str] = set()
-    fetch = prefetch.stacks(frozenset(blocks), prefetched, plan.remat == "offload") \
+    fetch = prefetch.stacks(frozenset(blocks), prefetched, saved_inputs(plan)) \
         if plan.comm.prefetch else contextlib.nullcontext()
     with per_block(blocks, plan.remat, plan.partition_activations, chain) as seen, fetch:
         try:

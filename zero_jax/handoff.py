@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zero_jax.gather import after_inputs, is_shard, materialize_tree, reduce_tree
+from zero_jax.gather import Saved, after_inputs, is_shard, materialize_tree, reduce_tree
 
 PyTree = Any
 _OFF = "turn prefetch off (zero.prefetch: false)"
@@ -37,11 +37,16 @@ def _inexact(x) -> bool:
     return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
-def _moved(arrays: list, space) -> list:
-    return [jax.device_put(x, space) if _inexact(x) else x for x in arrays]
+def _barrier(tree: PyTree) -> PyTree:
+    """``optimization_barrier``, each output typed as its input: the barrier types every output
+    as varying over the axes any input varies over, while an all-reduced gradient (a whole
+    parameter's, DDP's bucket) is the same on every device and must stay typed so."""
+    out = jax.lax.optimization_barrier(tree)
+    same = lambda a, b: jax.typeof(a).manual_axis_type == jax.typeof(b).manual_axis_type
+    return jax.tree.map(lambda a, b: b if same(a, b) else a, tree, out)
 
 
-def _step(block: Callable, names: tuple, offload: bool) -> Callable:
+def _step(block: Callable, names: tuple, saved: Saved) -> Callable:
     """One block's call: ``(behind, shards, ahead, hand, arrays) -> (out, hand)``, ``behind``
     and ``ahead`` the shards of the blocks before and after it, ``hand`` what the block before
     handed over (``(weights, slot)``; None for the first block, which gathers its own).
@@ -59,11 +64,10 @@ def _step(block: Callable, names: tuple, offload: bool) -> Callable:
             # The next block starts once this gather is done: XLA cannot combine the two.
             out, nxt = jax.lax.optimization_barrier((block(whole, arrays), nxt))
         # The slot is never read: its cotangent brings this block's weights back, re-gathered.
-        saved = _moved(arrays, jax.memory.Space.Host) if offload else arrays
-        return (out, None if last else (nxt, whole)), (behind, shards, ahead, saved)
+        return (out, None if last else (nxt, whole)), (behind, shards, ahead, saved.save(arrays))
 
-    def bwd(saved, cts):
-        behind, shards, ahead, arrays = saved
+    def bwd(residuals, cts):
+        behind, shards, ahead, arrays = residuals
         dout, dhand = cts
         with jax.named_scope(names[1]):
             whole = materialize_tree(after_inputs(shards, (dout,), {})) if last else dhand[1]
@@ -73,7 +77,7 @@ def _step(block: Callable, names: tuple, offload: bool) -> Callable:
             # The next block's gradient, reduced one block behind, beside this one's backward.
             d_ahead = None if last else reduce_tree(ahead, dhand[0])[0]
         with jax.named_scope(names[1]):
-            arrays = _moved(arrays, jax.memory.Space.Device) if offload else arrays
+            arrays = saved.load(arrays)
             diff = [i for i, x in enumerate(arrays) if _inexact(x)]
 
             def again(w, xs):
@@ -91,7 +95,7 @@ def _step(block: Callable, names: tuple, offload: bool) -> Callable:
             dw, dxs = pull(dout)
         # The block before runs once these collectives are done, so XLA cannot combine its own
         # with them (on GPUs it merged every block's reduce-scatter into one, at the end).
-        dxs, d_ahead, prev = jax.lax.optimization_barrier((dxs, d_ahead, prev))
+        dxs, d_ahead, prev = _barrier((dxs, d_ahead, prev))
         d_arrays: list = [None] * len(arrays)
         for i, dx in zip(diff, dxs, strict=True):
             d_arrays[i] = dx
@@ -107,8 +111,8 @@ class Chain:
     """The handoffs between the named blocks of one trace of the loss. Without ``order`` it
     records the order they run in (and runs them plainly); with it, runs each as ``_step``."""
 
-    def __init__(self, order: list[str] | None = None, offload: bool = False):
-        self.order, self.offload = order, offload
+    def __init__(self, order: list[str] | None, saved: Saved):
+        self.order, self.saved = order, saved
         self.recorded: list[str] = []
         self.modules: dict[str, Any] = {}  # NNX: the block modules of this trace, by name
         self.position = 0
@@ -144,7 +148,7 @@ class Chain:
             return block(weights, *a, **k)
 
         named = lambda j: self.order[j] if 0 <= j < n else None
-        step = _step(run, (named(i - 1), name, named(i + 1)), self.offload)
+        step = _step(run, (named(i - 1), name, named(i + 1)), self.saved)
         out, self.hand = step(near(i - 1), near(i), near(i + 1), self.hand,
                               [leaves[j] for j in at])
         return out

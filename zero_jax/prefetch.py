@@ -7,16 +7,18 @@ zero_jax runs the loop itself, as FSDP2 does: a ``custom_vjp`` over the whole st
 forward loop carries the next layer's gathered weights (issued at the top of the iteration, so
 nothing in it waits on the layer's compute), and whose backward loop carries the previous
 layer's weights and the next layer's whole gradient, recomputing each layer from its saved
-input (remat ``full``; ``offload`` keeps those inputs in host memory). Each iteration's
-collectives then need nothing it computes, and XLA's scheduler can run them under its matmuls
-(on GPU; read from the compiled program in bench/gpu.py). A forward iteration holds two gathered
-layers, a backward one also two whole layer gradients. What the loops carry is replaced in
-place: each layer is cut out of its bucket once the layer before is done with its weights, and
-each backward iteration starts once the gradient it carried in is packed for its reduction, so
-XLA writes the new value over the old rather than copying both in and out of the carry. The
-first gather of each loop runs before it, the last layer after it, the last layer of the
-backward also before it: nothing is gathered or reduced twice, the bytes are those of the plain
-step.
+input (remat ``full``; ``offload`` keeps those inputs in host memory, Pa cut over ``model``:
+``gather.Saved``). Each iteration's collectives then need nothing it computes, and XLA's
+scheduler can run them under its matmuls (on GPU; read from the compiled program in
+bench/gpu.py). With tensor parallelism each rank does this with its slice of the layer over
+``data``, as ``gather.per_model_rank`` runs every ZeRO collective. A forward iteration holds
+two gathered layers, a backward one also two whole layer gradients. What the loops carry is
+replaced in place: each layer is cut out of its bucket once the layer before is done with its
+weights, and each backward iteration starts once the gradient it carried in is packed for its
+reduction, so XLA writes the new value over the old rather than copying both in and out of the
+carry. The first gather of each loop runs before it, the last layer after it, the last layer of
+the backward also before it: nothing is gathered or reduced twice, the bytes are those of the
+plain step.
 
 Linen gives no hook at a scan's boundary (``intercept_methods`` sees only the per-layer calls),
 so ``stacks`` wraps ``flax.core.lift.scan`` while the loss is traced: the scans of the named
@@ -36,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from zero_jax import buckets, internals
-from zero_jax.gather import after_inputs, materialize_tree, reduce_tree
+from zero_jax.gather import Saved, after_inputs, materialize_tree, reduce_tree
 
 PyTree = Any
 
@@ -54,49 +56,46 @@ def _appended(rest: PyTree, last: PyTree) -> PyTree:
     return jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), rest, last)
 
 
-def _to(tree: PyTree, space) -> PyTree:
-    return jax.tree.map(lambda x: jax.device_put(x, space), tree)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def run_stack(layer: Callable, offload: bool, params_L: PyTree, carry: PyTree,
+def run_stack(layer: Callable, saved: Saved, params_L: PyTree, carry: PyTree,
               xs_L: PyTree) -> tuple[PyTree, PyTree]:
     """``layer(params, carry, x) -> (carry, y)`` over the ``L`` layers of ``params_L`` (whose
     cut leaves are ``Shard``s) and ``xs_L``, as ``jax.lax.scan``; each layer's weights gathered
-    one layer ahead, its gradient reduced one layer behind. ``offload``: the layer inputs saved
-    for the backward wait in host memory."""
-    return _forward(layer, offload, params_L, carry, xs_L)[0]
+    one layer ahead, its gradient reduced one layer behind; the layer inputs kept for the
+    backward kept as ``saved`` says."""
+    return _forward(layer, saved, params_L, carry, xs_L)[0]
 
 
 @buckets.cut_at_once()
-def _forward(layer, offload, params_L, carry, xs_L):
+def _forward(layer, saved, params_L, carry, xs_L):
     n = jax.tree.leaves(params_L)[0].shape[0]
-    save = (lambda c: _to(c, jax.memory.Space.Host)) if offload else (lambda c: c)
+    save = saved.save
     # The first gather of each loop waits for the loop's inputs, like every block's gather: else
     # the scheduler may start it anywhere, and XLA may merge the backward's with the forward's.
     whole = materialize_tree(after_inputs(_slice(params_L, 0), (carry, xs_L), {}))
 
     def body(state, i):
-        c, w = state
-        c, y = layer(w, c, _slice(xs_L, i))
+        c, w = state  # with Pa, c waits cut between layers, as the partitioner keeps it
+        c, y = layer(w, saved.whole(c), _slice(xs_L, i))
+        c = saved.cut(c)
         # Layer i+1 gathered while layer i computes, cut out of its bucket once layer i is
         # done with its weights: in place of them.
         ahead = materialize_tree(_slice(params_L, i + 1), after=(c, y))
         return (c, ahead), (save(c), y)  # saved: layer i+1's input
 
     (c, whole), (inputs, ys) = jax.lax.scan(body, (carry, whole), jnp.arange(n - 1))
-    c, y = layer(whole, c, _slice(xs_L, n - 1))
+    c, y = layer(whole, saved.whole(c), _slice(xs_L, n - 1))
     return (c, _appended(ys, y)), (params_L, save(carry), inputs, xs_L)
 
 
 @buckets.cut_at_once()
-def _backward(layer, offload, saved, cts):
-    params_L, first, inputs, xs_L = saved
+def _backward(layer, saved, residuals, cts):
+    params_L, first, inputs, xs_L = residuals
     dc, dys = cts
     n = jax.tree.leaves(params_L)[0].shape[0]
 
     def one(w, i, c, dc):  # layer i's backward, recomputed from its input c; dw still whole
-        c = _to(c, jax.memory.Space.Device) if offload else c
+        c = saved.load(c)
         _, pull = jax.vjp(layer, w, c, _slice(xs_L, i))
         return pull((dc, _slice(dys, i)))
 
@@ -153,10 +152,11 @@ def _refusal(scopes, carry, xs, variable_axes, variable_broadcast, variable_carr
 
 
 @contextlib.contextmanager
-def stacks(names: frozenset[str], seen: set[str], offload: bool = False):
-    """While tracing: the ``nn.scan`` stacks named in ``names`` run as ``run_stack``; each one
-    that does is added to ``seen``. A named stack that cannot raises ``ValueError``. (It swaps
-    a module attribute of Flax's: trace one such loss at a time.)"""
+def stacks(names: frozenset[str], seen: set[str], saved: Saved):
+    """While tracing: the ``nn.scan`` stacks named in ``names`` run as ``run_stack`` (their
+    layer inputs kept as ``saved`` says); each one that does is added to ``seen``. A named
+    stack that cannot raises ``ValueError``. (It swaps a module attribute of Flax's: trace one
+    such loss at a time.)"""
     def wrap(original):
         def scan(fn, *args, **kwargs):
             plain = original(fn, *args, **kwargs)
@@ -178,7 +178,7 @@ def stacks(names: frozenset[str], seen: set[str], offload: bool = False):
                 def layer(params, c, x):
                     per_layer = lambda s, c, *x: fn([s], c, *x)
                     return flax.core.apply(per_layer)({"params": params}, c, *x)
-                return run_stack(layer, offload, scope.variables()["params"], carry, xs)
+                return run_stack(layer, saved, scope.variables()["params"], carry, xs)
             return run
         return scan
 
