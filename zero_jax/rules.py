@@ -530,9 +530,6 @@ def _check_combination(stage: int, layers: Layers | None, offload: Offload, comm
     if comm.quantize_grads and stage < 2:
         raise ValueError(f"quantize_grads makes the gradient reduce-scatters of stages 2-3 int8; "
                          f"stage {stage} all-reduces: use stage 2 or 3")
-    if tensor_parallel and offload.any:
-        raise ValueError("tensor parallelism (a 'model' mesh axis) is not built with offload "
-                         "yet: turn it off")
     remat = layers.remat if layers else "full"
     if comm.prefetch and not prefetchable(stage, bool(layers), remat, offload.any):
         raise ValueError("prefetch overlaps stage 3's per-layer gathers with the layer before: "

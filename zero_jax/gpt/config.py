@@ -354,8 +354,7 @@ def _check_precision(config: dict) -> None:
 
 
 def _check_tensor_parallel(config: dict) -> None:
-    """T must cut whole heads, the MLP's hidden units and the vocabulary, and is not built with
-    offload yet."""
+    """T must cut whole heads, the MLP's hidden units and the vocabulary."""
     _at_least(config, "mesh", "tensor_parallel", 1)
     t, m, z = config["mesh"]["tensor_parallel"], config["model"], config["zero"]
     if z["partition_activations"] and (t == 1 or z["stage"] != 3):
@@ -366,9 +365,6 @@ def _check_tensor_parallel(config: dict) -> None:
         if m[key] % t:
             raise ConfigError(f"mesh.tensor_parallel {t} does not divide model.{key} {m[key]}: "
                               f"tensor parallelism cuts it into {t} pieces; pick a divisor")
-    if t > 1 and (z["offload_params"] != "none" or z["offload_optimizer"]["device"] != "none"):
-        raise ConfigError(f"mesh.tensor_parallel {t} is not built with offload yet: drop "
-                          "zero.offload_* or use --tensor-parallel 1")
 
 
 def _at_least(config: dict, section: str, key: str, low: int) -> None:
