@@ -396,7 +396,7 @@ def unrolled_rows(remat: str) -> list[tuple[str, int, bool]]:
     from zero_jax.rules import prefetchable
 
     rows = [("zero_jax stage 0", 0, False), ("zero_jax stage 3, no prefetch", 3, False)]
-    return rows + [("zero_jax stage 3, prefetch", 3, True)] * prefetchable(3, True, remat, False)
+    return rows + [("zero_jax stage 3, prefetch", 3, True)] * prefetchable(3, True, remat)
 
 
 def model_state_bytes(tree: PyTree) -> int:

@@ -44,12 +44,15 @@ STEPS = 5
 # before it, 0 after it); fewer would leave XLA a backward loop of one iteration, which it
 # removes.
 MODEL = LM(dataclasses.replace(SMALL, n_layers=4))
-# (optimizer, hierarchical, accumulation, comm): SGD, hierarchical, one collective per leaf;
-# AdamW with accumulation, buckets and int8 weights and gradients (exact too: prefetch gathers
-# the same int8 blocks, only earlier).
+# (optimizer, hierarchical, accumulation, comm, offload): SGD, hierarchical, one collective per
+# leaf; AdamW with accumulation, buckets and int8 weights and gradients (exact too: prefetch
+# gathers the same int8 blocks, only earlier); AdamW with the optimizer and the parameter shards
+# in host memory (each layer's gradient shard leaves for the host from the backward loop).
 LAYOUTS = {
-    "sgd, hierarchical, per leaf": ("sgd", "replica", 1, zj.Comm(bucket_bytes=0)),
-    "adamw, accumulation, buckets, int8": ("adamw", None, 2, zj.Comm(25 << 20, True, True)),
+    "sgd, hierarchical, per leaf": ("sgd", "replica", 1, zj.Comm(bucket_bytes=0), zj.Offload()),
+    "adamw, accumulation, buckets, int8": ("adamw", None, 2, zj.Comm(25 << 20, True, True),
+                                           zj.Offload()),
+    "adamw, buckets, offload": ("adamw", None, 1, zj.Comm(), zj.Offload(1.0, params=True)),
 }
 
 
@@ -61,14 +64,14 @@ def problem():
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_prefetch_trains_bit_identically_and_gathers_a_layer_ahead(layout, problem):
     init, loss_fn, batches = problem
-    opt, outer, accum, comm = LAYOUTS[layout]
+    opt, outer, accum, comm, offload = LAYOUTS[layout]
     mesh = zj.make_mesh(8, axes={"replica": 2, "data": 4} if outer else None)
     tx = OPTIMIZERS[opt]()
 
     def train(comm):
         plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=LAYERS,
                             rules=[zj.Rule("", min_shard_elems=64)], comm=comm,
-                            precision=zj.Precision(accum_steps=accum))
+                            precision=zj.Precision(accum_steps=accum), offload=offload)
         state = zj.init_state(plan, init, tx, KEY)
         put = lambda b: jax.device_put(b, NamedSharding(mesh, P(plan.data_axes)))
         lowered = zj.make_train_step(plan, loss_fn, tx).lower(state, put(batches[0]))

@@ -222,6 +222,8 @@ def reduce_tree(tree: PyTree, grads: PyTree, hold: PyTree = ()) -> tuple[PyTree,
         xs = [leaves[i] for i in members]
         reduced, hold = _reduce(_how(xs), [out[i] for i in members], hold)
         for i, x, g in zip(members, xs, reduced, strict=True):
+            # An offloaded shard's gradient goes back to host memory, as ``_whole``'s does.
+            g = jax.device_put(g, jax.memory.Space.Host) if in_host_memory(x.value) else g
             out[i] = dataclasses.replace(x, value=g, whole=None, gather_from=None)
     return treedef.unflatten(out), hold
 

@@ -157,9 +157,8 @@ def mesh_for(cfg: dict, devices: int | None) -> Mesh:
 def comm_from(z: dict, remat: str) -> Comm:
     """The ``zero`` section's buckets, int8 collectives and prefetch; prefetch where it applies
     (as DeepSpeed reads its prefetch settings at stage 3 only; not with tiling)."""
-    offload = z["offload_params"] != "none" or z["offload_optimizer"]["device"] != "none"
-    prefetch = z["prefetch"] and prefetchable(z["stage"], bool(z["transformer_layers"]), remat,
-                                              offload) and not z["tile_mb"]
+    prefetch = z["prefetch"] and prefetchable(z["stage"], bool(z["transformer_layers"]),
+                                              remat) and not z["tile_mb"]
     return Comm(int(z["bucket_mb"] * 2 ** 20), z["quantize_weights"] == "int8",
                 z["quantize_grads"] == "int8", z["quantize_block"], prefetch)
 
