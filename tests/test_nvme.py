@@ -50,12 +50,18 @@ _HOST = {}  # per stage: the host-memory run, shared by the tests that compare w
 
 
 def plans(mesh, small, stage, path, **nvme):
+    """(host memory, NVMe): at stage 3 the parameter shards in host memory too, as DeepSpeed's
+    offload_param cpu beside offload_optimizer nvme."""
     _, init, _, _ = small
     shapes = jax.eval_shape(init, KEY)
     kw = dict(layers=LAYERS, precision=Precision("bf16", accum_steps=setting(stage)[1]))
-    return (make_plan(shapes, mesh, stage, offload=Offload(optimizer=1.0), **kw),
-            make_plan(shapes, mesh, stage, offload=Offload(optimizer=1.0, nvme=Nvme(
-                str(path), **{"chunk_mb": CHUNK_MB, "buffers": BUFFERS, **nvme})), **kw))
+    params = stage == 3
+    return (make_plan(shapes, mesh, stage, offload=Offload(optimizer=1.0, params=params), **kw),
+            make_plan(shapes, mesh, stage, offload=Offload(optimizer=1.0, params=params,
+                                                           nvme=Nvme(str(path), **{
+                                                               "chunk_mb": CHUNK_MB,
+                                                               "buffers": BUFFERS, **nvme})),
+                      **kw))
 
 
 def train(plan, small, state=None, first=0, steps=STEPS, step=None, tx=ADAMW):
@@ -95,6 +101,8 @@ def test_equals_host_memory_offload_bit_for_bit(stage, mesh, small, tmp_path):
     step, got, losses = train(nvme, small, tx=tx)
     assert losses == want_losses
     assert got.master is None and got.opt_state is None  # they live in the files
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(got.params)}
+    assert ("pinned_host" in kinds) == (stage == 3)  # stage 3: the parameter shards offloaded
     tier = step.tier
     assert_states_equal(tier.give(got, state_shardings(nvme, tx)), want)
     # At most ``buffers`` bands of at most a chunk each were alive, of a state 10x their size

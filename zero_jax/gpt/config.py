@@ -312,11 +312,9 @@ def _check_zero(config: dict) -> None:
         if device not in allowed:
             raise ConfigError(f"zero.{key} must be {', '.join(allowed[:-1])} or {allowed[-1]} "
                               f"(got {device!r})")
-    if off["device"] == "nvme" and (not off["nvme_path"] or off["ratio"] != 1
-                                    or z["offload_params"] != "none"):
+    if off["device"] == "nvme" and (not off["nvme_path"] or off["ratio"] != 1):
         raise ConfigError("zero.offload_optimizer.device nvme keeps the whole optimizer in "
-                          "files: set zero.offload_optimizer.nvme_path=DIR, ratio 1, and no "
-                          "offload_params")
+                          "files: set zero.offload_optimizer.nvme_path=DIR and ratio 1")
     if off["device"] == "nvme" and config["optimizer"]["clip_norm"] > 0:
         raise ConfigError("zero.offload_optimizer.device nvme updates the optimizer state band "
                           "by band, where a global-norm clip cannot be computed: set "
@@ -324,10 +322,11 @@ def _check_zero(config: dict) -> None:
     if off["buffer_count"] < 3 or not off["buffer_mb"] > 0:
         raise ConfigError(f"zero.offload_optimizer.buffer_count must be at least 3 and "
                           f"buffer_mb above 0 (got {off['buffer_count']}, {off['buffer_mb']})")
-    if z["offload_params"] == "cpu" and (z["stage"] != 3 or off["device"] != "cpu"
+    if z["offload_params"] == "cpu" and (z["stage"] != 3 or off["device"] == "none"
                                          or off["ratio"] != 1):
         raise ConfigError("zero.offload_params cpu needs stage 3 and the whole optimizer "
-                          "offloaded: --set zero.offload_optimizer.device=cpu (ratio 1)")
+                          "offloaded: --set zero.offload_optimizer.device=cpu (ratio 1), or "
+                          "nvme")
     if not 0 <= off["ratio"] <= 1:
         raise ConfigError(f"zero.offload_optimizer.ratio is the fraction of the optimizer state "
                           f"offloaded, 0 to 1 (got {off['ratio']})")
