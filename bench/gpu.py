@@ -240,7 +240,15 @@ def compile_for(args: argparse.Namespace) -> None:
                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); install jax's "
                          'CUDA plugin into this environment: pip install "jax[cuda13]"') from e
     devices = np.array(topology.devices)
-    flat = Mesh(devices, ("data",), axis_types=(AxisType.Auto,))
+
+    def mesh_of(cfg: dict) -> Mesh:
+        """train.py's mesh on these devices: (replica x) data (x model, T adjacent)."""
+        group, t = cfg["zero"]["zero3_size"], cfg["mesh"]["tensor_parallel"]
+        axes = {**({"replica": n // t // group, "data": group} if group else {"data": n // t}),
+                **({"model": t} if t > 1 else {})}
+        return Mesh(devices.reshape(tuple(axes.values())), tuple(axes),
+                    axis_types=(AxisType.Auto,) * len(axes))
+
     hw = dataclasses.replace(estimate.H100, gpus_per_node=per_node)
     name = args.config or "gpt2-124m"
     where = f"{nodes} nodes of {per_node}" if nodes > 1 else f"{n}"
@@ -256,10 +264,7 @@ def compile_for(args: argparse.Namespace) -> None:
     results = []
     for stage, sets in runs:
         cfg = config.load(name, [*args.set, *sets])
-        group = cfg["zero"]["zero3_size"]
-        mesh = Mesh(devices.reshape(n // group, group), ("replica", "data"),
-                    axis_types=(AxisType.Auto,) * 2) if group else flat
-        exp = Experiment.build(cfg, mesh)
+        exp = Experiment.build(cfg, mesh_of(cfg))
         state = abstract_state(exp.plan, exp.tx)
         lowered = exp.step.lower(state, exp.batch_shape)
         compiled = lowered.compile()
@@ -270,7 +275,8 @@ def compile_for(args: argparse.Namespace) -> None:
         _row(res)
     import peers  # bench/peers.py: the same model and optimizer, as GSPMD FSDP
 
-    exp, lowered = peers.fsdp_lowered(config.load(name, args.set), flat)
+    cfg = config.load(name, args.set)
+    exp, lowered = peers.fsdp_lowered(cfg, mesh_of(cfg))
     compiled = lowered.compile()
     _save(args, f"{name}-gspmd-fsdp", compiled)
     text = compiled.as_text()
