@@ -49,12 +49,19 @@ def one_device(init, loss_fn, batches, tx) -> tuple[list[float], dict]:
     return losses, params
 
 
+def gpt_problem(cfg: GPTConfig, batch: int, steps: int, corpus: int = 1 << 18):
+    """(init, loss, batches) of the demo's GPT on ``cfg``: ``steps`` batches of ``batch``
+    sequences from the first ``corpus`` bytes of the embedded text."""
+    model = GPT(cfg)
+    tokens = data.stdlib_corpus(corpus).astype(np.int32) % cfg.vocab_size
+    batches = [np.asarray(data.batch(tokens, i, batch, cfg.seq_len, seed=0))
+               for i in range(steps)]
+    return init_fn(model), lm_loss(model), batches
+
+
 @pytest.fixture(scope="module")
 def gpt():
-    model = GPT(CFG)
-    tokens = data.stdlib_corpus(1 << 18).astype(np.int32) % CFG.vocab_size
-    batches = [np.asarray(data.batch(tokens, i, 16, CFG.seq_len, seed=0)) for i in range(STEPS)]
-    init, loss_fn = init_fn(model), lm_loss(model)
+    init, loss_fn, batches = gpt_problem(CFG, 16, STEPS)
     refs = {name: one_device(init, loss_fn, batches, make()) for name, make in OPTIMIZERS.items()}
     return init, loss_fn, batches, refs
 
@@ -256,11 +263,7 @@ def test_prefetch_gathers_a_layer_ahead_within_each_tensor_parallel_rank():
     layer's 14,860), in the report; XLA's temp grows by at most three of them. What the loops
     carry is written in place: an iteration copies the biases cut over ``model`` only (too
     small to cut over ``data`` too) and the carried activation gradient, no gathered layer."""
-    cfg = dataclasses.replace(CFG, n_layers=4)
-    model = GPT(cfg)
-    init, loss_fn = init_fn(model), lm_loss(model)
-    tokens = data.stdlib_corpus(1 << 18).astype(np.int32) % cfg.vocab_size
-    batches = [np.asarray(data.batch(tokens, i, 16, cfg.seq_len, seed=0)) for i in range(3)]
+    init, loss_fn, batches = gpt_problem(dataclasses.replace(CFG, n_layers=4), 16, 3)
     mesh = zj.make_mesh(8, axes=MESHES["4x2"])
     tx = OPTIMIZERS["adamw"]()
 
@@ -392,10 +395,7 @@ def test_partitioned_activations_keep_a_tp_slice_of_the_saved_inputs():
     1-3: the last runs after it), as well."""
     cfg = dataclasses.replace(CFG, vocab_size=64, d_model=32, n_layers=4, d_ff=64, seq_len=256,
                               remat="none")  # stage 3 remats the blocks itself
-    model = GPT(cfg)
-    init, loss_fn = init_fn(model), lm_loss(model)
-    tokens = data.stdlib_corpus(1 << 16).astype(np.int32) % cfg.vocab_size
-    batches = [np.asarray(data.batch(tokens, i, 8, cfg.seq_len, seed=0)) for i in range(3)]
+    init, loss_fn, batches = gpt_problem(cfg, 8, 3, corpus=1 << 16)
     mesh = zj.make_mesh(8, axes=MESHES["2x4"])
     tx = OPTIMIZERS["sgd"]()
     runs, host = {}, {}
