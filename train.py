@@ -675,8 +675,14 @@ def plan_layouts(exp, cfg: dict, args: argparse.Namespace) -> int:
         compiled, peak = compile_with_peak(e.step.lower(state, e.batch_shape))
         return planner.measure(layout, e.plan, state, compiled, peak)
 
-    rows = [measure(layout, c) for layout, c in layouts.candidates(
-        cfg, args.set, args.stage, args.tensor_parallel, per_host, n)]
+    pairs = list(layouts.candidates(cfg, args.set, args.stage, args.tensor_parallel, per_host, n))
+    rows = [measure(layout, c) for layout, c in pairs]
+    # Prefetch holds a gathered layer more: a layout whose device does not fit with it is
+    # compiled again without it (where the command line left prefetch open).
+    for (layout, c), row in zip(pairs, list(rows), strict=True):
+        if row.device > planner.HEADROOM * args.device_memory and \
+                (plain := layouts.without_prefetch(layout, c, args.set)):
+            rows.append(measure(*plain))
     off = cfg["zero"]["offload_optimizer"]
     if args.nvme_memory:  # the NVMe tier: the host-offload layouts, their state on the disk
         rows += [planner.on_nvme(r, int(off["buffer_count"] * off["buffer_mb"] * 2**20),

@@ -101,7 +101,8 @@ def describe(layout: dict) -> str:
     """A layout in words, as the table's verdict and split name it."""
     return (f"stage {layout['stage']}, offload {layout['offload']}, remat {layout['remat']}, "
             f"tensor parallel {layout['tp']}"
-            + (f", tiled within {layout['tile_mb']:.3g} MiB" if layout.get("tile_mb") else ""))
+            + (f", tiled within {layout['tile_mb']:.3g} MiB" if layout.get("tile_mb") else "")
+            + (", no prefetch" if layout.get("prefetch") is False else ""))
 
 
 def choose(candidates: list[Candidate], device_memory: int, host_memory: int,
@@ -139,6 +140,7 @@ def format_table(candidates: list[Candidate], best: Candidate | None, device_mem
                      f"{'yes' if c.fits else 'no':>6} {c.comm / 2**20:>9.2f}"
                      f"{c.host_traffic / 2**20:>16.2f}"
                      + (f"   tiled within {lo['tile_mb']:.3g} MiB" if lo.get("tile_mb") else "")
+                     + ("   no prefetch" if lo.get("prefetch") is False else "")
                      + (f"   {c.nvme_state * devices_per_host / div:.2f} {unit} on NVMe"
                         if c.nvme_state else ""))
     # What fills the peak of the chosen layout, or of the one closest to fitting: what to change.

@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Iterator
 
 from zero_jax.gather import REMAT
+from zero_jax.gpt.experiment import comm_from
 
 
 def candidates(cfg: dict, sets: list[str], stage: int | None, tensor_parallel: int | None,
@@ -68,6 +69,18 @@ def tiled(cfg: dict, sets: list[str], stage: int | None, tensor_parallel: int | 
         yield {"stage": 3, "offload": "none", "remat": remat, "tp": 1, "tile_mb": tile_mb}, c
 
 
+def without_prefetch(layout: dict, cfg: dict, sets: list[str]) -> tuple[dict, dict] | None:
+    """The layout again without prefetch, which holds one gathered layer more: for a layout
+    whose device memory does not fit with it. None where prefetch does not run, or the command
+    line set it."""
+    z = cfg["zero"]
+    if _fixed(sets, "zero.prefetch") or not comm_from(z, cfg["model"]["remat"]).prefetch:
+        return None
+    c = copy.deepcopy(cfg)
+    c["zero"]["prefetch"] = False
+    return {**layout, "prefetch": False}, c
+
+
 def untried(cfg: dict, sets: list[str], layouts: list[dict]) -> list[str]:
     """What the command line kept the search from trying, as the flags that would: for the
     planner's advice when nothing fits."""
@@ -111,4 +124,6 @@ def flags(layout: dict) -> str:
         out += [f"--tensor-parallel {layout['tp']}", "--set zero.partition_activations=true"]
     if layout.get("tile_mb"):
         out.append(f"--set zero.tile_mb={layout['tile_mb']:.6g}")
+    if layout.get("prefetch") is False:
+        out.append("--set zero.prefetch=false")
     return " ".join(out)
