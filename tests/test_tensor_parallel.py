@@ -39,6 +39,8 @@ MESHES = {"4x2": {"data": 4, "model": 2}, "2x4": {"data": 2, "model": 4},
 
 
 def one_device(init, loss_fn, batches, tx) -> tuple[list[float], dict]:
+    # Op by op, not ``conftest.optax_steps``' jitted step: XLA's fusions move SGD's parameters
+    # by 1.2e-5 relative against this file's 1e-5 bounds, which were set against this loop.
     params, losses = init(KEY), []
     opt_state = tx.init(params)
     for b in batches:
@@ -522,10 +524,11 @@ def host_paths(tree) -> set[str]:
 @pytest.mark.slow
 def test_offload_and_the_nvme_tier_compose(gpt, tmp_path):
     """ZeRO-Offload on the 4 x 2 mesh, each host-memory leaf cut by the formula with T: at
-    stage 3 the optimizer and the parameter shards in host memory and updated there, 5
-    clipped-AdamW steps equal to one device's (losses 1e-5, parameters 1e-4, as above); at
-    stage 2 ZeRO-Infinity's NVMe tier (AdamW unclipped: the tier updates elementwise) bit for
-    bit the same update in host memory, and that one device's too."""
+    stage 3 the optimizer and the parameter shards in host memory and updated there, 5 SGD
+    steps equal to one device's (losses and parameters 1e-5: SGD shows a gradient of the wrong
+    scale, which Adam would hide); at stage 2 ZeRO-Infinity's NVMe tier (AdamW unclipped: the
+    tier updates elementwise) bit for bit the same update in host memory, and that one
+    device's too."""
     init, loss_fn, batches, refs = gpt
     shapes, mesh = jax.eval_shape(init, KEY), zj.make_mesh(8, axes=MESHES["4x2"])
 
@@ -547,11 +550,10 @@ def test_offload_and_the_nvme_tier_compose(gpt, tmp_path):
             assert host_paths(state.master) == offloaded and offloaded
         return plan, losses, state
 
-    tx = OPTIMIZERS["adamw"]()
-    ref_losses, ref_params = refs["adamw"]
-    plan, losses, state = run(3, zj.Offload(1.0, params=True), tx)
+    ref_losses, ref_params = refs["sgd"]
+    plan, losses, state = run(3, zj.Offload(1.0, params=True), OPTIMIZERS["sgd"]())
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert max_rel(state.params, ref_params) < 1e-4
+    assert max_rel(state.params, ref_params) < 1e-5
     cut = {x.path for x in jax.tree.leaves(plan.leaves, is_leaf=lambda x: isinstance(x, Leaf))
            if x.axis is not None and not x.persistent}
     assert host_paths(state.params) == cut
