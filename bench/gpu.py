@@ -405,16 +405,9 @@ def main() -> None:
     runs = []
     for stage, sets in RUNS:
         cfg = config.load(name, [*args.set, *sets])
-        try:
-            r = harness.build(cfg, mesh, tokens, args.steps)
-            r["state"], _ = r["step"](r["state"], r["batches"][0])  # fails here if no memory
-            jax.block_until_ready(r["state"])
-        except Exception as e:  # noqa: BLE001  (one stage out of memory: report the others)
-            print(f"stage {stage}: failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
-                  flush=True)
-            continue
-        r["stage"] = stage
-        runs.append(r)
+        if r := harness.try_build(f"stage {stage}", cfg, mesh, tokens, args.steps):
+            r["stage"] = stage
+            runs.append(r)
     if not runs:
         raise SystemExit("error: no stage could run")
     harness.time_interleaved(runs, args.rounds)

@@ -60,8 +60,24 @@ def build(cfg: dict, mesh, tokens, steps: int) -> dict:
                 report=report.build(exp.plan, state, lowered, step))
 
 
+def try_build(name: str, cfg: dict, mesh, tokens, steps: int) -> dict | None:
+    """``build`` and one step, or None after one line saying why (out of memory, a compiler
+    that refuses the layout): one run that fails does not hide the others' results."""
+    import jax
+
+    try:
+        r = build(cfg, mesh, tokens, steps)
+        r["state"], _ = r["step"](r["state"], r["batches"][0])
+        jax.block_until_ready(r["state"])
+    except Exception as e:  # noqa: BLE001
+        print(f"{name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
+        return None
+    return r
+
+
 def time_interleaved(runs: list[dict], rounds: int) -> None:
-    """Fill each run's ``ms``: the median over rounds of its mean step time."""
+    """Fill each run's ``ms``: the median over rounds of its mean step time; and ``loss``: its
+    last step's (runs from the same init over the same batches can be compared by it)."""
     import jax
 
     for _ in range(rounds + 1):
@@ -72,6 +88,7 @@ def time_interleaved(runs: list[dict], rounds: int) -> None:
                 r["state"], metrics = r["step"](r["state"], b)
             jax.block_until_ready(metrics)
             r["times"].append((time.perf_counter() - start) / len(r["batches"]))
+            r["loss"] = float(metrics["loss"])
     for r in runs:
         r["ms"] = statistics.median(r["times"][1:]) * 1e3
 
