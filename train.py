@@ -686,7 +686,8 @@ def plan_layouts(exp, cfg: dict, args: argparse.Namespace) -> int:
     off = cfg["zero"]["offload_optimizer"]
     if args.nvme_memory:  # the NVMe tier: the host-offload layouts, their state on the disk
         rows += [planner.on_nvme(r, int(off["buffer_count"] * off["buffer_mb"] * 2**20),
-                                 per_host) for r in rows if r.layout["offload"] == "optimizer"]
+                                 per_host) for r in rows
+                 if r.layout["offload"] in ("optimizer", "params")]
     fits = lambda: planner.choose(rows, args.device_memory, args.host_memory, per_host,
                                   args.nvme_memory or 0)
     best = fits()

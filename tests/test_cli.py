@@ -9,6 +9,8 @@ import sys
 import pytest
 from conftest import SUBPROCESS_ENV, TRAIN_ENV
 
+from zero_jax import plot
+from zero_jax.gpt import layouts
 from zero_jax.gpt.model import GPTConfig
 
 pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
@@ -270,9 +272,10 @@ def test_a_trillion_parameters_fit_80gb_tiled_or_tensor_parallel(tp, tmp_path):
 
 
 def test_planner_puts_the_optimizer_on_nvme_when_the_host_is_too_small(tmp_path):
-    """--nvme-memory: each layout whose whole optimizer is offloaded is planned again with its
-    master and optimizer state on the disk (the same compiled gradient half); with a host too
-    small for them, that layout fits and is named, with its flags."""
+    """--nvme-memory: each layout whose whole optimizer is offloaded (its parameters too, or
+    not) is planned again with its master and optimizer state on the disk (the same compiled
+    gradient half); with a host too small for them, that layout fits and is named, with its
+    flags; the planner's figure draws every row."""
     report = tmp_path / "plan.json"
     model = {"n_layers": 2, "d_model": 32, "d_ff": 64, "seq_len": 16}
     sets = [x for k, v in model.items() for x in ("--set", f"model.{k}={v}")]
@@ -285,21 +288,27 @@ def test_planner_puts_the_optimizer_on_nvme_when_the_host_is_too_small(tmp_path)
     assert run.returncode == 0, run.stderr
     r = json.loads(report.read_text())
     rows = {c["offload"]: c for c in r["candidates"] if not c.get("tile_mb")}
-    assert set(rows) == {"none", "optimizer", "params", "nvme"}
-    host, nvme, per_host = rows["optimizer"], rows["nvme"], r["devices_per_host"]
-    psi = GPTConfig(**model).n_params
+    assert set(rows) == {"none", "optimizer", "params", "nvme", "nvme+params"}
+    per_host, psi = r["devices_per_host"], GPTConfig(**model).n_params
     # master and Adam moments (12 Psi/N per device) go from the host to the disk, the host
-    # keeps 4 buffers of 0.001 MiB; the devices and the traffic stay as they were
-    assert nvme["nvme_bytes_per_host"] == pytest.approx(12 * psi / 8 * per_host, abs=64 * 8)
-    assert nvme["host_bytes_per_host"] == pytest.approx(
-        host["host_bytes_per_host"] - nvme["nvme_bytes_per_host"] + 4 * int(0.001 * 2**20),
-        abs=per_host)
-    for key in ("device_bytes", "comm_bytes", "host_traffic_bytes"):
-        assert nvme[key] == host[key]
-    assert not host["fits"] and not rows["params"]["fits"] and nvme["fits"]
+    # keeps 4 buffers of 0.001 MiB (and the offloaded parameters); the devices and the traffic
+    # stay as they were
+    for host, nvme in ((rows["optimizer"], rows["nvme"]), (rows["params"], rows["nvme+params"])):
+        assert nvme["nvme_bytes_per_host"] == pytest.approx(12 * psi / 8 * per_host, abs=64 * 8)
+        assert nvme["host_bytes_per_host"] == pytest.approx(
+            host["host_bytes_per_host"] - nvme["nvme_bytes_per_host"] + 4 * int(0.001 * 2**20),
+            abs=per_host)
+        for key in ("device_bytes", "comm_bytes", "host_traffic_bytes"):
+            assert nvme[key] == host[key]
+    assert rows["nvme+params"]["host_bytes_per_host"] > rows["nvme"]["host_bytes_per_host"]
+    assert not rows["optimizer"]["fits"] and not rows["params"]["fits"] and rows["nvme"]["fits"]
     assert r["best"] == {"stage": 3, "offload": "nvme", "remat": "full", "tp": 1}
     assert "--set zero.offload_optimizer.device=nvme --set zero.offload_optimizer.nvme_path=" \
         "DIR --set optimizer.clip_norm=0" in run.stdout
+    assert layouts.flags({**r["best"], "offload": "nvme+params"}).endswith(
+        "optimizer.clip_norm=0 --set zero.offload_params=cpu")
+    legend = plot.planner(r)[0].axes[0].get_legend()
+    assert {"offload nvme", "offload nvme+params"} <= {t.get_text() for t in legend.get_texts()}
 
 
 def test_planner_names_what_it_did_not_try_when_nothing_fits():

@@ -57,12 +57,14 @@ def measure(layout: dict, plan: Any, state: Any, compiled: Any,
 
 
 def on_nvme(c: Candidate, buffer_bytes: int, devices_per_host: int) -> Candidate:
-    """A layout whose whole optimizer is offloaded, with ZeRO-Infinity's NVMe tier instead:
-    the same compiled gradient half and traffic to the host; master and optimizer state move
-    from host memory to the disk, and the host keeps the tier's buffers (at most the state)."""
+    """A layout whose whole optimizer is offloaded (its parameters too, or not), with
+    ZeRO-Infinity's NVMe tier instead: the same compiled gradient half and traffic to the host;
+    master and optimizer state move from host memory to the disk, and the host keeps the tier's
+    buffers (at most the state) and the offloaded parameters."""
     files = c.host_optimizer
     buffers = min(buffer_bytes, files * devices_per_host) / devices_per_host
-    return dataclasses.replace(c, layout={**c.layout, "offload": "nvme"}, nvme_state=files,
+    offload = "nvme+params" if c.layout["offload"] == "params" else "nvme"
+    return dataclasses.replace(c, layout={**c.layout, "offload": offload}, nvme_state=files,
                                host_state=int(c.host_state - files + buffers), fits=False)
 
 
@@ -130,11 +132,11 @@ def format_table(candidates: list[Candidate], best: Candidate | None, device_mem
              f"{device_memory / div:.1f} {unit}, {devices_per_host} per host of "
              f"{host_memory / div:.1f} {unit} (fits: within {HEADROOM:.0%} of both); {unit} "
              "per device, host per host, communication per device and step\n",
-             f"  {'stage':<6}{'offload':<10}{'remat':<8}{'tp':>3}{'device':>9}{'(state':>9}"
+             f"  {'stage':<6}{'offload':<12}{'remat':<8}{'tp':>3}{'device':>9}{'(state':>9}"
              f"{'+ temp)':>9}{'host':>9}{'fits':>6}{'comm MiB':>10}{'host<->dev MiB':>16}"]
     for c in candidates:
         lo = c.layout
-        lines.append(f"  {lo['stage']:<6}{lo['offload']:<10}{lo['remat']:<8}{lo['tp']:>3}"
+        lines.append(f"  {lo['stage']:<6}{lo['offload']:<12}{lo['remat']:<8}{lo['tp']:>3}"
                      f"{c.device / div:>9.2f}{c.device_state / div:>9.2f}{c.temp / div:>9.2f}"
                      f"{c.host_state * devices_per_host / div:>9.2f}"
                      f"{'yes' if c.fits else 'no':>6} {c.comm / 2**20:>9.2f}"

@@ -150,7 +150,7 @@ def layout_name(c: dict) -> str:
 
 
 OFFLOAD_COLORS = {"none": "tab:blue", "optimizer": "tab:orange", "params": "tab:red",
-                  "as set": "tab:purple"}
+                  "nvme": "tab:brown", "nvme+params": "tab:pink", "as set": "tab:purple"}
 
 
 def planner(plan: dict) -> tuple[Any, dict]:

@@ -89,7 +89,7 @@ def untried(cfg: dict, sets: list[str], layouts: list[dict]) -> list[str]:
         out.append("--stage 3")
     if _offload_fixed(sets) and all(lo["offload"] == "as set" for lo in layouts):
         out.append("zero.offload_optimizer.device=cpu, zero.offload_params=cpu")
-    elif not any(lo["offload"] == "nvme" for lo in layouts):
+    elif not any(lo["offload"].startswith("nvme") for lo in layouts):
         out.append("--nvme-memory SIZE (the NVMe tier)")
     if all(lo["tp"] == 1 for lo in layouts):
         out.append("--tensor-parallel T")
@@ -115,10 +115,10 @@ def flags(layout: dict) -> str:
     out = [f"--stage {layout['stage']}", f"--set model.remat={layout['remat']}"]
     if layout["offload"] in ("optimizer", "params"):
         out.append("--set zero.offload_optimizer.device=cpu")
-    if layout["offload"] == "nvme":
+    if layout["offload"].startswith("nvme"):
         out += ["--set zero.offload_optimizer.device=nvme",
                 "--set zero.offload_optimizer.nvme_path=DIR", "--set optimizer.clip_norm=0"]
-    if layout["offload"] == "params":
+    if layout["offload"] in ("params", "nvme+params"):
         out.append("--set zero.offload_params=cpu")
     if layout["tp"] > 1:
         out += [f"--tensor-parallel {layout['tp']}", "--set zero.partition_activations=true"]
