@@ -25,7 +25,7 @@ from test_comm import volume
 import zero_jax as zj
 from zero_jax import report
 from zero_jax.gpt import data
-from zero_jax.gpt.model import GPT, LAYERS, TENSOR_PARALLEL, GPTConfig, init_fn, lm_loss
+from zero_jax.gpt.model import GPT, LAYERS, TENSOR_PARALLEL, Block, GPTConfig, init_fn, lm_loss
 from zero_jax.hlo import collectives, copied_bytes, gathered_ahead, reduced_behind
 from zero_jax.nvme import Nvme
 from zero_jax.rules import Leaf, path_str
@@ -446,6 +446,44 @@ def test_partitioned_activations_keep_a_tp_slice_of_the_saved_inputs():
     with pytest.raises(ValueError, match="needs tensor parallelism"):
         zj.make_plan(jax.eval_shape(init, KEY), zj.make_mesh(8), 3,
                      layers=zj.Layers(LAYERS, partition=True))
+
+
+class UnrolledGPT(nn.Module):
+    """The demo's blocks in a Python loop (``h_0``, ``h_1``, ...: HF style), so that prefetch
+    hands each block the next one's weights (``zero_jax.handoff``) instead of running a scan."""
+    cfg: GPTConfig
+
+    @nn.compact
+    def __call__(self, tokens):
+        wte = self.param("wte", nn.initializers.normal(0.02), (self.cfg.vocab_size,
+                                                                self.cfg.d_model))
+        x = wte[tokens]
+        for i in range(self.cfg.n_layers):
+            x, _ = Block(self.cfg, name=f"h_{i}")(x, None)
+        return x @ wte.T
+
+
+def test_partitioned_activations_with_prefetch_on_unrolled_blocks():
+    """Pa where prefetch hands each unrolled block the next one's weights: each block's saved
+    input is (batch, sequence / T, d) per device, read from the compiled program, and the
+    training is the same as without Pa."""
+    cfg = dataclasses.replace(CFG, vocab_size=64, d_model=32, n_layers=3, d_ff=64, seq_len=256,
+                              remat="none")
+    model = UnrolledGPT(cfg)
+    _, loss_fn, batches = gpt_problem(cfg, 8, 3, corpus=1 << 16)
+    init, loss_fn = init_fn(model), lm_loss(model)
+    rules = [zj.Rule(r.pattern.replace("blocks", r"h_\d+"), model_dim=r.model_dim)
+             for r in TENSOR_PARALLEL]
+    mesh = zj.make_mesh(8, axes=MESHES["2x4"])
+    runs = [train(zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, rules=rules,
+                               layers=zj.Layers(r"^h_\d+$", partition=pa),
+                               comm=zj.Comm(prefetch=True)),
+                  init, loss_fn, batches, OPTIMIZERS["sgd"]())
+             for pa in (False, True)]
+    saved = lambda seq: f"f32[4,{seq},{cfg.d_model}]"  # batch 8 / data 2
+    (plain, _, plain_text), (cut, _, cut_text) = runs
+    assert saved(64) in cut_text and saved(64) not in plain_text
+    np.testing.assert_allclose(cut, plain, rtol=1e-6)
 
 
 def test_the_demo_gives_the_report_its_block_input():
