@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The runs of docs/benchmarks/gpu-run.md on whatever GPUs this machine has, in about six
+# minutes on one H200: README's command, every offload layout (tiny, with deterministic GPU
+# kernels and SGD, so that losses compare), offload's step time at 124M parameters, and the
+# NVMe tier's bandwidth. Each part has its own time limit, so one that fails or hangs does not
+# hide the others. Results go to DIR (default gpu-run/).
+#
+#     bash bench/gpu_run.sh [DIR]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-gpu-run}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee "$out/devices.txt"
+
+timeout 120 python3 train.py --stage 3 > "$out/train.log" 2>&1
+tail -1 "$out/train.log"
+XLA_FLAGS=--xla_gpu_exclude_nondeterministic_ops=true timeout 120 python3 bench/offload.py \
+    --stages 0,3 --steps 2 --rounds 1 --set optimizer.name=sgd 2>&1 \
+    | grep -E "^\||failed|config" | tee "$out/offload-tiny-sgd.md"
+timeout 240 python3 bench/offload.py --config gpt2-124m --stages 0,3 --steps 4 --rounds 2 \
+    --set train.batch_size=32 2>&1 | grep -E "^\||failed|config" | tee "$out/offload-124m.md"
+mkdir -p "$out/nvme"
+timeout 90 python3 bench/nvme.py --path "$out/nvme" --params-m 32 --rounds 3 2>&1 \
+    | tail -6 | tee "$out/nvme.md"
