@@ -2,8 +2,10 @@
 # The runs of docs/benchmarks/gpu-run.md on whatever GPUs this machine has, in about six
 # minutes on one H200: README's command, every offload layout (tiny, with deterministic GPU
 # kernels and SGD, so that losses compare), offload's step time at 124M parameters, and the
-# NVMe tier's bandwidth. Each part has its own time limit, so one that fails or hangs does not
-# hide the others. Results go to DIR (default gpu-run/).
+# NVMe tier's bandwidth; on several GPUs also, in up to ten minutes more, the stages' step
+# times at 124M and zero_jax beside the GSPMD baseline with tensor parallelism (what the CPU
+# mesh cannot time). Each part has its own time limit, so one that fails or hangs does not hide the others.
+# Results go to DIR (default gpu-run/).
 #
 #     bash bench/gpu_run.sh [DIR]
 set -uo pipefail
@@ -23,3 +25,10 @@ timeout 240 python3 bench/offload.py --config gpt2-124m --stages 0,3 --steps 4 -
 mkdir -p "$out/nvme"
 timeout 90 python3 bench/nvme.py --path "$out/nvme" --params-m 32 --rounds 3 2>&1 \
     | tail -6 | tee "$out/nvme.md"
+
+if [ "$(python3 -c 'import jax; print(jax.device_count())')" -gt 1 ]; then
+    timeout 300 python3 bench/gpu.py --steps 5 --rounds 3 --json "$out/stages.json" 2>&1 \
+        | grep -v -E "^[WI][0-9]{4}" | tee "$out/stages.md"
+    timeout 300 python3 bench/peers.py --config gpt2-124m --rounds 3 --steps 5 \
+        --set mesh.tensor_parallel=2 2>&1 | grep -E "^\||config" | tee "$out/peers-tp2.md"
+fi
