@@ -15,7 +15,8 @@ stack's cost. The first block gathers its own weights, the last reduces nothing 
 in the backward the last gathers its own again and the first reduces its own gradient.
 
 The order the blocks run in is read from the program: the loss is traced once to record it,
-then again with the handoffs (``Chain``).
+then again with the handoffs (``Chain``). A block that runs twice (weights shared across
+layers) is in it twice: each call is handed its weights, and the calls' gradients add up.
 """
 
 from __future__ import annotations
@@ -124,9 +125,6 @@ class Chain:
         ``adapter()``: ``(block, weights_of)``, ``block(weights, *args, **kwargs)`` the block
         as a pure function, ``weights_of(name)`` a block's shard tree."""
         if self.order is None:
-            if name in self.recorded:
-                raise ValueError(f"prefetch hands each block the next one's weights: block "
-                                 f"{name!r} ran twice in one loss; {_OFF}")
             self.recorded.append(name)
             return plain()
         i, n = self.position, len(self.order)
