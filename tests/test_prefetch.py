@@ -17,6 +17,7 @@ import pytest
 import regather
 from conftest import KEY, OPTIMIZERS, max_rel, optax_steps
 from flags import EXACT
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from lm import LAYERS, LM, SMALL, init_fn, lm_loss
@@ -208,24 +209,45 @@ def test_prefetch_refused_where_it_cannot_run(mesh):
                        .params, batch)
 
 
-def test_a_block_called_twice_prefetches_as_it_runs_plainly(mesh):
-    """Blocks in the order h_0, h_1, h_0: each call is handed the weights of the call after it,
-    h_0's gathered twice and its two gradients summed (h_1's gather runs beside h_0's first
-    call, read from the program): 3 SGD steps equal the plain steps (to
-    1e-6: the two programs fuse the loss's sum differently, 1 ulp apart) and one device's (the
-    sum's scale: SGD shows it)."""
-    model = Twice()
+class SharedBlocks(nnx.Module):
+    """NNX: blocks/0 called twice, first and last."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.blocks = nnx.List([nnx.Linear(64, 64, rngs=rngs) for _ in range(2)])
+
+    def __call__(self, x):
+        b0, b1 = self.blocks
+        return jnp.tanh(b0(jnp.tanh(b1(jnp.tanh(b0(x)))))).sum(axis=-1, keepdims=True)
+
+
+def twice_problem(kind: str):
+    """(init, loss, batch, layers, block names) of a model calling its first block twice."""
     x = jax.random.normal(jax.random.key(1), (16, 64))
-    init = lambda key: model.init(key, x)["params"]
-    loss = lambda p, b: model.apply({"params": p}, b)
+    if kind == "linen":
+        model = Twice()
+        return (lambda key: model.init(key, x)["params"],
+                lambda p, b: model.apply({"params": p}, b), x, r"^h_\d$", ["h_0", "h_1"])
+    init, loss = nnx_problem(SharedBlocks)
+    return init, loss, (x, jnp.sin(x[:, :1])), r"^blocks/\d$", ["blocks/0", "blocks/1"]
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_a_block_called_twice_prefetches_as_it_runs_plainly(kind, mesh):
+    """Blocks in the order 0, 1, 0: each call is handed the weights of the call after it,
+    block 0's gathered twice and its two gradients summed (block 1's gather runs beside block
+    0's first call, read from the program): 3 SGD steps equal the plain steps (to 1e-6: the two
+    programs may fuse the loss's sum differently, 1 ulp apart) and one device's (the sum's
+    scale: SGD shows it)."""
+    init, loss, x, layers, names = twice_problem(kind)
     batch, tx, runs = jax.device_put(x, NamedSharding(mesh, P("data"))), optax.sgd(0.1), {}
     for on in (False, True):
-        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=r"^h_\d$",
+        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=layers,
                             comm=zj.Comm(prefetch=on))
         state = zj.init_state(plan, init, tx, KEY)
         step = zj.make_train_step(plan, loss, tx).lower(state, batch).compile()
-        # With prefetch h_1's gather is issued by h_0's call: it waits for none of h_0's matmuls.
-        assert gathered_beside(step.as_text(), ["h_0", "h_1"])["forward"] == [on]
+        # With prefetch block 1's gather is issued by block 0's call: it waits for none of
+        # block 0's matmuls.
+        assert gathered_beside(step.as_text(), names)["forward"] == [on]
         losses = []
         for _ in range(3):
             state, m = step(state, batch)
