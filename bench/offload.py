@@ -45,12 +45,14 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     mib = 2 ** 20
     for (stage, offload), r in runs.items():
-        rep, base = r["report"], runs.get((stage, "none"), r)
-        print(f"| {stage} | {offload} | {r['ms']:.1f} | {r['ms'] / base['ms']:.2f} "
+        rep, base = r["report"], runs.get((stage, "none"))
+        ratio, delta = (f"{r['ms'] / base['ms']:.2f}", f"{r['loss'] - base['loss']:+.1e}") \
+            if base else ("-", "-")  # the stage's run without offload failed
+        print(f"| {stage} | {offload} | {r['ms']:.1f} | {ratio} "
               f"| {sum(rep['per_device_bytes'].values()) / mib:.2f} "
               f"| {sum(rep['per_device_host_bytes'].values()) / mib:.2f} "
               f"| {rep['compiled']['temp_bytes'] / mib:.2f} "
-              f"| {r['loss']:.6f} | {r['loss'] - base['loss']:+.1e} |")
+              f"| {r['loss']:.6f} | {delta} |")
 
 
 if __name__ == "__main__":

@@ -206,9 +206,9 @@ def test_planner_names_tensor_parallelism_when_nothing_fits_without_it(tmp_path)
 def test_planner_tiles_when_nothing_fits_untiled(tmp_path):
     """Stage 3, T = 1, no offload, remat full: untiled, the default model needs about 8.2 MiB per
     device, with prefetch or without; with nothing fitting 8.8 MiB (7.9 usable), the planner
-    compiles ZeRO-Infinity's
-    tiling at a quarter and a sixteenth of the blocks' largest leaf (fc1's kernel, 128 x 512 in
-    fp32: 256 KiB a layer), each about 7.7 MiB, and names the one that communicates least."""
+    compiles ZeRO-Infinity's tiling at a quarter and a sixteenth of the blocks' largest leaf
+    (fc1's kernel, 128 x 512 in fp32: 256 KiB a layer), each about 7.7 MiB, and names the one
+    that communicates least."""
     report = tmp_path / "plan.json"
     run = train("--dry-run", "--device-memory", "8.8MiB", "--host-memory", "1GB", "--stage", "3",
                 "--tensor-parallel", "1", "--set", "model.remat=full",

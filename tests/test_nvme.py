@@ -7,6 +7,7 @@ files where the policy says and nowhere else; the bands alive at once bounded by
 failed files and unchunkable optimizers refused with one line.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -55,13 +56,10 @@ def plans(mesh, small, stage, path, **nvme):
     _, init, _, _ = small
     shapes = jax.eval_shape(init, KEY)
     kw = dict(layers=LAYERS, precision=Precision("bf16", accum_steps=setting(stage)[1]))
-    params = stage == 3
-    return (make_plan(shapes, mesh, stage, offload=Offload(optimizer=1.0, params=params), **kw),
-            make_plan(shapes, mesh, stage, offload=Offload(optimizer=1.0, params=params,
-                                                           nvme=Nvme(str(path), **{
-                                                               "chunk_mb": CHUNK_MB,
-                                                               "buffers": BUFFERS, **nvme})),
-                      **kw))
+    host = Offload(optimizer=1.0, params=stage == 3)
+    tier = Nvme(str(path), **{"chunk_mb": CHUNK_MB, "buffers": BUFFERS, **nvme})
+    return tuple(make_plan(shapes, mesh, stage, offload=o, **kw)
+                 for o in (host, dataclasses.replace(host, nvme=tier)))
 
 
 def train(plan, small, state=None, first=0, steps=STEPS, step=None, tx=ADAMW):

@@ -51,10 +51,11 @@ def one_device(init, loss_fn, batches, tx) -> tuple[list[float], dict]:
     return losses, params
 
 
-def gpt_problem(cfg: GPTConfig, batch: int, steps: int, corpus: int = 1 << 18):
-    """(init, loss, batches) of the demo's GPT on ``cfg``: ``steps`` batches of ``batch``
-    sequences from the first ``corpus`` bytes of the embedded text."""
-    model = GPT(cfg)
+def gpt_problem(cfg: GPTConfig, batch: int, steps: int, corpus: int = 1 << 18,
+                model: nn.Module | None = None):
+    """(init, loss, batches) of the demo's GPT on ``cfg`` (or ``model``): ``steps`` batches of
+    ``batch`` sequences from the first ``corpus`` bytes of the embedded text."""
+    model = model or GPT(cfg)
     tokens = data.stdlib_corpus(corpus).astype(np.int32) % cfg.vocab_size
     batches = [np.asarray(data.batch(tokens, i, batch, cfg.seq_len, seed=0))
                for i in range(steps)]
@@ -469,9 +470,7 @@ def test_partitioned_activations_with_prefetch_on_unrolled_blocks():
     training is the same as without Pa."""
     cfg = dataclasses.replace(CFG, vocab_size=64, d_model=32, n_layers=3, d_ff=64, seq_len=256,
                               remat="none")
-    model = UnrolledGPT(cfg)
-    _, loss_fn, batches = gpt_problem(cfg, 8, 3, corpus=1 << 16)
-    init, loss_fn = init_fn(model), lm_loss(model)
+    init, loss_fn, batches = gpt_problem(cfg, 8, 3, corpus=1 << 16, model=UnrolledGPT(cfg))
     rules = [zj.Rule(r.pattern.replace("blocks", r"h_\d+"), model_dim=r.model_dim)
              for r in TENSOR_PARALLEL]
     mesh = zj.make_mesh(8, axes=MESHES["2x4"])
