@@ -382,9 +382,10 @@ class Saved:
 @contextlib.contextmanager
 def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = False,
               chain: Any = None):
-    """Make each named block's ``Shard``s whole as the block runs; yields the set of blocks
-    that ran. ``chain`` (a ``zero_jax.handoff.Chain``): stage 3's blocks hand each other
-    their weights (prefetch).
+    """Make each named block's ``Shard``s whole as the block runs; yields the blocks that
+    ran, each with whether it gathered (False: none of its leaves cut, nothing to fetch); ``chain``
+    (a ``zero_jax.handoff.Chain``): stage 3's blocks hand each other their weights
+    (prefetch).
 
     Linen, with no change to the model: any call of a module whose path is a block (an
     unrolled ``h/0`` or, inside ``nn.scan``, the scanned module, one layer's slice at a time)
@@ -396,7 +397,7 @@ def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = Fals
     (``remat_policy``); ``partition``: the block's saved inputs are cut over ``model``
     (``partitioned``).
     """
-    names, seen = frozenset(blocks), set()
+    names, seen = frozenset(blocks), {}
     policy = remat_policy(remat, gathers=True)
 
     def intercept(next_fun, args, kwargs, context):
@@ -407,12 +408,12 @@ def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = Fals
         path = "/".join(module.path) if module.scope is not None else None
         if path not in names:
             return next_fun(*args, **kwargs)
-        seen.add(path)
         params = module.variables.get("params", {})
+        seen[path] = seen.get(path, False) or _gathers(params)
         if not has_shards(params):
             return next_fun(*args, **kwargs)  # nothing cut, or already made whole
         run = lambda mdl: getattr(mdl, context.method_name)(*args, **kwargs)
-        if not _gathers(params):  # stage 2: reads its whole copy
+        if not seen[path]:  # stage 2: reads its whole copy
             return nn.map_variables(run, "params", trans_in_fn=materialize_tree)(module)
         if chain is not None:
             return chain.call(path, chain.linen(module, context.method_name), args, kwargs,
@@ -455,7 +456,8 @@ def nnx_merge(graphdef: Any, *states: Any) -> Any:
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module) and (name := "/".join(map(str, path))) in names:
             internals.set_class(node, _per_block_class(type(node)))
-            seen.add(name)
+            seen[name] = seen.get(name, False) or _gathers(
+                [v.get_raw_value() for _, v in nnx.iter_graph(node) if isinstance(v, nnx.Variable)])
             if chain is not None:
                 chain.modules[name] = node
     return model

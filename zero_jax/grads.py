@@ -165,11 +165,12 @@ def run_loss(g: GradStep, tree: PyTree, micro: PyTree, key: jax.Array | None):
     if chain is not None:
         chain.check_done()
         prefetched |= set(chain.order)
-    if plan.comm.prefetch and (missing := [b for b in blocks if b not in prefetched]):
+    if plan.comm.prefetch and (missing := [b for b in blocks if seen.get(b)
+                                           and b not in prefetched]):
         raise ValueError(f"prefetch runs linen nn.scan stacks, unrolled linen blocks and NNX "
                          f"blocks in a list; {missing[0]!r} did not run as one (an NNX scan, "
                          f"or its nn.scan class made before the step): turn prefetch off")
-    if missing := [b for b in blocks if b not in seen | prefetched]:
+    if missing := [b for b in blocks if b not in seen and b not in prefetched]:
         raise ValueError(f"layers= names {missing[0]!r}, which never ran as a Flax linen module "
                          f"during the loss; name modules that are called (their paths: "
                          f"{blocks[:3]}...)")

@@ -458,9 +458,10 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *,
                for b in set(blocks.values())}
     fields = match_rules(rules, list(flat))
     # On one device nothing needs cutting, except to stream gradients and parameters to the
-    # host layer by layer: with offload every leaf is cut into one shard (its collectives over
-    # one device are no-ops), so it travels as stage 2's and 3's shards do.
-    cut_one = offload.any
+    # host layer by layer, or to run stage 3's blocks as on many (each rematerialized under
+    # the plan's policy, prefetched): then every leaf is cut into one shard (its collectives
+    # over one device are no-ops), so it travels as stage 2's and 3's shards do.
+    cut_one = offload.any or (stage == 3 and bool(layers))
 
     def rule(path, x):
         name, f = path_str(path), fields[path_str(path)]
