@@ -382,10 +382,8 @@ class Saved:
 @contextlib.contextmanager
 def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = False,
               chain: Any = None):
-    """Make each named block's ``Shard``s whole as the block runs; yields the blocks that
-    ran, each with whether it gathered (False: none of its leaves cut, nothing to fetch); ``chain``
-    (a ``zero_jax.handoff.Chain``): stage 3's blocks hand each other their weights
-    (prefetch).
+    """Make each named block's ``Shard``s whole as the block runs; yields the blocks that ran,
+    each with whether it gathered. ``chain`` (``zero_jax.handoff.Chain``): prefetch's handoffs.
 
     Linen, with no change to the model: any call of a module whose path is a block (an
     unrolled ``h/0`` or, inside ``nn.scan``, the scanned module, one layer's slice at a time)
