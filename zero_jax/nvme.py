@@ -99,9 +99,19 @@ class _Shard:
     slot: int  # its place among the parameter's pieces here: the band loop's outer index
     piece: tuple[int, ...]  # its shape
     split: int  # the dimension its bands cut: rows are its elements before and along it
-    shape: tuple[int, int]  # as rows: (rows, elements per row), C order, as in its files
+    shape: tuple[int, int]  # as rows: (rows, elements per row), C order
     devices: list  # the devices holding this piece (replicas share one update)
-    files: dict[int | None, str]  # its master's (None) and optimizer-state leaves' files
+    parts: list[int | None]  # its master (None) and its optimizer-state leaves
+
+
+@dataclasses.dataclass
+class _Band:
+    """Where one band of a slot lies in the slot's file: ``nbytes`` from ``start``, each
+    (parameter, part) ``(offset within the band, rows)``, one after another."""
+
+    start: int
+    nbytes: int
+    where: dict[tuple[int, int | None], tuple[int, int]]
 
 
 class Tier:
@@ -134,11 +144,12 @@ class Tier:
                     f"another shape (factored moments): use an elementwise optimizer")
         self._owner: list[int] = owners
         self._shared_idx = [j for j, o in enumerate(self._owner) if o < 0]
+        self._frozen = {i for i, leaf in enumerate(self._leaves) if leaf.frozen}
         self._shards = self._layout()
         self._check_optimizer()
-        self.check_path()
         self._slots, self._nbands, self._rows = self._bands()
-        self._frozen = {i for i, leaf in enumerate(self._leaves) if leaf.frozen}
+        self._placed = [self._place(slot) for slot in self._slots]
+        self.check_path()
         self._band = [self._piece_shape(i, r) for i, r in enumerate(self._rows)]
         self.band_fn = self._band_fn()
         self.band_program = jax.jit(self.band_fn)  # runs where its arguments are: the CPU
@@ -170,18 +181,42 @@ class Tier:
                 split = _split(piece, row_budget)
                 rows, row = math.prod(piece[:split + 1]), math.prod(piece[split + 1:])
                 parts = [None] + [j for j, o in enumerate(self._owner) if o == i]
-                name = lambda j: "master" if j is None else f"state{j}"
-                files = {j: os.path.join(self.root, f"{i:04d}-{name(j)}-{k}.bin") for j in parts}
                 shards.append(_Shard(i, k, piece, split, (rows, row), [d for d, _ in where],
-                                     files))
+                                     parts))
         return shards
 
+    def _place(self, slot: dict[int, _Shard]) -> tuple[list[_Band], dict, int]:
+        """The layout of a slot's file: band after band, each one contiguous run of the rows
+        of every trained piece's parts (one read and one write a band, as a sequential pass
+        over the file makes); then the frozen pieces whole, which no step reads. Returns
+        (bands, {(parameter, part): offset} of the frozen ones, the file's size)."""
+        at, bands = 0, []
+        for k in range(self._nbands):
+            start, where = at, {}
+            for i, s in sorted(slot.items()):
+                a, b = self._span(s, k)
+                if i in self._frozen or b <= a:
+                    continue
+                for p in s.parts:
+                    where[i, p] = (at - start, b - a)
+                    at += (b - a) * s.shape[1] * self._itemsize(p)
+            bands.append(_Band(start, at - start, where))
+        kept = {}
+        for i, s in sorted(slot.items()):
+            for p in s.parts if i in self._frozen else ():
+                kept[i, p] = at
+                at += s.shape[0] * s.shape[1] * self._itemsize(p)
+        return bands, kept, at
+
     def _row_bytes(self, shard: _Shard) -> int:
-        """Bytes of one row across the files of a piece (master and state parts)."""
-        return sum(shard.shape[1] * np.dtype(self._dtype(j)).itemsize for j in shard.files)
+        """Bytes of one row of a piece across its parts (master and state)."""
+        return sum(shard.shape[1] * self._itemsize(p) for p in shard.parts)
 
     def _dtype(self, part: int | None):
         return jnp.float32 if part is None else self._s_flat[part].dtype
+
+    def _itemsize(self, part: int | None) -> int:
+        return np.dtype(self._dtype(part)).itemsize
 
     @property
     def bytes(self) -> int:
@@ -190,7 +225,8 @@ class Tier:
 
     @property
     def files(self) -> list[str]:
-        return [f for s in self._shards for f in s.files.values()]
+        """One file per slot (the pieces one device updates)."""
+        return [os.path.join(self.root, f"slot{j}.bin") for j in range(len(self._slots))]
 
     def check_path(self) -> None:
         """One clear error, before anything is written, for a path that cannot hold the
@@ -276,9 +312,16 @@ class Tier:
         them (``master`` and ``opt_state`` None), the shared scalars kept here."""
         os.makedirs(self.root, exist_ok=True)
         masters, states = jax.tree.leaves(state.master), jax.tree.leaves(state.opt_state)
-        for s in self._shards:
-            for part, f in s.files.items():
-                _write_all(f, _local(masters[s.leaf] if part is None else states[part], s))
+        for f, slot, (bands, kept, _) in zip(self.files, self._slots, self._placed, strict=True):
+            rows = {(i, p): _local(masters[i] if p is None else states[p], s).reshape(s.shape)
+                    for i, s in slot.items() for p in s.parts}
+            with open(f, "wb") as fh:
+                for k, band in enumerate(bands):
+                    for i, p in band.where:
+                        a, b = self._span(slot[i], k)
+                        fh.write(np.ascontiguousarray(rows[i, p][a:b]).tobytes())
+                for key in kept:
+                    fh.write(np.ascontiguousarray(rows[key]).tobytes())
         self.shared = [np.asarray(states[j]) for j in self._shared_idx]
         self._write_meta()
         return state._replace(master=None, opt_state=None)
@@ -290,10 +333,20 @@ class Tier:
         sharding = lambda tree: [getattr(x, "sharding", x) for x in jax.tree.leaves(tree)]
         m_sh, s_sh = sharding(shardings.master), sharding(shardings.opt_state)
         pieces: dict[tuple[int, int | None], list] = collections.defaultdict(list)
-        for s in self._shards:
-            for part, f in s.files.items():
-                piece = np.fromfile(f, self._dtype(part)).reshape(s.piece)
-                pieces[(s.leaf, part)] += [jax.device_put(piece, d) for d in s.devices]
+        for f, slot, (bands, kept, _) in zip(self.files, self._slots, self._placed, strict=True):
+            data = np.fromfile(f, np.uint8)
+            rows = {(i, p): np.empty(s.shape, self._dtype(p)) for i, s in slot.items()
+                    for p in s.parts}
+            for k, band in enumerate(bands):
+                for (i, p), (offset, n) in band.where.items():
+                    a = self._span(slot[i], k)[0]
+                    rows[i, p][a:a + n] = _view(data, band.start + offset, self._dtype(p),
+                                                (n, slot[i].shape[1]))
+            for (i, p), offset in kept.items():
+                rows[i, p][:] = _view(data, offset, self._dtype(p), slot[i].shape)
+            for (i, p), x in rows.items():
+                pieces[i, p] += [jax.device_put(x.reshape(slot[i].piece), d)
+                                 for d in slot[i].devices]
         masters: list[Any] = [None] * len(self._shapes)
         states: list[Any] = [None] * len(self._s_flat)
         for (i, part), arrays in pieces.items():
@@ -309,10 +362,14 @@ class Tier:
                               opt_state=self._s_tree.unflatten(states))
 
     def _write_meta(self) -> None:
-        meta = [{"file": os.path.basename(f), "parameter": self._leaves[s.leaf].path,
-                 "part": "master" if part is None else f"optimizer state leaf {part}",
-                 "rows": s.shape[0], "row_elements": s.shape[1]}
-                for s in self._shards for part, f in s.files.items()]
+        part = lambda p: "master" if p is None else f"optimizer state leaf {p}"
+        meta = [{"file": os.path.basename(f), "bytes": size, "bands": self._nbands,
+                 "pieces": [{"parameter": self._leaves[i].path, "part": part(p),
+                             "rows": s.shape[0], "row_elements": s.shape[1],
+                             "frozen": i in self._frozen}
+                            for i, s in sorted(slot.items()) for p in s.parts]}
+                for f, slot, (_, _, size) in zip(self.files, self._slots, self._placed,
+                                                 strict=True)]
         with open(os.path.join(self.root, "layout.json"), "w") as fh:
             json.dump({"files": meta}, fh, indent=1)
 
@@ -339,20 +396,21 @@ class Tier:
         out: dict[int, list[jax.Array]] = collections.defaultdict(list)
         with ThreadPoolExecutor(1) as reader, ThreadPoolExecutor(1) as writer:
             writes: list[Future] = []
-            reads = collections.deque(reader.submit(self._read, slot, k, buffers)
-                                      for slot in self._slots for k in range(self._nbands))
+            reads = collections.deque(reader.submit(self._read, j, k, buffers)
+                                      for j in range(len(self._slots))
+                                      for k in range(self._nbands))
             try:
-                for slot in self._slots:
+                for j, slot in enumerate(self._slots):
                     mine = [i for i in slot if i not in self._frozen]
                     g = {i: _local(flat[i], slot[i]).reshape(slot[i].shape) for i in mine}
                     computes = {i: np.empty(slot[i].shape, self.plan.precision.compute)
                                 for i in mine}
-                    for k in range(self._nbands):
-                        new, shared = self._update_band(program, slot, k,
-                                                        reads.popleft().result(), g, computes)
-                        writes.append(writer.submit(self._write, slot, k, new, buffers))
-                        self.read_bytes += (n := self._size(slot, k))
-                        self.written_bytes += n
+                    for k, band in enumerate(self._placed[j][0]):
+                        data = reads.popleft().result()
+                        shared = self._update_band(program, slot, k, band, data, g, computes)
+                        writes.append(writer.submit(self._write, j, k, data, buffers))
+                        self.read_bytes += band.nbytes
+                        self.written_bytes += band.nbytes
                     for i in mine:
                         piece = computes[i].reshape(slot[i].piece)
                         out[i] += [jax.device_put(piece, d) for d in slot[i].devices]
@@ -365,64 +423,75 @@ class Tier:
         self.shared = shared
         return out
 
-    def _update_band(self, program: Callable, slot: dict[int, _Shard], k: int, got: dict,
-                     g: dict, computes: dict) -> tuple[dict, list]:
-        """Band ``k`` of ``slot`` through the optimizer: its new rows of each file, and the
-        new shared state; its rows of the compute copy go into ``computes``."""
+    def _update_band(self, program: Callable, slot: dict[int, _Shard], k: int, band: _Band,
+                     data: np.ndarray, g: dict, computes: dict) -> list:
+        """Band ``k`` of ``slot`` through the optimizer, its new rows written over the old in
+        ``data`` (the band as read) and into ``computes`` (the compute copy); returns the new
+        shared state."""
         rows, n = self._rows, len(self._shapes)
         zeros = lambda i, dtype: np.zeros(self._band[i], dtype)
+        def view(i, p):  # the band's rows of piece i's part p, in ``data``
+            offset, n = band.where[i, p]
+            return _view(data, offset, self._dtype(p), (n, slot[i].shape[1]))
+
+        def padded(i, p):  # the band's rows of piece i, zeros up to every band's row count
+            x = view(i, p)
+            if x.shape[0] == rows[i]:
+                return x.reshape(self._band[i])
+            full = np.zeros((rows[i], x.shape[1]), x.dtype)
+            full[:x.shape[0]] = x
+            return full.reshape(self._band[i])
+
         band_g = [zeros(i, np.float32) for i in range(n)]
         for i in g:
             a, b = self._span(slot[i], k)
             band_g[i].reshape(rows[i], -1)[:max(0, b - a)] = g[i][a:b]
-        masters = [got[i, None].reshape(self._band[i]) if (i, None) in got else
-                   zeros(i, np.float32) for i in range(n)]
+        masters = [padded(i, None) if (i, None) in band.where else zeros(i, np.float32)
+                   for i in range(n)]
         shared = iter(self.shared)
-        states = [next(shared) if o < 0 else got[o, j].reshape(self._band[o])
-                  if (o, j) in got else zeros(o, x.dtype)
+        states = [next(shared) if o < 0 else padded(o, j) if (o, j) in band.where
+                  else zeros(o, x.dtype)
                   for j, (x, o) in enumerate(zip(self._s_flat, self._owner, strict=True))]
-        new_m, new_s, new_c = program(*jax.device_put((band_g, masters, states), self._cpu))
-        new = {}
-        for i, p in got:
+        new_m, new_s, new_c = jax.device_get(
+            program(*jax.device_put((band_g, masters, states), self._cpu)))
+        for i, p in band.where:
             a, b = self._span(slot[i], k)
-            new[i, p] = np.asarray(new_m[i] if p is None else new_s[p]).reshape(
-                rows[i], -1)[:b - a]
+            new = (new_m[i] if p is None else new_s[p]).reshape(rows[i], -1)[:b - a]
+            view(i, p)[:] = new
             if p is None:
-                computes[i][a:b] = np.asarray(new_c[i]).reshape(rows[i], -1)[:b - a]
-        return new, [np.asarray(new_s[j]) for j in self._shared_idx]
+                computes[i][a:b] = new_c[i].reshape(rows[i], -1)[:b - a]
+        return [np.asarray(new_s[j]) for j in self._shared_idx]
 
     def _span(self, s: _Shard, k: int) -> tuple[int, int]:
         """The rows of piece ``s`` in band ``k`` (empty past its end)."""
         r = self._rows[s.leaf]
         return k * r, min(s.shape[0], (k + 1) * r)
 
-    def _size(self, slot: dict[int, _Shard], k: int) -> int:
-        """Bytes of band ``k`` of ``slot`` in the files (trained parameters only)."""
-        return sum(max(0, b - a) * self._row_bytes(s) for s in slot.values()
-                   if s.leaf not in self._frozen for a, b in [self._span(s, k)])
-
-    def _read(self, slot: dict[int, _Shard], k: int, buffers: _Buffers) -> dict:
-        """Band ``k`` of ``slot``, once a buffer is free; and the kernel asked to start reading
-        band k+1 (a band reads a little of many files, which its own read-ahead misses)."""
-        if not buffers.take(self._size(slot, k)):
-            return {}
-        got = {}
-        for i, s in slot.items():
-            if i in self._frozen:
-                continue
-            (a, b), (c, d) = self._span(s, k), self._span(s, k + 1)
-            for p, f in s.files.items():
-                got[i, p] = _read_rows(f, self._dtype(p), (a, b), (c, d), s.shape[1],
-                                       self._rows[i])
-        return {key: x for key, x in got.items() if x is not None}
-
-    def _write(self, slot: dict[int, _Shard], k: int, new: dict, buffers: _Buffers) -> None:
+    def _read(self, j: int, k: int, buffers: _Buffers) -> np.ndarray | None:
+        """Band ``k`` of slot ``j``, in one read, once a buffer is free (None: aborted); and
+        the kernel asked to start reading band k+1."""
+        band, bands = self._placed[j][0][k], self._placed[j][0]
+        if not buffers.take(band.nbytes):
+            return None
+        data = np.empty(band.nbytes, np.uint8)
+        fd = os.open(self.files[j], os.O_RDONLY)
         try:
-            for (i, p), x in new.items():
-                _write_rows(slot[i].files[p], x, self._span(slot[i], k)[0] * slot[i].shape[1])
+            got = os.preadv(fd, [memoryview(data)], band.start)
+            if got != band.nbytes:
+                raise OSError(f"{self.files[j]}: short read ({got} of {band.nbytes} bytes)")
+            if k + 1 < len(bands):
+                os.posix_fadvise(fd, bands[k + 1].start, bands[k + 1].nbytes,
+                                 os.POSIX_FADV_WILLNEED)
         finally:
-            buffers.free(self._size(slot, k))
+            os.close(fd)
+        return data
 
+    def _write(self, j: int, k: int, data: np.ndarray, buffers: _Buffers) -> None:
+        band = self._placed[j][0][k]
+        try:
+            _write_at(self.files[j], data, band.start)
+        finally:
+            buffers.free(band.nbytes)
 
 
 class _Buffers:
@@ -474,39 +543,17 @@ def _local(x: jax.Array, s: _Shard) -> np.ndarray:
     raise AssertionError("a piece with no local device")
 
 
-def _write_all(path: str, x: np.ndarray) -> None:
-    with open(path, "wb") as fh:
-        fh.write(np.ascontiguousarray(x).tobytes())
+def _view(data: np.ndarray, offset: int, dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """The bytes of ``data`` from ``offset`` as an array of ``shape`` (a view: writable)."""
+    n = math.prod(shape) * np.dtype(dtype).itemsize
+    return data[offset:offset + n].view(dtype).reshape(shape)
 
 
-def _read_rows(path: str, dtype, rows: tuple[int, int], ahead: tuple[int, int], row: int,
-               pad_to: int) -> np.ndarray | None:
-    """Rows ``rows`` (first, end) of a file of ``row``-element rows, then zero rows up to
-    ``pad_to`` rows (None when the range is empty); and the kernel asked to start reading the
-    rows ``ahead``."""
-    itemsize = np.dtype(dtype).itemsize
-    (a, b), (c, d) = rows, ahead
-    out = np.zeros(pad_to * row, dtype) if b > a else None
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if out is not None:
-            got = os.preadv(fd, [memoryview(out[:(b - a) * row]).cast("B")], a * row * itemsize)
-            if got != (b - a) * row * itemsize:
-                raise OSError(f"{path}: short read ({got} of {(b - a) * row * itemsize} bytes)")
-        if d > c:
-            os.posix_fadvise(fd, c * row * itemsize, (d - c) * row * itemsize,
-                             os.POSIX_FADV_WILLNEED)
-    finally:
-        os.close(fd)
-    return out
-
-
-def _write_rows(path: str, x: np.ndarray, first_element: int) -> None:
-    x = np.ascontiguousarray(x)
+def _write_at(path: str, data: np.ndarray, offset: int) -> None:
     fd = os.open(path, os.O_WRONLY)
     try:
-        done = os.pwrite(fd, memoryview(x).cast("B"), first_element * x.itemsize)
+        done = os.pwrite(fd, memoryview(data), offset)
     finally:
         os.close(fd)
-    if done != x.nbytes:
-        raise OSError(f"{path}: short write ({done} of {x.nbytes} bytes)")
+    if done != data.nbytes:
+        raise OSError(f"{path}: short write ({done} of {data.nbytes} bytes)")
