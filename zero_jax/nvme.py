@@ -442,18 +442,23 @@ class Tier:
             full[:x.shape[0]] = x
             return full.reshape(self._band[i])
 
-        band_g = [zeros(i, np.float32) for i in range(n)]
-        for i in g:
+        def grad(i):  # a view where the band is whole
             a, b = self._span(slot[i], k)
-            band_g[i].reshape(rows[i], -1)[:max(0, b - a)] = g[i][a:b]
+            if b - a == rows[i]:
+                return g[i][a:b].reshape(self._band[i])
+            x = zeros(i, np.float32)
+            x.reshape(rows[i], -1)[:max(0, b - a)] = g[i][a:b]
+            return x
+
+        band_g = [grad(i) if i in g else zeros(i, np.float32) for i in range(n)]
         masters = [padded(i, None) if (i, None) in band.where else zeros(i, np.float32)
                    for i in range(n)]
         shared = iter(self.shared)
         states = [next(shared) if o < 0 else padded(o, j) if (o, j) in band.where
                   else zeros(o, x.dtype)
                   for j, (x, o) in enumerate(zip(self._s_flat, self._owner, strict=True))]
-        new_m, new_s, new_c = jax.device_get(
-            program(*jax.device_put((band_g, masters, states), self._cpu)))
+        with jax.default_device(self._cpu):  # numpy arguments go where the host computes
+            new_m, new_s, new_c = jax.device_get(program(band_g, masters, states))
         for i, p in band.where:
             a, b = self._span(slot[i], k)
             new = (new_m[i] if p is None else new_s[p]).reshape(rows[i], -1)[:b - a]
