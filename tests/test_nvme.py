@@ -129,28 +129,37 @@ class MLP(nn.Module):
 
 def test_host_memory_is_the_buffers_not_the_state(mesh, tmp_path):
     """A 1M-parameter model (12 MiB of master and Adam moments) through 3 buffers of 64 KiB:
-    what the host allocates during a step stays a small fraction of the state."""
+    a new state holds no optimizer state, and what the host allocates during a step stays a
+    small fraction of the state."""
     model, x_BxD = MLP(), jax.random.normal(KEY, (16, 512))
     init = lambda key: model.init(key, x_BxD)  # noqa: E731
     loss_fn = lambda params, x_BxD: jnp.mean(jnp.square(model.apply(params, x_BxD) - 0.5))
     plan = make_plan(jax.eval_shape(init, KEY), mesh, 2, offload=Offload(
         optimizer=1.0, nvme=Nvme(str(tmp_path), chunk_mb=1 / 16, buffers=BUFFERS)))
+    live = lambda: sum(x.nbytes for x in jax.live_arrays())
+    before = live()
     state = init_state(plan, init, ADAMW, KEY)
+    born = live() - before
     step = make_train_step(plan, loss_fn, ADAMW)
     batch = jax.device_put(x_BxD, NamedSharding(mesh, P("data")))
-    state, first = step(state, batch)  # compiles, and moves the state to the files
+    assert state.opt_state is None  # and no device or host holds it: see below
+    state, first = step(state, batch)  # compiles; the master and Adam's moments go to files
     tracemalloc.start()  # the host's allocations during one step (numpy's are traced)
     state, second = step(state, batch)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     tier = step.tier
-    assert tier.bytes == 12 * sum(x.size for x in jax.tree.leaves(state.params))
+    n_params = sum(x.size for x in jax.tree.leaves(state.params))
+    assert tier.bytes == 12 * n_params
     assert tier.bytes >= 50 * BUFFERS * plan.offload.nvme.chunk_bytes
     assert tier.high_water <= BUFFERS * plan.offload.nvme.chunk_bytes
     # On the CPU backend the devices keep the new compute copy in numpy's buffers (device
     # memory is host memory there): those are the parameters, not the optimizer's state.
     params = sum(x.nbytes for x in jax.tree.leaves(state.params))  # one copy, in pieces
     assert peak - params < tier.bytes / 8, (peak, params, tier.bytes)
+    # A new state holds its master and compute copy (8 bytes a parameter here; 16 with Adam's
+    # moments): the first step writes them to the files band by band with tx.init's values.
+    assert born <= 8 * n_params + 64, (born, n_params)
     assert second["loss"] < first["loss"]
 
 

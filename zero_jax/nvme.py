@@ -153,6 +153,8 @@ class Tier:
         self._band = [self._piece_shape(i, r) for i, r in enumerate(self._rows)]
         self.band_fn = self._band_fn()
         self.band_program = jax.jit(self.band_fn)  # runs where its arguments are: the CPU
+        self._init_program = jax.jit(lambda masters: jax.tree.leaves(
+            self.tx.init(self._p_tree.unflatten(masters))))
         self._cpu = jax.local_devices(backend="cpu")[0]
         self.shared: list[np.ndarray] | None = None  # the shared state leaves, in memory
         self.read_bytes = self.written_bytes = 0  # of the last update
@@ -265,6 +267,7 @@ class Tier:
         check_elementwise(lambda g, s, m: self._optimize(
             self._p_tree.unflatten(g), self._s_tree.unflatten(s), self._p_tree.unflatten(m)),
             grads, state, grads)
+        check_elementwise(lambda m: self.tx.init(self._p_tree.unflatten(m)), grads)
 
     def _piece_shape(self, i: int, rows: int) -> tuple[int, ...]:
         """The shape that ``rows`` rows of parameter ``i``'s piece are handed to the optimizer
@@ -325,6 +328,41 @@ class Tier:
         self.shared = [np.asarray(states[j]) for j in self._shared_idx]
         self._write_meta()
         return state._replace(master=None, opt_state=None)
+
+    def start(self, state):
+        """Write a new state's master, and the optimizer state ``tx.init`` gives it, to the
+        files band by band, so that the optimizer state is never whole in memory; return the
+        state without its master (``_new_state`` made none)."""
+        os.makedirs(self.root, exist_ok=True)
+        masters, n = jax.tree.leaves(state.master), len(self._shapes)
+        for f, slot, (bands, kept, size) in zip(self.files, self._slots, self._placed,
+                                                strict=True):
+            rows = {i: _local(masters[i], s).reshape(s.shape) for i, s in slot.items()}
+            fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                for k, band in enumerate(bands):
+                    band_m = [np.zeros(self._band[i], np.float32) for i in range(n)]
+                    for i, s in slot.items():
+                        a, b = self._span(s, k)
+                        band_m[i].reshape(self._rows[i], -1)[:max(0, b - a)] = rows[i][a:b]
+                    with jax.default_device(self._cpu):
+                        states = jax.device_get(self._init_program(band_m))
+                    for i, s in slot.items():
+                        a, b = self._span(s, k)
+                        for p in s.parts if b > a else ():
+                            x = rows[i][a:b] if p is None else \
+                                states[p].reshape(self._rows[i], -1)[:b - a]
+                            at = kept[i, p] + a * s.shape[1] * self._itemsize(p) \
+                                if i in self._frozen else band.start + band.where[i, p][0]
+                            x = np.ascontiguousarray(x, self._dtype(p)).view(np.uint8)
+                            if os.pwrite(fd, x, at) != x.nbytes:
+                                raise OSError(f"{f}: short write")
+            finally:
+                os.close(fd)
+        self.shared = [np.asarray(states[j]) for j in self._shared_idx]
+        self._write_meta()
+        return state._replace(master=None)
 
     def give(self, state, shardings):
         """``state`` with its master and optimizer state read back from the files, laid out by

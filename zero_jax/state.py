@@ -85,6 +85,13 @@ def _new_state(plan: Plan, params: PyTree, tx: optax.GradientTransformation) -> 
                       jnp.zeros((), jnp.int32))
 
 
+def _born(plan: Plan, state: TrainState) -> TrainState:
+    """A new state as ``init_state`` returns it (or its shardings): with the NVMe tier, no
+    optimizer state, which the step's first call writes to the files band by band with the
+    master (``Tier.start``), never whole in memory."""
+    return state._replace(opt_state=None) if plan.offload.nvme else state
+
+
 def init_state(plan: Plan, init_params: Callable[[jax.Array], PyTree] | PyTree,
                tx: optax.GradientTransformation, key: jax.Array | None = None) -> TrainState:
     """Create the state directly in its sharded layout; no device ever holds more than its part.
@@ -109,8 +116,8 @@ def init_state(plan: Plan, init_params: Callable[[jax.Array], PyTree] | PyTree,
                              f"the plan's is {want.shape}")
     params = jax.device_put(init_params, plan.shardings(plan.opt_specs))
     cast = lambda p: jax.tree.map(lambda x, s: x.astype(s.dtype), p, plan.shapes)
-    return jax.jit(lambda p: _new_state(plan, cast(p), tx), out_shardings=shardings,
-                   donate_argnums=0)(params)
+    return jax.jit(lambda p: _born(plan, _new_state(plan, cast(p), tx)),
+                   out_shardings=_born(plan, shardings), donate_argnums=0)(params)
 
 
 def abstract_state(plan: Plan, tx: optax.GradientTransformation) -> TrainState:

@@ -206,8 +206,10 @@ class NvmeStep:
         return _Lowered(lowered, self)
 
     def __call__(self, state: TrainState, batch: PyTree, *, key: jax.Array | None = None):
-        if state.opt_state is not None:  # the first step: the state moves to the files
+        if state.opt_state is not None:  # a whole state (restored): it moves to the files
             state = self.tier.take(state)
+        elif state.master is not None:  # a new state: its master and tx.init's, band by band
+            state = self.tier.start(state)
         grads, finite, metrics, loss_scale = self.grads_program(state, batch, key)
         params = state.params
         if bool(finite):
