@@ -327,7 +327,7 @@ class Tier:
                     fh.write(np.ascontiguousarray(rows[key]).tobytes())
         self.shared = [np.asarray(states[j]) for j in self._shared_idx]
         self._write_meta()
-        return state._replace(master=None, opt_state=None)
+        return _moved(state)
 
     def start(self, state):
         """Write a new state's master, and the optimizer state ``tx.init`` gives it, to the
@@ -362,7 +362,7 @@ class Tier:
                 os.close(fd)
         self.shared = [np.asarray(states[j]) for j in self._shared_idx]
         self._write_meta()
-        return state._replace(master=None)
+        return _moved(state)
 
     def give(self, state, shardings):
         """``state`` with its master and optimizer state read back from the files, laid out by
@@ -584,6 +584,15 @@ def _local(x: jax.Array, s: _Shard) -> np.ndarray:
         if shard.device == s.devices[0]:
             return np.asarray(shard.data)
     raise AssertionError("a piece with no local device")
+
+
+def _moved(state):
+    """``state`` without its master and optimizer state, whose arrays, now in the files, are
+    deleted: the step consumes the state it is given, as a jitted step's donation does."""
+    for x in jax.tree.leaves((state.master, state.opt_state)):
+        if isinstance(x, jax.Array):
+            x.delete()
+    return state._replace(master=None, opt_state=None)
 
 
 def _view(data: np.ndarray, offset: int, dtype, shape: tuple[int, ...]) -> np.ndarray:
