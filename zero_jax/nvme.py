@@ -4,9 +4,10 @@ With ``Offload(optimizer=1.0, nvme=Nvme(path))`` the compiled step stops after t
 (``make_train_step``): the offloaded state is not an argument of any program. The update runs
 here, on the host, through the pieces this process owns: a band (some rows of every
 parameter's piece) of the master and of every per-parameter part of the optimizer state is
-read from its files, updated by the same optax computation as in memory, and written back,
-while the next band is read and the previous one written (DeepSpeed's pipelined swapper). At
-most ``Nvme.buffers`` bands are alive at once, so the host holds buffers, not the state.
+read from its device's file in one read (the file holds the bands one after another), updated
+by the same optax computation as in memory, and written back in one write, while the next band
+is read and the previous one written (DeepSpeed's pipelined swapper). At most
+``Nvme.buffers`` bands are alive at once, so the host holds buffers, not the state.
 
 Cutting rows is exact when the optimizer is elementwise (SGD, momentum, Adam, AdamW, Lion):
 ``check_elementwise`` reads that off the update's jaxpr and refuses the rest (global-norm
@@ -118,7 +119,8 @@ class Tier:
     """The files, and the chunked update through them, for one process.
 
     ``Tier(plan, tx)`` checks the path and the optimizer; ``take(state)`` writes a state's
-    master and optimizer state to the files and returns the state without them;
+    master and optimizer state to the files and returns the state without them (``start``,
+    a new state's master and the optimizer's init, band by band);
     ``update(grads)`` runs the pipeline; ``give(state, shardings)`` reads them back into a
     whole state (for a checkpoint, or to compare)."""
 
