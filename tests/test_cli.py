@@ -180,6 +180,33 @@ def test_planner_names_the_layout_that_fits(tmp_path):
     assert re.search(r"\n +gathered weights +[\d.]+ MiB +ZeRO: [\d.]+ MiB\n", split)
 
 
+def test_planner_offloads_beside_tensor_parallelism(tmp_path):
+    """T = 2 with each offload (stage 3, remat full, the small model of the sweep above): ZeRO's
+    per-device figures hold per tensor-parallel rank, 1/(D T) of each state with D T = 8, within
+    the leaves tensor parallelism keeps whole on ``model`` (6%); the advice names the offload
+    beside --tensor-parallel 2."""
+    report = tmp_path / "plan.json"
+    model = {"n_layers": 2, "d_model": 32, "d_ff": 64, "seq_len": 16}
+    sets = [x for k, v in model.items() for x in ("--set", f"model.{k}={v}")]
+    run = train("--dry-run", "--device-memory", "150KiB", "--host-memory", "1GB", "--stage", "3",
+                "--tensor-parallel", "2", "--set", "model.remat=full",
+                "--set", "train.batch_size=8", *sets, "--set", "zero.bucket_mb=0",
+                "--set", "zero.prefetch=false", "--report", str(report))
+    assert run.returncode == 0, run.stderr
+    r = json.loads(report.read_text())
+    psi, per_host = GPTConfig(**model).n_params, r["devices_per_host"]
+    rows = {c["offload"]: c for c in r["candidates"]}
+    assert set(rows) == {"none", "optimizer", "params"} and {c["tp"] for c in rows.values()} \
+        == {2}
+    for name, (device, host) in {"none": (12, 0), "optimizer": (4, 12), "params": (0, 16)}.items():
+        c = rows[name]
+        assert device * psi / 8 <= c["device_state_bytes"] <= 1.06 * device * psi / 8 + 512
+        assert host * psi <= c["host_bytes_per_host"] / per_host * 8 <= 1.06 * host * psi
+    assert r["best"]["tp"] == 2 and r["best"]["offload"] in ("optimizer", "params")
+    assert "zero.offload_optimizer.device=cpu" in run.stdout.split("fits and communicates")[1]
+    assert "--tensor-parallel 2 --set zero.partition_activations=true" in run.stdout
+
+
 def test_planner_names_tensor_parallelism_when_nothing_fits_without_it(tmp_path):
     """Stage 3, remat full, no offload: with prefetch T = 1 needs about 8.2 MiB per device on
     the default model, T = 2 8.3 (partitioned activations on: on a model this small prefetch's

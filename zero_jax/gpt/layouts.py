@@ -20,7 +20,7 @@ def candidates(cfg: dict, sets: list[str], stage: int | None, tensor_parallel: i
     """(layout, config) for each candidate: what the command line did not fix (--stage,
     --tensor-parallel, model.remat, zero.offload_*) varies. Tensor parallelism (T a divisor of
     the devices per host that cuts the heads, the MLP and the vocabulary) is tried at stage 3
-    with partitioned activations and no offload, as ZeRO's paper trains its largest models.
+    with partitioned activations, as ZeRO's paper trains its largest models, with each offload.
     With zero.tile_mb, only stage 3 without offload or tensor parallelism tiles."""
     z, m = cfg["zero"], cfg["model"]
     fixed = functools.partial(_fixed, sets)
@@ -36,7 +36,7 @@ def candidates(cfg: dict, sets: list[str], stage: int | None, tensor_parallel: i
     for t, s, (offload, (opt, params)), remat in itertools.product(
             tps, stages, offloads.items(), [m["remat"]] if fixed("model.remat") else REMAT):
         if (params == "cpu" and (s != 3 or cfg["train"]["accum_steps"] > 1)) or \
-                (t > 1 and (s != 3 or opt != "none")) or \
+                (t > 1 and s != 3) or \
                 (z["tile_mb"] and (s != 3 or opt != "none" or t > 1)):
             continue
         c = copy.deepcopy(cfg)
