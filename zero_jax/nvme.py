@@ -315,18 +315,12 @@ class Tier:
     def take(self, state):
         """Write ``state``'s master and optimizer state to the files; return the state without
         them (``master`` and ``opt_state`` None), the shared scalars kept here."""
-        os.makedirs(self.root, exist_ok=True)
         masters, states = jax.tree.leaves(state.master), jax.tree.leaves(state.opt_state)
-        for f, slot, (bands, kept, _) in zip(self.files, self._slots, self._placed, strict=True):
+        for j, slot in enumerate(self._slots):
             rows = {(i, p): _local(masters[i] if p is None else states[p], s).reshape(s.shape)
                     for i, s in slot.items() for p in s.parts}
-            with open(f, "wb") as fh:
-                for k, band in enumerate(bands):
-                    for i, p in band.where:
-                        a, b = self._span(slot[i], k)
-                        fh.write(np.ascontiguousarray(rows[i, p][a:b]).tobytes())
-                for key in kept:
-                    fh.write(np.ascontiguousarray(rows[key]).tobytes())
+            self._write_slot(j, lambda k, slot=slot, rows=rows: {
+                (i, p): x[slice(*self._span(slot[i], k))] for (i, p), x in rows.items()})
         self.shared = [np.asarray(states[j]) for j in self._shared_idx]
         self._write_meta()
         return _moved(state)
@@ -335,36 +329,47 @@ class Tier:
         """Write a new state's master, and the optimizer state ``tx.init`` gives it, to the
         files band by band, so that the optimizer state is never whole in memory; return the
         state without its master (``_new_state`` made none)."""
-        os.makedirs(self.root, exist_ok=True)
-        masters, n = jax.tree.leaves(state.master), len(self._shapes)
-        for f, slot, (bands, kept, size) in zip(self.files, self._slots, self._placed,
-                                                strict=True):
+        masters, n, init = jax.tree.leaves(state.master), len(self._shapes), []
+        for j, slot in enumerate(self._slots):
             rows = {i: _local(masters[i], s).reshape(s.shape) for i, s in slot.items()}
-            fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.ftruncate(fd, size)
-                for k, band in enumerate(bands):
-                    band_m = [np.zeros(self._band[i], np.float32) for i in range(n)]
-                    for i, s in slot.items():
-                        a, b = self._span(s, k)
-                        band_m[i].reshape(self._rows[i], -1)[:max(0, b - a)] = rows[i][a:b]
-                    with jax.default_device(self._cpu):
-                        states = jax.device_get(self._init_program(band_m))
-                    for i, s in slot.items():
-                        a, b = self._span(s, k)
-                        for p in s.parts if b > a else ():
-                            x = rows[i][a:b] if p is None else \
-                                states[p].reshape(self._rows[i], -1)[:b - a]
-                            at = kept[i, p] + a * s.shape[1] * self._itemsize(p) \
-                                if i in self._frozen else band.start + band.where[i, p][0]
-                            x = np.ascontiguousarray(x, self._dtype(p)).view(np.uint8)
-                            if os.pwrite(fd, x, at) != x.nbytes:
-                                raise OSError(f"{f}: short write")
-            finally:
-                os.close(fd)
-        self.shared = [np.asarray(states[j]) for j in self._shared_idx]
+
+            def band(k, slot=slot, rows=rows):  # band k's master rows and tx.init's state
+                band_m = [np.zeros(self._band[i], np.float32) for i in range(n)]
+                for i, s in slot.items():
+                    a, b = self._span(s, k)
+                    band_m[i].reshape(self._rows[i], -1)[:max(0, b - a)] = rows[i][a:b]
+                with jax.default_device(self._cpu):
+                    init[:] = jax.device_get(self._init_program(band_m))
+                span = lambda i: slice(0, len(range(*self._span(slot[i], k))))
+                return {(i, p): rows[i][slice(*self._span(s, k))] if p is None else
+                        init[p].reshape(self._rows[i], -1)[span(i)]
+                        for i, s in slot.items() for p in s.parts}
+            self._write_slot(j, band)
+        self.shared = [np.asarray(init[j]) for j in self._shared_idx]
         self._write_meta()
         return _moved(state)
+
+    def _write_slot(self, j: int, rows_of: Callable[[int], dict]) -> None:
+        """Slot ``j``'s file, written band by band: ``rows_of(k)`` gives band k's rows of every
+        piece's parts, ``{(parameter, part): rows}``, trained (into the band) and frozen (into
+        their place after the bands) alike."""
+        os.makedirs(self.root, exist_ok=True)
+        bands, kept, size = self._placed[j]
+        fd = os.open(self.files[j], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            for k, band in enumerate(bands):
+                for (i, p), x in rows_of(k).items():
+                    if not len(x):
+                        continue
+                    s = self._slots[j][i]
+                    at = kept[i, p] + self._span(s, k)[0] * s.shape[1] * self._itemsize(p) \
+                        if i in self._frozen else band.start + band.where[i, p][0]
+                    x = np.ascontiguousarray(x, self._dtype(p)).view(np.uint8)
+                    if os.pwrite(fd, x, at) != x.nbytes:
+                        raise OSError(f"{self.files[j]}: short write")
+        finally:
+            os.close(fd)
 
     def give(self, state, shardings):
         """``state`` with its master and optimizer state read back from the files, laid out by
