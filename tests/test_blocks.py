@@ -247,6 +247,29 @@ def test_stage3_on_one_device_remats_its_blocks_as_on_many(prefetch):
     assert rel(loss3, loss0) < 1e-6 and max_rel(params3, params0) < 1e-5
 
 
+def test_prefetch_passes_over_a_block_with_nothing_to_gather(mesh):
+    """A block whose leaves are all persistent (whole on every device) gathers nothing, so
+    prefetch has nothing to hand it: the others are prefetched around it, and the step trains
+    as without prefetch."""
+    model, init = setup(3)
+    loss_fn = lambda params, toks: ce(model, params, toks).mean()
+    tx, batch = optax.sgd(0.3), shard_batch(mesh, tokens(0))
+    rules = [zj.Rule("^h_1/", min_shard_elems=10**9)]
+
+    def run(prefetch):
+        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=BLOCKS, rules=rules,
+                            comm=zj.Comm(prefetch=prefetch))
+        assert all(leaf.persistent or leaf.axis is None
+                   for leaf in jax.tree.leaves(plan.leaves["h_1"], is_leaf=lambda x: hasattr(
+                       x, "persistent")))
+        state, m = zj.make_train_step(plan, loss_fn, tx)(zj.init_state(plan, init, tx, KEY),
+                                                          batch)
+        return m["loss"], state.params
+
+    (plain, p_plain), (fetched, p_fetched) = run(False), run(True)
+    assert rel(fetched, plain) < 1e-6 and max_rel(p_fetched, p_plain) < 1e-5
+
+
 def test_dropout_key_per_step_and_device(mesh):
     model, init = setup(2, dropout=0.5)
     loss_fn = lambda params, toks, key: ce(model, params, toks, {"dropout": key}).mean()
