@@ -247,8 +247,11 @@ def after_inputs(tree: PyTree, args: tuple, kwargs: dict) -> PyTree:
     (the block's inputs), so that its gathers do too: else the scheduler may hoist every
     block's gather to the start and hold the whole model."""
     # Only what is gathered: a barrier marks its outputs per-device, and a replica (a whole
-    # parameter all-reduced in the backward) must stay the same on every device.
-    inputs = [x for x in jax.tree.leaves((args, kwargs)) if isinstance(x, jax.Array)]
+    # parameter all-reduced in the backward) must stay the same on every device. The inputs
+    # only order the barrier: without stop_gradient their zero gradient came back through
+    # its transpose and was added to the real one (an input-sized buffer per block).
+    inputs = [jax.lax.stop_gradient(x) for x in jax.tree.leaves((args, kwargs))
+              if isinstance(x, jax.Array)]
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_shard)
     waiting = [i for i, x in enumerate(leaves) if not is_shard(x) or x.kind != "replica"]
     done = jax.lax.optimization_barrier(([leaves[i] for i in waiting], inputs))[0]
