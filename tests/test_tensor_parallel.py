@@ -27,6 +27,7 @@ from zero_jax import report
 from zero_jax.gpt import data
 from zero_jax.gpt.model import GPT, LAYERS, TENSOR_PARALLEL, Block, GPTConfig, init_fn, lm_loss
 from zero_jax.hlo import collectives, copied_bytes, gathered_ahead, reduced_behind
+from zero_jax.mesh import MODEL
 from zero_jax.nvme import Nvme
 from zero_jax.rules import Leaf, path_str
 
@@ -449,6 +450,28 @@ def test_partitioned_activations_keep_a_tp_slice_of_the_saved_inputs():
                      layers=zj.Layers(LAYERS, partition=True))
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_partitioned_activations_at_stages_without_gathers(stage):
+    """Pa at stages 0-2 (DeepSpeed's partition_activations holds at any stage): zero_jax then
+    rematerializes each block itself, saving its input cut over ``model``; the training equals
+    the model's own remat (full) at stage 0 without Pa, whose saved inputs are whole. Stage 0:
+    replicas in per-block buckets; stage 2: each block reads its whole copy."""
+    base = dataclasses.replace(CFG, vocab_size=64, d_model=32, n_layers=4, d_ff=64,
+                               seq_len=256, remat="full")
+    mesh = zj.make_mesh(8, axes=MESHES["2x4"])
+    stacked = lambda seq: f"f32[{base.n_layers},4,{seq},{base.d_model}]"  # batch 8 / data 2
+    runs = []
+    for cfg, s, pa in ((base, 0, False), (dataclasses.replace(base, remat="none"), stage, True)):
+        init, loss_fn, batches = gpt_problem(cfg, 8, 3, corpus=1 << 16)
+        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, s, rules=TENSOR_PARALLEL,
+                            layers=zj.Layers(LAYERS, partition=pa))
+        runs.append(train(plan, init, loss_fn, batches, OPTIMIZERS["sgd"]()))
+    (plain, _, plain_text), (cut, _, cut_text) = runs
+    assert stacked(256) in plain_text and stacked(64) not in plain_text
+    assert stacked(64) in cut_text and stacked(256) not in cut_text
+    np.testing.assert_allclose(cut, plain, rtol=1e-6)
+
+
 class UnrolledGPT(nn.Module):
     """The demo's blocks in a Python loop (``h_0``, ``h_1``, ...: HF style), so that prefetch
     hands each block the next one's weights (``zero_jax.handoff``) instead of running a scan."""
@@ -654,3 +677,45 @@ def test_annotated_nnx_model_needs_no_table(stage, opt):
     state = trains_like_one_device(plan, init, loss_fn, (x, y), opt, gathers_on_model=True)
     assert state.params["blocks"][1]["down"]["kernel"].sharding.spec == (
         P("model", "data") if stage == 3 else P("model", None))
+
+
+def test_partitioned_activations_on_nnx_blocks():
+    """Pa on NNX blocks (stage 3, and stage 2 where zero_jax rematerializes them for it): each
+    block's recompute receives its input cut over ``model`` (the residual its checkpoint
+    saves, read from the step's jaxpr); without Pa it receives it whole. Same losses."""
+    x = jax.random.normal(jax.random.key(1), (32, 16))
+    y = jax.random.randint(jax.random.key(2), (32,), 0, 4)
+    with nnx.use_eager_sharding(False):
+        graphdef, state = nnx.split(AnnotatedNNX(nnx.Rngs(0)), nnx.Param)
+        rules = zj.tensor_parallel_rules(state, [("mlp", "model"), ("embed", None)])
+
+    def init(key):
+        with nnx.use_eager_sharding(False):
+            return nnx.state(AnnotatedNNX(nnx.Rngs(key)), nnx.Param)
+
+    def loss_fn(params, batch):
+        logits = zj.nnx_merge(graphdef, params)(batch[0])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+
+    def saves_cut_inputs(plan, batch) -> list[bool]:
+        """Per block recompute: whether one of its inputs of the block input's shape (16 of
+        the batch per data rank, 16 wide) is that input laid out cut over ``model``."""
+        jaxpr = jax.make_jaxpr(zj.make_train_step(plan, loss_fn, tx))(
+            zj.abstract_state(plan, tx), batch).jaxpr
+        eqns = [e for e, _ in equations(jaxpr)]
+        made = {id(v): e for e in eqns for v in e.outvars}
+        cut = lambda e: e is not None and e.primitive.name == "sharding_constraint" and \
+            MODEL in e.params["sharding"].spec
+        return [any(v.aval.shape == (16, 16) and cut(made.get(id(v))) for v in e.invars)
+                for e in eqns if e.primitive.name == "remat2"]
+
+    mesh, tx = zj.make_mesh(8, axes=MESHES["2x4"]), optax.sgd(0.1)
+    batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+    losses = {}
+    for stage, pa in ((3, False), (3, True), (2, True)):
+        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, rules=rules,
+                            layers=zj.Layers(r"^blocks/\d+$", partition=pa))
+        assert saves_cut_inputs(plan, batch) == [pa, pa]
+        losses[stage, pa] = train(plan, init, loss_fn, [(x, y)] * 3, tx)[0]
+    for run in losses.values():
+        np.testing.assert_allclose(run, losses[3, False], rtol=1e-6)

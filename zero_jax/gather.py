@@ -342,6 +342,17 @@ def name_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return jax.tree.map(name, args), jax.tree.map(name, kwargs)
 
 
+class _Active(NamedTuple):
+    """``per_block``'s settings, for the NNX blocks that run under it."""
+
+    names: frozenset[str]
+    seen: dict[str, bool]
+    policy: Any
+    chain: Any
+    partition: bool
+    remat_all: bool
+
+
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("zero_jax_blocks", default=None)
 
 
@@ -382,9 +393,21 @@ class Saved:
         return self.whole(jax.tree.map(lambda x: self._move(x, jax.memory.Space.Device), tree))
 
 
+def _checkpointed_inputs(args: tuple, kwargs: dict, partition: bool):
+    """A block's inputs as its checkpoint saves them (Pa: cut over ``model``), and a function,
+    to call inside the checkpoint, that gives them back named (``name_inputs``) and whole."""
+    saved = jax.tree.map(lambda x: partitioned(x, True), (args, kwargs)) if partition \
+        else (args, kwargs)
+
+    def inside():
+        a, k = name_inputs(*saved)
+        return jax.tree.map(lambda x: partitioned(x, False), (a, k)) if partition else (a, k)
+    return inside
+
+
 @contextlib.contextmanager
 def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = False,
-              chain: Any = None):
+              chain: Any = None, remat_all: bool = False):
     """Make each named block's ``Shard``s whole as the block runs; yields the blocks that ran,
     each with whether it gathered. ``chain`` (``zero_jax.handoff.Chain``): prefetch's handoffs.
 
@@ -396,9 +419,10 @@ def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = Fals
     weights as residuals; on the CPU backend this needs XLA to keep remat's optimization
     barriers (``zero_jax.mesh.keep_remat_barriers``, at import); ``remat`` names its policy
     (``remat_policy``); ``partition``: the block's saved inputs are cut over ``model``
-    (``partitioned``).
+    (``partitioned``). ``remat_all``: blocks that do not gather are rematerialized too (Pa
+    at stages 0-2: their saved inputs are cut only if zero_jax's remat saves them).
     """
-    names, seen = frozenset(blocks), {}
+    names, seen, inside = frozenset(blocks), {}, set()
     policy = remat_policy(remat, gathers=True)
 
     def intercept(next_fun, args, kwargs, context):
@@ -409,34 +433,43 @@ def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = Fals
         path = "/".join(module.path) if module.scope is not None else None
         if path not in names:
             return next_fun(*args, **kwargs)
+        if path in inside:  # the transforms below calling the block
+            return next_fun(*args, **kwargs)
         params = module.variables.get("params", {})
         seen[path] = seen.get(path, False) or _gathers(params)
-        if not has_shards(params):
-            return next_fun(*args, **kwargs)  # nothing cut, or already made whole
-        run = lambda mdl: getattr(mdl, context.method_name)(*args, **kwargs)
-        if not seen[path]:  # stage 2: reads its whole copy
+        if not seen[path]:  # stages 0-2: reads its whole copy (a replica: all-reduced after)
+            if remat_all:
+                return rematerialized(module, context, args, kwargs, materialize_tree)
+            if not has_shards(params):
+                return next_fun(*args, **kwargs)  # nothing cut, or already made whole
+            run = lambda mdl: getattr(mdl, context.method_name)(*args, **kwargs)
             return nn.map_variables(run, "params", trans_in_fn=materialize_tree)(module)
+        if not has_shards(params):
+            return next_fun(*args, **kwargs)  # made whole already (prefetch's loop)
+        gather = lambda params: materialize_tree(after_inputs(params, args, kwargs))
+        plain = lambda: rematerialized(module, context, args, kwargs, gather)
         if chain is not None:
             return chain.call(path, chain.linen(module, context.method_name), args, kwargs,
-                              lambda: plain_block(module, context, args, kwargs))
-        return plain_block(module, context, args, kwargs)
+                              plain)
+        return plain()
 
-    def plain_block(module, context, args, kwargs):
-        gather = lambda params: materialize_tree(after_inputs(params, args, kwargs))
+    def rematerialized(module, context, args, kwargs, whole):
         # Partitioned: the block's inputs reach its checkpoint cut (what it saves, or offloads)
         # and are made whole inside it.
-        saved = jax.tree.map(lambda x: partitioned(x, True), (args, kwargs)) if partition \
-            else (args, kwargs)
+        inputs = _checkpointed_inputs(args, kwargs, partition)
 
         def named(mdl):  # inside the checkpoint, where the policy sees the names
-            a, k = name_inputs(*saved)
-            if partition:
-                a, k = jax.tree.map(lambda x: partitioned(x, False), (a, k))
+            a, k = inputs()
             return getattr(mdl, context.method_name)(*a, **k)
-        run = nn.map_variables(named, "params", trans_in_fn=gather)
-        return nn.remat(run, prevent_cse=True, policy=policy)(module)
+        run = nn.map_variables(named, "params", trans_in_fn=whole)
+        path = "/".join(module.path)
+        inside.add(path)
+        try:
+            return nn.remat(run, prevent_cse=True, policy=policy)(module)
+        finally:
+            inside.discard(path)
 
-    token = _ACTIVE.set((names, seen, policy, chain))
+    token = _ACTIVE.set(_Active(names, seen, policy, chain, partition, remat_all))
     try:
         with nn.intercept_methods(intercept):
             yield seen
@@ -453,7 +486,7 @@ def nnx_merge(graphdef: Any, *states: Any) -> Any:
     active = _ACTIVE.get()
     if active is None:
         return model
-    names, seen, _, chain = active
+    names, seen, chain = active.names, active.seen, active.chain
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module) and (name := "/".join(map(str, path))) in names:
             internals.set_class(node, _per_block_class(type(node)))
@@ -492,15 +525,16 @@ def _per_block_class(cls: type) -> type:
         if any(s.tile for s in shards):
             raise ValueError(f"Layers(tile_mb=...) tiles linen nn.Dense layers; the NNX block "
                              f"{cls.__name__} holds a leaf above the bound: turn tiling off")
-        if active is None or not shards:
+        if active is None or not (shards or active.remat_all):
             return cls.__call__(self, *args, **kwargs)
-        if not _gathers(shards):
-            return run(self, args, kwargs, materialize_tree)
-        gather = lambda s: materialize_tree(after_inputs(s, args, kwargs))
-
-        named = lambda m: run(m, *name_inputs(args, kwargs), gather)
-        plain = lambda: nnx.remat(named, prevent_cse=True, policy=active[2])(self)
-        chain = active[3]
+        inputs = _checkpointed_inputs(args, kwargs, active.partition)
+        remat = lambda whole: nnx.remat(lambda m: run(m, *inputs(), whole), prevent_cse=True,
+                                        policy=active.policy)(self)
+        if not _gathers(shards):  # stages 0-2
+            return remat(materialize_tree) if active.remat_all else \
+                run(self, args, kwargs, materialize_tree)
+        plain = lambda: remat(lambda s: materialize_tree(after_inputs(s, args, kwargs)))
+        chain = active.chain
         # Not the model's own module (a copy made by nnx.scan): no neighbours to hand to.
         name = next((n for n, m in (chain.modules if chain else {}).items() if m is self), None)
         if name is None:

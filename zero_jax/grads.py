@@ -194,7 +194,10 @@ def _traced(g: GradStep, args: tuple, chain: handoff.Chain | None):
     prefetched: set[str] = set()
     fetch = prefetch.stacks(frozenset(blocks), prefetched, saved_inputs(plan)) \
         if plan.comm.prefetch else contextlib.nullcontext()
-    with per_block(blocks, plan.remat, plan.partition_activations, chain) as seen, fetch:
+    # Pa at stages 0-2: the blocks' saved inputs are cut if zero_jax's remat saves them.
+    remat_all = plan.partition_activations and not plan.rule.shard_params
+    with per_block(blocks, plan.remat, plan.partition_activations, chain, remat_all) as seen, \
+            fetch:
         try:
             out = g.loss_fn(*args)
         except ScopeParamShapeError as e:

@@ -504,9 +504,9 @@ def _check_combination(stage: int, layers: Layers | None, offload: Offload, comm
     """The options that are valid alone but not together (each policy checks itself)."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of 0, 1, 2, 3 (got {stage})")
-    if layers and layers.partition and not (tensor_parallel and stage == 3):
+    if layers and layers.partition and not tensor_parallel:
         raise ValueError("Layers(partition=True) cuts the blocks' saved inputs over the 'model' "
-                         "axis: it needs tensor parallelism and stage 3")
+                         "axis: it needs tensor parallelism (a mesh with a 'model' axis)")
     if layers and layers.tile_bytes and (stage != 3 or comm.prefetch or offload.any
                                          or tensor_parallel):
         what = next(w for w, on in ((f"stage {stage}", stage != 3), ("prefetch", comm.prefetch),

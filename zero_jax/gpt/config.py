@@ -356,10 +356,10 @@ def _check_tensor_parallel(config: dict) -> None:
     """T must cut whole heads, the MLP's hidden units and the vocabulary."""
     _at_least(config, "mesh", "tensor_parallel", 1)
     t, m, z = config["mesh"]["tensor_parallel"], config["model"], config["zero"]
-    if z["partition_activations"] and (t == 1 or z["stage"] != 3):
+    if z["partition_activations"] and (t == 1 or not z["transformer_layers"]):
         raise ConfigError("zero.partition_activations cuts each block's saved input over the "
                           "tensor-parallel ranks: it needs --tensor-parallel 2 or more and "
-                          "--stage 3")
+                          "the blocks named in zero.transformer_layers")
     for key in ("n_heads", "d_ff", "vocab_size"):
         if m[key] % t:
             raise ConfigError(f"mesh.tensor_parallel {t} does not divide model.{key} {m[key]}: "

@@ -60,11 +60,12 @@ class Experiment:
         precision = precision_from(cfg["precision"], mesh.devices.flat[0].platform,
                                    t["accum_steps"])
         z = cfg["zero"]
-        # At stage 3 the step rematerializes each named block itself, under the plan's policy
-        # (to gather it again in the backward); the model's own remat would add nothing (the
-        # block is recomputed once either way: equal compiled FLOPs, tests/test_blocks.py).
-        own_remat = "none" if z["stage"] == 3 and z["transformer_layers"] else \
-            cfg["model"]["remat"]
+        # At stage 3 (and with Pa at any stage) the step rematerializes each named block itself,
+        # under the plan's policy (to gather it again in the backward, or to save its input
+        # cut); the model's own remat would add nothing (the block is recomputed once either
+        # way: equal compiled FLOPs, tests/test_blocks.py).
+        own_remat = "none" if z["transformer_layers"] and (
+            z["stage"] == 3 or z["partition_activations"]) else cfg["model"]["remat"]
         model_cfg = GPTConfig(**{**cfg["model"], "remat": own_remat})
         model = GPT(model_cfg)
         init = init_fn(model)
