@@ -1,9 +1,11 @@
 """Eight simulated CPU devices, set before jax is imported, and the shared small model
 (``tests/lm.py``)."""
 
+import atexit
 import os
 import pathlib
 import re
+import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -16,7 +18,11 @@ OPTIMIZED = {"xla_backend_optimization_level": 2}
 # For train.py and other programs the tests start: they choose their own device count.
 # The programs the suite runs and starts compile the same steps many times (train.py's default
 # run, above all): JAX's persistent compilation cache, one per test session, compiles each once.
-CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="zj-cache-"))
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="zj-cache-")
+    # Made by the process that reads this first (pytest's; xdist's workers and the programs
+    # started inherit it), which removes it as it exits: not left in /tmp.
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 SUBPROCESS_ENV = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},

@@ -58,6 +58,23 @@ def coordinator_address() -> str | None:
 
 
 @contextlib.contextmanager
+def no_compilation_cache() -> Iterator[None]:
+    """JAX's persistent compilation cache unused while the block compiles:
+    ``jax._src.compilation_cache.is_cache_used``, which the compiler asks for each program,
+    answers False. A program with XLA's dumps requested must compile: the dump options are not
+    in the cache's key, and a program loaded from the cache dumps nothing
+    (``zero_jax.peak.compile_with_peak``)."""
+    from jax._src import compilation_cache
+
+    original = compilation_cache.is_cache_used
+    compilation_cache.is_cache_used = lambda backend: False
+    try:
+        yield
+    finally:
+        compilation_cache.is_cache_used = original
+
+
+@contextlib.contextmanager
 def flax_lift_scan(wrap: Callable[[Callable], Callable]) -> Iterator[None]:
     """``flax.core.lift.scan`` replaced by ``wrap(original)`` while the block runs: how
     ``zero_jax.prefetch`` runs the layer loop of a linen ``nn.scan`` stack itself. A

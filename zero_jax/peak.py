@@ -16,6 +16,8 @@ import re
 import tempfile
 from typing import Any
 
+from zero_jax import internals
+
 # In the order they are tried; the first whose test matches a buffer's name stack wins.
 KINDS = ("model states", "gathered weights", "reduced gradients", "logits and loss",
          "gradients", "recomputed activations", "forward activations", "optimizer update",
@@ -29,10 +31,11 @@ def compile_with_peak(lowered: Any) -> tuple[Any, dict]:
     """``lowered.compile()``, and what is live at its peak (``breakdown``): one compilation,
     with XLA's buffer dumps written to a temporary directory."""
     name = re.search(r"module @([\w.\-]+)", lowered.as_text()).group(1)
-    with tempfile.TemporaryDirectory() as d:
-        # JAX leaves the dump options out of its compilation cache's key: a program compiled
-        # before would come from the cache, dumping nothing. This one, harmless without text
-        # dumps, is in the key.
+    # JAX leaves the dump options out of its compilation cache's key: a program compiled before
+    # (in this process, or in another with the persistent cache on) would come from a cache,
+    # dumping nothing. ``xla_dump_large_constants``, harmless without text dumps, is in the
+    # in-memory cache's key; the persistent cache is not asked.
+    with tempfile.TemporaryDirectory() as d, internals.no_compilation_cache():
         compiled = lowered.compile({"xla_dump_to": d, "xla_dump_hlo_pass_re": "^$",
                                     "xla_dump_hlo_module_re": f"^{re.escape(name)}$",
                                     "xla_dump_large_constants": True})
