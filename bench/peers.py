@@ -391,12 +391,10 @@ def unrolled_zero(cfg: dict, mesh: Mesh, stage: int, prefetch: bool = False):
     return plan, tx, init, step
 
 
-def unrolled_rows(remat: str) -> list[tuple[str, int, bool]]:
-    """zero_jax's rows on the unrolled model: (name, stage, prefetch); prefetch where it runs."""
-    from zero_jax.rules import prefetchable
-
-    rows = [("zero_jax stage 0", 0, False), ("zero_jax stage 3, no prefetch", 3, False)]
-    return rows + [("zero_jax stage 3, prefetch", 3, True)] * prefetchable(3, True, remat)
+def unrolled_rows() -> list[tuple[str, int, bool]]:
+    """zero_jax's rows on the unrolled model: (name, stage, prefetch)."""
+    return [("zero_jax stage 0", 0, False), ("zero_jax stage 3, no prefetch", 3, False),
+            ("zero_jax stage 3, prefetch", 3, True)]
 
 
 def model_state_bytes(tree: PyTree) -> int:
@@ -451,7 +449,7 @@ def _unrolled_runs(cfg: dict, mesh: Mesh, tokens, steps: int) -> list[dict]:
     from zero_jax.state import init_state
 
     runs = []
-    for name, stage, prefetch in unrolled_rows(cfg["model"]["remat"]):
+    for name, stage, prefetch in unrolled_rows():
         plan, tx, init, step = unrolled_zero(cfg, mesh, stage, prefetch)
         state = init_state(plan, init, tx, jax.random.key(SEED_KEY))
         sharding = NamedSharding(mesh, P(plan.data_axes))
@@ -582,7 +580,7 @@ def memory_table(name: str, sets: list[str], mesh: Mesh, kind: str = "scanned") 
     if kind == "unrolled":
         cfg = config.load(name, sets)
         batch = Experiment.build(cfg, mesh).batch_shape  # the demo's: same global batch
-        for row, stage, prefetch in unrolled_rows(cfg["model"]["remat"]):
+        for row, stage, prefetch in unrolled_rows():
             plan, tx, _, step = unrolled_zero(cfg, mesh, stage, prefetch)
             lowered[row] = step.lower(abstract_state(plan, tx), batch)
     else:

@@ -48,6 +48,11 @@ def test_a_dump_is_read_and_sorted_by_kind():
     assert kind("jit(step)/cond/branch_1_fun/add") == "optimizer update"
     # Leaves cut out of a bucket (buckets._cut), in prefetch's backward too, are gathered weights.
     assert kind("jit(step)/shard_map/transpose(jvp(M))/gathered/slice") == "gathered weights"
+    # Prefetch's backward loop runs each layer's remat under transposes of its own.
+    assert kind("jit(step)/shard_map/transpose(jvp(M))/transpose(jvp(transpose(jvp(M))))/jvp()/"
+                "checkpoint/rematted_computation/blocks/mul") == "recomputed activations"
+    assert kind("jit(step)/shard_map/transpose(jvp(M))/transpose(jvp(transpose(jvp(M))))/jvp()/"
+                "checkpoint/blocks/add_any") == "gradients"
 
 
 @pytest.fixture(scope="module")

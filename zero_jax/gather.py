@@ -368,12 +368,17 @@ def partitioned(x: Any, cut: bool) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Saved:
-    """How a block's inputs wait for its backward in the loops prefetch runs itself (what remat
-    does for a plain block): ``offload``, in host memory (remat ``offload``); ``partition``, cut
-    over ``model`` (ZeRO-R's Pa)."""
+    """What a block keeps for its backward in the loops prefetch runs itself (what remat does
+    for a plain block): ``remat``, the policy (``REMAT``) of what it saves besides its input;
+    its input ``offload``ed to host memory (remat ``offload``); ``partition``, cut over
+    ``model`` (ZeRO-R's Pa)."""
 
-    offload: bool = False
+    remat: str = "full"
     partition: bool = False
+
+    @property
+    def offload(self) -> bool:
+        return self.remat == "offload"
 
     def _move(self, x: Any, space: Any) -> Any:
         inexact = isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact)
@@ -391,6 +396,35 @@ class Saved:
 
     def load(self, tree: PyTree) -> PyTree:
         return self.whole(jax.tree.map(lambda x: self._move(x, jax.memory.Space.Device), tree))
+
+    def linearize(self, fn: Any, *args: PyTree) -> tuple[Any, list, Any]:
+        """``fn(*args)`` run as the remat policy says: ``(out, kept, how)``, ``kept`` what the
+        policy saves for the backward less ``args`` themselves (which the backward has again:
+        the weights gathered again, the input as ``save``d), ``how`` (static) the backward's
+        shape (``backward``). ``offload`` keeps what ``full`` does: the input, moved by
+        ``save``."""
+        policy = remat_policy("full" if self.offload else self.remat, gathers=True)
+        out, pull = jax.vjp(jax.checkpoint(fn, policy=policy), *args)
+        leaves, treedef = jax.tree.flatten(pull)
+        known = [jax.tree.leaves(a) for a in args]
+        where, kept = [], []
+        for leaf in leaves:  # a residual that is an argument is that argument (the same tracer)
+            at = next(((a, j) for a, xs in enumerate(known) for j, x in enumerate(xs)
+                       if leaf is x), None)
+            if at is None:
+                at = (len(known), len(kept))
+                kept.append(leaf)
+            where.append(at)
+        return out, kept, (treedef, tuple(where))
+
+    def backward(self, fn: Any, kept: list, *args: PyTree) -> Any:
+        """``fn``'s backward at ``args`` from what ``linearize`` kept. Its shape comes from
+        linearizing ``fn`` again here: work nothing reads, which XLA drops."""
+        _, fresh, (treedef, where) = self.linearize(fn, *args)
+        if len(fresh) != len(kept):
+            raise AssertionError("a block linearized twice kept different values")
+        known = [*(jax.tree.leaves(a) for a in args), kept]
+        return treedef.unflatten([known[a][j] for a, j in where])
 
 
 def _checkpointed_inputs(args: tuple, kwargs: dict, partition: bool):

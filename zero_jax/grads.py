@@ -183,7 +183,7 @@ def run_loss(g: GradStep, tree: PyTree, micro: PyTree, key: jax.Array | None):
 def saved_inputs(plan: Plan) -> Saved:
     """How the blocks prefetch runs keep their inputs for the backward: the plan's remat
     ``offload`` and partitioned activations."""
-    return Saved(plan.remat == "offload", plan.partition_activations)
+    return Saved(plan.remat, plan.partition_activations)
 
 
 def _traced(g: GradStep, args: tuple, chain: handoff.Chain | None):

@@ -47,6 +47,17 @@ def _barrier(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda a, b: b if same(a, b) else a, tree, out)
 
 
+def _again(block: Callable, arrays: list, diff: list[int]) -> Callable:
+    """``block(w, arrays)`` as a function of the weights and the inexact ``arrays`` (at
+    ``diff``): what is differentiated."""
+    def again(w, xs):
+        full = list(arrays)
+        for i, x in zip(diff, xs, strict=True):
+            full[i] = x
+        return block(w, full)
+    return again
+
+
 def _step(block: Callable, names: tuple, saved: Saved) -> Callable:
     """One block's call: ``(behind, shards, ahead, hand, arrays) -> (out, hand)``, ``behind``
     and ``ahead`` the shards of the blocks before and after it, ``hand`` what the block before
@@ -62,13 +73,17 @@ def _step(block: Callable, names: tuple, saved: Saved) -> Callable:
         with jax.named_scope(names[2]):
             nxt = None if last else materialize_tree(after_inputs(ahead, (arrays,), {}))
         with jax.named_scope(names[1]):
+            diff = [i for i, x in enumerate(arrays) if _inexact(x)]
+            out, kept, _ = saved.linearize(_again(block, arrays, diff), whole,
+                                           [arrays[i] for i in diff])
             # The next block starts once this gather is done: XLA cannot combine the two.
-            out, nxt = jax.lax.optimization_barrier((block(whole, arrays), nxt))
+            out, nxt = jax.lax.optimization_barrier((out, nxt))
         # The slot is never read: its cotangent brings this block's weights back, re-gathered.
-        return (out, None if last else (nxt, whole)), (behind, shards, ahead, saved.save(arrays))
+        return (out, None if last else (nxt, whole)), (behind, shards, ahead, saved.save(arrays),
+                                                        kept)
 
     def bwd(residuals, cts):
-        behind, shards, ahead, arrays = residuals
+        behind, shards, ahead, arrays, kept = residuals
         dout, dhand = cts
         with jax.named_scope(names[1]):
             whole = materialize_tree(after_inputs(shards, (dout,), {})) if last else dhand[1]
@@ -80,20 +95,12 @@ def _step(block: Callable, names: tuple, saved: Saved) -> Callable:
         with jax.named_scope(names[1]):
             arrays = saved.load(arrays)
             diff = [i for i, x in enumerate(arrays) if _inexact(x)]
-
-            def again(w, xs):
-                full = list(arrays)
-                for i, x in zip(diff, xs, strict=True):
-                    full[i] = x
-                return block(w, full)
-
             # The recompute waits for the cotangents, as remat's does: else XLA may run it
             # ahead, beside the next block's backward, and hold both blocks' activations.
             ready = [x for x in jax.tree.leaves(dout) if isinstance(x, jax.Array)]
             primals = jax.lax.optimization_barrier(((whole, [arrays[i] for i in diff]),
                                                     ready))[0]
-            _, pull = jax.vjp(again, *primals)
-            dw, dxs = pull(dout)
+            dw, dxs = saved.backward(_again(block, arrays, diff), kept, *primals)(dout)
         # The block before runs once these collectives are done, so XLA cannot combine its own
         # with them (on GPUs it merged every block's reduce-scatter into one, at the end).
         dxs, d_ahead, prev = _barrier((dxs, d_ahead, prev))

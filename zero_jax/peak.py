@@ -95,10 +95,11 @@ def kind(name: str) -> str:
     if _LOSS.search(name):
         return "logits and loss"
     if "transpose(" in name:
-        # The backward: a block's forward run again (remat), or gradients (of weights before
-        # their reduction, of activations).
+        # The backward: a block's forward run again (remat's, in prefetch's loops too, under
+        # transposes of their own), or gradients (of weights before their reduction, of
+        # activations).
         rest = re.sub(r"^.*?transpose\(jvp\([^)]*\)\)", "", name)
-        if "transpose(" not in rest and ("rematted_computation" in rest or "jvp(" in rest):
+        if "rematted_computation" in name or ("transpose(" not in rest and "jvp(" in rest):
             return "recomputed activations"
         return "gradients"
     if "jvp(" in name:

@@ -6,19 +6,20 @@ iteration to the next is the scan's carry, which is the model's. So for the stac
 zero_jax runs the loop itself, as FSDP2 does: a ``custom_vjp`` over the whole stack whose
 forward loop carries the next layer's gathered weights (issued at the top of the iteration, so
 nothing in it waits on the layer's compute), and whose backward loop carries the previous
-layer's weights and the next layer's whole gradient, recomputing each layer from its saved
-input (remat ``full``; ``offload`` keeps those inputs in host memory, Pa cut over ``model``:
-``gather.Saved``). Each iteration's collectives then need nothing it computes, and XLA's
-scheduler can run them under its matmuls (on GPU; read from the compiled program in
-bench/gpu.py). With tensor parallelism each rank does this with its slice of the layer over
-``data``, as ``gather.per_model_rank`` runs every ZeRO collective. A forward iteration holds
-two gathered layers, a backward one also two whole layer gradients. What the loops carry is
-replaced in place: each layer is cut out of its bucket once the layer before is done with its
-weights, and each backward iteration starts once the gradient it carried in is packed for its
-reduction, so XLA writes the new value over the old rather than copying both in and out of the
-carry. The first gather of each loop runs before it, the last layer after it, the last layer of
-the backward also before it: nothing is gathered or reduced twice, the bytes are those of the
-plain step.
+layer's weights and the next layer's whole gradient, each layer's backward built from what its
+forward kept as the remat policy says (``full``: its input, recomputing the rest; ``dots``:
+also its matmuls' outputs; ``offload`` keeps the inputs in host memory, Pa cut over ``model``:
+``gather.Saved``), never its gathered weights, which the backward has again. Each iteration's
+collectives then need nothing it computes, and XLA's scheduler can run them under its matmuls
+(on GPU; read from the compiled program in bench/gpu.py). With tensor parallelism each rank
+does this with its slice of the layer over ``data``, as ``gather.per_model_rank`` runs every
+ZeRO collective. A forward iteration holds two gathered layers, a backward one also two whole
+layer gradients. What the loops carry is replaced in place: each layer is cut out of its bucket
+once the layer before is done with its weights, and each backward iteration starts once the
+gradient it carried in is packed for its reduction, so XLA writes the new value over the old
+rather than copying both in and out of the carry. The first gather of each loop runs before it,
+the last layer after it, the last layer of the backward also before it: nothing is gathered or
+reduced twice, the bytes are those of the plain step.
 
 Linen gives no hook at a scan's boundary (``intercept_methods`` sees only the per-layer calls),
 so ``stacks`` wraps ``flax.core.lift.scan`` while the loss is traced: the scans of the named
@@ -61,7 +62,7 @@ def run_stack(layer: Callable, saved: Saved, params_L: PyTree, carry: PyTree,
               xs_L: PyTree) -> tuple[PyTree, PyTree]:
     """``layer(params, carry, x) -> (carry, y)`` over the ``L`` layers of ``params_L`` (whose
     cut leaves are ``Shard``s) and ``xs_L``, as ``jax.lax.scan``; each layer's weights gathered
-    one layer ahead, its gradient reduced one layer behind; the layer inputs kept for the
+    one layer ahead, its gradient reduced one layer behind; what each layer keeps for its
     backward kept as ``saved`` says."""
     return _forward(layer, saved, params_L, carry, xs_L)[0]
 
@@ -69,46 +70,47 @@ def run_stack(layer: Callable, saved: Saved, params_L: PyTree, carry: PyTree,
 @buckets.cut_at_once()
 def _forward(layer, saved, params_L, carry, xs_L):
     n = jax.tree.leaves(params_L)[0].shape[0]
-    save = saved.save
     # The first gather of each loop waits for the loop's inputs, like every block's gather: else
     # the scheduler may start it anywhere, and XLA may merge the backward's with the forward's.
     whole = materialize_tree(after_inputs(_slice(params_L, 0), (carry, xs_L), {}))
 
+    def one(w, c, i):  # with Pa, c waits cut between layers, as the partitioner keeps it
+        (c, y), kept, _ = saved.linearize(layer, w, saved.whole(c), _slice(xs_L, i))
+        return saved.cut(c), y, kept
+
     def body(state, i):
-        c, w = state  # with Pa, c waits cut between layers, as the partitioner keeps it
-        c, y = layer(w, saved.whole(c), _slice(xs_L, i))
-        c = saved.cut(c)
+        c, w = state
+        c, y, kept = one(w, c, i)
         # Layer i+1 gathered while layer i computes, cut out of its bucket once layer i is
         # done with its weights: in place of them.
         ahead = materialize_tree(_slice(params_L, i + 1), after=(c, y))
-        return (c, ahead), (save(c), y)  # saved: layer i+1's input
+        return (c, ahead), (saved.save(c), kept, y)  # saved: layer i+1's input
 
-    (c, whole), (inputs, ys) = jax.lax.scan(body, (carry, whole), jnp.arange(n - 1))
-    c, y = layer(whole, saved.whole(c), _slice(xs_L, n - 1))
-    return (c, _appended(ys, y)), (params_L, save(carry), inputs, xs_L)
+    (c, whole), (inputs, kept, ys) = jax.lax.scan(body, (carry, whole), jnp.arange(n - 1))
+    c, y, last = one(whole, c, n - 1)
+    return (c, _appended(ys, y)), (params_L, saved.save(carry), inputs, kept, last, xs_L)
 
 
 @buckets.cut_at_once()
 def _backward(layer, saved, residuals, cts):
-    params_L, first, inputs, xs_L = residuals
+    params_L, first, inputs, kept_L, last, xs_L = residuals
     dc, dys = cts
     n = jax.tree.leaves(params_L)[0].shape[0]
 
-    def one(w, i, c, dc):  # layer i's backward, recomputed from its input c; dw still whole
-        c = saved.load(c)
-        _, pull = jax.vjp(layer, w, c, _slice(xs_L, i))
-        return pull((dc, _slice(dys, i)))
+    def one(w, i, c, kept, dc):  # layer i's backward from its input and what it kept
+        c, x = saved.load(c), _slice(xs_L, i)
+        return saved.backward(layer, kept, w, c, x)((dc, _slice(dys, i)))  # dw still whole
 
     reduce = lambda i, dw, hold=(): reduce_tree(_slice(params_L, i), dw, hold)
     whole = materialize_tree(after_inputs(_slice(params_L, n - 1), cts, {}))
     if n == 1:
-        dw, dc, dx = one(whole, 0, first, dc)
+        dw, dc, dx = one(whole, 0, first, last, dc)
         one_layer = lambda tree: jax.tree.map(lambda x: x[None], tree)
         return one_layer(reduce(0, dw)[0]), dc, one_layer(dx)
     # Layer n-1 before the loop, layer n-2's gather beside it; then iteration i gathers layer
     # i-1 and reduce-scatters layer i+1's gradient while layer i computes.
     behind = materialize_tree(after_inputs(_slice(params_L, n - 2), cts, {}))
-    dw, dc, dx_last = one(whole, n - 1, _slice(inputs, n - 2), dc)
+    dw, dc, dx_last = one(whole, n - 1, _slice(inputs, n - 2), last, dc)
 
     def body(state, i):
         dc, w, pending = state  # pending: layer i+1's gradient, whole
@@ -117,13 +119,13 @@ def _backward(layer, saved, residuals, cts):
         # buckets, and layer i-1's weights are cut out of theirs once it is done: each new
         # value then takes the place of the old one in the loop's carry.
         reduced, dc = reduce(i + 1, pending, dc)
-        dw, dc, dx = one(w, i, c, dc)
+        dw, dc, dx = one(w, i, c, _slice(kept_L, i), dc)
         behind = materialize_tree(_slice(params_L, i - 1), after=(dw, dc, dx))
         return (dc, behind, dw), (reduced, dx)
 
     (dc, whole, pending), (dps, dxs) = jax.lax.scan(body, (dc, behind, dw),
                                                     jnp.arange(1, n - 1), reverse=True)
-    dw, dc, dx = one(whole, 0, first, dc)
+    dw, dc, dx = one(whole, 0, first, _slice(kept_L, 0), dc)
     dps = _stacked(reduce(0, dw)[0], _stacked(reduce(1, pending)[0], dps))
     return dps, dc, _stacked(dx, _appended(dxs, dx_last))
 

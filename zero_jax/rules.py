@@ -531,18 +531,15 @@ def _check_combination(stage: int, layers: Layers | None, offload: Offload, comm
     if comm.quantize_grads and stage < 2:
         raise ValueError(f"quantize_grads makes the gradient reduce-scatters of stages 2-3 int8; "
                          f"stage {stage} all-reduces: use stage 2 or 3")
-    remat = layers.remat if layers else "full"
-    if comm.prefetch and not prefetchable(stage, bool(layers), remat):
+    if comm.prefetch and not prefetchable(stage, bool(layers)):
         raise ValueError("prefetch overlaps stage 3's per-layer gathers with the layer before: "
-                         "it needs stage 3, layers= and remat full or offload "
-                         f"(got stage {stage}, layers={layers and layers.pattern!r}, "
-                         f"remat {remat!r})")
+                         f"it needs stage 3 and layers= (got stage {stage}, "
+                         f"layers={layers and layers.pattern!r})")
 
 
-def prefetchable(stage: int, has_layers: bool, remat: str) -> bool:
-    """Whether prefetch (``zero_jax.prefetch``) can run: stage 3's per-layer gathers, each layer
-    recomputed whole in the backward (remat full or offload)."""
-    return stage == 3 and has_layers and remat in ("full", "offload")
+def prefetchable(stage: int, has_layers: bool) -> bool:
+    """Whether prefetch (``zero_jax.prefetch``) can run: stage 3's per-layer gathers."""
+    return stage == 3 and has_layers
 
 
 def offloaded(leaves: list[Leaf], ratio: float) -> set[str]:

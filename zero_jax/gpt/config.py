@@ -62,9 +62,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # 3's parameter all-gathers / stages 2-3's gradient reduce-scatters in int8, one fp32 scale
     # per quantize_block elements. prefetch: at stage 3, each scanned stack's loop gathers layer
     # i+1 while layer i computes (and i-1 in the backward, reducing layer i+1's gradient), for
-    # one more gathered layer and one more whole layer gradient; on wherever it applies (remat
-    # full or offload, no offload of parameters or optimizer). partition_activations (ZeRO-R's
-    # Pa, with tensor parallelism at stage 3): each block's saved input cut over the model axis.
+    # one more gathered layer and one more whole layer gradient; on wherever it applies.
+    # partition_activations (ZeRO-R's Pa, with tensor parallelism): each block's saved input
+    # cut over the model axis.
     # tile_mb > 0 (stage 3, ZeRO-Infinity's memory-centric tiling): a layer's parameter above
     # this many MiB is never gathered whole; its Dense gathers it tile by tile (no prefetch).
     "zero": {"stage": 3, "min_shard_elems": 0, "zero3_size": 0, "transformer_layers": ["blocks"],

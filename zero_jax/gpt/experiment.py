@@ -79,7 +79,7 @@ class Experiment:
                                                   z["tile_mb"] or None),
                          rules=[*rules_from(cfg), *TENSOR_PARALLEL],
                          precision=precision, offload=offload_from(z),
-                         comm=comm_from(z, cfg["model"]["remat"]))
+                         comm=comm_from(z))
         loss = lm_loss(model, fp32_logits=precision.autocast_output)
         step = make_train_step(plan, loss, tx, lr_schedule=schedule)
         return cls(cfg, mesh, model_cfg, init, tx, plan, step)
@@ -155,11 +155,11 @@ def mesh_for(cfg: dict, devices: int | None) -> Mesh:
     return make_mesh(devices, axes={**axes, **({"model": t} if t > 1 else {})})
 
 
-def comm_from(z: dict, remat: str) -> Comm:
+def comm_from(z: dict) -> Comm:
     """The ``zero`` section's buckets, int8 collectives and prefetch; prefetch where it applies
     (as DeepSpeed reads its prefetch settings at stage 3 only; not with tiling)."""
-    prefetch = z["prefetch"] and prefetchable(z["stage"], bool(z["transformer_layers"]),
-                                              remat) and not z["tile_mb"]
+    prefetch = z["prefetch"] and prefetchable(z["stage"], bool(z["transformer_layers"])) \
+        and not z["tile_mb"]
     return Comm(int(z["bucket_mb"] * 2 ** 20), z["quantize_weights"] == "int8",
                 z["quantize_grads"] == "int8", z["quantize_block"], prefetch)
 

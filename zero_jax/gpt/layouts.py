@@ -74,7 +74,7 @@ def without_prefetch(layout: dict, cfg: dict, sets: list[str]) -> tuple[dict, di
     whose device memory does not fit with it. None where prefetch does not run, or the command
     line set it."""
     z = cfg["zero"]
-    if _fixed(sets, "zero.prefetch") or not comm_from(z, cfg["model"]["remat"]).prefetch:
+    if _fixed(sets, "zero.prefetch") or not comm_from(z).prefetch:
         return None
     c = copy.deepcopy(cfg)
     c["zero"]["prefetch"] = False
