@@ -439,6 +439,26 @@ def _checkpointed_inputs(args: tuple, kwargs: dict, partition: bool):
     return inside
 
 
+def _rematerialized(module: nn.Module, method: str, args: tuple, kwargs: dict, whole: Any,
+                    policy: Any, partition: bool, inside: set[str]) -> Any:
+    """A linen block's ``method`` under ``nn.remat`` with ``policy``, its parameters made whole
+    by ``whole`` inside; with Pa its inputs reach the checkpoint cut (what it saves, or
+    offloads) and are made whole inside it. Its path is ``inside`` meanwhile, so that the
+    interceptor lets the transforms' own call of the block through."""
+    inputs = _checkpointed_inputs(args, kwargs, partition)
+
+    def named(mdl):  # inside the checkpoint, where the policy sees the names
+        a, k = inputs()
+        return getattr(mdl, method)(*a, **k)
+    run = nn.map_variables(named, "params", trans_in_fn=whole)
+    path = "/".join(module.path)
+    inside.add(path)
+    try:
+        return nn.remat(run, prevent_cse=True, policy=policy)(module)
+    finally:
+        inside.discard(path)
+
+
 @contextlib.contextmanager
 def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = False,
               chain: Any = None, remat_all: bool = False):
@@ -465,15 +485,14 @@ def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = Fals
         if tiled is not tiling.UNTILED:
             return tiled
         path = "/".join(module.path) if module.scope is not None else None
-        if path not in names:
-            return next_fun(*args, **kwargs)
-        if path in inside:  # the transforms below calling the block
+        if path not in names or path in inside:  # inside: the block's own call, in its remat
             return next_fun(*args, **kwargs)
         params = module.variables.get("params", {})
         seen[path] = seen.get(path, False) or _gathers(params)
         if not seen[path]:  # stages 0-2: reads its whole copy (a replica: all-reduced after)
             if remat_all:
-                return rematerialized(module, context, args, kwargs, materialize_tree)
+                return rematerialize(module, context.method_name, args, kwargs,
+                                     materialize_tree)
             if not has_shards(params):
                 return next_fun(*args, **kwargs)  # nothing cut, or already made whole
             run = lambda mdl: getattr(mdl, context.method_name)(*args, **kwargs)
@@ -481,28 +500,14 @@ def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = Fals
         if not has_shards(params):
             return next_fun(*args, **kwargs)  # made whole already (prefetch's loop)
         gather = lambda params: materialize_tree(after_inputs(params, args, kwargs))
-        plain = lambda: rematerialized(module, context, args, kwargs, gather)
+        plain = lambda: rematerialize(module, context.method_name, args, kwargs, gather)
         if chain is not None:
             return chain.call(path, chain.linen(module, context.method_name), args, kwargs,
                               plain)
         return plain()
 
-    def rematerialized(module, context, args, kwargs, whole):
-        # Partitioned: the block's inputs reach its checkpoint cut (what it saves, or offloads)
-        # and are made whole inside it.
-        inputs = _checkpointed_inputs(args, kwargs, partition)
-
-        def named(mdl):  # inside the checkpoint, where the policy sees the names
-            a, k = inputs()
-            return getattr(mdl, context.method_name)(*a, **k)
-        run = nn.map_variables(named, "params", trans_in_fn=whole)
-        path = "/".join(module.path)
-        inside.add(path)
-        try:
-            return nn.remat(run, prevent_cse=True, policy=policy)(module)
-        finally:
-            inside.discard(path)
-
+    rematerialize = functools.partial(_rematerialized, policy=policy, partition=partition,
+                                      inside=inside)
     token = _ACTIVE.set(_Active(names, seen, policy, chain, partition, remat_all))
     try:
         with nn.intercept_methods(intercept):
