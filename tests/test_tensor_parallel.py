@@ -652,16 +652,13 @@ class AnnotatedNNX(nnx.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize("stage, opt", SMALL_MODELS)
-def test_annotated_nnx_model_needs_no_table(stage, opt):
+def annotated_nnx_problem():
+    """(x, y, rules read from the annotations, init, loss) of ``AnnotatedNNX``."""
     x = jax.random.normal(jax.random.key(1), (32, 16))
     y = jax.random.randint(jax.random.key(2), (32,), 0, 4)
     with nnx.use_eager_sharding(False):  # zero_jax places the parameters
         graphdef, state = nnx.split(AnnotatedNNX(nnx.Rngs(0)), nnx.Param)
         rules = zj.tensor_parallel_rules(state, [("mlp", "model"), ("embed", None)])
-    assert {r.pattern: r.model_dim for r in rules} == {
-        r"^blocks/0/up/kernel$": -1, r"^blocks/0/down/kernel$": -2,
-        r"^blocks/1/up/kernel$": -1, r"^blocks/1/down/kernel$": -2}
 
     def init(key):
         with nnx.use_eager_sharding(False):
@@ -670,7 +667,15 @@ def test_annotated_nnx_model_needs_no_table(stage, opt):
     def loss_fn(params, batch):
         logits = zj.nnx_merge(graphdef, params)(batch[0])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+    return x, y, rules, init, loss_fn
 
+
+@pytest.mark.parametrize("stage, opt", SMALL_MODELS)
+def test_annotated_nnx_model_needs_no_table(stage, opt):
+    x, y, rules, init, loss_fn = annotated_nnx_problem()
+    assert {r.pattern: r.model_dim for r in rules} == {
+        r"^blocks/0/up/kernel$": -1, r"^blocks/0/down/kernel$": -2,
+        r"^blocks/1/up/kernel$": -1, r"^blocks/1/down/kernel$": -2}
     mesh = zj.make_mesh(8, axes=MESHES["2x4"])
     plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=r"^blocks/\d+$",
                         rules=rules, comm=zj.Comm(prefetch=stage == 3))
@@ -683,19 +688,7 @@ def test_partitioned_activations_on_nnx_blocks():
     """Pa on NNX blocks (stage 3, and stage 2 where zero_jax rematerializes them for it): each
     block's recompute receives its input cut over ``model`` (the residual its checkpoint
     saves, read from the step's jaxpr); without Pa it receives it whole. Same losses."""
-    x = jax.random.normal(jax.random.key(1), (32, 16))
-    y = jax.random.randint(jax.random.key(2), (32,), 0, 4)
-    with nnx.use_eager_sharding(False):
-        graphdef, state = nnx.split(AnnotatedNNX(nnx.Rngs(0)), nnx.Param)
-        rules = zj.tensor_parallel_rules(state, [("mlp", "model"), ("embed", None)])
-
-    def init(key):
-        with nnx.use_eager_sharding(False):
-            return nnx.state(AnnotatedNNX(nnx.Rngs(key)), nnx.Param)
-
-    def loss_fn(params, batch):
-        logits = zj.nnx_merge(graphdef, params)(batch[0])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+    x, y, rules, init, loss_fn = annotated_nnx_problem()
 
     def saves_cut_inputs(plan, batch) -> list[bool]:
         """Per block recompute: whether one of its inputs of the block input's shape (16 of
