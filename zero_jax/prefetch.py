@@ -21,6 +21,10 @@ rather than copying both in and out of the carry. The first gather of each loop 
 the last layer after it, the last layer of the backward also before it: nothing is gathered or
 reduced twice, the bytes are those of the plain step.
 
+A stack whose blocks draw random numbers (dropout) gets one key per layer and stream, drawn from
+the stack's scope (``_layer_keys``); each layer's backward recomputes with the key its forward
+drew.
+
 Linen gives no hook at a scan's boundary (``intercept_methods`` sees only the per-layer calls),
 so ``stacks`` wraps ``flax.core.lift.scan`` while the loss is traced: the scans of the named
 blocks that it can run run here; for every other scan it changes nothing.
@@ -59,23 +63,25 @@ def _appended(rest: PyTree, last: PyTree) -> PyTree:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def run_stack(layer: Callable, saved: Saved, params_L: PyTree, carry: PyTree,
-              xs_L: PyTree) -> tuple[PyTree, PyTree]:
-    """``layer(params, carry, x) -> (carry, y)`` over the ``L`` layers of ``params_L`` (whose
-    cut leaves are ``Shard``s) and ``xs_L``, as ``jax.lax.scan``; each layer's weights gathered
-    one layer ahead, its gradient reduced one layer behind; what each layer keeps for its
-    backward kept as ``saved`` says."""
-    return _forward(layer, saved, params_L, carry, xs_L)[0]
+              xs_L: PyTree, keys_L: PyTree) -> tuple[PyTree, PyTree]:
+    """``layer(params, carry, x, keys) -> (carry, y)`` over the ``L`` layers of ``params_L``
+    (whose cut leaves are ``Shard``s), ``xs_L`` and ``keys_L`` (random keys by stream, one per
+    layer), as ``jax.lax.scan``; each layer's weights gathered one layer ahead, its gradient
+    reduced one layer behind; what each layer keeps for its backward kept as ``saved`` says
+    (its keys too: the backward draws what the forward drew)."""
+    return _forward(layer, saved, params_L, carry, xs_L, keys_L)[0]
 
 
 @buckets.cut_at_once()
-def _forward(layer, saved, params_L, carry, xs_L):
+def _forward(layer, saved, params_L, carry, xs_L, keys_L):
     n = jax.tree.leaves(params_L)[0].shape[0]
     # The first gather of each loop waits for the loop's inputs, like every block's gather: else
     # the scheduler may start it anywhere, and XLA may merge the backward's with the forward's.
     whole = materialize_tree(after_inputs(_slice(params_L, 0), (carry, xs_L), {}))
 
     def one(w, c, i):  # with Pa, c waits cut between layers, as the partitioner keeps it
-        (c, y), kept, _ = saved.linearize(layer, w, saved.whole(c), _slice(xs_L, i))
+        (c, y), kept, _ = saved.linearize(layer, w, saved.whole(c), _slice(xs_L, i),
+                                          _slice(keys_L, i))
         return saved.cut(c), y, kept
 
     def body(state, i):
@@ -88,25 +94,26 @@ def _forward(layer, saved, params_L, carry, xs_L):
 
     (c, whole), (inputs, kept, ys) = jax.lax.scan(body, (carry, whole), jnp.arange(n - 1))
     c, y, last = one(whole, c, n - 1)
-    return (c, _appended(ys, y)), (params_L, saved.save(carry), inputs, kept, last, xs_L)
+    return (c, _appended(ys, y)), (params_L, saved.save(carry), inputs, kept, last, xs_L,
+                                   keys_L)
 
 
 @buckets.cut_at_once()
 def _backward(layer, saved, residuals, cts):
-    params_L, first, inputs, kept_L, last, xs_L = residuals
+    params_L, first, inputs, kept_L, last, xs_L, keys_L = residuals
     dc, dys = cts
     n = jax.tree.leaves(params_L)[0].shape[0]
 
     def one(w, i, c, kept, dc):  # layer i's backward from its input and what it kept
-        c, x = saved.load(c), _slice(xs_L, i)
-        return saved.backward(layer, kept, w, c, x)((dc, _slice(dys, i)))  # dw still whole
+        c, x, keys = saved.load(c), _slice(xs_L, i), _slice(keys_L, i)
+        return saved.backward(layer, kept, w, c, x, keys)((dc, _slice(dys, i)))[:3]
 
     reduce = lambda i, dw, hold=(): reduce_tree(_slice(params_L, i), dw, hold)
     whole = materialize_tree(after_inputs(_slice(params_L, n - 1), cts, {}))
     if n == 1:
         dw, dc, dx = one(whole, 0, first, last, dc)
         one_layer = lambda tree: jax.tree.map(lambda x: x[None], tree)
-        return one_layer(reduce(0, dw)[0]), dc, one_layer(dx)
+        return one_layer(reduce(0, dw)[0]), dc, one_layer(dx), None
     # Layer n-1 before the loop, layer n-2's gather beside it; then iteration i gathers layer
     # i-1 and reduce-scatters layer i+1's gradient while layer i computes.
     behind = materialize_tree(after_inputs(_slice(params_L, n - 2), cts, {}))
@@ -127,10 +134,23 @@ def _backward(layer, saved, residuals, cts):
                                                     jnp.arange(1, n - 1), reverse=True)
     dw, dc, dx = one(whole, 0, first, _slice(kept_L, 0), dc)
     dps = _stacked(reduce(0, dw)[0], _stacked(reduce(1, pending)[0], dps))
-    return dps, dc, _stacked(dx, _appended(dxs, dx_last))
+    return dps, dc, _stacked(dx, _appended(dxs, dx_last)), None  # no gradient for the keys
 
 
 run_stack.defvjp(_forward, _backward)
+
+
+def _layer_keys(scope, split_rngs: dict, n: int) -> dict:
+    """A key per layer for each random stream the stack's blocks draw from (dropout): drawn
+    from the stack's scope once, then split ``n`` ways where ``nn.scan`` splits the stream, the
+    same key for every layer where it does not. Not the keys ``nn.scan`` itself would give each
+    layer: the same distribution, other draws."""
+    keys = {}
+    for stream in scope.rngs:
+        key = scope.make_rng(stream)
+        split = split_rngs.get(stream, split_rngs.get(True, False))
+        keys[stream] = jax.random.split(key, n) if split else jnp.stack([key] * n)
+    return keys
 
 
 _SCAN_ARGS = ("variable_axes", "variable_broadcast", "variable_carry", "in_axes", "out_axes",
@@ -143,8 +163,8 @@ def _refusal(scopes, carry, xs, variable_axes, variable_broadcast, variable_carr
     scope = scopes[0] if isinstance(scopes, (list, tuple)) and len(scopes) == 1 else None
     if scope is None:
         return "it takes modules as arguments"
-    if set(scope.variables()) != {"params"} or scope.rngs:
-        return "it uses collections or random streams besides params"
+    if set(scope.variables()) != {"params"}:
+        return "it uses collections besides params"
     if (dict(variable_axes) not in ({"params": 0}, {True: 0}) or variable_broadcast
             or variable_carry or in_axes != 0 or out_axes != 0 or reverse):
         return "prefetch runs scans with variable_axes={'params': 0} and in/out axes 0, forward"
@@ -176,11 +196,14 @@ def stacks(names: frozenset[str], seen: set[str], saved: Saved):
                     raise ValueError(f"prefetch cannot run the layer stack {name!r}: {why}; turn "
                                      f"prefetch off (zero.prefetch: false)")
                 seen.add(name)
+                n = jax.tree.leaves(scope.variables()["params"])[0].shape[0]
 
-                def layer(params, c, x):
+                def layer(params, c, x, keys):
                     per_layer = lambda s, c, *x: fn([s], c, *x)
-                    return flax.core.apply(per_layer)({"params": params}, c, *x)
-                return run_stack(layer, saved, scope.variables()["params"], carry, xs)
+                    return flax.core.apply(per_layer)({"params": params}, c, *x,
+                                                      rngs=keys or None)
+                return run_stack(layer, saved, scope.variables()["params"], carry, xs,
+                                 _layer_keys(scope, how["split_rngs"], n))
             return run
         return scan
 
