@@ -359,7 +359,10 @@ def test_prefetch_runs_a_stack_that_draws_dropout(mesh):
     batch = jax.device_put(x, NamedSharding(mesh, P("data")))
     grad = jax.jit(lambda p, key: zj.make_grad_fn(plan, loss)(p, batch, key=key))
     key = jax.random.key(7)
-    _, g = grad(params, key)
+    loss_at_key, g = grad(params, key)
+    # The masks are drawn: another key, another loss; the same key, the same loss.
+    assert float(grad(params, jax.random.key(8))[0]) != float(loss_at_key)
+    assert float(grad(params, key)[0]) == float(loss_at_key)
     leaves, treedef = jax.tree.flatten(params)
     v = treedef.unflatten([jax.random.normal(jax.random.key(i), a.shape, a.dtype)
                            for i, a in enumerate(leaves)])

@@ -406,15 +406,15 @@ class Saved:
         policy = remat_policy("full" if self.offload else self.remat, gathers=True)
         out, pull = jax.vjp(jax.checkpoint(fn, policy=policy), *args)
         leaves, treedef = jax.tree.flatten(pull)
-        known = [jax.tree.leaves(a) for a in args]
+        # A residual that is an argument is that argument: the same tracer.
+        known = {id(x): (a, j) for a, arg in enumerate(args)
+                 for j, x in enumerate(jax.tree.leaves(arg))}
         where, kept = [], []
-        for leaf in leaves:  # a residual that is an argument is that argument (the same tracer)
-            at = next(((a, j) for a, xs in enumerate(known) for j, x in enumerate(xs)
-                       if leaf is x), None)
-            if at is None:
-                at = (len(known), len(kept))
+        for leaf in leaves:
+            if id(leaf) not in known:
+                known[id(leaf)] = (len(args), len(kept))
                 kept.append(leaf)
-            where.append(at)
+            where.append(known[id(leaf)])
         return out, kept, (treedef, tuple(where))
 
     def backward(self, fn: Any, kept: list, *args: PyTree) -> Any:
