@@ -132,10 +132,13 @@ def test_scanned_blocks_train_like_one_device(mesh):
     assert max_rel(state.params, params) < 1e-5
 
 
-def test_dropout_streams_reseeded_per_step_and_device(mesh):
-    """NNX keeps RNG streams as state; the recipe reseeds them from the step's key."""
-    graphdef, _, rest = nnx.split(Listed(nnx.Rngs(0), n=2, dropout=0.5), nnx.Param, ...)
-    init = lambda key: nnx.state(Listed(nnx.Rngs(key), n=2, dropout=0.5), nnx.Param)
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_dropout_streams_reseeded_per_step_and_device(prefetch, mesh):
+    """NNX keeps RNG streams as state; the recipe reseeds them from the step's key. With
+    prefetch each block runs as a pure function of its parameters and its streams' state,
+    and its backward draws the forward's keys again."""
+    graphdef, _, rest = nnx.split(Listed(nnx.Rngs(0), n=3, dropout=0.5), nnx.Param, ...)
+    init = lambda key: nnx.state(Listed(nnx.Rngs(key), n=3, dropout=0.5), nnx.Param)
 
     def loss_fn(params, batch, key):
         model = zj.nnx_merge(graphdef, params, rest)
@@ -144,7 +147,8 @@ def test_dropout_streams_reseeded_per_step_and_device(mesh):
         return jnp.mean((model(x) - y) ** 2)
 
     tx = optax.sgd(0.1)
-    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=r"^blocks/\d+$")
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=r"^blocks/\d+$",
+                        comm=zj.Comm(prefetch=prefetch))
     state = zj.init_state(plan, init, tx, KEY)
     step = zj.make_train_step(plan, loss_fn, tx)
     params, key = init(KEY), jax.random.key(5)
@@ -183,10 +187,12 @@ class Normed(nnx.Module):
         return self.head(x)
 
 
-def test_batch_statistics_carried_through_the_batch(mesh):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_batch_statistics_carried_through_the_batch(prefetch, mesh):
     """The recipe for non-parameter state that training updates (BatchNorm's statistics): it
     rides in the batch whole (spec ``P()``), and comes back as an auxiliary output, averaged
-    over devices; each device normalizes with its own batch, as one device per slice would."""
+    over devices; each device normalizes with its own batch, as one device per slice would.
+    With prefetch the statistics ride through each block's call and are set back after it."""
     graphdef, _, stats, rest = nnx.split(Normed(nnx.Rngs(0)), nnx.Param, nnx.BatchStat, ...)
     init = lambda key: nnx.state(Normed(nnx.Rngs(key)), nnx.Param)
 
@@ -196,7 +202,8 @@ def test_batch_statistics_carried_through_the_batch(mesh):
         return loss, {"stats": nnx.state(model, nnx.BatchStat)}
 
     tx = optax.sgd(0.05)
-    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=r"^blocks/\d+$")
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=r"^blocks/\d+$",
+                        comm=zj.Comm(prefetch=prefetch))
     state = zj.init_state(plan, init, tx, KEY)
     spec = {"x": P("data"), "y": P("data"), "stats": P()}
     step = zj.make_train_step(plan, loss_fn, tx, batch_spec=spec, has_aux=True)

@@ -58,13 +58,16 @@ def _again(block: Callable, arrays: list, diff: list[int]) -> Callable:
     return again
 
 
-def _step(block: Callable, names: tuple, saved: Saved) -> Callable:
+def _step(block: Callable, names: tuple, saved: Saved, fixed: int) -> Callable:
     """One block's call: ``(behind, shards, ahead, hand, arrays) -> (out, hand)``, ``behind``
     and ``ahead`` the shards of the blocks before and after it, ``hand`` what the block before
     handed over (``(weights, slot)``; None for the first block, which gathers its own).
-    ``names``: the three blocks' (None where there is none)."""
+    ``names``: the three blocks' (None where there is none). The last ``fixed`` arrays are
+    state, not differentiated (an NNX block's statistics)."""
     first, last = names[0] is None, names[2] is None
     names = tuple(n or "" for n in names)
+    differentiated = lambda arrays: [i for i, x in enumerate(arrays[:len(arrays) - fixed])
+                                     if _inexact(x)]
 
     def fwd(behind, shards, ahead, hand, arrays):
         # Each collective under the name of the block it serves: read back from the program.
@@ -73,7 +76,7 @@ def _step(block: Callable, names: tuple, saved: Saved) -> Callable:
         with jax.named_scope(names[2]):
             nxt = None if last else materialize_tree(after_inputs(ahead, (arrays,), {}))
         with jax.named_scope(names[1]):
-            diff = [i for i, x in enumerate(arrays) if _inexact(x)]
+            diff = differentiated(arrays)
             out, kept, _ = saved.linearize(_again(block, arrays, diff), whole,
                                            [arrays[i] for i in diff])
             # The next block starts once this gather is done: XLA cannot combine the two.
@@ -94,7 +97,7 @@ def _step(block: Callable, names: tuple, saved: Saved) -> Callable:
             d_ahead = None if last else reduce_tree(ahead, dhand[0])[0]
         with jax.named_scope(names[1]):
             arrays = saved.load(arrays)
-            diff = [i for i, x in enumerate(arrays) if _inexact(x)]
+            diff = differentiated(arrays)
             # The recompute waits for the cotangents, as remat's does: else XLA may run it
             # ahead, beside the next block's backward, and hold both blocks' activations.
             ready = [x for x in jax.tree.leaves(dout) if isinstance(x, jax.Array)]
@@ -126,11 +129,13 @@ class Chain:
         self.position = 0
         self.hand: PyTree = None
 
-    def call(self, name: str, adapter: Callable[[], tuple[Callable, Callable]], args: tuple,
+    def call(self, name: str, adapter: Callable[[], tuple], args: tuple,
              kwargs: dict, plain: Callable[[], Any]) -> Any:
         """Block ``name`` run on ``args`` and ``kwargs``; while recording, ``plain()``.
-        ``adapter()``: ``(block, weights_of)``, ``block(weights, *args, **kwargs)`` the block
-        as a pure function, ``weights_of(name)`` a block's shard tree."""
+        ``adapter()``: ``(block, weights_of, state, advance)``: ``block(weights, state, *args,
+        **kwargs)``, the block as a pure function, gives ``(out, state)``, ``state`` the rest
+        of its state (NNX: random streams, statistics; arrays) as the call left it, which
+        ``advance`` sets back; ``weights_of(name)`` a block's shard tree."""
         if self.order is None:
             self.recorded.append(name)
             return plain()
@@ -140,22 +145,26 @@ class Chain:
                              f"they ran when traced ({self.order}); {name!r} ran out of that "
                              f"order; {_OFF}")
         self.position += 1
-        block, weights_of = adapter()
+        block, weights_of, state, advance = adapter()
         near = lambda j: weights_of(self.order[j]) if 0 <= j < n else None
         leaves, tree = jax.tree.flatten((args, kwargs))
         at = [j for j, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
 
         def run(weights, arrays):
+            # The rest of the block's state rides with the inputs (the backward's recompute
+            # closes over the forward's: the same keys) and comes back beside the outputs.
+            arrays, now = arrays[:len(at)], arrays[len(at):]
             full = list(leaves)
             for j, x in zip(at, arrays, strict=True):
                 full[j] = x
             a, k = tree.unflatten(full)
-            return block(weights, *a, **k)
+            return block(weights, now, *a, **k)
 
         named = lambda j: self.order[j] if 0 <= j < n else None
-        step = _step(run, (named(i - 1), name, named(i + 1)), self.saved)
-        out, self.hand = step(near(i - 1), near(i), near(i + 1), self.hand,
-                              [leaves[j] for j in at])
+        step = _step(run, (named(i - 1), name, named(i + 1)), self.saved, len(state))
+        (out, state), self.hand = step(near(i - 1), near(i), near(i + 1), self.hand,
+                                       [leaves[j] for j in at] + state)
+        advance(state)
         return out
 
     def check_done(self) -> None:
@@ -167,7 +176,7 @@ class Chain:
 
 
     def linen(self, module: Any, method: str) -> Callable[[], tuple[Callable, Callable]]:
-        """``call``'s adapter for a bound linen block."""
+        """``call``'s adapter for a bound linen block (its random streams drawn as keys)."""
         return lambda: _linen(module, method)
 
     def nnx(self, module: Any, call: Callable) -> Callable[[], tuple[Callable, Callable]]:
@@ -175,7 +184,7 @@ class Chain:
         return lambda: _nnx(self.modules, module, call)
 
 
-def _linen(module: Any, method: str) -> tuple[Callable, Callable]:
+def _linen(module: Any, method: str) -> tuple[Callable, Callable, list, Callable]:
     """A bound linen block's ``method`` as a pure function of its parameters (with keys drawn
     from its random streams); ``weights_of`` reads a block's off the model's root scope."""
     if set(module.variables) != {"params"}:
@@ -185,8 +194,9 @@ def _linen(module: Any, method: str) -> tuple[Callable, Callable]:
     unbound = module.clone(parent=None)
     root = module.scope.root.variables()["params"]
 
-    def block(params, *args, **kwargs):
-        return unbound.apply({"params": params}, *args, method=method, rngs=rngs, **kwargs)
+    def block(params, state, *args, **kwargs):
+        return unbound.apply({"params": params}, *args, method=method, rngs=rngs,
+                             **kwargs), state
 
     def weights_of(path: str):
         tree = root
@@ -197,31 +207,34 @@ def _linen(module: Any, method: str) -> tuple[Callable, Callable]:
                              f"it runs inside a Flax transform of the model's own (nn.remat, "
                              f"nn.vmap, ...), which no value may leave; {_OFF}")
         return tree
-    return block, weights_of
+    return block, weights_of, [], lambda _: None
 
 
 def _values(module: Any) -> tuple[list, Any, Any]:
-    """An NNX block's parameter values (``Shard``s as leaves), their tree, and its graph."""
+    """An NNX block's parameter values (``Shard``s as leaves), their tree, and its graph with
+    the rest of its state (random streams, statistics)."""
     from flax import nnx
 
-    graphdef, state = nnx.split(module)
-    if any(not isinstance(v, nnx.Param) for _, v in nnx.iter_graph(module)
-           if isinstance(v, nnx.Variable)):
-        raise ValueError(f"prefetch runs an NNX block as a pure function of its parameters; "
-                         f"{type(module).__name__} holds other variables (random streams, "
-                         f"statistics); {_OFF}")
-    values, tree = jax.tree.flatten(state, is_leaf=is_shard)
-    return values, tree, graphdef
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    values, tree = jax.tree.flatten(params, is_leaf=is_shard)
+    return values, tree, (graphdef, rest)
 
 
-def _nnx(modules: dict, module: Any, call: Callable) -> tuple[Callable, Callable]:
-    """An NNX block as a pure function of its parameters' values: merged anew in each trace
-    (NNX refuses a variable set from another trace level)."""
+def _nnx(modules: dict, module: Any, call: Callable) -> tuple[Callable, Callable, list,
+                                                                Callable]:
+    """An NNX block as a pure function of its parameters' values and the rest of its state
+    (random streams, statistics), merged anew in each trace (NNX refuses a variable set from
+    another trace level); that state now, and what sets it back into ``module`` as the call
+    left it (streams advanced, statistics updated)."""
     from flax import nnx
 
-    _, tree, graphdef = _values(module)
+    _, tree, (graphdef, rest) = _values(module)
+    state, state_tree = jax.tree.flatten(rest)
 
-    def block(values, *args, **kwargs):
-        return call(nnx.merge(graphdef, tree.unflatten(values)), *args, **kwargs)
+    def block(values, state, *args, **kwargs):
+        copy = nnx.merge(graphdef, tree.unflatten(values), state_tree.unflatten(state))
+        out = call(copy, *args, **kwargs)
+        return out, jax.tree.leaves(nnx.state(copy, nnx.Not(nnx.Param)))
 
-    return block, lambda name: _values(modules[name])[0]
+    advance = lambda new: nnx.update(module, state_tree.unflatten(new))
+    return block, lambda name: _values(modules[name])[0], state, advance
