@@ -65,7 +65,7 @@ def test_no_compilation_cache_makes_the_compiler_compile():
         broke("jax._src.compilation_cache.is_cache_used (a cached program dumps nothing)")
 
 
-def test_flax_lift_scan_is_what_nn_scan_calls():
+def test_flax_lift_scan_and_checkpoint_are_what_nn_scan_and_nn_remat_call():
     original = flax.core.lift.scan
     args = set(inspect.signature(original).parameters)
     from zero_jax.prefetch import _SCAN_ARGS
@@ -73,22 +73,25 @@ def test_flax_lift_scan_is_what_nn_scan_calls():
     assert set(_SCAN_ARGS) <= args, broke("flax.core.lift.scan's arguments")
     called = []
 
-    def wrap(scan):
+    def wrap(lifted):
         def spy(*a, **k):
-            called.append(True)
-            return scan(*a, **k)
+            called.append(lifted.__name__)
+            return lifted(*a, **k)
         return spy
 
-    with internals.flax_lift_scan(wrap):
-        class Layer(flax.linen.Module):
-            @flax.linen.compact
-            def __call__(self, c, _):
-                return flax.linen.Dense(2)(c), None
+    class Layer(flax.linen.Module):
+        @flax.linen.compact
+        def __call__(self, c, _):
+            return flax.linen.Dense(2)(c), None
 
+    with internals.flax_lift("scan", wrap), internals.flax_lift("checkpoint", wrap):
         stack = flax.linen.scan(Layer, variable_axes={"params": 0},
                                 split_rngs={"params": True}, length=2)()
         stack.init(jax.random.key(0), jnp.ones((1, 2)), None)
-    assert called, broke("flax.core.lift.scan (nn.scan no longer calls it)")
+        flax.linen.remat(Layer)().init(jax.random.key(0), jnp.ones((1, 2)), None)
+    assert "scan" in called, broke("flax.core.lift.scan (nn.scan no longer calls it)")
+    assert "checkpoint" in called, broke("flax.core.lift.checkpoint (nn.remat no longer "
+                                         "calls it)")
     assert flax.core.lift.scan is original
 
 

@@ -165,18 +165,31 @@ class Stack(nn.Module):
         return stack(name="blocks")(x, None)[0].sum()
 
 
+RematDense = nn.remat(nn.Dense)  # made at import, before prefetch can see it
+
+
+class Remade(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(3):
+            x = RematDense(64, name=f"h_{i}")(x)
+        return x
+
+
 def test_prefetch_refused_where_it_cannot_run(mesh):
     shapes = jax.eval_shape(init_fn(MODEL), KEY)
     on = zj.Comm(prefetch=True)
     for stage in (0, 1, 2):  # nothing is gathered per layer
         with pytest.raises(ValueError, match="prefetch overlaps stage 3's per-layer gathers"):
             zj.make_plan(shapes, mesh, stage, layers=LAYERS, comm=on)
-    # Blocks under the model's own nn.remat: nothing may leave that transform.
-    init, loss, layers = dict(regather.problems("full"))["unrolled"]
-    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=layers, comm=on)
+    # Blocks under an nn.remat class made at import: nothing may leave that transform.
+    model = Remade()
+    x = jax.ShapeDtypeStruct((16, 64), jnp.float32)
+    init = lambda key: model.init(key, jnp.zeros(x.shape))["params"]
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=r"h_\d+", comm=on)
     with pytest.raises(ValueError, match="inside a Flax transform of the model's own"):
-        jax.eval_shape(zj.make_grad_fn(plan, loss), zj.abstract_state(plan, optax.sgd(0.1))
-                       .params, regather.BATCH)
+        jax.eval_shape(zj.make_grad_fn(plan, lambda p, b: model.apply({"params": p}, b).sum()),
+                       zj.abstract_state(plan, optax.sgd(0.1)).params, x)
     # NNX's scan is not linen's: its stacks are refused the same way.
     init, loss = nnx_problem(Scanned)
     plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers="^blocks$", comm=on)
@@ -283,6 +296,34 @@ def test_unrolled_and_nnx_blocks_hand_the_next_block_its_weights(kind, mesh):
             assert not any(scheduled_ahead(plain, BLOCKS[kind]))
         temp = [runs[on][2].memory_analysis().temp_size_in_bytes for on in (False, True)]
         assert 0 < temp[1] - temp[0] <= block, (temp, block)
+
+
+def test_blocks_under_the_models_own_remat_prefetch_and_recompute_once(mesh):
+    """Unrolled blocks each under the model's own ``nn.remat`` (made while the loss runs, as
+    in ``setup``): prefetch runs them without it, recomputing each once as the plan's policy
+    says. 3 SGD steps equal the plain step's bit for bit, the compiled FLOPs are the plain
+    step's (which recomputes once too) to 1%, and every block's gather runs beside the block
+    before (after, in the backward)."""
+    init, loss, layers = dict(regather.problems("full"))["unrolled"]
+    put = lambda b: jax.device_put(b, NamedSharding(mesh, P("data")))
+    batches = [put(jax.random.randint(jax.random.key(i), regather.BATCH.shape, 0,
+                                      regather.CFG.vocab_size)) for i in range(3)]
+    shapes, tx, runs = jax.eval_shape(init, KEY), optax.sgd(0.1), {}
+    for on in (False, True):
+        plan = zj.make_plan(shapes, mesh, 3, layers=layers, comm=zj.Comm(prefetch=on))
+        state = zj.init_state(plan, init, tx, KEY)
+        compiled = zj.make_train_step(plan, loss, tx).lower(state, batches[0]).compile(EXACT)
+        losses = []
+        for b in batches:
+            state, m = compiled(state, b)
+            losses.append(float(m["loss"]))
+        runs[on] = losses, jax.device_get(state.params), compiled
+    assert runs[False][0] == runs[True][0]
+    assert max_rel(runs[False][1], runs[True][1]) == 0
+    flops = [runs[on][2].cost_analysis()["flops"] for on in (False, True)]
+    assert abs(flops[1] / flops[0] - 1) < 0.01, flops
+    assert gathered_beside(runs[True][2].as_text(), BLOCKS["unrolled"]) == {
+        "forward": [True] * 3, "backward": [True] * 3}
 
 
 @pytest.mark.parametrize("kind, remat", [("scanned", "none"),

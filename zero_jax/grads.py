@@ -192,8 +192,10 @@ def _traced(g: GradStep, args: tuple, chain: handoff.Chain | None):
     that ran, stacks prefetched)``."""
     plan, blocks = g.plan, g.plan.blocks
     prefetched: set[str] = set()
-    fetch = prefetch.stacks(frozenset(blocks), prefetched, saved_inputs(plan)) \
-        if plan.comm.prefetch else contextlib.nullcontext()
+    fetch = contextlib.ExitStack()
+    if plan.comm.prefetch:
+        fetch.enter_context(prefetch.stacks(frozenset(blocks), prefetched, saved_inputs(plan)))
+        fetch.enter_context(handoff.own_remat_lifted(frozenset(blocks)))
     # Pa at stages 0-2: the blocks' saved inputs are cut if zero_jax's remat saves them.
     remat_all = plan.partition_activations and not plan.rule.shard_params
     with per_block(blocks, plan.remat, plan.partition_activations, chain, remat_all) as seen, \

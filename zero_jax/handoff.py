@@ -21,13 +21,15 @@ layers) is in it twice: each call is handed its weights, and the calls' gradient
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zero_jax import internals
 from zero_jax.gather import Saved, after_inputs, is_shard, materialize_tree, reduce_tree
 
 PyTree = Any
@@ -202,10 +204,11 @@ def _linen(module: Any, method: str) -> tuple[Callable, Callable, list, Callable
         tree = root
         for part in path.split("/"):
             tree = tree.get(part) if hasattr(tree, "get") else None
-        if tree is None:  # the root of a transform's scope (the model's own nn.remat, ...)
+        if tree is None:  # the root of a transform's scope (the model's own nn.vmap, ...)
             raise ValueError(f"prefetch hands block {path!r} its weights from the block before; "
-                             f"it runs inside a Flax transform of the model's own (nn.remat, "
-                             f"nn.vmap, ...), which no value may leave; {_OFF}")
+                             f"it runs inside a Flax transform of the model's own (nn.vmap, or "
+                             f"an nn.remat class made before the step), which no value may "
+                             f"leave; {_OFF}")
         return tree
     return block, weights_of, [], lambda _: None
 
@@ -238,3 +241,24 @@ def _nnx(modules: dict, module: Any, call: Callable) -> tuple[Callable, Callable
 
     advance = lambda new: nnx.update(module, state_tree.unflatten(new))
     return block, lambda name: _values(modules[name])[0], state, advance
+
+
+@contextlib.contextmanager
+def own_remat_lifted(names: frozenset[str]) -> Iterator[None]:
+    """While tracing: a named linen block under the model's own ``nn.remat`` (the class made
+    while the loss runs, as in ``setup`` or ``__call__``) runs without it, so that its weights
+    can be handed on; prefetch recomputes it as the plan's remat policy says, once."""
+    def wrap(original):
+        def checkpoint(fn, *args, **kwargs):
+            lifted = original(fn, *args, **kwargs)
+
+            def run(scopes, *a, **k):
+                scope = scopes[0] if isinstance(scopes, (list, tuple)) else scopes
+                if "/".join(scope.path) in names and not scope.is_mutable_collection("params"):
+                    return fn(scopes, *a, **k)
+                return lifted(scopes, *a, **k)
+            return run
+        return checkpoint
+
+    with internals.flax_lift("checkpoint", wrap):
+        yield

@@ -75,18 +75,20 @@ def no_compilation_cache() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def flax_lift_scan(wrap: Callable[[Callable], Callable]) -> Iterator[None]:
-    """``flax.core.lift.scan`` replaced by ``wrap(original)`` while the block runs: how
-    ``zero_jax.prefetch`` runs the layer loop of a linen ``nn.scan`` stack itself. A
-    module-level swap: trace one such loss at a time."""
+def flax_lift(name: str, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """``flax.core.lift.<name>`` replaced by ``wrap(original)`` while the block runs: how
+    ``zero_jax.prefetch`` runs the layer loop of a linen ``nn.scan`` stack itself (``scan``),
+    and ``zero_jax.handoff`` a block under the model's own ``nn.remat`` (``checkpoint``). Linen
+    reads the attribute when the transformed class is made (``nn.scan(Block)``): classes made
+    before do not see the swap. A module-level swap: trace one such loss at a time."""
     import flax.core.lift
 
-    original = flax.core.lift.scan
-    flax.core.lift.scan = wrap(original)
+    original = getattr(flax.core.lift, name)
+    setattr(flax.core.lift, name, wrap(original))
     try:
         yield
     finally:
-        flax.core.lift.scan = original
+        setattr(flax.core.lift, name, original)
 
 
 def set_class(obj: Any, cls: type) -> None:

@@ -207,6 +207,6 @@ def stacks(names: frozenset[str], seen: set[str], saved: Saved):
             return run
         return scan
 
-    with internals.flax_lift_scan(wrap):
+    with internals.flax_lift("scan", wrap):
         yield
 
