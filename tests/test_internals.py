@@ -95,6 +95,23 @@ def test_flax_lift_scan_and_checkpoint_are_what_nn_scan_and_nn_remat_call():
     assert flax.core.lift.scan is original
 
 
+def test_nnx_scan_is_swapped_where_user_code_calls_it():
+    from flax import nnx
+
+    original, called = nnx.scan, []
+
+    def wrap(scan):
+        def spy(f, **k):
+            called.append(True)
+            return scan(f, **k)
+        return spy
+
+    with internals.nnx_scan(wrap):
+        out = nnx.scan(lambda c, x: (c + x, x), in_axes=(nnx.Carry, 0))(0.0, jnp.arange(3.0))
+    assert called and float(out[0]) == 3.0, broke("flax.nnx.scan (the swap is not seen)")
+    assert nnx.scan is original
+
+
 def test_set_class_on_an_nnx_module():
     layer = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
 

@@ -44,11 +44,11 @@ class Listed(nnx.Module):
 
 
 class Scanned(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs, n: int = 4):
+    def __init__(self, rngs: nnx.Rngs, n: int = 4, dropout: float = 0.0):
         @nnx.split_rngs(splits=n)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def blocks(rngs):
-            return Block(rngs)
+            return Block(rngs, dropout)
         self.blocks = blocks(rngs)
         self.head = nnx.Linear(D, 1, rngs=rngs)
 

@@ -167,9 +167,10 @@ def run_loss(g: GradStep, tree: PyTree, micro: PyTree, key: jax.Array | None):
         prefetched |= set(chain.order)
     if plan.comm.prefetch and (missing := [b for b in blocks if seen.get(b)
                                            and b not in prefetched]):
-        raise ValueError(f"prefetch runs linen nn.scan stacks, unrolled linen blocks and NNX "
-                         f"blocks in a list; {missing[0]!r} did not run as one (an NNX scan, "
-                         f"or its nn.scan class made before the step): turn prefetch off")
+        raise ValueError(f"prefetch runs linen and NNX scanned stacks, unrolled linen blocks "
+                         f"and NNX blocks in a list; {missing[0]!r} did not run as one (its "
+                         f"nn.scan class made, or nnx.scan bound, before the step): turn "
+                         f"prefetch off")
     if missing := [b for b in blocks if b not in seen and b not in prefetched]:
         raise ValueError(f"layers= names {missing[0]!r}, which never ran as a Flax linen module "
                          f"during the loss; name modules that are called (their paths: "
@@ -196,6 +197,7 @@ def _traced(g: GradStep, args: tuple, chain: handoff.Chain | None):
     if plan.comm.prefetch:
         fetch.enter_context(prefetch.stacks(frozenset(blocks), prefetched, saved_inputs(plan)))
         fetch.enter_context(handoff.own_remat_lifted(frozenset(blocks)))
+        fetch.enter_context(prefetch.nnx_stacks(chain.modules, prefetched, saved_inputs(plan)))
     # Pa at stages 0-2: the blocks' saved inputs are cut if zero_jax's remat saves them.
     remat_all = plan.partition_activations and not plan.rule.shard_params
     with per_block(blocks, plan.remat, plan.partition_activations, chain, remat_all) as seen, \

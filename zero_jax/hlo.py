@@ -258,24 +258,33 @@ def _layer_loops(hlo_text: str, kinds: tuple[str, ...]):
              if (m := _BODY.search(line))}
 
     is_matmul = matmul_finder(bodies)
+    inner = {body: {m.group(1) for line in bodies.get(body, ()) if (m := _BODY.search(line))}
+             for body in loops}
+
+    @functools.cache
+    def holds(body: str) -> bool:  # a collective of kinds, in it or in a loop within it
+        return any((p := instruction(line)) and p[2].removesuffix("-start") in kinds
+                   for line in bodies.get(body, ())) or any(map(holds, inner[body]))
+
     for body in sorted(loops):
+        if any(map(holds, inner[body])):  # innermost only (not the microbatch loop): loops
+            continue  # within it without collectives (random bits' loops) do not count
         users: dict[str, list[str]] = collections.defaultdict(list)
         operands: dict[str, list[str]] = collections.defaultdict(list)
         matmul: dict[str, bool] = {}
-        found, ops = [], set()
+        found = []
         for line in bodies.get(body, ()):
             parsed = instruction(line)
             if not parsed:
                 continue
             name, _, op, rest = parsed
-            ops.add(op)
             for operand in _NAME.findall(rest):
                 users[operand].append(name)
                 operands[name].append(operand)
             matmul[name] = is_matmul(line)
             if op.removesuffix("-start") in kinds:
                 found.append(name)
-        if found and "while" not in ops:  # innermost loops only
+        if found:
             yield body, found, users, operands, matmul
 
 

@@ -91,6 +91,22 @@ def flax_lift(name: str, wrap: Callable[[Callable], Callable]) -> Iterator[None]
         setattr(flax.core.lift, name, original)
 
 
+@contextlib.contextmanager
+def nnx_scan(wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """``flax.nnx.scan`` replaced by ``wrap(original)`` while the block runs: how
+    ``zero_jax.prefetch`` runs an NNX stack's layer loop itself. Code that calls
+    ``nnx.scan`` as the loss runs sees the swap; a name bound before (``from flax.nnx import
+    scan`` at import) does not. A module-level swap: trace one such loss at a time."""
+    import flax.nnx
+
+    original = flax.nnx.scan
+    flax.nnx.scan = wrap(original)
+    try:
+        yield
+    finally:
+        flax.nnx.scan = original
+
+
 def set_class(obj: Any, cls: type) -> None:
     """``obj.__class__ = cls``: an NNX block's class swapped for a subclass whose ``__call__``
     makes its shards whole (``zero_jax.gather.nnx_merge``), on the model's own copy."""

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from zero_jax import buckets, internals
-from zero_jax.gather import Saved, after_inputs, materialize_tree, reduce_tree
+from zero_jax.gather import Saved, after_inputs, is_shard, materialize_tree, reduce_tree
 
 PyTree = Any
 
@@ -210,3 +210,77 @@ def stacks(names: frozenset[str], seen: set[str], saved: Saved):
     with internals.flax_lift("scan", wrap):
         yield
 
+
+
+def _nnx_refusal(args: tuple, kwargs: dict, n: int, rest: list) -> str | None:
+    """Why this ``nnx.scan`` over a named stack cannot run as a prefetching loop."""
+    from flax import nnx
+
+    if len(args) != 2 or kwargs.get("in_axes") != (0, nnx.Carry):
+        return "prefetch runs nnx.scan(in_axes=(0, nnx.Carry)) over (stack, carry)"
+    if kwargs.get("out_axes") not in (nnx.Carry, (nnx.Carry, 0)) or kwargs.get("reverse"):
+        return "prefetch runs scans with out_axes nnx.Carry or (nnx.Carry, 0), forward"
+    if kwargs.get("length") not in (None, n) or any(x.shape[:1] != (n,) for x in rest):
+        return "its state is not stacked along the layers"
+    if not all(jnp.issubdtype(x.dtype, jnp.inexact) for x in jax.tree.leaves(args[1])):
+        return "its carry holds integers"
+    return None
+
+
+def _run_nnx_stack(f: Callable, kwargs: dict, saved: Saved, stack: Any, carry: PyTree):
+    """``nnx.scan(f, **kwargs)(stack, carry)`` as ``run_stack``: each layer a copy of the
+    stack's module merged from its slice of the parameters and of the rest of its state (random
+    streams, stacked as ``nnx.scan`` slices them), which comes back stacked, as the call left
+    it, and is set back into ``stack``."""
+    from flax import nnx
+
+    graphdef, params, rest = nnx.split(stack, nnx.Param, ...)
+    values, tree = jax.tree.flatten(params, is_leaf=is_shard)
+    state, state_tree = jax.tree.flatten(rest)
+    ys_too = kwargs["out_axes"] != nnx.Carry
+
+    def layer(w, c, _, st):
+        copy = nnx.merge(graphdef, tree.unflatten(w), state_tree.unflatten(st))
+        out = f(copy, c)
+        after = jax.tree.leaves(nnx.state(copy, nnx.Not(nnx.Param)))
+        return (out[0], (out[1], after)) if ys_too else (out, after)
+
+    c, ys = run_stack(layer, saved, values, carry, (), state)
+    ys, after = ys if ys_too else (None, ys)
+    nnx.update(stack, state_tree.unflatten(after))
+    return (c, ys) if ys_too else c
+
+
+@contextlib.contextmanager
+def nnx_stacks(modules: dict[str, Any], seen: set[str], saved: Saved):
+    """While tracing: ``nnx.scan`` over one of the named NNX stacks in ``modules`` (the
+    model's own modules, by name, as ``zero_jax.nnx_merge`` recorded them) runs as
+    ``run_stack``; each that does is added to ``seen``. One that cannot raises ``ValueError``.
+    """
+    from flax import nnx
+    from flax.typing import Missing
+
+    def wrap(original):
+        def scan(f=Missing, **kwargs):
+            if f is Missing:
+                return lambda f: scan(f, **kwargs)
+            plain = original(f, **kwargs)
+            how = {"in_axes": (nnx.Carry, 0), "out_axes": (nnx.Carry, 0), **kwargs}
+
+            def run(*args):
+                name = next((k for k, m in modules.items() if args and m is args[0]), None)
+                if name is None:
+                    return plain(*args)
+                values = jax.tree.leaves(nnx.state(args[0], nnx.Param))
+                rest = jax.tree.leaves(nnx.state(args[0], nnx.Not(nnx.Param)))
+                why = _nnx_refusal(args, how, values[0].shape[0], rest)
+                if why:
+                    raise ValueError(f"prefetch cannot run the NNX stack {name!r}: {why}; turn "
+                                     f"prefetch off (zero.prefetch: false)")
+                seen.add(name)
+                return _run_nnx_stack(f, how, saved, *args)
+            return run
+        return scan
+
+    with internals.nnx_scan(wrap):
+        yield
