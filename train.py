@@ -683,6 +683,11 @@ def plan_layouts(exp, cfg: dict, args: argparse.Namespace) -> int:
         if row.device > planner.HEADROOM * args.device_memory and \
                 (plain := layouts.without_prefetch(layout, c, args.set)):
             rows.append(measure(*plain))
+    fit = lambda row: planner.fits(row, args.device_memory, args.host_memory, per_host)
+    for (layout, c), row in zip(pairs, rows[:len(pairs)], strict=True):  # T > 1 below stage 3
+        while fit(row) and (lower := layouts.lower_stage(layout, c, args.stage)):
+            layout, c = lower
+            rows.append(row := measure(layout, c))
     off = cfg["zero"]["offload_optimizer"]
     if args.nvme_memory:  # the NVMe tier: the host-offload layouts, their state on the disk
         rows += [planner.on_nvme(r, int(off["buffer_count"] * off["buffer_mb"] * 2**20),

@@ -208,25 +208,45 @@ def test_planner_offloads_beside_tensor_parallelism(tmp_path):
 
 
 def test_planner_names_tensor_parallelism_when_nothing_fits_without_it(tmp_path):
-    """Stage 3, remat full, no offload: with prefetch T = 1 needs about 8.2 MiB per device on
-    the default model, T = 2 7.9 (partitioned activations on), T = 4 8.3; with 8.9 MiB (8.0
-    usable) only T = 2 fits. The others are compiled again without prefetch (T = 1 8.1, T = 4
-    8.5) and still do not fit, and the advice names T = 2."""
+    """Remat full, no offload, the stage left open: with prefetch T = 1 needs about 8.2 MiB per
+    device at stage 3 on the default model, T = 2 7.9 (partitioned activations on), T = 4 8.3;
+    with 8.9 MiB (8.0 usable) only T = 2 fits. The others are compiled again without prefetch
+    (T = 1 8.1, T = 4 8.5) and still do not fit. Where stage 3 with T = 2 fits, stage 2 with
+    T = 2 is tried (it keeps more, and communicates less) and does not fit, so stage 1 is not
+    tried; the stages below 3 at T = 1 do not fit either. The advice names T = 2."""
     report = tmp_path / "plan.json"
-    run = train("--dry-run", "--device-memory", "8.9MiB", "--host-memory", "1GB", "--stage", "3",
+    run = train("--dry-run", "--device-memory", "8.9MiB", "--host-memory", "1GB",
                 "--set", "model.remat=full", "--set", "zero.offload_optimizer.device=none",
                 "--report", str(report))
     assert run.returncode == 0, run.stderr
     r = json.loads(report.read_text())
-    rows = {(c["tp"], c.get("prefetch", True)): c for c in r["candidates"]}
+    rows = {(c["stage"], c["tp"], c.get("prefetch", True)): c for c in r["candidates"]}
     # T: the divisors cutting 4 heads; without prefetch again where it did not fit
-    assert set(rows) == {(1, True), (2, True), (4, True), (1, False), (4, False)}
-    assert [key for key, c in rows.items() if c["fits"]] == [(2, True)]
-    assert rows[2, True]["temp_bytes"] < min(rows[1, p]["temp_bytes"] for p in (True, False))
+    assert set(rows) == {(0, 1, True), (1, 1, True), (2, 1, True), (3, 1, True), (3, 2, True),
+                         (3, 4, True), (3, 1, False), (3, 4, False), (2, 2, True)}
+    assert [key for key, c in rows.items() if c["fits"]] == [(3, 2, True)]
+    assert rows[3, 2, True]["temp_bytes"] < min(rows[3, 1, p]["temp_bytes"]
+                                                for p in (True, False))
+    assert rows[2, 2, True]["comm_bytes"] < rows[3, 2, True]["comm_bytes"]
+    assert rows[2, 2, True]["device_bytes"] > rows[3, 2, True]["device_bytes"]
     assert r["best"] == {"stage": 3, "offload": "as set", "remat": "full", "tp": 2}
     advice = run.stdout.split("fits and communicates least")[1]
     assert "--tensor-parallel 2 --set zero.partition_activations=true" in advice
     assert "zero.prefetch=false" not in advice
+
+
+def test_planner_takes_tensor_parallelism_at_the_stage_set(tmp_path):
+    """--stage 2 --tensor-parallel 2: that layout is measured (with partitioned activations),
+    not dropped as a stage without tensor parallelism."""
+    report = tmp_path / "plan.json"
+    run = train("--dry-run", "--device-memory", "1GB", "--host-memory", "1GB", "--stage", "2",
+                "--tensor-parallel", "2", "--set", "model.remat=full",
+                "--set", "zero.offload_optimizer.device=none", "--report", str(report))
+    assert run.returncode == 0, run.stderr
+    r = json.loads(report.read_text())
+    assert r["best"] == {"stage": 2, "offload": "as set", "remat": "full", "tp": 2}
+    assert "--stage 2 --set model.remat=full --tensor-parallel 2 --set " \
+           "zero.partition_activations=true" in run.stdout
 
 
 def test_planner_tiles_when_nothing_fits_untiled(tmp_path):

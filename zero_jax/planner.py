@@ -107,15 +107,21 @@ def describe(layout: dict) -> str:
             + (", no prefetch" if layout.get("prefetch") is False else ""))
 
 
+def fits(c: Candidate, device_memory: int, host_memory: int, devices_per_host: int,
+         nvme_memory: int = 0) -> bool:
+    """Whether ``c``'s device, host and NVMe figures are within ``HEADROOM`` of the sizes."""
+    return (c.device <= HEADROOM * device_memory and
+            c.host_state * devices_per_host <= HEADROOM * host_memory and
+            c.nvme_state * devices_per_host <= HEADROOM * nvme_memory)
+
+
 def choose(candidates: list[Candidate], device_memory: int, host_memory: int,
            devices_per_host: int, nvme_memory: int = 0) -> Candidate | None:
-    """Mark which fit (device, host and NVMe figures within ``HEADROOM`` of the sizes) and
-    return the one that communicates least (then: crosses least between host and device, then
-    keeps least on the disk, then holds least on the device); None when none fits."""
+    """Mark which fit and return the one that communicates least (then: crosses least between
+    host and device, then keeps least on the disk, then holds least on the device); None when
+    none fits."""
     for c in candidates:
-        c.fits = (c.device <= HEADROOM * device_memory and
-                  c.host_state * devices_per_host <= HEADROOM * host_memory and
-                  c.nvme_state * devices_per_host <= HEADROOM * nvme_memory)
+        c.fits = fits(c, device_memory, host_memory, devices_per_host, nvme_memory)
     fitting = [c for c in candidates if c.fits]
     return min(fitting, key=lambda c: (c.comm, c.host_traffic, c.nvme_state, c.device),
                default=None)

@@ -19,8 +19,9 @@ def candidates(cfg: dict, sets: list[str], stage: int | None, tensor_parallel: i
                per_host: int, devices: int) -> Iterator[tuple[dict, dict]]:
     """(layout, config) for each candidate: what the command line did not fix (--stage,
     --tensor-parallel, model.remat, zero.offload_*) varies. Tensor parallelism (T a divisor of
-    the devices per host that cuts the heads, the MLP and the vocabulary) is tried at stage 3
-    with partitioned activations, as ZeRO's paper trains its largest models, with each offload.
+    the devices per host that cuts the heads, the MLP and the vocabulary) is tried with
+    partitioned activations at stage 3, as ZeRO's paper trains its largest models, with each
+    offload (the lower stages follow where it fits: ``lower_stage``), or at the stage set.
     With zero.tile_mb, only stage 3 without offload or tensor parallelism tiles."""
     z, m = cfg["zero"], cfg["model"]
     fixed = functools.partial(_fixed, sets)
@@ -36,7 +37,7 @@ def candidates(cfg: dict, sets: list[str], stage: int | None, tensor_parallel: i
     for t, s, (offload, (opt, params)), remat in itertools.product(
             tps, stages, offloads.items(), [m["remat"]] if fixed("model.remat") else REMAT):
         if (params == "cpu" and (s != 3 or cfg["train"]["accum_steps"] > 1)) or \
-                (t > 1 and s != 3) or \
+                (t > 1 and s != 3 and stage is None) or \
                 (z["tile_mb"] and (s != 3 or opt != "none" or t > 1)):
             continue
         c = copy.deepcopy(cfg)
@@ -67,6 +68,19 @@ def tiled(cfg: dict, sets: list[str], stage: int | None, tensor_parallel: int | 
                          offload_optimizer={"device": "none", "ratio": 1.0}, tile_mb=tile_mb)
         c["model"]["remat"], c["mesh"]["tensor_parallel"] = remat, 1
         yield {"stage": 3, "offload": "none", "remat": remat, "tp": 1, "tile_mb": tile_mb}, c
+
+
+def lower_stage(layout: dict, cfg: dict, stage: int | None) -> tuple[dict, dict] | None:
+    """A tensor-parallel layout one stage lower (Megatron beside ZeRO-1 or 2): it keeps more
+    per device and communicates less, so the planner tries it only where ``layout`` fits, one
+    stage at a time. None where the command line set the stage, at stage 0, or where the
+    parameters are offloaded (stage 3 only)."""
+    if stage is not None or layout["tp"] == 1 or layout["stage"] == 0 or \
+            layout["offload"] == "params" or layout.get("tile_mb"):
+        return None
+    c = copy.deepcopy(cfg)
+    c["zero"]["stage"] = layout["stage"] - 1
+    return {**layout, "stage": layout["stage"] - 1}, c
 
 
 def without_prefetch(layout: dict, cfg: dict, sets: list[str]) -> tuple[dict, dict] | None:
