@@ -177,11 +177,11 @@ class Chain:
                              f"{self.order[:self.position]} ran; {_OFF}")
 
 
-    def linen(self, module: Any, method: str) -> Callable[[], tuple[Callable, Callable]]:
+    def linen(self, module: Any, method: str) -> Callable[[], tuple]:
         """``call``'s adapter for a bound linen block (its random streams drawn as keys)."""
         return lambda: _linen(module, method)
 
-    def nnx(self, module: Any, call: Callable) -> Callable[[], tuple[Callable, Callable]]:
+    def nnx(self, module: Any, call: Callable) -> Callable[[], tuple]:
         """``call``'s adapter for an NNX block whose class's own ``__call__`` is ``call``."""
         return lambda: _nnx(self.modules, module, call)
 

@@ -8,6 +8,7 @@ breaks one. Nothing else in the library reaches into these packages' internals.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -58,53 +59,43 @@ def coordinator_address() -> str | None:
 
 
 @contextlib.contextmanager
-def no_compilation_cache() -> Iterator[None]:
+def _swapped(module: str, name: str, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """``module.name`` replaced by ``wrap(original)`` while the block runs, then restored. A
+    module-level swap: one such block at a time."""
+    owner = importlib.import_module(module)
+    original = getattr(owner, name)
+    setattr(owner, name, wrap(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def no_compilation_cache() -> contextlib.AbstractContextManager:
     """JAX's persistent compilation cache unused while the block compiles:
     ``jax._src.compilation_cache.is_cache_used``, which the compiler asks for each program,
     answers False. A program with XLA's dumps requested must compile: the dump options are not
     in the cache's key, and a program loaded from the cache dumps nothing
     (``zero_jax.peak.compile_with_peak``)."""
-    from jax._src import compilation_cache
-
-    original = compilation_cache.is_cache_used
-    compilation_cache.is_cache_used = lambda backend: False
-    try:
-        yield
-    finally:
-        compilation_cache.is_cache_used = original
+    return _swapped("jax._src.compilation_cache", "is_cache_used",
+                    lambda _: lambda backend: False)
 
 
-@contextlib.contextmanager
-def flax_lift(name: str, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+def flax_lift(name: str, wrap: Callable[[Callable], Callable]) -> contextlib.AbstractContextManager:
     """``flax.core.lift.<name>`` replaced by ``wrap(original)`` while the block runs: how
     ``zero_jax.prefetch`` runs the layer loop of a linen ``nn.scan`` stack itself (``scan``),
     and ``zero_jax.handoff`` a block under the model's own ``nn.remat`` (``checkpoint``). Linen
     reads the attribute when the transformed class is made (``nn.scan(Block)``): classes made
-    before do not see the swap. A module-level swap: trace one such loss at a time."""
-    import flax.core.lift
-
-    original = getattr(flax.core.lift, name)
-    setattr(flax.core.lift, name, wrap(original))
-    try:
-        yield
-    finally:
-        setattr(flax.core.lift, name, original)
+    before do not see the swap. Trace one such loss at a time."""
+    return _swapped("flax.core.lift", name, wrap)
 
 
-@contextlib.contextmanager
-def nnx_scan(wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+def nnx_scan(wrap: Callable[[Callable], Callable]) -> contextlib.AbstractContextManager:
     """``flax.nnx.scan`` replaced by ``wrap(original)`` while the block runs: how
-    ``zero_jax.prefetch`` runs an NNX stack's layer loop itself. Code that calls
-    ``nnx.scan`` as the loss runs sees the swap; a name bound before (``from flax.nnx import
-    scan`` at import) does not. A module-level swap: trace one such loss at a time."""
-    import flax.nnx
-
-    original = flax.nnx.scan
-    flax.nnx.scan = wrap(original)
-    try:
-        yield
-    finally:
-        flax.nnx.scan = original
+    ``zero_jax.prefetch`` runs an NNX stack's layer loop itself. Code that calls ``nnx.scan``
+    as the loss runs sees the swap; a name bound before (``from flax.nnx import scan`` at
+    import) does not. Trace one such loss at a time."""
+    return _swapped("flax.nnx", "scan", wrap)
 
 
 def set_class(obj: Any, cls: type) -> None:
