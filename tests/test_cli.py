@@ -30,6 +30,14 @@ def train(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
+def dry_run(tmp_path, *args, timeout: int = 300) -> tuple[subprocess.CompletedProcess, dict]:
+    """``train.py --dry-run`` with ``args``, succeeded, and its planner's report."""
+    report = tmp_path / "plan.json"
+    run = train("--dry-run", *args, "--report", str(report), timeout=timeout)
+    assert run.returncode == 0, run.stderr
+    return run, json.loads(report.read_text())
+
+
 def test_trains_and_writes_metrics(tmp_path):
     metrics, report = tmp_path / "m.jsonl", tmp_path / "r.json"
     run = train("--stage", "2", "--steps", "40", "--metrics", str(metrics),
@@ -137,18 +145,14 @@ def test_planner_names_the_layout_that_fits(tmp_path):
     line (here: stage 3 and remat full, so the three offload settings) and reports, from the
     compiled programs, what each keeps on the device and on the host; the one that fits and
     moves least wins."""
-    report = tmp_path / "plan.json"
     model = {"n_layers": 2, "d_model": 32, "d_ff": 64, "seq_len": 16}
     sets = [x for k, v in model.items() for x in ("--set", f"model.{k}={v}")]
     # One collective per leaf and no prefetch (a layer more, in the offloaded layouts too): the
     # budget below sits between the layouts' temps so compiled.
-    run = train("--dry-run", "--device-memory", "150KiB", "--host-memory", "1GB", "--stage", "3",
-                "--tensor-parallel", "1",
-                "--set", "model.remat=full", "--set", "train.batch_size=8", *sets,
-                "--set", "zero.bucket_mb=0", "--set", "zero.prefetch=false",
-                "--report", str(report))
-    assert run.returncode == 0, run.stderr
-    r = json.loads(report.read_text())
+    run, r = dry_run(tmp_path, "--device-memory", "150KiB", "--host-memory", "1GB", "--stage", "3",
+                     "--tensor-parallel", "1",
+                     "--set", "model.remat=full", "--set", "train.batch_size=8", *sets,
+                     "--set", "zero.bucket_mb=0", "--set", "zero.prefetch=false")
     psi = GPTConfig(**model).n_params
     n, per_host = 8, r["devices_per_host"]
     rows = {c["offload"]: c for c in r["candidates"]}
@@ -185,15 +189,12 @@ def test_planner_offloads_beside_tensor_parallelism(tmp_path):
     per-device figures hold per tensor-parallel rank, 1/(D T) of each state with D T = 8, within
     the leaves tensor parallelism keeps whole on ``model`` (6%); the advice names the offload
     beside --tensor-parallel 2."""
-    report = tmp_path / "plan.json"
     model = {"n_layers": 2, "d_model": 32, "d_ff": 64, "seq_len": 16}
     sets = [x for k, v in model.items() for x in ("--set", f"model.{k}={v}")]
-    run = train("--dry-run", "--device-memory", "150KiB", "--host-memory", "1GB", "--stage", "3",
-                "--tensor-parallel", "2", "--set", "model.remat=full",
-                "--set", "train.batch_size=8", *sets, "--set", "zero.bucket_mb=0",
-                "--set", "zero.prefetch=false", "--report", str(report))
-    assert run.returncode == 0, run.stderr
-    r = json.loads(report.read_text())
+    run, r = dry_run(tmp_path, "--device-memory", "150KiB", "--host-memory", "1GB", "--stage", "3",
+                     "--tensor-parallel", "2", "--set", "model.remat=full",
+                     "--set", "train.batch_size=8", *sets, "--set", "zero.bucket_mb=0",
+                     "--set", "zero.prefetch=false")
     psi, per_host = GPTConfig(**model).n_params, r["devices_per_host"]
     rows = {c["offload"]: c for c in r["candidates"]}
     assert set(rows) == {"none", "optimizer", "params"} and {c["tp"] for c in rows.values()} \
@@ -214,12 +215,8 @@ def test_planner_names_tensor_parallelism_when_nothing_fits_without_it(tmp_path)
     (T = 1 8.1, T = 4 8.5) and still do not fit. Where stage 3 with T = 2 fits, stage 2 with
     T = 2 is tried (it keeps more, and communicates less) and does not fit, so stage 1 is not
     tried; the stages below 3 at T = 1 do not fit either. The advice names T = 2."""
-    report = tmp_path / "plan.json"
-    run = train("--dry-run", "--device-memory", "8.9MiB", "--host-memory", "1GB",
-                "--set", "model.remat=full", "--set", "zero.offload_optimizer.device=none",
-                "--report", str(report))
-    assert run.returncode == 0, run.stderr
-    r = json.loads(report.read_text())
+    run, r = dry_run(tmp_path, "--device-memory", "8.9MiB", "--host-memory", "1GB",
+                     "--set", "model.remat=full", "--set", "zero.offload_optimizer.device=none")
     rows = {(c["stage"], c["tp"], c.get("prefetch", True)): c for c in r["candidates"]}
     # T: the divisors cutting 4 heads; without prefetch again where it did not fit
     assert set(rows) == {(0, 1, True), (1, 1, True), (2, 1, True), (3, 1, True), (3, 2, True),
@@ -238,12 +235,9 @@ def test_planner_names_tensor_parallelism_when_nothing_fits_without_it(tmp_path)
 def test_planner_takes_tensor_parallelism_at_the_stage_set(tmp_path):
     """--stage 2 --tensor-parallel 2: that layout is measured (with partitioned activations),
     not dropped as a stage without tensor parallelism."""
-    report = tmp_path / "plan.json"
-    run = train("--dry-run", "--device-memory", "1GB", "--host-memory", "1GB", "--stage", "2",
-                "--tensor-parallel", "2", "--set", "model.remat=full",
-                "--set", "zero.offload_optimizer.device=none", "--report", str(report))
-    assert run.returncode == 0, run.stderr
-    r = json.loads(report.read_text())
+    run, r = dry_run(tmp_path, "--device-memory", "1GB", "--host-memory", "1GB", "--stage", "2",
+                     "--tensor-parallel", "2", "--set", "model.remat=full",
+                     "--set", "zero.offload_optimizer.device=none")
     assert r["best"] == {"stage": 2, "offload": "as set", "remat": "full", "tp": 2}
     assert "--stage 2 --set model.remat=full --tensor-parallel 2 --set " \
            "zero.partition_activations=true" in run.stdout
@@ -255,12 +249,9 @@ def test_planner_tiles_when_nothing_fits_untiled(tmp_path):
     compiles ZeRO-Infinity's tiling at a quarter and a sixteenth of the blocks' largest leaf
     (fc1's kernel, 128 x 512 in fp32: 256 KiB a layer), each about 7.7 MiB, and names the one
     that communicates least."""
-    report = tmp_path / "plan.json"
-    run = train("--dry-run", "--device-memory", "8.8MiB", "--host-memory", "1GB", "--stage", "3",
-                "--tensor-parallel", "1", "--set", "model.remat=full",
-                "--set", "zero.offload_optimizer.device=none", "--report", str(report))
-    assert run.returncode == 0, run.stderr
-    r = json.loads(report.read_text())
+    run, r = dry_run(tmp_path, "--device-memory", "8.8MiB", "--host-memory", "1GB", "--stage", "3",
+                     "--tensor-parallel", "1", "--set", "model.remat=full",
+                     "--set", "zero.offload_optimizer.device=none")
     plain = [c for c in r["candidates"] if "tile_mb" not in c]
     tiled = {c["tile_mb"]: c for c in r["candidates"] if "tile_mb" in c}
     assert [c.get("prefetch", True) for c in plain] == [True, False]
@@ -288,16 +279,13 @@ def test_a_trillion_parameters_fit_80gb_tiled_or_tensor_parallel(tp, tmp_path):
     does; at T = 8 with partitioned activations the layout fits as it is. Beside each, ZeRO's
     accounting of the model states: (2 + 2 + 12) Psi / 1024 per device, the paper's 1T row
     (16 TB over 1024 devices, 15.6 GB each), within the few leaves that stay whole."""
-    report = tmp_path / "plan.json"
     sets = [x for k, v in TRILLION.items() for x in ("--set", f"model.{k}={v}")]
-    run = train("--dry-run", "--devices", "1024", "--stage", "3", "--tensor-parallel", str(tp),
-                *sets, "--set", "train.batch_size=1024", "--set", "precision.param_dtype=bf16",
-                "--set", "model.remat=full", "--set", "zero.offload_optimizer.device=none",
-                "--set", f"zero.partition_activations={'true' if tp > 1 else 'false'}",
-                "--device-memory", "80GB", "--host-memory", "2TB", "--devices-per-host", "8",
-                "--report", str(report), timeout=600)
-    assert run.returncode == 0, run.stderr
-    r = json.loads(report.read_text())
+    run, r = dry_run(tmp_path, "--devices", "1024", "--stage", "3", "--tensor-parallel", str(tp),
+                     *sets, "--set", "train.batch_size=1024", "--set", "precision.param_dtype=bf16",
+                     "--set", "model.remat=full", "--set", "zero.offload_optimizer.device=none",
+                     "--set", f"zero.partition_activations={'true' if tp > 1 else 'false'}",
+                     "--device-memory", "80GB", "--host-memory", "2TB", "--devices-per-host",
+                     "8", timeout=600)
     psi = GPTConfig(**TRILLION).n_params
     assert psi == 1_008_038_758_400
     for c in r["candidates"]:
@@ -322,17 +310,13 @@ def test_planner_puts_the_optimizer_on_nvme_when_the_host_is_too_small(tmp_path)
     not) is planned again with its master and optimizer state on the disk (the same compiled
     gradient half); with a host too small for them, that layout fits and is named, with its
     flags; the planner's figure draws every row."""
-    report = tmp_path / "plan.json"
     model = {"n_layers": 2, "d_model": 32, "d_ff": 64, "seq_len": 16}
     sets = [x for k, v in model.items() for x in ("--set", f"model.{k}={v}")]
-    run = train("--dry-run", "--device-memory", "150KiB", "--host-memory", "300KiB",
-                "--nvme-memory", "1GB", "--stage", "3", "--tensor-parallel", "1",
-                "--set", "model.remat=full", "--set", "train.batch_size=8", *sets,
-                "--set", "zero.bucket_mb=0", "--set", "zero.prefetch=false",
-                "--set", "zero.offload_optimizer.buffer_mb=0.001",
-                "--report", str(report))
-    assert run.returncode == 0, run.stderr
-    r = json.loads(report.read_text())
+    run, r = dry_run(tmp_path, "--device-memory", "150KiB", "--host-memory", "300KiB",
+                     "--nvme-memory", "1GB", "--stage", "3", "--tensor-parallel", "1",
+                     "--set", "model.remat=full", "--set", "train.batch_size=8", *sets,
+                     "--set", "zero.bucket_mb=0", "--set", "zero.prefetch=false",
+                     "--set", "zero.offload_optimizer.buffer_mb=0.001")
     rows = {c["offload"]: c for c in r["candidates"] if not c.get("tile_mb")}
     assert set(rows) == {"none", "optimizer", "params", "nvme", "nvme+params"}
     per_host, psi = r["devices_per_host"], GPTConfig(**model).n_params

@@ -260,6 +260,27 @@ def test_a_block_called_twice_prefetches_as_it_runs_plainly(kind, mesh):
 
 
 PERSISTENT = [zj.Rule("", min_shard_elems=256)]  # norms and 128-wide biases: whole in a block
+
+
+def token_batches(mesh, n: int = 3) -> list:
+    """``n`` batches of random tokens for ``tests/regather.py``'s models, cut over ``data``."""
+    return [jax.device_put(jax.random.randint(jax.random.key(i), regather.BATCH.shape, 0,
+                                              regather.CFG.vocab_size),
+                           NamedSharding(mesh, P("data"))) for i in range(n)]
+
+
+def exact_steps(plan, init, loss, tx, batches, has_aux=False, **kwargs):
+    """``plan``'s step compiled once (``EXACT``: bits compared) and run from ``init`` over
+    ``batches`` (``kwargs`` to each call): each step's metrics, the final parameters, the
+    compiled step."""
+    state = zj.init_state(plan, init, tx, KEY)
+    compiled = zj.make_train_step(plan, loss, tx, has_aux=has_aux).lower(
+        state, batches[0], **kwargs).compile(EXACT)
+    metrics = []
+    for b in batches:
+        state, m = compiled(state, b, **kwargs)
+        metrics.append(jax.tree.map(float, m))
+    return metrics, jax.device_get(state.params), compiled
 BLOCKS = {"unrolled": [f"h_{i}" for i in range(4)], "nnx": [f"blocks/{i}" for i in range(4)]}
 
 
@@ -271,9 +292,7 @@ def test_unrolled_and_nnx_blocks_hand_the_next_block_its_weights(kind, mesh):
     blocks' buckets), and the compiled program gathers every block while the block before
     runs (in the backward: the block after), at most one gathered block more temp."""
     init, loss, layers = dict(regather.problems())[kind]
-    put = lambda b: jax.device_put(b, NamedSharding(mesh, P("data")))
-    batches = [put(jax.random.randint(jax.random.key(i), regather.BATCH.shape, 0,
-                                      regather.CFG.vocab_size)) for i in range(3)]
+    batches = token_batches(mesh)
     shapes = jax.eval_shape(init, KEY)
     block = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
         shapes["h_0"] if kind == "unrolled" else shapes["blocks"][0]))
@@ -282,13 +301,7 @@ def test_unrolled_and_nnx_blocks_hand_the_next_block_its_weights(kind, mesh):
         for on in (False, True):
             plan = zj.make_plan(shapes, mesh, 3, layers=layers, rules=PERSISTENT,
                                 comm=zj.Comm(bucket_bytes, prefetch=on))
-            state = zj.init_state(plan, init, tx, KEY)
-            compiled = zj.make_train_step(plan, loss, tx).lower(state, batches[0]).compile(EXACT)
-            losses = []
-            for b in batches:
-                state, m = compiled(state, b)
-                losses.append(float(m["loss"]))
-            runs[on] = losses, jax.device_get(state.params), compiled
+            runs[on] = exact_steps(plan, init, loss, tx, batches)
         assert runs[False][0] == runs[True][0]
         for a, b in zip(jax.tree.leaves(runs[False][1]), jax.tree.leaves(runs[True][1]),
                         strict=True):
@@ -327,21 +340,14 @@ def test_nnx_stack_prefetches_and_draws_as_nnx_scan(mesh):
     for on in (False, True):
         plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers="^blocks$",
                             comm=zj.Comm(prefetch=on))
-        state = zj.init_state(plan, init, tx, KEY)
-        batch = jax.device_put(nnx_data(0), NamedSharding(mesh, P("data")))
-        step = zj.make_train_step(plan, loss_fn, tx, has_aux=True)
-        compiled = step.lower(state, batch, key=jax.random.key(1)).compile(EXACT)
-        losses, draws = [], []
-        for i in range(3):
-            b = jax.device_put(nnx_data(i), NamedSharding(mesh, P("data")))
-            state, m = compiled(state, b, key=jax.random.key(1))
-            losses.append(float(m["loss"]))
-            draws.append(float(m["draws"]))
-        runs[on] = losses, draws, jax.device_get(state.params), compiled.as_text()
-    assert runs[True][:2] == runs[False][:2] and runs[True][1][0] > 0, (runs[True][:2],
-                                                                         runs[False][:2])
-    assert max_rel(runs[True][2], runs[False][2]) == 0
-    loops = gathered_ahead(runs[True][3])
+        batches = [jax.device_put(nnx_data(i), NamedSharding(mesh, P("data")))
+                   for i in range(3)]
+        runs[on] = exact_steps(plan, init, loss_fn, tx, batches, has_aux=True,
+                               key=jax.random.key(1))
+    assert runs[True][0] == runs[False][0] and runs[True][0][0]["draws"] > 0, (
+        runs[True][0], runs[False][0])
+    assert max_rel(runs[True][1], runs[False][1]) == 0
+    loops = gathered_ahead(runs[True][2].as_text())
     assert len(loops) == 2 and all(all(x) for x in loops.values()), loops
 
 
@@ -352,19 +358,10 @@ def test_blocks_under_the_models_own_remat_prefetch_and_recompute_once(mesh):
     step's (which recomputes once too) to 1%, and every block's gather runs beside the block
     before (after, in the backward)."""
     init, loss, layers = dict(regather.problems("full"))["unrolled"]
-    put = lambda b: jax.device_put(b, NamedSharding(mesh, P("data")))
-    batches = [put(jax.random.randint(jax.random.key(i), regather.BATCH.shape, 0,
-                                      regather.CFG.vocab_size)) for i in range(3)]
     shapes, tx, runs = jax.eval_shape(init, KEY), optax.sgd(0.1), {}
     for on in (False, True):
         plan = zj.make_plan(shapes, mesh, 3, layers=layers, comm=zj.Comm(prefetch=on))
-        state = zj.init_state(plan, init, tx, KEY)
-        compiled = zj.make_train_step(plan, loss, tx).lower(state, batches[0]).compile(EXACT)
-        losses = []
-        for b in batches:
-            state, m = compiled(state, b)
-            losses.append(float(m["loss"]))
-        runs[on] = losses, jax.device_get(state.params), compiled
+        runs[on] = exact_steps(plan, init, loss, tx, token_batches(mesh))
     assert runs[False][0] == runs[True][0]
     assert max_rel(runs[False][1], runs[True][1]) == 0
     flops = [runs[on][2].cost_analysis()["flops"] for on in (False, True)]
@@ -394,21 +391,14 @@ def test_prefetch_keeps_what_the_remat_policy_saves(kind, remat, mesh):
     block = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(one(shapes)))
     block //= 8 if kind == "scanned" else 1  # one layer of 8
     put = lambda b: jax.device_put(b, NamedSharding(mesh, P("data")))
-    batches = [put(b) for b in lm_batches(lm.cfg, 3)] if kind == "scanned" else [
-        put(jax.random.randint(jax.random.key(i), regather.BATCH.shape, 0,
-                               regather.CFG.vocab_size)) for i in range(3)]
+    batches = [put(b) for b in lm_batches(lm.cfg, 3)] if kind == "scanned" else \
+        token_batches(mesh)
     tx, runs = optax.sgd(0.1), {}
     plan = lambda on, remat: zj.make_plan(shapes, mesh, 3, layers=zj.Layers(layers, remat),
                                           comm=zj.Comm(prefetch=on))
     for on in (False, True):
-        state = zj.init_state(plan(on, remat), init, tx, KEY)
-        compiled = zj.make_train_step(plan(on, remat), loss, tx).lower(
-            state, batches[0]).compile(EXACT)
-        losses = []
-        for b in batches:
-            state, m = compiled(state, b)
-            losses.append(float(m["loss"]))
-        runs[on] = (losses, jax.device_get(state.params), compiled.cost_analysis()["flops"],
+        metrics, params, compiled = exact_steps(plan(on, remat), init, loss, tx, batches)
+        runs[on] = ([m["loss"] for m in metrics], params, compiled.cost_analysis()["flops"],
                     compiled.memory_analysis().temp_size_in_bytes)
     (plain, plain_params, plain_flops, plain_temp), (ahead, params, flops, temp) = runs.values()
     np.testing.assert_allclose(ahead, plain, rtol=1e-6 if remat == "none" else 0)
