@@ -251,8 +251,9 @@ def copied_bytes(hlo_text: str, bodies) -> int:
 
 
 def _layer_loops(hlo_text: str, kinds: tuple[str, ...]):
-    """``(body, collectives of kinds, users, operands, is-matmul)`` of every innermost loop body
-    holding a collective of ``kinds``: the instruction graph both ways."""
+    """``(body, collectives of kinds, users, operands, is-matmul)`` of every loop body holding
+    a collective of ``kinds`` with no loop inside it that holds one (a layer loop, not the
+    microbatch loop around it): the instruction graph both ways."""
     bodies, _ = computations(hlo_text)
     loops = {m.group(1) for lines in bodies.values() for line in lines
              if (m := _BODY.search(line))}
@@ -267,8 +268,8 @@ def _layer_loops(hlo_text: str, kinds: tuple[str, ...]):
                    for line in bodies.get(body, ())) or any(map(holds, inner[body]))
 
     for body in sorted(loops):
-        if any(map(holds, inner[body])):  # innermost only (not the microbatch loop): loops
-            continue  # within it without collectives (random bits' loops) do not count
+        if any(map(holds, inner[body])):  # loops inside without collectives (random bits')
+            continue  # do not count
         users: dict[str, list[str]] = collections.defaultdict(list)
         operands: dict[str, list[str]] = collections.defaultdict(list)
         matmul: dict[str, bool] = {}
