@@ -211,7 +211,6 @@ def stacks(names: frozenset[str], seen: set[str], saved: Saved):
         yield
 
 
-
 def _nnx_refusal(args: tuple, kwargs: dict, n: int, rest: list) -> str | None:
     """Why this ``nnx.scan`` over a named stack cannot run as a prefetching loop."""
     from flax import nnx
@@ -227,16 +226,20 @@ def _nnx_refusal(args: tuple, kwargs: dict, n: int, rest: list) -> str | None:
     return None
 
 
-def _run_nnx_stack(f: Callable, kwargs: dict, saved: Saved, stack: Any, carry: PyTree):
+def _run_nnx_stack(name: str, f: Callable, kwargs: dict, saved: Saved, *args: Any):
     """``nnx.scan(f, **kwargs)(stack, carry)`` as ``run_stack``: each layer a copy of the
     stack's module merged from its slice of the parameters and of the rest of its state (random
     streams, stacked as ``nnx.scan`` slices them), which comes back stacked, as the call left
     it, and is set back into ``stack``."""
     from flax import nnx
 
-    graphdef, params, rest = nnx.split(stack, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(args[0], nnx.Param, ...)
     values, tree = jax.tree.flatten(params, is_leaf=is_shard)
     state, state_tree = jax.tree.flatten(rest)
+    why = _nnx_refusal(args, kwargs, jax.tree.leaves(values)[0].shape[0], state)
+    if why:
+        raise ValueError(f"prefetch cannot run the NNX stack {name!r}: {why}; turn prefetch "
+                         f"off (zero.prefetch: false)")
     ys_too = kwargs["out_axes"] != nnx.Carry
 
     def layer(w, c, _, st):
@@ -245,9 +248,9 @@ def _run_nnx_stack(f: Callable, kwargs: dict, saved: Saved, stack: Any, carry: P
         after = jax.tree.leaves(nnx.state(copy, nnx.Not(nnx.Param)))
         return (out[0], (out[1], after)) if ys_too else (out, after)
 
-    c, ys = run_stack(layer, saved, values, carry, (), state)
+    c, ys = run_stack(layer, saved, values, args[1], (), state)
     ys, after = ys if ys_too else (None, ys)
-    nnx.update(stack, state_tree.unflatten(after))
+    nnx.update(args[0], state_tree.unflatten(after))
     return (c, ys) if ys_too else c
 
 
@@ -271,14 +274,8 @@ def nnx_stacks(modules: dict[str, Any], seen: set[str], saved: Saved):
                 name = next((k for k, m in modules.items() if args and m is args[0]), None)
                 if name is None:
                     return plain(*args)
-                values = jax.tree.leaves(nnx.state(args[0], nnx.Param))
-                rest = jax.tree.leaves(nnx.state(args[0], nnx.Not(nnx.Param)))
-                why = _nnx_refusal(args, how, values[0].shape[0], rest)
-                if why:
-                    raise ValueError(f"prefetch cannot run the NNX stack {name!r}: {why}; turn "
-                                     f"prefetch off (zero.prefetch: false)")
                 seen.add(name)
-                return _run_nnx_stack(f, how, saved, *args)
+                return _run_nnx_stack(name, f, how, saved, *args)
             return run
         return scan
 
