@@ -82,10 +82,12 @@ from jax.sharding import PartitionSpec as P
 VARIANTS: dict[str, list[str]] = {
     # bucket_mb=0: one collective per leaf, against the default 25 MiB buckets (stage 0: one
     # all-reduce after the backward instead of one per layer inside it); stage 3 without
-    # prefetch (the default gathers layer i+1 during layer i); ZeRO++'s int8.
+    # prefetch (the default gathers layer i+1 during layer i); gathering each module as it
+    # runs instead of each block (zero.gather, no prefetch); ZeRO++'s int8.
     "zero_jax stage 0, no buckets": ["zero.stage=0", "zero.bucket_mb=0"],
     "zero_jax stage 3, no buckets": ["zero.stage=3", "zero.bucket_mb=0"],
     "zero_jax stage 3, no prefetch": ["zero.stage=3", "zero.prefetch=false"],
+    "zero_jax stage 3, by module": ["zero.stage=3", "zero.gather=module"],
     "zero_jax stage 3, int8 weights": ["zero.stage=3", "zero.quantize_weights=int8"],
     "zero_jax stage 3, int8 grads": ["zero.stage=3", "zero.quantize_grads=int8"],
 }

@@ -109,13 +109,16 @@ def one_device(net):
 # SGD at every stage (it shows a gradient of the wrong scale, which Adam would hide); AdamW once:
 # the blocks' routing does not depend on the optimizer, and test_equivalence runs AdamW with
 # clipping at every stage.
-@pytest.mark.parametrize(("stage", "opt"), [(0, "sgd"), (1, "sgd"), (2, "sgd"), (3, "sgd"),
-                                            (3, "adamw")])
-def test_training_equals_one_device(stage, opt, mesh, net, one_device):
+# Stage 3 gathering each module as it runs (Layers.gather) likewise, with SGD.
+@pytest.mark.parametrize(("stage", "opt", "gather"), [
+    (0, "sgd", "block"), (1, "sgd", "block"), (2, "sgd", "block"), (3, "sgd", "block"),
+    (3, "adamw", "block"), (3, "sgd", "module")])
+def test_training_equals_one_device(stage, opt, gather, mesh, net, one_device):
     model, init = net
     loss_fn = lambda params, toks: ce(model, params, toks).mean()
     tx = TXS[opt]()
-    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=BLOCKS)
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage,
+                        layers=zj.Layers(BLOCKS, gather=gather))
     state = zj.init_state(plan, init, tx, KEY)
     step = zj.make_train_step(plan, loss_fn, tx)
     ref = one_device[opt]
@@ -392,6 +395,18 @@ def test_declarations_checked_when_planned(layers, phrase, mesh, net):
     _, init = net
     with pytest.raises(ValueError, match=re.escape(phrase)):
         zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=layers)
+
+
+@pytest.mark.parametrize(("stage", "comm", "phrase"), [
+    (2, zj.Comm(), "not built with stage 2: use stage 3 without prefetch"),
+    (3, zj.Comm(prefetch=True), "not built with prefetch: use stage 3 without prefetch")])
+def test_gathering_by_module_is_stage_3_without_prefetch(stage, comm, phrase, mesh, net):
+    _, init = net
+    with pytest.raises(ValueError, match=re.escape(phrase)):
+        zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, comm=comm,
+                     layers=zj.Layers(BLOCKS, gather="module"))
+    with pytest.raises(ValueError, match="gather must be one of block, module"):
+        zj.Layers(BLOCKS, gather="layer")
 
 
 def test_declared_block_that_never_runs(mesh, net):

@@ -251,6 +251,10 @@ ROWS = [
     ("lr 'x'", [*T, "--set", "optimizer.lr=fast"], None,
      "config key optimizer.lr must be a float, got 'fast'"),
     ("remat policy", [*T, "--set", "model.remat=some"], None, "model.remat must be one of full"),
+    ("gather unit", [*T, "--set", "zero.gather=layer"], None,
+     "zero.gather must be one of block, module (got 'layer')"),
+    ("gather module stage 2", [*T, "--stage", "2", "--set", "zero.gather=module"], None,
+     "zero.gather module gathers stage 3's modules one at a time; stage 2 gathers none"),
     ("offload nvme", [*T, "--set", "zero.offload_optimizer.device=nvme"], None,
      "zero.offload_optimizer.device nvme keeps the whole optimizer in files: set "
      "zero.offload_optimizer.nvme_path=DIR"),

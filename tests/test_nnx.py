@@ -83,12 +83,15 @@ def put(mesh, batch):
 # SGD at every stage (it shows a gradient of the wrong scale, which Adam would hide); AdamW once:
 # the blocks' routing does not depend on the optimizer, and test_equivalence runs AdamW with
 # clipping at every stage.
-@pytest.mark.parametrize(("stage", "opt"), [(0, "sgd"), (1, "sgd"), (2, "sgd"), (3, "sgd"),
-                                            (3, "adamw")])
-def test_listed_blocks_train_like_one_device(stage, opt, mesh):
+# Stage 3 gathering each module as it runs (Layers.gather) likewise, with SGD.
+@pytest.mark.parametrize(("stage", "opt", "gather"), [
+    (0, "sgd", "block"), (1, "sgd", "block"), (2, "sgd", "block"), (3, "sgd", "block"),
+    (3, "adamw", "block"), (3, "sgd", "module")])
+def test_listed_blocks_train_like_one_device(stage, opt, gather, mesh):
     init, loss_fn = problem(Listed)
     tx = optax.sgd(0.01) if opt == "sgd" else optax.adamw(1e-3, weight_decay=0.1)
-    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=r"^blocks/\d+$")
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage,
+                        layers=zj.Layers(r"^blocks/\d+$", gather=gather))
     assert plan.blocks == [f"blocks/{i}" for i in range(8)]
     state = zj.init_state(plan, init, tx, KEY)
     step = zj.make_train_step(plan, loss_fn, tx).lower(state, put(mesh, data(0))).compile(EXACT)
@@ -109,10 +112,17 @@ def test_listed_blocks_train_like_one_device(stage, opt, mesh):
     # Zero-initialised biases stay tiny here, so per leaf the summation order shows more.
     assert tree_rel(state.params, params) < 1e-5
     assert max_rel(state.params, params) < (1e-4 if opt == "sgd" else 1e-3)
-    if stage == 3:  # each block's buffer (its two matrices and cut biases) gathered in the
-        # forward and again in the backward
-        blocks = [c for c in collectives(step.as_text(), N) if c.bytes >= 2 * 4 * D * H]
+    found = collectives(step.as_text(), N)
+    if stage == 3 and gather == "block":  # each block's buffer (its two matrices and cut
+        # biases) gathered in the forward and again in the backward
+        blocks = [c for c in found if c.bytes >= 2 * 4 * D * H]
         assert sum(c.count for c in blocks if c.kind == "all-gather") == 2 * 8
+    if gather == "module":  # each matrix alone (it outweighs its input): gathered in the
+        # forward, in the block's recompute and in its own backward (but the first block's
+        # first, whose input, the data, needs no gradient); reduced once
+        matrices = [c for c in found if c.bytes == 4 * D * H]
+        assert sum(c.count for c in matrices if c.kind == "all-gather") == 3 * 2 * 8 - 1
+        assert sum(c.count for c in matrices if c.kind == "reduce-scatter") == 2 * 8
 
 
 def test_scanned_blocks_train_like_one_device(mesh):

@@ -68,14 +68,15 @@ def scanned():
     return shapes, lm_loss(model), regather.BATCH, layer
 
 
-def peak_of(mesh, scanned, stage, comm=None):
+def peak_of(mesh, scanned, stage, comm=None, gather="block"):
     """The report's ``compiled`` figures and ``peak`` (the report compiles the step itself)."""
     shapes, loss_fn, batch, _ = scanned
     tx = optax.adamw(1e-3)
-    plan = zj.make_plan(shapes, mesh, stage, layers="blocks", comm=comm or zj.Comm())
+    plan = zj.make_plan(shapes, mesh, stage, layers=zj.Layers("blocks", gather=gather),
+                        comm=comm or zj.Comm())
     state = zj.abstract_state(plan, tx)
     r = report.build(plan, state, zj.make_train_step(plan, loss_fn, tx).lower(state, batch))
-    if stage == 3:
+    if stage == 3 and gather == "block":
         table = report.format_table(r)
         assert "at the compiled step's peak" in table and "gathered weights" in table
         assert r["peak"]["expected"]["gathered weights"] == \
@@ -122,3 +123,14 @@ def test_a_block_input_gradient_skips_the_gather_barrier():
     read = {id(v) for e in jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.outvars}
     assert [v.aval.shape for e in barriers for v in e.outvars if id(v) in read] == \
         [w_DxD.shape] * 2
+
+
+@pytest.mark.slow
+def test_gathering_by_module_holds_one_module_at_a_time(mesh, scanned):
+    """``Layers(gather="module")``: at its peak stage 3 holds at most the largest module's
+    gathered weights (an MLP matrix, less than half of a layer), not a layer's."""
+    layer = scanned[3]
+    _, peak = peak_of(mesh, scanned, 3, gather="module")
+    largest = peak["expected"]["gathered weights"]
+    assert largest < layer / 2
+    assert 0 < peak["by_kind"]["gathered weights"] <= largest, (peak["by_kind"], largest)

@@ -19,7 +19,7 @@ import peers  # noqa: E402  (bench/ is not a package)
 from zero_jax.gpt import config, data  # noqa: E402
 from zero_jax.gpt.experiment import Experiment  # noqa: E402
 from zero_jax.hlo import collectives  # noqa: E402
-from zero_jax.state import init_state  # noqa: E402
+from zero_jax.state import abstract_state, init_state  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
 
@@ -391,3 +391,20 @@ def test_unrolled_model_steps_alike_in_zero_jax_and_the_baseline(mesh):
     assert not any(s[:2] == (B, T) for s in peers.gathered_shapes(compiled.as_text()))
     _, base = compiled(state, batch)
     assert abs(float(base["loss"]) - float(metrics["loss"])) < 1e-5
+
+
+def test_stage3_by_module_needs_no_more_temp_than_the_gspmd_fsdp_peer(mesh):
+    """The README's default model at stage 3, gathering by module (``zero.gather module``,
+    without prefetch): its compiled step's temp is at most the MaxText-style GSPMD FSDP
+    peer's, on the same model, mesh and remat, both read from ``memory_analysis()``; its model
+    states too. (Gathering by block holds a layer's weights through its backward: above the
+    peer, docs/benchmarks/cpu-mesh.md.)"""
+    cfg = config.load("tiny", ["zero.gather=module"])
+    exp = Experiment.build(cfg, mesh)
+    assert not exp.plan.comm.prefetch
+    ours = exp.step.lower(abstract_state(exp.plan, exp.tx), exp.batch_shape).compile()
+    peer = peers.fsdp_lowered(config.load("tiny"), mesh)[1].compile()
+    ours, peer = ours.memory_analysis(), peer.memory_analysis()
+    assert ours.argument_size_in_bytes <= peer.argument_size_in_bytes + 1024
+    assert 0 < ours.temp_size_in_bytes <= peer.temp_size_in_bytes, (
+        ours.temp_size_in_bytes / 2**20, peer.temp_size_in_bytes / 2**20)

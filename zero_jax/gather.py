@@ -263,6 +263,7 @@ def after_inputs(tree: PyTree, args: tuple, kwargs: dict) -> PyTree:
 # Names for remat policies: a block's input (its per-layer checkpoint) and a gathered weight.
 BLOCK_INPUT, GATHERED = "zero_jax_block_input", "zero_jax_gathered"
 REMAT = ("full", "dots", "none", "offload")
+GATHER = ("block", "module")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,12 +275,17 @@ class Layers:
     over the ``model`` axis (ZeRO-R's partitioned activation checkpoints; needs tensor
     parallelism and stage 3); ``tile_mb``, a bound in MB above which a block's parameter is
     never gathered whole but one tile at a time by the layer that uses it (ZeRO-Infinity's
-    memory-centric tiling, ``zero_jax.tiling``; stage 3)."""
+    memory-centric tiling, ``zero_jax.tiling``; stage 3); ``gather``, what stage 3 gathers
+    together (``GATHER``): the whole ``block`` as it runs and again for its backward (FSDP2's
+    unit), or each ``module`` in it with parameters of its own, as that module runs (DeepSpeed
+    ZeRO-3's hooks, the partitioner's FSDP): at most one module's weights whole at a time,
+    for up to a third more gathering (``_gathered_here``); not with prefetch."""
 
     pattern: str
     remat: str = "full"
     partition: bool = False
     tile_mb: float | None = None
+    gather: str = "block"
 
     def __post_init__(self):
         if not isinstance(self.pattern, str) or not self.pattern:
@@ -287,6 +293,9 @@ class Layers:
                              f"{self.pattern!r})")
         if self.remat not in REMAT:
             raise ValueError(f"remat must be one of {', '.join(REMAT)} (got {self.remat!r})")
+        if self.gather not in GATHER:
+            raise ValueError(f"Layers: gather must be one of {', '.join(GATHER)} (got "
+                             f"{self.gather!r})")
         if self.tile_mb is not None and (isinstance(self.tile_mb, bool) or not isinstance(
                 self.tile_mb, int | float) or self.tile_mb <= 0):
             raise ValueError(f"Layers: tile_mb must be a positive number of MB, or None "
@@ -351,6 +360,7 @@ class _Active(NamedTuple):
     chain: Any
     partition: bool
     remat_all: bool
+    by_module: bool
 
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("zero_jax_blocks", default=None)
@@ -459,9 +469,59 @@ def _rematerialized(module: nn.Module, method: str, args: tuple, kwargs: dict, w
         inside.discard(path)
 
 
+def _own(params: PyTree) -> dict:
+    """A module's own ``Shard``s to make whole (not its children's, nor tiled ones)."""
+    return {k: v for k, v in params.items() if is_shard(v) and not v.tile}
+
+
+def _own_whole(variables: dict, args: tuple, kwargs: dict) -> dict:
+    """``variables`` (``{"params": ...}``, as ``map_variables`` hands them) with the module's
+    own ``Shard``s made whole, after its inputs; its children's left to them."""
+    params = variables["params"]
+    own = {k: params[k] for k in _own(params)}
+    return {**variables, "params": {**params, **_module_whole(own, args, kwargs)}}
+
+
+def _module_whole(shards: PyTree, args: tuple, kwargs: dict) -> PyTree:
+    """A module's own ``Shard``s made whole after its inputs, one leaf per collective: its few
+    leaves gain nothing from sharing a buffer, and the buffer and the leaves cut out of it
+    would be live at once."""
+    alone = lambda x: dataclasses.replace(x, comm=dataclasses.replace(x.comm, bucket_bytes=0))
+    return materialize_tree(after_inputs(jax.tree.map(alone, shards, is_leaf=is_shard), args,
+                                         kwargs))
+
+
+def _outweighs(shards: Iterable[Shard], args: tuple, kwargs: dict) -> bool:
+    """Whether a module's gathered weights hold more elements than its inputs: then its
+    backward gathers them again rather than keeping them (``_gathered_here``)."""
+    whole = sum(x.value.size * jax.lax.axis_size(x.mesh_axis) for x in shards
+                if x.kind == "gather")
+    return whole > sum(x.size for x in jax.tree.leaves((args, kwargs))
+                       if isinstance(x, jax.Array))
+
+
+def _gathered_here(module: nn.Module, method: str, args: tuple, kwargs: dict,
+                   inside: set[str]) -> Any:
+    """A module inside a block gathered by module (``Layers.gather``): its own ``Shard``s made
+    whole as it runs, after its inputs. Where the gathered weights outweigh its inputs, it
+    runs under a checkpoint that saves all but them, so that its backward gathers them again
+    rather than keeping them from the block's recompute to their use in its backward; lighter
+    ones (norm scales, biases) stay as residuals."""
+    run = nn.map_variables(lambda mdl: getattr(mdl, method)(*args, **kwargs), "params",
+                           trans_in_fn=lambda v: _own_whole(v, args, kwargs))
+    if not _outweighs(_own(module.variables.get("params", {})).values(), args, kwargs):
+        return run(module)
+    path = "/".join(module.path)
+    inside.add(path)
+    try:
+        return nn.remat(run, prevent_cse=True, policy=_all_but_gathered)(module)
+    finally:
+        inside.discard(path)
+
+
 @contextlib.contextmanager
 def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = False,
-              chain: Any = None, remat_all: bool = False):
+              chain: Any = None, remat_all: bool = False, by_module: bool = False):
     """Make each named block's ``Shard``s whole as the block runs; yields the blocks that ran,
     each with whether it gathered. ``chain`` (``zero_jax.handoff.Chain``): prefetch's handoffs.
 
@@ -486,6 +546,9 @@ def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = Fals
             return tiled
         path = "/".join(module.path) if module.scope is not None else None
         if path not in names or path in inside:  # inside: the block's own call, in its remat
+            if by_module and path not in inside and context.method_name != "setup" and \
+                    module.scope is not None and _own(module.variables.get("params", {})):
+                return _gathered_here(module, context.method_name, args, kwargs, inside)
             return next_fun(*args, **kwargs)
         params = module.variables.get("params", {})
         seen[path] = seen.get(path, False) or _gathers(params)
@@ -500,6 +563,8 @@ def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = Fals
         if not has_shards(params):
             return next_fun(*args, **kwargs)  # made whole already (prefetch's loop)
         gather = lambda params: materialize_tree(after_inputs(params, args, kwargs))
+        if by_module:  # the block makes whole only its own leaves; each child gathers its own
+            gather = lambda variables: _own_whole(variables, args, kwargs)
         plain = lambda: rematerialize(module, context.method_name, args, kwargs, gather)
         if chain is not None:
             return chain.call(path, chain.linen(module, context.method_name), args, kwargs,
@@ -508,7 +573,7 @@ def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = Fals
 
     rematerialize = functools.partial(_rematerialized, policy=policy, partition=partition,
                                       inside=inside)
-    token = _ACTIVE.set(_Active(names, seen, policy, chain, partition, remat_all))
+    token = _ACTIVE.set(_Active(names, seen, policy, chain, partition, remat_all, by_module))
     try:
         with nn.intercept_methods(intercept):
             yield seen
@@ -527,13 +592,67 @@ def nnx_merge(graphdef: Any, *states: Any) -> Any:
         return model
     names, seen, chain = active.names, active.seen, active.chain
     for path, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.Module) and (name := "/".join(map(str, path))) in names:
+        name = "/".join(map(str, path))
+        if active.by_module and isinstance(node, nnx.Module) and name not in names and \
+                any(name.startswith(b + "/") for b in names) and _own_vars(node):
+            internals.set_class(node, _per_module_class(type(node)))
+        if isinstance(node, nnx.Module) and name in names:
             internals.set_class(node, _per_block_class(type(node)))
             seen[name] = seen.get(name, False) or _gathers(
                 [v.get_raw_value() for _, v in nnx.iter_graph(node) if isinstance(v, nnx.Variable)])
             if chain is not None:
                 chain.modules[name] = node
     return model
+
+
+def _shard_vars(module: Any) -> list:
+    """An NNX module's variables that hold ``Shard``s, its children's included."""
+    from flax import nnx
+
+    return [v for _, v in nnx.iter_graph(module)
+            if isinstance(v, nnx.Variable) and is_shard(v.get_raw_value())]
+
+
+def _own_vars(module: Any) -> list:
+    """An NNX module's own variables (not its children's) holding ``Shard``s to make whole."""
+    from flax import nnx
+
+    return [v for v in vars(module).values() if isinstance(v, nnx.Variable)
+            and is_shard(v.get_raw_value()) and not v.get_raw_value().tile]
+
+
+def _run_whole(call: Any, module: Any, variables: list, args: tuple, kwargs: dict,
+               whole: Any) -> Any:
+    """``call(module, ...)`` with ``variables`` (an NNX module's ``Shard``s) made whole by
+    ``whole``, and set back to their shards after."""
+    shards = [v.get_raw_value() for v in variables]
+    for v, w in zip(variables, whole(shards), strict=True):
+        v.set_raw_value(w)
+    try:
+        return call(module, *args, **kwargs)
+    finally:
+        for v, shard in zip(variables, shards, strict=True):
+            v.set_raw_value(shard)
+
+
+@functools.cache
+def _per_module_class(cls: type) -> type:
+    """``cls``, a module inside an NNX block gathered by module, whose ``__call__`` makes its
+    own ``Shard``s whole as it runs (as ``_gathered_here`` for linen)."""
+    from flax import nnx
+
+    def __call__(self, *args, **kwargs):
+        own = _own_vars(self)
+        whole = lambda s: _module_whole(s, args, kwargs)
+        run = lambda m: _run_whole(cls.__call__, m, _own_vars(m), args, kwargs, whole)
+        if _ACTIVE.get() is None or not own:
+            return cls.__call__(self, *args, **kwargs)
+        if not _outweighs([v.get_raw_value() for v in own], args, kwargs):
+            return run(self)
+        return nnx.remat(run, prevent_cse=True, policy=_all_but_gathered)(self)
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
 
 
 @functools.cache
@@ -543,24 +662,14 @@ def _per_block_class(cls: type) -> type:
         return cls
     from flax import nnx
 
-    def shard_vars(module):
-        return [v for _, v in nnx.iter_graph(module)
-                if isinstance(v, nnx.Variable) and is_shard(v.get_raw_value())]
-
     def run(module, args, kwargs, whole):
-        variables = shard_vars(module)
-        shards = [v.get_raw_value() for v in variables]
-        for v, w in zip(variables, whole(shards), strict=True):
-            v.set_raw_value(w)
-        try:
-            return cls.__call__(module, *args, **kwargs)
-        finally:
-            for v, shard in zip(variables, shards, strict=True):
-                v.set_raw_value(shard)
+        # By module: the block's own leaves; each child makes its own whole (_per_module_class).
+        variables = _own_vars(module) if _ACTIVE.get().by_module else _shard_vars(module)
+        return _run_whole(cls.__call__, module, variables, args, kwargs, whole)
 
     def __call__(self, *args, **kwargs):
         active = _ACTIVE.get()
-        shards = [v.get_raw_value() for v in shard_vars(self)]
+        shards = [v.get_raw_value() for v in _shard_vars(self)]
         if any(s.tile for s in shards):
             raise ValueError(f"Layers(tile_mb=...) tiles linen nn.Dense layers; the NNX block "
                              f"{cls.__name__} holds a leaf above the bound: turn tiling off")

@@ -200,7 +200,8 @@ def _traced(g: GradStep, args: tuple, chain: handoff.Chain | None):
         fetch.enter_context(prefetch.nnx_stacks(chain.modules, prefetched, saved_inputs(plan)))
     # Pa at stages 0-2: the blocks' saved inputs are cut if zero_jax's remat saves them.
     remat_all = plan.partition_activations and not plan.rule.shard_params
-    with per_block(blocks, plan.remat, plan.partition_activations, chain, remat_all) as seen, \
+    with per_block(blocks, plan.remat, plan.partition_activations, chain, remat_all,
+                   plan.gather == "module") as seen, \
             fetch:
         try:
             out = g.loss_fn(*args)

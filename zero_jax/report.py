@@ -220,6 +220,7 @@ def layout(plan: Plan, state: PyTree, found: list, more: list[str] = ()) -> dict
                        for leaf in plan.replicated],
         "frozen": [leaf.path for leaf in plan.frozen],
         "blocks": plan.blocks,
+        "gather": plan.gather,
         "comm": dataclasses.asdict(plan.comm),
         # What prefetch holds more: the largest layer (or unrolled block) gathered, and its
         # whole gradient waiting a layer to be reduced, both in the compute dtype.
@@ -304,6 +305,8 @@ def comm_theory(plan: Plan, block_input: jax.ShapeDtypeStruct | None = None
     theory = {0: rank * (r + r), 1: rank * (r + r), 2: rank * (r * k + c),
               3: rank * (c + c + r) * k}
     formula = {0: "2 Psi", 1: "2 Psi", 2: f"{k + 1} Psi", 3: f"{3 * k} Psi"}[plan.stage]
+    if plan.stage == 3 and plan.gather == "module":
+        formula += f" + up to {k} Psi (modules gathered again in their backward)"
     by_axes = {plan.axis: theory[plan.stage] if plan.dp_size > 1 else 0}
     if plan.outer:
         # Hierarchical: stage 3 within a group of K; across groups, once per step, the gradient
@@ -321,28 +324,31 @@ def comm_theory(plan: Plan, block_input: jax.ShapeDtypeStruct | None = None
 def peak_expected(plan: Plan) -> dict[str, int]:
     """ZeRO's figures for two kinds of the peak: stage 3 holds the largest block gathered
     (one more with prefetch), and the backward one block's whole gradient before its
-    reduce-scatter (beside the gradients of its activations, which ZeRO does not count)."""
+    reduce-scatter (beside the gradients of its activations, which ZeRO does not count);
+    gathering by module, the largest module's."""
     if not (plan.rule.shard_params and plan.blocks):
         return {}
-    largest = max(block_elements(plan).values())
+    largest = max(block_elements(plan, plan.gather == "module").values())
     return {"gathered weights": (1 + plan.comm.prefetch) * largest
             * plan.precision.compute.itemsize,
             "gradients": largest * jnp.dtype(plan.grad_dtype).itemsize}
 
 
-def block_elements(plan: Plan) -> dict[str, int]:
-    """Elements each block gathers at a time (one layer of a scanned stack), on each
-    tensor-parallel rank (its slice of the leaves cut over ``model``): with tiling, its leaves
-    within the bound and the largest tile of the others (gathered one at a time)."""
+def block_elements(plan: Plan, by_module: bool = False) -> dict[str, int]:
+    """Elements each block (``by_module``: each module in a block) gathers at a time (one layer
+    of a scanned stack), on each tensor-parallel rank (its slice of the leaves cut over
+    ``model``): with tiling, its leaves within the bound and the largest tile of the others
+    (gathered one at a time)."""
     t = plan.mesh.shape.get(MODEL, 1)
     out: dict[str, int] = {}
     tile: dict[str, int] = {}
     for leaf in jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "stacked")):
         if leaf.block:
             layer = leaf.layer_elements // (t if leaf.model_dim is not None else 1)
+            unit = leaf.path.rpartition("/")[0] if by_module else leaf.block
             if leaf.tile:
-                tile[leaf.block] = max(tile.get(leaf.block, 0), layer // leaf.tile[1])
-            out[leaf.block] = out.get(leaf.block, 0) + (0 if leaf.tile else layer)
+                tile[unit] = max(tile.get(unit, 0), layer // leaf.tile[1])
+            out[unit] = out.get(unit, 0) + (0 if leaf.tile else layer)
     return {b: n + tile.get(b, 0) for b, n in out.items()}
 
 
@@ -525,6 +531,8 @@ def _comm_lines(r: dict) -> list[str]:
                                   ("gradients", comm["quantize_grads"])) if on]
     how = "one collective per leaf" if not comm["bucket_bytes"] else \
         f"each layer in flat buffers of at most {comm['bucket_bytes'] / MiB:g} MiB"
+    if comm["bucket_bytes"] and r.get("gather") == "module":
+        how += " (the blocks' modules: one collective per leaf)"
     if int8:
         how += f"; int8 {' and '.join(int8)} (one f32 scale per {comm['quantize_block']} elements)"
     lines.append(f"  buckets: {how}")
@@ -585,7 +593,8 @@ def _layout_lines(r: dict) -> list[str]:
                   + ", ".join(r["frozen"])]
     if r["blocks"]:
         shown = ", ".join(r["blocks"][:4]) + (", ..." if len(r["blocks"]) > 4 else "")
-        lines += ["", f"  gathered block by block ({len(r['blocks'])} blocks): {shown}"]
+        unit = "module by module within" if r.get("gather") == "module" else "block by block"
+        lines += ["", f"  gathered {unit} ({len(r['blocks'])} blocks): {shown}"]
     if r.get("tiled"):
         lines += ["", f"  tiled within {r['tile_bytes'] / MiB:.3g} MiB ({len(r['tiled'])} leaves, "
                   f"their layers gather one tile at a time; the step's largest all-gather "

@@ -272,6 +272,7 @@ class Plan:
     comm: Comm = Comm()  # buckets and int8 collectives (zero_jax.buckets)
     partition_activations: bool = False  # ZeRO-R's Pa: blocks' saved inputs cut over model
     tile_bytes: int = 0  # memory-centric tiling's bound on what a block gathers; 0: none
+    gather: str = "block"  # what stage 3 gathers together: each block, or each module in it
 
     @property
     def data_axes(self) -> tuple[str, ...]:
@@ -485,7 +486,7 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *,
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_shape)
     return Plan(stage, mesh, axis, leaves, shapes, precision, outer, offload,
                 layers.remat if layers else "full", comm, bool(layers and layers.partition),
-                bound)
+                bound, layers.gather if layers else "block")
 
 
 def data_axes(mesh: Mesh) -> tuple[str, str | None]:
@@ -515,6 +516,10 @@ def _check_combination(stage: int, layers: Layers | None, offload: Offload, comm
         raise ValueError(f"Layers(tile_mb=...) gathers stage 3's large parameters tile by tile; "
                          f"it is not built with {what}: use stage 3, without prefetch, offload "
                          f"or tensor parallelism")
+    if layers and layers.gather == "module" and (stage != 3 or comm.prefetch):
+        what = f"stage {stage}" if stage != 3 else "prefetch"
+        raise ValueError(f"Layers(gather='module') gathers each module of stage 3's blocks as "
+                         f"it runs; it is not built with {what}: use stage 3 without prefetch")
     if offload.params and stage != 3:
         raise ValueError(f"Offload.params keeps stage 3's parameter shards in host memory; "
                          f"stage {stage} keeps whole parameters on every device: use stage 3")

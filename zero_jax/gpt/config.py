@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from zero_jax.gather import REMAT
+from zero_jax.gather import GATHER, REMAT
 
 
 def _shipped() -> pathlib.Path:
@@ -67,6 +67,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # cut over the model axis.
     # tile_mb > 0 (stage 3, ZeRO-Infinity's memory-centric tiling): a layer's parameter above
     # this many MiB is never gathered whole; its Dense gathers it tile by tile (no prefetch).
+    # gather: what stage 3 gathers at once, each whole block (FSDP2) or each module with
+    # parameters of its own as it runs (DeepSpeed ZeRO-3): less memory, more gathers, no prefetch.
     "zero": {"stage": 3, "min_shard_elems": 0, "zero3_size": 0, "transformer_layers": ["blocks"],
              "ignored_modules": [], "offload_grads": False,
              "offload_optimizer": {"device": "none", "ratio": 1.0, "nvme_path": "",
@@ -74,7 +76,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
              "offload_params": "none",
              "bucket_mb": 25, "quantize_weights": "none", "quantize_grads": "none",
              "quantize_block": 64, "prefetch": True, "partition_activations": False,
-             "tile_mb": 0.0},
+             "tile_mb": 0.0, "gather": "block"},
     # tensor_parallel T: a 2-D mesh, data x model, T adjacent devices per tensor-parallel group
     # (Megatron's layout of each block, zero_jax.gpt.model.TENSOR_PARALLEL); ZeRO over data.
     "mesh": {"tensor_parallel": 1},
@@ -305,6 +307,11 @@ def _check_zero(config: dict) -> None:
             raise ConfigError(f"zero.{key} int8 quantizes what stage {least}"
                               f"{'' if least == 3 else '-3'} communicates; stage {z['stage']} "
                               f"does not: use --stage {least} or --set zero.{key}=none")
+    if z["gather"] not in GATHER:
+        raise ConfigError(f"zero.gather must be one of {', '.join(GATHER)} (got {z['gather']!r})")
+    if z["gather"] == "module" and z["stage"] != 3:
+        raise ConfigError(f"zero.gather module gathers stage 3's modules one at a time; stage "
+                          f"{z['stage']} gathers none: use --stage 3 or --set zero.gather=block")
     off = z["offload_optimizer"]
     for key, device, allowed in [("offload_optimizer.device", off["device"], ("none", "cpu",
                                                                             "nvme")),

@@ -76,7 +76,7 @@ class Experiment:
         plan = make_plan(shapes, mesh, z["stage"],
                          layers=layers and Layers(layers, cfg["model"]["remat"],
                                                   z["partition_activations"],
-                                                  z["tile_mb"] or None),
+                                                  z["tile_mb"] or None, z["gather"]),
                          rules=[*rules_from(cfg), *TENSOR_PARALLEL],
                          precision=precision, offload=offload_from(z),
                          comm=comm_from(z))
@@ -157,9 +157,10 @@ def mesh_for(cfg: dict, devices: int | None) -> Mesh:
 
 def comm_from(z: dict) -> Comm:
     """The ``zero`` section's buckets, int8 collectives and prefetch; prefetch where it applies
-    (as DeepSpeed reads its prefetch settings at stage 3 only; not with tiling)."""
+    (as DeepSpeed reads its prefetch settings at stage 3 only; not with tiling nor gathering
+    by module)."""
     prefetch = z["prefetch"] and prefetchable(z["stage"], bool(z["transformer_layers"])) \
-        and not z["tile_mb"]
+        and not z["tile_mb"] and z["gather"] == "block"
     return Comm(int(z["bucket_mb"] * 2 ** 20), z["quantize_weights"] == "int8",
                 z["quantize_grads"] == "int8", z["quantize_block"], prefetch)
 

@@ -38,7 +38,8 @@ def candidates(cfg: dict, sets: list[str], stage: int | None, tensor_parallel: i
             tps, stages, offloads.items(), [m["remat"]] if fixed("model.remat") else REMAT):
         if (params == "cpu" and (s != 3 or cfg["train"]["accum_steps"] > 1)) or \
                 (t > 1 and s != 3 and stage is None) or \
-                (z["tile_mb"] and (s != 3 or opt != "none" or t > 1)):
+                (z["tile_mb"] and (s != 3 or opt != "none" or t > 1)) or \
+                (z["gather"] == "module" and s != 3):
             continue
         c = copy.deepcopy(cfg)
         ratio = z["offload_optimizer"]["ratio"] if offload == "as set" else 1.0
