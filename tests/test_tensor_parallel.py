@@ -163,20 +163,23 @@ def data_only(gpt):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, stage, opt", [
-    *((layout, stage, opt) for layout in ("4x2", "2x4") for stage in range(4)
+@pytest.mark.parametrize("layout, stage, opt, gather", [
+    *((layout, stage, opt, "block") for layout in ("4x2", "2x4") for stage in range(4)
       for opt in ("sgd", "adamw")),
-    ("hierarchical 2x2x2", 3, "sgd"), ("hierarchical 2x2x2", 3, "adamw"),
+    ("hierarchical 2x2x2", 3, "sgd", "block"), ("hierarchical 2x2x2", 3, "adamw", "block"),
+    ("hierarchical 2x2x2", 3, "sgd", "module"),
 ])
-def test_equals_one_device_with_collectives_in_their_axis(gpt, data_only, layout, stage, opt):
+def test_equals_one_device_with_collectives_in_their_axis(gpt, data_only, layout, stage, opt,
+                                                          gather):
     """Losses over 5 steps equal one-device optax and the 1-D data = 8 run within 1e-5. The
     final parameters too for SGD; AdamW's to 1e-4: its update g / (sqrt(v) + eps) normalizes
     each coordinate, so a rounding difference in a small gradient (the partitioner sums the
-    model axis's partial products in another order) becomes a full-size step difference."""
+    model axis's partial products in another order) becomes a full-size step difference.
+    Stage 3 gathering by module (``Layers.gather``) too."""
     init, loss_fn, batches, refs = gpt
     mesh = zj.make_mesh(8, axes=MESHES[layout])
-    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=LAYERS,
-                        rules=TENSOR_PARALLEL)
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage,
+                        layers=zj.Layers(LAYERS, gather=gather), rules=TENSOR_PARALLEL)
     assert plan.param_specs["blocks"]["qkv"]["kernel"] == (
         P(None, "data", None, "model", None) if stage == 3 else P(None, None, None, "model",
                                                                    None))
