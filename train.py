@@ -677,12 +677,15 @@ def plan_layouts(exp, cfg: dict, args: argparse.Namespace) -> int:
 
     pairs = list(layouts.candidates(cfg, args.set, args.stage, args.tensor_parallel, per_host, n))
     rows = [measure(layout, c) for layout, c in pairs]
-    # Prefetch holds a gathered layer more: a layout whose device does not fit with it is
-    # compiled again without it (where the command line left prefetch open).
+    # Prefetch holds a gathered layer more, gathering by block a block more than by module: a
+    # stage 3 layout whose device does not fit is compiled again without prefetch, and by
+    # module (where the command line left them open).
     for (layout, c), row in zip(pairs, list(rows), strict=True):
-        if row.device > planner.HEADROOM * args.device_memory and \
-                (plain := layouts.without_prefetch(layout, c, args.set)):
-            rows.append(measure(*plain))
+        if row.device > planner.HEADROOM * args.device_memory:
+            for other in (layouts.without_prefetch(layout, c, args.set),
+                          layouts.by_module(layout, c, args.set)):
+                if other:
+                    rows.append(measure(*other))
     fit = lambda row: planner.fits(row, args.device_memory, args.host_memory, per_host)
     for (layout, c), row in zip(pairs, rows[:len(pairs)], strict=True):  # T > 1 below stage 3
         while fit(row) and (lower := layouts.lower_stage(layout, c, args.stage)):

@@ -74,8 +74,11 @@ MiB = 2 ** 20
 # without prefetch: what prefetch buys where collectives can overlap compute.
 RUNS = [(str(s), [f"zero.stage={s}"]) for s in range(4)] + [
     ("3, no prefetch", ["zero.stage=3", "zero.prefetch=false"])]
-# Compiled only (--compile-for), so cheap: buckets off and ZeRO++'s int8 too.
+# Compiled only (--compile-for), so cheap: buckets off, gathering by module, ZeRO++'s int8.
 VARIANTS = [("3, no buckets", ["zero.stage=3", "zero.bucket_mb=0"]),
+            ("3, by module", ["zero.stage=3", "zero.gather=module"]),
+            ("3, by module, no prefetch", ["zero.stage=3", "zero.gather=module",
+                                           "zero.prefetch=false"]),
             ("3, int8 weights", ["zero.stage=3", "zero.quantize_weights=int8"]),
             ("3, int8 grads", ["zero.stage=3", "zero.quantize_grads=int8"])]
 # What XLA's GPU compiler needs to know of a device to compile for it without one: an H100

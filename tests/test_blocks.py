@@ -109,7 +109,8 @@ def one_device(net):
 # SGD at every stage (it shows a gradient of the wrong scale, which Adam would hide); AdamW once:
 # the blocks' routing does not depend on the optimizer, and test_equivalence runs AdamW with
 # clipping at every stage.
-# Stage 3 gathering each module as it runs (Layers.gather) likewise, with SGD.
+# Stage 3 gathering each module as it runs (Layers.gather) likewise, with SGD, each module's
+# gather one module ahead (prefetch; tests/test_nnx.py runs it without).
 @pytest.mark.parametrize(("stage", "opt", "gather"), [
     (0, "sgd", "block"), (1, "sgd", "block"), (2, "sgd", "block"), (3, "sgd", "block"),
     (3, "adamw", "block"), (3, "sgd", "module")])
@@ -118,7 +119,8 @@ def test_training_equals_one_device(stage, opt, gather, mesh, net, one_device):
     loss_fn = lambda params, toks: ce(model, params, toks).mean()
     tx = TXS[opt]()
     plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage,
-                        layers=zj.Layers(BLOCKS, gather=gather))
+                        layers=zj.Layers(BLOCKS, gather=gather),
+                        comm=zj.Comm(prefetch=gather == "module"))
     state = zj.init_state(plan, init, tx, KEY)
     step = zj.make_train_step(plan, loss_fn, tx)
     ref = one_device[opt]
@@ -397,13 +399,10 @@ def test_declarations_checked_when_planned(layers, phrase, mesh, net):
         zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=layers)
 
 
-@pytest.mark.parametrize(("stage", "comm", "phrase"), [
-    (2, zj.Comm(), "not built with stage 2: use stage 3 without prefetch"),
-    (3, zj.Comm(prefetch=True), "not built with prefetch: use stage 3 without prefetch")])
-def test_gathering_by_module_is_stage_3_without_prefetch(stage, comm, phrase, mesh, net):
+def test_gathering_by_module_is_stage_3(mesh, net):
     _, init = net
-    with pytest.raises(ValueError, match=re.escape(phrase)):
-        zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, comm=comm,
+    with pytest.raises(ValueError, match="stage 2 gathers none: use stage 3"):
+        zj.make_plan(jax.eval_shape(init, KEY), mesh, 2,
                      layers=zj.Layers(BLOCKS, gather="module"))
     with pytest.raises(ValueError, match="gather must be one of block, module"):
         zj.Layers(BLOCKS, gather="layer")
@@ -418,3 +417,31 @@ def test_declared_block_that_never_runs(mesh, net):
     with pytest.raises(ValueError, match="layers= names 'h_0', which never ran"):
         jax.eval_shape(zj.make_grad_fn(plan, loss_fn), zj.abstract_state(plan, optax.sgd(0.1))
                        .params, jax.ShapeDtypeStruct((16, T + 1), jnp.int32))
+
+
+def test_gathering_by_module_waits_one_module_back_within_one_trace():
+    """Prefetch by module (``gather._Previous``): a module's gather waits for the inputs of
+    the module that ran before it in the same trace, else (no prefetch, a block's first
+    module, or an inner transform's trace) for its own."""
+    from zero_jax.gather import _Previous
+
+    seen = {}
+
+    def block(x_B, y_B):
+        for ahead in (False, True):
+            previous = _Previous(ahead)
+            previous.ran((x_B,), {})  # the block's inputs
+            seen[ahead, "first"] = previous.after((y_B,), {})[0][0]
+            inner = lambda z, p=previous: p.after((z,), {})[0][0]
+            seen[ahead, "inner"] = jax.checkpoint(inner)(x_B)
+            previous.ran((y_B,), {})
+            seen[ahead, "next"] = previous.after((x_B,), {})[0][0]
+        seen["x", "y"] = x_B, y_B
+        return x_B
+
+    jax.make_jaxpr(block)(jnp.ones(2), jnp.ones(2))
+    x_B, y_B = seen["x", "y"]
+    assert seen[True, "first"] is x_B and seen[True, "next"] is y_B
+    assert seen[False, "first"] is y_B and seen[False, "next"] is x_B
+    assert all(seen[ahead, "inner"] is not x_B and seen[ahead, "inner"] is not y_B
+               for ahead in (False, True))

@@ -152,7 +152,8 @@ def test_planner_names_the_layout_that_fits(tmp_path):
     run, r = dry_run(tmp_path, "--device-memory", "150KiB", "--host-memory", "1GB", "--stage", "3",
                      "--tensor-parallel", "1",
                      "--set", "model.remat=full", "--set", "train.batch_size=8", *sets,
-                     "--set", "zero.bucket_mb=0", "--set", "zero.prefetch=false")
+                     "--set", "zero.bucket_mb=0", "--set", "zero.prefetch=false",
+                     "--set", "zero.gather=block")
     psi = GPTConfig(**model).n_params
     n, per_host = 8, r["devices_per_host"]
     rows = {c["offload"]: c for c in r["candidates"]}
@@ -194,7 +195,7 @@ def test_planner_offloads_beside_tensor_parallelism(tmp_path):
     run, r = dry_run(tmp_path, "--device-memory", "150KiB", "--host-memory", "1GB", "--stage", "3",
                      "--tensor-parallel", "2", "--set", "model.remat=full",
                      "--set", "train.batch_size=8", *sets, "--set", "zero.bucket_mb=0",
-                     "--set", "zero.prefetch=false")
+                     "--set", "zero.prefetch=false", "--set", "zero.gather=block")
     psi, per_host = GPTConfig(**model).n_params, r["devices_per_host"]
     rows = {c["offload"]: c for c in r["candidates"]}
     assert set(rows) == {"none", "optimizer", "params"} and {c["tp"] for c in rows.values()} \
@@ -216,7 +217,8 @@ def test_planner_names_tensor_parallelism_when_nothing_fits_without_it(tmp_path)
     T = 2 is tried (it keeps more, and communicates less) and does not fit, so stage 1 is not
     tried; the stages below 3 at T = 1 do not fit either. The advice names T = 2."""
     run, r = dry_run(tmp_path, "--device-memory", "8.9MiB", "--host-memory", "1GB",
-                     "--set", "model.remat=full", "--set", "zero.offload_optimizer.device=none")
+                     "--set", "model.remat=full", "--set", "zero.offload_optimizer.device=none",
+                     "--set", "zero.gather=block")
     rows = {(c["stage"], c["tp"], c.get("prefetch", True)): c for c in r["candidates"]}
     # T: the divisors cutting 4 heads; without prefetch again where it did not fit
     assert set(rows) == {(0, 1, True), (1, 1, True), (2, 1, True), (3, 1, True), (3, 2, True),
@@ -244,14 +246,15 @@ def test_planner_takes_tensor_parallelism_at_the_stage_set(tmp_path):
 
 
 def test_planner_tiles_when_nothing_fits_untiled(tmp_path):
-    """Stage 3, T = 1, no offload, remat full: untiled, the default model needs about 8.2 MiB per
-    device, with prefetch or without; with nothing fitting 8.8 MiB (7.9 usable), the planner
+    """Stage 3, T = 1, no offload, remat full, gathering by block: untiled, the default model
+    needs about 8.2 MiB per device, with prefetch or without; with nothing fitting 8.8 MiB (7.9
+    usable), the planner
     compiles ZeRO-Infinity's tiling at a quarter and a sixteenth of the blocks' largest leaf
     (fc1's kernel, 128 x 512 in fp32: 256 KiB a layer), each about 7.7 MiB, and names the one
     that communicates least."""
     run, r = dry_run(tmp_path, "--device-memory", "8.8MiB", "--host-memory", "1GB", "--stage", "3",
                      "--tensor-parallel", "1", "--set", "model.remat=full",
-                     "--set", "zero.offload_optimizer.device=none")
+                     "--set", "zero.offload_optimizer.device=none", "--set", "zero.gather=block")
     plain = [c for c in r["candidates"] if "tile_mb" not in c]
     tiled = {c["tile_mb"]: c for c in r["candidates"] if "tile_mb" in c}
     assert [c.get("prefetch", True) for c in plain] == [True, False]
@@ -266,6 +269,27 @@ def test_planner_tiles_when_nothing_fits_untiled(tmp_path):
         in run.stdout
 
 
+def test_planner_gathers_by_module_when_blocks_do_not_fit(tmp_path):
+    """The tiling test's budget with zero.gather left open: gathering by block does not fit
+    (with prefetch or without), so the planner compiles the layout again gathering by module
+    (about 7.0 MiB: one module's weights whole, not a block's), which fits and is named; it
+    moves more than by block (the matrices gathered again in their backward), and nothing is
+    tiled."""
+    run, r = dry_run(tmp_path, "--device-memory", "8.8MiB", "--host-memory", "1GB", "--stage", "3",
+                     "--tensor-parallel", "1", "--set", "model.remat=full",
+                     "--set", "zero.offload_optimizer.device=none")
+    rows = {(c.get("prefetch", True), c.get("gather", "block")): c for c in r["candidates"]}
+    assert set(rows) == {(True, "block"), (False, "block"), (True, "module")}
+    block, module = rows[True, "block"], rows[True, "module"]
+    assert module["fits"] and not any(rows[p, "block"]["fits"] for p in (True, False))
+    assert module["temp_bytes"] < min(rows[p, "block"]["temp_bytes"] for p in (True, False))
+    assert module["comm_bytes"] > block["comm_bytes"]
+    assert r["best"] == {"stage": 3, "offload": "as set", "remat": "full", "tp": 1,
+                         "gather": "module"}
+    assert "gathered by module: --stage 3 --set model.remat=full --set zero.gather=module" \
+        in run.stdout
+
+
 # The ZeRO paper's 1T example: GPT with d_model 25600, 128 layers, 160 heads, d_ff 102400,
 # vocabulary 51200, batch 1024 x 2048 tokens, bf16, on 1024 devices of 80 GB, 8 per host.
 TRILLION = {"d_model": 25600, "n_layers": 128, "n_heads": 160, "d_ff": 102400,
@@ -275,10 +299,11 @@ TRILLION = {"d_model": 25600, "n_layers": 128, "n_heads": 160, "d_ff": 102400,
 @pytest.mark.parametrize("tp", [1, 8])
 def test_a_trillion_parameters_fit_80gb_tiled_or_tensor_parallel(tp, tmp_path):
     """Stage 3, no offload, remat full, compiled on abstract arrays for 1024 devices (seconds
-    each): untiled at T = 1 nothing fits (a layer is 7.9 B parameters) and the planner's tiling
-    does; at T = 8 with partitioned activations the layout fits as it is. Beside each, ZeRO's
-    accounting of the model states: (2 + 2 + 12) Psi / 1024 per device, the paper's 1T row
-    (16 TB over 1024 devices, 15.6 GB each), within the few leaves that stay whole."""
+    each): untiled at T = 1 nothing fits (a layer is 7.9 B parameters), gathered by block or by
+    module, and the planner's tiling does; at T = 8 with partitioned activations the layout
+    fits as it is. Beside each, ZeRO's accounting of the model states: (2 + 2 + 12) Psi / 1024
+    per device, the paper's 1T row (16 TB over 1024 devices, 15.6 GB each), within the few
+    leaves that stay whole."""
     sets = [x for k, v in TRILLION.items() for x in ("--set", f"model.{k}={v}")]
     run, r = dry_run(tmp_path, "--devices", "1024", "--stage", "3", "--tensor-parallel", str(tp),
                      *sets, "--set", "train.batch_size=1024", "--set", "precision.param_dtype=bf16",
@@ -293,9 +318,13 @@ def test_a_trillion_parameters_fit_80gb_tiled_or_tensor_parallel(tp, tmp_path):
         assert c["fits"] == (c["device_bytes"] <= 0.9 * 80e9)
     untiled = [c for c in r["candidates"] if "tile_mb" not in c]
     best = r["best"]
-    assert len(untiled) == (2 if tp == 1 else 1) and best is not None  # 1: without prefetch too
+    # T = 1: without prefetch too, and gathering by module (one module's weights, not a layer's:
+    # 88.7 GiB against 128.4 by block)
+    assert len(untiled) == (3 if tp == 1 else 1) and best is not None
     if tp == 1:
         assert all(c["device_bytes"] > 80e9 for c in untiled) and best["tile_mb"] > 0
+        module = next(c for c in untiled if c.get("gather") == "module")
+        assert module["device_bytes"] < min(c["device_bytes"] for c in untiled if c != module)
         assert "--set zero.tile_mb=" in run.stdout
     else:
         assert untiled[0]["fits"] and best["tp"] == 8 and "tile_mb" not in best
@@ -316,6 +345,7 @@ def test_planner_puts_the_optimizer_on_nvme_when_the_host_is_too_small(tmp_path)
                      "--nvme-memory", "1GB", "--stage", "3", "--tensor-parallel", "1",
                      "--set", "model.remat=full", "--set", "train.batch_size=8", *sets,
                      "--set", "zero.bucket_mb=0", "--set", "zero.prefetch=false",
+                     "--set", "zero.gather=block",
                      "--set", "zero.offload_optimizer.buffer_mb=0.001")
     rows = {c["offload"]: c for c in r["candidates"] if not c.get("tile_mb")}
     assert set(rows) == {"none", "optimizer", "params", "nvme", "nvme+params"}

@@ -394,14 +394,14 @@ def test_unrolled_model_steps_alike_in_zero_jax_and_the_baseline(mesh):
 
 
 def test_stage3_by_module_needs_no_more_temp_than_the_gspmd_fsdp_peer(mesh):
-    """The README's default model at stage 3, gathering by module (``zero.gather module``,
-    without prefetch): its compiled step's temp is at most the MaxText-style GSPMD FSDP
-    peer's, on the same model, mesh and remat, both read from ``memory_analysis()``; its model
-    states too. (Gathering by block holds a layer's weights through its backward: above the
-    peer, docs/benchmarks/cpu-mesh.md.)"""
+    """The README's default model at stage 3 gathering by module (``zero.gather module``),
+    with prefetch and buckets on (the defaults): its compiled step's temp is at most the
+    MaxText-style GSPMD FSDP peer's, on the same model, mesh and remat, both read from
+    ``memory_analysis()``; its model states too. (Gathering by block holds a layer's weights
+    through its backward: above the peer, docs/benchmarks/cpu-mesh.md.)"""
     cfg = config.load("tiny", ["zero.gather=module"])
     exp = Experiment.build(cfg, mesh)
-    assert not exp.plan.comm.prefetch
+    assert exp.plan.comm.prefetch and exp.plan.comm.bucket_bytes
     ours = exp.step.lower(abstract_state(exp.plan, exp.tx), exp.batch_shape).compile()
     peer = peers.fsdp_lowered(config.load("tiny"), mesh)[1].compile()
     ours, peer = ours.memory_analysis(), peer.memory_analysis()

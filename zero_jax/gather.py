@@ -279,7 +279,8 @@ class Layers:
     together (``GATHER``): the whole ``block`` as it runs and again for its backward (FSDP2's
     unit), or each ``module`` in it with parameters of its own, as that module runs (DeepSpeed
     ZeRO-3's hooks, the partitioner's FSDP): at most one module's weights whole at a time,
-    for up to a third more gathering (``_gathered_here``); not with prefetch."""
+    for up to a third more gathering (``_gathered_here``); prefetch then runs one module
+    ahead (``_Previous``)."""
 
     pattern: str
     remat: str = "full"
@@ -361,6 +362,7 @@ class _Active(NamedTuple):
     partition: bool
     remat_all: bool
     by_module: bool
+    previous: Any  # _Previous
 
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("zero_jax_blocks", default=None)
@@ -450,7 +452,8 @@ def _checkpointed_inputs(args: tuple, kwargs: dict, partition: bool):
 
 
 def _rematerialized(module: nn.Module, method: str, args: tuple, kwargs: dict, whole: Any,
-                    policy: Any, partition: bool, inside: set[str]) -> Any:
+                    policy: Any, partition: bool, inside: set[str],
+                    previous: _Previous | None = None) -> Any:
     """A linen block's ``method`` under ``nn.remat`` with ``policy``, its parameters made whole
     by ``whole`` inside; with Pa its inputs reach the checkpoint cut (what it saves, or
     offloads) and are made whole inside it. Its path is ``inside`` meanwhile, so that the
@@ -459,6 +462,8 @@ def _rematerialized(module: nn.Module, method: str, args: tuple, kwargs: dict, w
 
     def named(mdl):  # inside the checkpoint, where the policy sees the names
         a, k = inputs()
+        if previous is not None:  # gathering by module: the block's first waits for these
+            previous.ran(a, k)
         return getattr(mdl, method)(*a, **k)
     run = nn.map_variables(named, "params", trans_in_fn=whole)
     path = "/".join(module.path)
@@ -500,28 +505,70 @@ def _outweighs(shards: Iterable[Shard], args: tuple, kwargs: dict) -> bool:
                        if isinstance(x, jax.Array))
 
 
+class _Previous:
+    """Gathering by module with prefetch: the inputs of the module that ran last in the block
+    being traced. The next module's gather waits for them rather than for its own inputs, so
+    it can run while that module computes: one module ahead, as DeepSpeed ZeRO-3 prefetches
+    the next module's parameters. Only within one trace (an inner transform's tracers stay in
+    it); a block starts afresh (its first module waits for the block's inputs)."""
+
+    def __init__(self, ahead: bool):
+        self.ahead, self.inputs, self.trace = ahead, None, None
+
+    def ran(self, args: tuple, kwargs: dict) -> None:
+        self.inputs, self.trace = (args, kwargs), internals.trace_state()
+
+    def after(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """What a module called with ``args``, ``kwargs`` gathers after; it is then the last."""
+        same = self.inputs is not None and self.trace == internals.trace_state()
+        before = self.inputs if self.ahead and same else (args, kwargs)
+        self.ran(args, kwargs)
+        return before
+
+
+def _read_whole(next_fun: Any, module: nn.Module, method: str, args: tuple,
+                kwargs: dict) -> Any:
+    """A block at stages 0-2: its ``Shard``s read as the whole copies they carry."""
+    if not has_shards(module.variables.get("params", {})):
+        return next_fun(*args, **kwargs)  # nothing cut, or already made whole
+    run = lambda mdl: getattr(mdl, method)(*args, **kwargs)
+    return nn.map_variables(run, "params", trans_in_fn=materialize_tree)(module)
+
+
+def _has_own(module: nn.Module, context: Any) -> bool:
+    """Whether a linen module's call makes parameters of its own whole (``_gathered_here``)."""
+    return context.method_name != "setup" and module.scope is not None and \
+        bool(_own(module.variables.get("params", {})))
+
+
 def _gathered_here(module: nn.Module, method: str, args: tuple, kwargs: dict,
-                   inside: set[str]) -> Any:
+                   inside: set[str], previous: _Previous) -> Any:
     """A module inside a block gathered by module (``Layers.gather``): its own ``Shard``s made
-    whole as it runs, after its inputs. Where the gathered weights outweigh its inputs, it
-    runs under a checkpoint that saves all but them, so that its backward gathers them again
-    rather than keeping them from the block's recompute to their use in its backward; lighter
-    ones (norm scales, biases) stay as residuals."""
+    whole as it runs, after its inputs (with prefetch, the previous module's: ``_Previous``).
+    Where the gathered weights outweigh its inputs, it runs under a checkpoint that saves all
+    but them, so that its backward gathers them again rather than keeping them from the
+    block's recompute to their use in its backward; lighter ones (norm scales, biases) stay
+    as residuals."""
+    after = previous.after(args, kwargs)
     run = nn.map_variables(lambda mdl: getattr(mdl, method)(*args, **kwargs), "params",
-                           trans_in_fn=lambda v: _own_whole(v, args, kwargs))
+                           trans_in_fn=lambda v: _own_whole(v, *after))
     if not _outweighs(_own(module.variables.get("params", {})).values(), args, kwargs):
-        return run(module)
-    path = "/".join(module.path)
-    inside.add(path)
-    try:
-        return nn.remat(run, prevent_cse=True, policy=_all_but_gathered)(module)
-    finally:
-        inside.discard(path)
+        out = run(module)
+    else:
+        path = "/".join(module.path)
+        inside.add(path)
+        try:
+            out = nn.remat(run, prevent_cse=True, policy=_all_but_gathered)(module)
+        finally:
+            inside.discard(path)
+    previous.ran(args, kwargs)  # this module, not its children, ran last
+    return out
 
 
 @contextlib.contextmanager
 def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = False,
-              chain: Any = None, remat_all: bool = False, by_module: bool = False):
+              chain: Any = None, remat_all: bool = False, by_module: bool = False,
+              ahead: bool = False):
     """Make each named block's ``Shard``s whole as the block runs; yields the blocks that ran,
     each with whether it gathered. ``chain`` (``zero_jax.handoff.Chain``): prefetch's handoffs.
 
@@ -535,9 +582,12 @@ def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = Fals
     (``remat_policy``); ``partition``: the block's saved inputs are cut over ``model``
     (``partitioned``). ``remat_all``: blocks that do not gather are rematerialized too (Pa
     at stages 0-2: their saved inputs are cut only if zero_jax's remat saves them).
+    ``by_module`` (``Layers.gather``): each module in a block gathers its own parameters as it
+    runs (``_gathered_here``; NNX: ``_per_module_class``), ``ahead`` one module ahead.
     """
     names, seen, inside = frozenset(blocks), {}, set()
     policy = remat_policy(remat, gathers=True)
+    previous = _Previous(ahead)
 
     def intercept(next_fun, args, kwargs, context):
         module = context.module
@@ -545,26 +595,22 @@ def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = Fals
         if tiled is not tiling.UNTILED:
             return tiled
         path = "/".join(module.path) if module.scope is not None else None
-        if path not in names or path in inside:  # inside: the block's own call, in its remat
-            if by_module and path not in inside and context.method_name != "setup" and \
-                    module.scope is not None and _own(module.variables.get("params", {})):
-                return _gathered_here(module, context.method_name, args, kwargs, inside)
-            return next_fun(*args, **kwargs)
+        if path in inside or (path not in names and not (by_module and _has_own(module, context))):
+            return next_fun(*args, **kwargs)  # inside: the block's own call, in its remat
+        if path not in names:  # gathering by module: a module inside a block
+            return _gathered_here(module, context.method_name, args, kwargs, inside, previous)
         params = module.variables.get("params", {})
         seen[path] = seen.get(path, False) or _gathers(params)
         if not seen[path]:  # stages 0-2: reads its whole copy (a replica: all-reduced after)
             if remat_all:
                 return rematerialize(module, context.method_name, args, kwargs,
                                      materialize_tree)
-            if not has_shards(params):
-                return next_fun(*args, **kwargs)  # nothing cut, or already made whole
-            run = lambda mdl: getattr(mdl, context.method_name)(*args, **kwargs)
-            return nn.map_variables(run, "params", trans_in_fn=materialize_tree)(module)
+            return _read_whole(next_fun, module, context.method_name, args, kwargs)
         if not has_shards(params):
             return next_fun(*args, **kwargs)  # made whole already (prefetch's loop)
-        gather = lambda params: materialize_tree(after_inputs(params, args, kwargs))
-        if by_module:  # the block makes whole only its own leaves; each child gathers its own
-            gather = lambda variables: _own_whole(variables, args, kwargs)
+        # By module, the block makes only its own leaves whole; each child gathers its own.
+        gather = (lambda v: _own_whole(v, args, kwargs)) if by_module else \
+            (lambda params: materialize_tree(after_inputs(params, args, kwargs)))
         plain = lambda: rematerialize(module, context.method_name, args, kwargs, gather)
         if chain is not None:
             return chain.call(path, chain.linen(module, context.method_name), args, kwargs,
@@ -572,8 +618,9 @@ def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = Fals
         return plain()
 
     rematerialize = functools.partial(_rematerialized, policy=policy, partition=partition,
-                                      inside=inside)
-    token = _ACTIVE.set(_Active(names, seen, policy, chain, partition, remat_all, by_module))
+                                      inside=inside, previous=previous)
+    token = _ACTIVE.set(_Active(names, seen, policy, chain, partition, remat_all, by_module,
+                                previous))
     try:
         with nn.intercept_methods(intercept):
             yield seen
@@ -642,14 +689,16 @@ def _per_module_class(cls: type) -> type:
     from flax import nnx
 
     def __call__(self, *args, **kwargs):
-        own = _own_vars(self)
-        whole = lambda s: _module_whole(s, args, kwargs)
-        run = lambda m: _run_whole(cls.__call__, m, _own_vars(m), args, kwargs, whole)
-        if _ACTIVE.get() is None or not own:
+        own, active = _own_vars(self), _ACTIVE.get()
+        if active is None or not own:
             return cls.__call__(self, *args, **kwargs)
-        if not _outweighs([v.get_raw_value() for v in own], args, kwargs):
-            return run(self)
-        return nnx.remat(run, prevent_cse=True, policy=_all_but_gathered)(self)
+        after = active.previous.after(args, kwargs)
+        whole = lambda s: _module_whole(s, *after)
+        run = lambda m: _run_whole(cls.__call__, m, _own_vars(m), args, kwargs, whole)
+        out = run(self) if not _outweighs([v.get_raw_value() for v in own], args, kwargs) \
+            else nnx.remat(run, prevent_cse=True, policy=_all_but_gathered)(self)
+        active.previous.ran(args, kwargs)
+        return out
 
     return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__})
@@ -664,7 +713,9 @@ def _per_block_class(cls: type) -> type:
 
     def run(module, args, kwargs, whole):
         # By module: the block's own leaves; each child makes its own whole (_per_module_class).
-        variables = _own_vars(module) if _ACTIVE.get().by_module else _shard_vars(module)
+        active = _ACTIVE.get()
+        active.previous.ran(args, kwargs)
+        variables = _own_vars(module) if active.by_module else _shard_vars(module)
         return _run_whole(cls.__call__, module, variables, args, kwargs, whole)
 
     def __call__(self, *args, **kwargs):

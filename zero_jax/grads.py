@@ -157,7 +157,7 @@ def run_loss(g: GradStep, tree: PyTree, micro: PyTree, key: jax.Array | None):
                              if jnp.issubdtype(x.dtype, jnp.floating) else x, micro)
     args = (tree, micro) if key is None else (tree, micro, key)
     chain = None
-    if plan.comm.prefetch:  # unrolled and NNX blocks: the order they run in, read first
+    if plan.block_prefetch:  # unrolled and NNX blocks: the order they run in, read first
         chain = handoff.Chain(None, saved_inputs(plan))
         jax.eval_shape(lambda a: _traced(g, a, chain)[0], jax.lax.stop_gradient(args))
         chain = handoff.Chain(chain.recorded, chain.saved)
@@ -165,7 +165,7 @@ def run_loss(g: GradStep, tree: PyTree, micro: PyTree, key: jax.Array | None):
     if chain is not None:
         chain.check_done()
         prefetched |= set(chain.order)
-    if plan.comm.prefetch and (missing := [b for b in blocks if seen.get(b)
+    if plan.block_prefetch and (missing := [b for b in blocks if seen.get(b)
                                            and b not in prefetched]):
         raise ValueError(f"prefetch runs linen and NNX scanned stacks, unrolled linen blocks "
                          f"and NNX blocks in a list; {missing[0]!r} did not run as one (its "
@@ -194,14 +194,15 @@ def _traced(g: GradStep, args: tuple, chain: handoff.Chain | None):
     plan, blocks = g.plan, g.plan.blocks
     prefetched: set[str] = set()
     fetch = contextlib.ExitStack()
-    if plan.comm.prefetch:
+    if plan.block_prefetch:
         fetch.enter_context(prefetch.stacks(frozenset(blocks), prefetched, saved_inputs(plan)))
         fetch.enter_context(handoff.own_remat_lifted(frozenset(blocks)))
         fetch.enter_context(prefetch.nnx_stacks(chain.modules, prefetched, saved_inputs(plan)))
     # Pa at stages 0-2: the blocks' saved inputs are cut if zero_jax's remat saves them.
     remat_all = plan.partition_activations and not plan.rule.shard_params
-    with per_block(blocks, plan.remat, plan.partition_activations, chain, remat_all,
-                   plan.gather == "module") as seen, \
+    by_module = plan.gather == "module"
+    with per_block(blocks, plan.remat, plan.partition_activations, chain, remat_all, by_module,
+                   ahead=by_module and plan.comm.prefetch) as seen, \
             fetch:
         try:
             out = g.loss_fn(*args)

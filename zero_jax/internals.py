@@ -32,6 +32,15 @@ ORBAX_TMP_SUFFIX = ".orbax-checkpoint-tmp"
 ORBAX_WRITE_COROUTINE = "write_fragment"
 
 
+def trace_state() -> Any:
+    """``jax.extend.core.get_opaque_trace_state``: a token of the trace now running, equal
+    for two points of one trace (as Flax checks its own), so that a value from another one (an
+    inner transform's tracer) is never used here (``zero_jax.gather._Previous``)."""
+    import jax.extend
+
+    return jax.extend.core.get_opaque_trace_state(convention="flax")
+
+
 def compute_on_primitive() -> Any:
     """``jax._src.compute_on.compute_on_p``: the primitive behind
     ``jax.experimental.compute_on``, bound directly so that a host computation's jaxpr can be

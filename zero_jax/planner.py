@@ -104,7 +104,8 @@ def describe(layout: dict) -> str:
     return (f"stage {layout['stage']}, offload {layout['offload']}, remat {layout['remat']}, "
             f"tensor parallel {layout['tp']}"
             + (f", tiled within {layout['tile_mb']:.3g} MiB" if layout.get("tile_mb") else "")
-            + (", no prefetch" if layout.get("prefetch") is False else ""))
+            + (", no prefetch" if layout.get("prefetch") is False else "")
+            + (", gathered by module" if layout.get("gather") == "module" else ""))
 
 
 def fits(c: Candidate, device_memory: int, host_memory: int, devices_per_host: int,
@@ -149,6 +150,7 @@ def format_table(candidates: list[Candidate], best: Candidate | None, device_mem
                      f"{c.host_traffic / 2**20:>16.2f}"
                      + (f"   tiled within {lo['tile_mb']:.3g} MiB" if lo.get("tile_mb") else "")
                      + ("   no prefetch" if lo.get("prefetch") is False else "")
+                     + ("   by module" if lo.get("gather") == "module" else "")
                      + (f"   {c.nvme_state * devices_per_host / div:.2f} {unit} on NVMe"
                         if c.nvme_state else ""))
     # What fills the peak of the chosen layout, or of the one closest to fitting: what to change.

@@ -146,7 +146,8 @@ def communication(report: dict) -> tuple[Any, dict]:
 def layout_name(c: dict) -> str:
     tp = f", tp {c['tp']}" if c.get("tp", 1) > 1 else ""
     tiled = f", tiled {c['tile_mb']:.3g} MiB" if c.get("tile_mb") else ""
-    return f"stage {c['stage']}, offload {c['offload']}, remat {c['remat']}{tp}{tiled}"
+    module = ", by module" if c.get("gather") == "module" else ""
+    return f"stage {c['stage']}, offload {c['offload']}, remat {c['remat']}{tp}{tiled}{module}"
 
 
 OFFLOAD_COLORS = {"none": "tab:blue", "optimizer": "tab:orange", "params": "tab:red",
@@ -176,12 +177,14 @@ def planner(plan: dict) -> tuple[Any, dict]:
     spots: dict = {}
     for c in cands:  # remat policies that land on the same spot share one label
         tp = f" tp{c['tp']}" if c.get("tp", 1) > 1 else ""
-        spots.setdefault(xy(c), []).append(c["remat"] + tp + (" tiled" if c.get("tile_mb") else ""))
+        spots.setdefault(xy(c), []).append(c["remat"] + tp + (" tiled" if c.get("tile_mb") else "")
+                                           + (" module" if c.get("gather") == "module" else ""))
     for (x, y), names in spots.items():
         ax.annotate("/".join(dict.fromkeys(names)), (x, y), fontsize=5.5, rotation=35,
                     xytext=(3, 3), textcoords="offset points", color="0.35")
-    # The layout's own keys; only the planner's tiled layouts carry tile_mb.
-    same = lambda c: all(c.get(k) == best.get(k) for k in (*best, "tile_mb"))
+    # The layout's own keys; only the planner's variants carry tile_mb, prefetch and gather.
+    same = lambda c: all(c.get(k) == best.get(k) for k in (*best, "tile_mb", "prefetch",
+                                                             "gather"))
     chosen = next((c for c in cands if best and same(c)), None)
     if chosen:
         ax.scatter(*[[v] for v in xy(chosen)], s=300, marker="*", facecolor="none",

@@ -285,6 +285,12 @@ class Plan:
         return MODEL if MODEL in self.mesh.axis_names else None
 
     @property
+    def block_prefetch(self) -> bool:
+        """Prefetch a whole block ahead (``zero_jax.prefetch``, ``zero_jax.handoff``); gathering
+        by module, prefetch runs one module ahead inside the blocks instead."""
+        return self.comm.prefetch and self.gather == "block"
+
+    @property
     def tp_size(self) -> int:
         return self.mesh.shape[MODEL] if self.model else 1
 
@@ -516,10 +522,9 @@ def _check_combination(stage: int, layers: Layers | None, offload: Offload, comm
         raise ValueError(f"Layers(tile_mb=...) gathers stage 3's large parameters tile by tile; "
                          f"it is not built with {what}: use stage 3, without prefetch, offload "
                          f"or tensor parallelism")
-    if layers and layers.gather == "module" and (stage != 3 or comm.prefetch):
-        what = f"stage {stage}" if stage != 3 else "prefetch"
+    if layers and layers.gather == "module" and stage != 3:
         raise ValueError(f"Layers(gather='module') gathers each module of stage 3's blocks as "
-                         f"it runs; it is not built with {what}: use stage 3 without prefetch")
+                         f"it runs; stage {stage} gathers none: use stage 3")
     if offload.params and stage != 3:
         raise ValueError(f"Offload.params keeps stage 3's parameter shards in host memory; "
                          f"stage {stage} keeps whole parameters on every device: use stage 3")

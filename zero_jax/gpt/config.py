@@ -68,7 +68,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # tile_mb > 0 (stage 3, ZeRO-Infinity's memory-centric tiling): a layer's parameter above
     # this many MiB is never gathered whole; its Dense gathers it tile by tile (no prefetch).
     # gather: what stage 3 gathers at once, each whole block (FSDP2) or each module with
-    # parameters of its own as it runs (DeepSpeed ZeRO-3): less memory, more gathers, no prefetch.
+    # parameters of its own as it runs (DeepSpeed ZeRO-3): less memory, more gathers; prefetch
+    # then gathers one module ahead.
     "zero": {"stage": 3, "min_shard_elems": 0, "zero3_size": 0, "transformer_layers": ["blocks"],
              "ignored_modules": [], "offload_grads": False,
              "offload_optimizer": {"device": "none", "ratio": 1.0, "nvme_path": "",

@@ -157,10 +157,9 @@ def mesh_for(cfg: dict, devices: int | None) -> Mesh:
 
 def comm_from(z: dict) -> Comm:
     """The ``zero`` section's buckets, int8 collectives and prefetch; prefetch where it applies
-    (as DeepSpeed reads its prefetch settings at stage 3 only; not with tiling nor gathering
-    by module)."""
+    (as DeepSpeed reads its prefetch settings at stage 3 only; not with tiling)."""
     prefetch = z["prefetch"] and prefetchable(z["stage"], bool(z["transformer_layers"])) \
-        and not z["tile_mb"] and z["gather"] == "block"
+        and not z["tile_mb"]
     return Comm(int(z["bucket_mb"] * 2 ** 20), z["quantize_weights"] == "int8",
                 z["quantize_grads"] == "int8", z["quantize_block"], prefetch)
 

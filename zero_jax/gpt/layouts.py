@@ -96,6 +96,18 @@ def without_prefetch(layout: dict, cfg: dict, sets: list[str]) -> tuple[dict, di
     return {**layout, "prefetch": False}, c
 
 
+def by_module(layout: dict, cfg: dict, sets: list[str]) -> tuple[dict, dict] | None:
+    """The layout again gathering by module (``zero.gather``), which holds one module's weights
+    rather than a block's: for a stage 3 layout whose device memory does not fit. None below
+    stage 3, tiled, or where the command line set ``zero.gather``."""
+    if layout["stage"] != 3 or layout.get("tile_mb") or _fixed(sets, "zero.gather") or \
+            cfg["zero"]["gather"] == "module":
+        return None
+    c = copy.deepcopy(cfg)
+    c["zero"]["gather"] = "module"
+    return {**layout, "gather": "module"}, c
+
+
 def untried(cfg: dict, sets: list[str], layouts: list[dict]) -> list[str]:
     """What the command line kept the search from trying, as the flags that would: for the
     planner's advice when nothing fits."""
@@ -141,4 +153,6 @@ def flags(layout: dict) -> str:
         out.append(f"--set zero.tile_mb={layout['tile_mb']:.6g}")
     if layout.get("prefetch") is False:
         out.append("--set zero.prefetch=false")
+    if layout.get("gather") == "module":
+        out.append("--set zero.gather=module")
     return " ".join(out)
