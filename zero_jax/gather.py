@@ -479,21 +479,22 @@ def _own(params: PyTree) -> dict:
     return {k: v for k, v in params.items() if is_shard(v) and not v.tile}
 
 
-def _own_whole(variables: dict, args: tuple, kwargs: dict) -> dict:
+def _own_whole(variables: dict, args: tuple, kwargs: dict, heavy: bool = True) -> dict:
     """``variables`` (``{"params": ...}``, as ``map_variables`` hands them) with the module's
     own ``Shard``s made whole, after its inputs; its children's left to them."""
     params = variables["params"]
     own = {k: params[k] for k in _own(params)}
-    return {**variables, "params": {**params, **_module_whole(own, args, kwargs)}}
+    return {**variables, "params": {**params, **_module_whole(own, args, kwargs, heavy)}}
 
 
-def _module_whole(shards: PyTree, args: tuple, kwargs: dict) -> PyTree:
-    """A module's own ``Shard``s made whole after its inputs, one leaf per collective: its few
-    leaves gain nothing from sharing a buffer, and the buffer and the leaves cut out of it
-    would be live at once."""
+def _module_whole(shards: PyTree, args: tuple, kwargs: dict, heavy: bool) -> PyTree:
+    """A module's own ``Shard``s made whole after its inputs. A ``heavy`` one's (weights that
+    outweigh its inputs) one leaf per collective: a buffer and the leaves cut out of it would
+    be live at once; a light one's (a norm's scale and bias) in the plan's buckets."""
     alone = lambda x: dataclasses.replace(x, comm=dataclasses.replace(x.comm, bucket_bytes=0))
-    return materialize_tree(after_inputs(jax.tree.map(alone, shards, is_leaf=is_shard), args,
-                                         kwargs))
+    if heavy:
+        shards = jax.tree.map(alone, shards, is_leaf=is_shard)
+    return materialize_tree(after_inputs(shards, args, kwargs))
 
 
 def _outweighs(shards: Iterable[Shard], args: tuple, kwargs: dict) -> bool:
@@ -550,9 +551,10 @@ def _gathered_here(module: nn.Module, method: str, args: tuple, kwargs: dict,
     block's recompute to their use in its backward; lighter ones (norm scales, biases) stay
     as residuals."""
     after = previous.after(args, kwargs)
+    heavy = _outweighs(_own(module.variables.get("params", {})).values(), args, kwargs)
     run = nn.map_variables(lambda mdl: getattr(mdl, method)(*args, **kwargs), "params",
-                           trans_in_fn=lambda v: _own_whole(v, *after))
-    if not _outweighs(_own(module.variables.get("params", {})).values(), args, kwargs):
+                           trans_in_fn=lambda v: _own_whole(v, *after, heavy))
+    if not heavy:
         out = run(module)
     else:
         path = "/".join(module.path)
@@ -693,10 +695,11 @@ def _per_module_class(cls: type) -> type:
         if active is None or not own:
             return cls.__call__(self, *args, **kwargs)
         after = active.previous.after(args, kwargs)
-        whole = lambda s: _module_whole(s, *after)
+        heavy = _outweighs([v.get_raw_value() for v in own], args, kwargs)
+        whole = lambda s: _module_whole(s, *after, heavy)
         run = lambda m: _run_whole(cls.__call__, m, _own_vars(m), args, kwargs, whole)
-        out = run(self) if not _outweighs([v.get_raw_value() for v in own], args, kwargs) \
-            else nnx.remat(run, prevent_cse=True, policy=_all_but_gathered)(self)
+        out = nnx.remat(run, prevent_cse=True, policy=_all_but_gathered)(self) if heavy \
+            else run(self)
         active.previous.ran(args, kwargs)
         return out
 

@@ -534,7 +534,7 @@ def _comm_lines(r: dict) -> list[str]:
     how = "one collective per leaf" if not comm["bucket_bytes"] else \
         f"each layer in flat buffers of at most {comm['bucket_bytes'] / MiB:g} MiB"
     if comm["bucket_bytes"] and r.get("gather") == "module":
-        how += " (the blocks' modules: one collective per leaf)"
+        how += " (a block's modules heavier than their inputs: one collective per leaf)"
     if int8:
         how += f"; int8 {' and '.join(int8)} (one f32 scale per {comm['quantize_block']} elements)"
     lines.append(f"  buckets: {how}")
