@@ -45,6 +45,23 @@ def test_compute_on_primitive():
         broke("jax._src.compute_on.compute_on_p")
 
 
+def test_trace_state_tells_one_trace_from_another():
+    """Prefetch by module waits on the previous module's inputs only from the same trace."""
+    states = {}
+
+    def inner(y):
+        states["inner"] = internals.trace_state()
+        return y
+
+    def f(x):
+        states["outer"], states["again"] = internals.trace_state(), internals.trace_state()
+        return jax.checkpoint(inner)(x)
+    jax.make_jaxpr(f)(1.0)
+    name = "jax.extend.core.get_opaque_trace_state"
+    assert states["outer"] == states["again"], broke(name)
+    assert states["outer"] != states["inner"], broke(name)
+
+
 def test_distributed_client():
     try:
         client = internals.distributed_client()
