@@ -421,8 +421,8 @@ def test_declared_block_that_never_runs(mesh, net):
 
 def test_gathering_by_module_waits_one_module_back_within_one_trace():
     """Prefetch by module (``gather._Previous``): a module's gather waits for the inputs of
-    the module that ran before it in the same trace, else (no prefetch, a block's first
-    module, or an inner transform's trace) for its own."""
+    what ran before it in the same trace (the block, for its first module), else (no
+    prefetch, or an inner transform's trace) for its own. Each mutation of the rule fails."""
     from zero_jax.gather import _Previous
 
     seen = {}
@@ -432,8 +432,11 @@ def test_gathering_by_module_waits_one_module_back_within_one_trace():
             previous = _Previous(ahead)
             previous.ran((x_B,), {})  # the block's inputs
             seen[ahead, "first"] = previous.after((y_B,), {})[0][0]
-            inner = lambda z, p=previous: p.after((z,), {})[0][0]
-            seen[ahead, "inner"] = jax.checkpoint(inner)(x_B)
+
+            def inner(z, p=previous, ahead=ahead):
+                seen[ahead, "inner"] = p.after((z,), {})[0][0]
+                return z
+            jax.checkpoint(inner)(x_B)
             previous.ran((y_B,), {})
             seen[ahead, "next"] = previous.after((x_B,), {})[0][0]
         seen["x", "y"] = x_B, y_B
