@@ -279,7 +279,7 @@ class Layers:
     together (``GATHER``): the whole ``block`` as it runs and again for its backward (FSDP2's
     unit), or each ``module`` in it with parameters of its own, as that module runs (DeepSpeed
     ZeRO-3's hooks, the partitioner's FSDP): at most one module's weights whole at a time,
-    for up to a third more gathering (``_gathered_here``); prefetch then runs one module
+    for up to a third more gathering (``_module_call``); prefetch then runs one module
     ahead (``_Previous``)."""
 
     pattern: str
@@ -452,8 +452,7 @@ def _checkpointed_inputs(args: tuple, kwargs: dict, partition: bool):
 
 
 def _rematerialized(module: nn.Module, method: str, args: tuple, kwargs: dict, whole: Any,
-                    policy: Any, partition: bool, inside: set[str],
-                    previous: _Previous | None = None) -> Any:
+                    policy: Any, partition: bool, inside: set[str], previous: _Previous) -> Any:
     """A linen block's ``method`` under ``nn.remat`` with ``policy``, its parameters made whole
     by ``whole`` inside; with Pa its inputs reach the checkpoint cut (what it saves, or
     offloads) and are made whole inside it. Its path is ``inside`` meanwhile, so that the
@@ -462,8 +461,7 @@ def _rematerialized(module: nn.Module, method: str, args: tuple, kwargs: dict, w
 
     def named(mdl):  # inside the checkpoint, where the policy sees the names
         a, k = inputs()
-        if previous is not None:  # gathering by module: the block's first waits for these
-            previous.ran(a, k)
+        previous.ran(a, k)  # gathering by module with prefetch: the first module waits for these
         return getattr(mdl, method)(*a, **k)
     run = nn.map_variables(named, "params", trans_in_fn=whole)
     path = "/".join(module.path)
@@ -479,12 +477,12 @@ def _own(params: PyTree) -> dict:
     return {k: v for k, v in params.items() if is_shard(v) and not v.tile}
 
 
-def _own_whole(variables: dict, args: tuple, kwargs: dict, heavy: bool = True) -> dict:
+def _own_whole(variables: dict, whole: Any) -> dict:
     """``variables`` (``{"params": ...}``, as ``map_variables`` hands them) with the module's
-    own ``Shard``s made whole, after its inputs; its children's left to them."""
+    own ``Shard``s made whole by ``whole``; its children's left to them."""
     params = variables["params"]
     own = {k: params[k] for k in _own(params)}
-    return {**variables, "params": {**params, **_module_whole(own, args, kwargs, heavy)}}
+    return {**variables, "params": {**params, **whole(own)}}
 
 
 def _module_whole(shards: PyTree, args: tuple, kwargs: dict, heavy: bool) -> PyTree:
@@ -499,7 +497,7 @@ def _module_whole(shards: PyTree, args: tuple, kwargs: dict, heavy: bool) -> PyT
 
 def _outweighs(shards: Iterable[Shard], args: tuple, kwargs: dict) -> bool:
     """Whether a module's gathered weights hold more elements than its inputs: then its
-    backward gathers them again rather than keeping them (``_gathered_here``)."""
+    backward gathers them again rather than keeping them (``_module_call``)."""
     whole = sum(x.value.size * jax.lax.axis_size(x.mesh_axis) for x in shards
                 if x.kind == "gather")
     return whole > sum(x.size for x in jax.tree.leaves((args, kwargs))
@@ -542,29 +540,42 @@ def _has_own(module: nn.Module, context: Any) -> bool:
         bool(_own(module.variables.get("params", {})))
 
 
-def _gathered_here(module: nn.Module, method: str, args: tuple, kwargs: dict,
-                   inside: set[str], previous: _Previous) -> Any:
-    """A module inside a block gathered by module (``Layers.gather``): its own ``Shard``s made
-    whole as it runs, after its inputs (with prefetch, the previous module's: ``_Previous``).
-    Where the gathered weights outweigh its inputs, it runs under a checkpoint that saves all
-    but them, so that its backward gathers them again rather than keeping them from the
-    block's recompute to their use in its backward; lighter ones (norm scales, biases) stay
-    as residuals."""
+def _module_call(module: Any, shards: list[Shard], args: tuple, kwargs: dict,
+                 previous: _Previous, runs: Any, checkpoint: Any) -> Any:
+    """A module inside a block gathered by module (``Layers.gather``), linen or NNX: its own
+    ``shards`` made whole as it runs, after its inputs (with prefetch, the previous module's:
+    ``_Previous``). ``runs(whole)``: the call with ``whole`` making them whole; ``checkpoint``:
+    the framework's remat. Where the gathered weights outweigh its inputs, it runs under a
+    checkpoint that saves all but them, so that its backward gathers them again rather than
+    keeping them from the block's recompute to their use in its backward; lighter ones (norm
+    scales, biases) stay as residuals."""
     after = previous.after(args, kwargs)
-    heavy = _outweighs(_own(module.variables.get("params", {})).values(), args, kwargs)
-    run = nn.map_variables(lambda mdl: getattr(mdl, method)(*args, **kwargs), "params",
-                           trans_in_fn=lambda v: _own_whole(v, *after, heavy))
-    if not heavy:
-        out = run(module)
-    else:
-        path = "/".join(module.path)
-        inside.add(path)
-        try:
-            out = nn.remat(run, prevent_cse=True, policy=_all_but_gathered)(module)
-        finally:
-            inside.discard(path)
+    heavy = _outweighs(shards, args, kwargs)
+    run = runs(lambda s: _module_whole(s, *after, heavy))
+    out = checkpoint(run, prevent_cse=True, policy=_all_but_gathered)(module) if heavy \
+        else run(module)
     previous.ran(args, kwargs)  # this module, not its children, ran last
     return out
+
+
+def _gathered_here(module: nn.Module, method: str, args: tuple, kwargs: dict,
+                   inside: set[str], previous: _Previous) -> Any:
+    """``_module_call`` for a linen module: its path is ``inside`` while its remat runs, so
+    that the interceptor lets the remat's own call of it through."""
+    path = "/".join(module.path)
+
+    def remat(run, **options):
+        def call(mdl):
+            inside.add(path)
+            try:
+                return nn.remat(run, **options)(mdl)
+            finally:
+                inside.discard(path)
+        return call
+    runs = lambda whole: nn.map_variables(lambda mdl: getattr(mdl, method)(*args, **kwargs),
+                                          "params", trans_in_fn=lambda v: _own_whole(v, whole))
+    own = _own(module.variables.get("params", {}))
+    return _module_call(module, list(own.values()), args, kwargs, previous, runs, remat)
 
 
 @contextlib.contextmanager
@@ -610,9 +621,8 @@ def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = Fals
             return _read_whole(next_fun, module, context.method_name, args, kwargs)
         if not has_shards(params):
             return next_fun(*args, **kwargs)  # made whole already (prefetch's loop)
-        # By module, the block makes only its own leaves whole; each child gathers its own.
-        gather = (lambda v: _own_whole(v, args, kwargs)) if by_module else \
-            (lambda params: materialize_tree(after_inputs(params, args, kwargs)))
+        gather = (lambda v: _own_whole(v, lambda s: _module_whole(s, args, kwargs, True))) \
+            if by_module else (lambda params: materialize_tree(after_inputs(params, args, kwargs)))
         plain = lambda: rematerialize(module, context.method_name, args, kwargs, gather)
         if chain is not None:
             return chain.call(path, chain.linen(module, context.method_name), args, kwargs,
@@ -687,21 +697,17 @@ def _run_whole(call: Any, module: Any, variables: list, args: tuple, kwargs: dic
 @functools.cache
 def _per_module_class(cls: type) -> type:
     """``cls``, a module inside an NNX block gathered by module, whose ``__call__`` makes its
-    own ``Shard``s whole as it runs (as ``_gathered_here`` for linen)."""
+    own ``Shard``s whole as it runs (``_module_call``)."""
     from flax import nnx
 
     def __call__(self, *args, **kwargs):
         own, active = _own_vars(self), _ACTIVE.get()
         if active is None or not own:
             return cls.__call__(self, *args, **kwargs)
-        after = active.previous.after(args, kwargs)
-        heavy = _outweighs([v.get_raw_value() for v in own], args, kwargs)
-        whole = lambda s: _module_whole(s, *after, heavy)
-        run = lambda m: _run_whole(cls.__call__, m, _own_vars(m), args, kwargs, whole)
-        out = nnx.remat(run, prevent_cse=True, policy=_all_but_gathered)(self) if heavy \
-            else run(self)
-        active.previous.ran(args, kwargs)
-        return out
+        runs = lambda whole: lambda m: _run_whole(cls.__call__, m, _own_vars(m), args, kwargs,
+                                                  whole)
+        return _module_call(self, [v.get_raw_value() for v in own], args, kwargs,
+                            active.previous, runs, nnx.remat)
 
     return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__})
