@@ -54,6 +54,16 @@ class Hardware:
 # H100 SXM: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink 4 at 450 GB/s per direction;
 # across nodes one 400 Gb/s NIC per GPU (50 GB/s).
 H100 = Hardware("H100 SXM", 989e12, 3.35e12, 450e9, 50e9)
+# H200 SXM: the H100's compute and links, 4.8 TB/s HBM3e.
+H200 = Hardware("H200 SXM", 989e12, 4.8e12, 450e9, 50e9)
+
+
+def hardware_of(device_kind: str) -> Hardware | None:
+    """The figures for a GPU that jax names ``device_kind`` (None: not one of ours)."""
+    kind = device_kind.lower()
+    if "h100" in kind and "pcie" not in kind and "nvl" not in kind:
+        return H100
+    return H200 if "h200" in kind else None
 
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
         "add-dependency", "opt-barrier", "partition-id", "replica-id"}

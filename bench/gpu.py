@@ -70,13 +70,15 @@ NOT_COMPUTE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                "add-dependency", "opt-barrier", "partition-id", "replica-id", "async-start",
                "async-update", "async-done"}
 MiB = 2 ** 20
-# Stages 0-3 as configured (stage 3 prefetches the next layer's gather by default), and stage 3
-# without prefetch: what prefetch buys where collectives can overlap compute.
+# Stages 0-3 as configured (stage 3 prefetches the next layer's gather by default), stage 3
+# without prefetch (what prefetch buys where collectives can overlap compute) and gathering by
+# module.
 RUNS = [(str(s), [f"zero.stage={s}"]) for s in range(4)] + [
-    ("3, no prefetch", ["zero.stage=3", "zero.prefetch=false"])]
-# Compiled only (--compile-for), so cheap: buckets off, gathering by module, ZeRO++'s int8.
+    ("3, no prefetch", ["zero.stage=3", "zero.prefetch=false"]),
+    ("3, by module", ["zero.stage=3", "zero.gather=module"])]
+# Compiled only (--compile-for), so cheap: buckets off, by module without prefetch, ZeRO++'s
+# int8.
 VARIANTS = [("3, no buckets", ["zero.stage=3", "zero.bucket_mb=0"]),
-            ("3, by module", ["zero.stage=3", "zero.gather=module"]),
             ("3, by module, no prefetch", ["zero.stage=3", "zero.gather=module",
                                            "zero.prefetch=false"]),
             ("3, int8 weights", ["zero.stage=3", "zero.quantize_weights=int8"]),
@@ -330,6 +332,13 @@ def _save(args: argparse.Namespace, name: str, compiled) -> None:
             f.write(compiled.as_text())
 
 
+def _cost_flops(compiled) -> float | None:
+    """The compiled program's own FLOP count (None where XLA gives none)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost["flops"]) if cost and "flops" in cost else None
+
+
 def _model_flops(exp, n_devices: int) -> float:
     """Model FLOPs of one step, per device."""
     return flops_per_token(exp.model) * exp.tokens_per_step / n_devices
@@ -421,22 +430,39 @@ def main() -> None:
           f"{per_token / 1e9:.3f} GFLOP; peak dense bf16 per device: "
           + (f"{peak / 1e12:.0f} TFLOP/s ({device.device_kind})" if peak
              else f"unknown for {device.device_kind!r}") + "\n")
-    print("| stage | step ms | tokens/s | MFU | collectives per step (count / MiB) "
+    hw = estimate.hardware_of(device.device_kind)
+    if hw:  # one node: every collective over NVLink
+        hw = dataclasses.replace(hw, gpus_per_node=mesh.size)
+    print("| stage | step ms | tokens/s | MFU | estimate ms (measured / estimate) "
+          "| collectives per step (count / MiB) "
           "| async pairs with a matmul between start and done |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     results = []
     for r in runs:
         res = program(r["stage"], r["step"], r["report"], mesh.size)
         tps = r["exp"].tokens_per_step / r["ms"] * 1e3
         mfu = per_token * tps / (peak * mesh.size) if peak else None
-        res.update(step_ms=r["ms"], tokens_per_s=tps, mfu=mfu)
+        res.update(step_ms=r["ms"], tokens_per_s=tps, mfu=mfu, cost_flops=_cost_flops(r["step"]))
+        if hw:
+            res["estimate"] = estimate.estimate(r["step"].as_text(), hw, mesh.size,
+                                                _model_flops(r["exp"], mesh.size))
         results.append(res)
         pairs = ", ".join(f"{harness.SHORT[k]} {v['matmul']}/{v['pairs']}"
                           for k, v in sorted(res["overlap"].items()))
+        est = res.get("estimate")
         print(f"| {r['stage']} | {r['ms']:.1f} | {tps:,.0f} | "
-              f"{f'{mfu:.1%}' if mfu is not None else 'unknown'} "
-              f"| {harness.format_collectives(res['collectives'])} "
+              f"{f'{mfu:.1%}' if mfu is not None else 'unknown'} | "
+              + (f"{est['step_s'] * 1e3:.1f} ({r['ms'] / (est['step_s'] * 1e3):.2f})"
+                 if est else f"no figures for {device.device_kind!r}")
+              + f" | {harness.format_collectives(res['collectives'])} "
               f"| {pairs or 'no async collectives'} |")
+    if hw:
+        estimates(model, hw, mesh.size, 1, results)
+        print("\nFLOPs per step per device, the estimate's count (dots and GEMMs) against the "
+              "compiled program's cost_analysis():")
+        for res in results:
+            print(f"  stage {res['stage']}: {res['estimate']['hlo_flops'] / 1e12:.3f} TFLOP"
+                  + (f" vs {res['cost_flops'] / 1e12:.3f}" if res["cost_flops"] else ""))
     details(results)
     if args.json:
         with open(args.json, "w") as f:
