@@ -54,8 +54,10 @@ import os
 import re
 import sys
 
-import estimate  # bench/estimate.py
+# isort: off
 import harness  # bench/harness.py, beside this script (puts the repository on sys.path)
+import estimate  # bench/estimate.py: imports zero_jax, so after harness
+# isort: on
 
 from zero_jax.hlo import KINDS, computations, instruction, matmul_finder  # noqa: E402
 
