@@ -11,8 +11,8 @@ import pytest
 
 import zero_jax as zj
 from zero_jax import report
-from zero_jax.gather import after_inputs
 from zero_jax.peak import breakdown, kind
+from zero_jax.shards import after_inputs
 
 # The shape of XLA's "Stack trace breakdown for peak usage" (jax 0.10.2's CPU dump), written
 # by hand: a program root, an argument's path in parts, operations by name stack.

@@ -1,7 +1,7 @@
 """The gradient half of the step: a pipeline of named phases over a per-leaf record.
 
 It runs under ``shard_map`` over the data axes, so the collectives are exactly the ones
-``zero_jax.gather`` and this module write (XLA's partitioner on CPU would neither
+``zero_jax.shards`` and this module write (XLA's partitioner on CPU would neither
 reduce-scatter nor gather weights by itself). Each parameter's ``Route`` is decided once, from
 its ``Leaf`` and the stage; the phases only read it:
 
@@ -23,9 +23,10 @@ from jax.sharding import PartitionSpec as P
 
 from zero_jax import buckets, handoff, prefetch
 from zero_jax.buckets import Comm
-from zero_jax.gather import Saved, Shard, materialize_tree, per_block, per_model_rank
+from zero_jax.gather import Saved, per_block
 from zero_jax.offload import in_host_memory, on_host_leaves
 from zero_jax.rules import Leaf, Plan
+from zero_jax.shards import Shard, materialize_tree, per_model_rank
 from zero_jax.state import grads_in_host_memory, params_in_host_memory
 
 PyTree = Any

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from zero_jax import internals
-from zero_jax.gather import Saved, after_inputs, is_shard, materialize_tree, reduce_tree
+from zero_jax.gather import Saved
+from zero_jax.shards import after_inputs, is_shard, materialize_tree, reduce_tree
 
 PyTree = Any
 _OFF = "turn prefetch off (zero.prefetch: false)"

@@ -12,7 +12,7 @@ also its matmuls' outputs; ``offload`` keeps the inputs in host memory, Pa cut o
 ``gather.Saved``), never its gathered weights, which the backward has again. Each iteration's
 collectives then need nothing it computes, and XLA's scheduler can run them under its matmuls
 (on GPU; read from the compiled program in bench/gpu.py). With tensor parallelism each rank
-does this with its slice of the layer over ``data``, as ``gather.per_model_rank`` runs every
+does this with its slice of the layer over ``data``, as ``shards.per_model_rank`` runs every
 ZeRO collective. A forward iteration holds two gathered layers, a backward one also two whole
 layer gradients. What the loops carry is replaced in place: each layer is cut out of its bucket
 once the layer before is done with its weights, and each backward iteration starts once the
@@ -43,7 +43,8 @@ import jax
 import jax.numpy as jnp
 
 from zero_jax import buckets, internals
-from zero_jax.gather import Saved, after_inputs, is_shard, materialize_tree, reduce_tree
+from zero_jax.gather import Saved
+from zero_jax.shards import after_inputs, is_shard, materialize_tree, reduce_tree
 
 PyTree = Any
 

@@ -106,7 +106,7 @@ def to_params(plan: Plan, compute: PyTree) -> PyTree:
         return treedef.unflatten(flat)
 
     # With tensor parallelism a bucket mixes leaves cut over ``model`` with whole ones, which
-    # come out the same on every rank but cannot be inferred so (``gather.per_model_rank``).
+    # come out the same on every rank but cannot be inferred so (``shards.per_model_rank``).
     return jax.shard_map(gather, mesh=plan.mesh, in_specs=(plan.opt_specs,),
                          out_specs=plan.param_specs, check_vma=not plan.model)(compute)
 
