@@ -448,3 +448,29 @@ def test_gathering_by_module_waits_one_module_back_within_one_trace():
     assert seen[False, "first"] is y_B and seen[False, "next"] is x_B
     assert all(seen[ahead, "inner"] is not x_B and seen[ahead, "inner"] is not y_B
                for ahead in (False, True))
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gathering_by_module_order_in_the_compiled_program(prefetch, mesh):
+    """Gathering by module, read from the compiled program of 3 blocks (``up`` then ``down``,
+    both heavier than their inputs): without prefetch each module's gather waits for the
+    matmuls of every module before it; with prefetch ``down``'s waits for none of ``up``'s
+    (one module ahead) but for all before (never further ahead), and a block's first module
+    for the block before (each block starts afresh). Before the inputs were held
+    (``gather._held``), XLA dropped the wait whenever the inputs were a norm's output fused
+    away: ``down`` was gathered at the top of the step, every block's at once."""
+    from zero_jax.hlo import forward_waits
+
+    model, init = setup(n_blocks=3)
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,
+                        layers=zj.Layers(BLOCKS, gather="module"),
+                        comm=zj.Comm(prefetch=prefetch))
+    tx = optax.sgd(0.1)
+    loss_fn = lambda params, toks: ce(model, params, toks).mean()
+    text = zj.make_train_step(plan, loss_fn, tx).lower(
+        zj.abstract_state(plan, tx), shard_batch(mesh, tokens(0))).compile().as_text()
+    modules = [f"h_{i}/{m}" for i in range(3) for m in ("up", "down")]
+    before = [set(range(j)) for j in range(len(modules))]  # every module before
+    if prefetch:  # down: all but its block's up
+        before = [b - {j - 1} if j % 2 else b for j, b in enumerate(before)]
+    assert forward_waits(text, modules) == before

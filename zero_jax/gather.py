@@ -317,18 +317,31 @@ def _has_own(module: nn.Module, context: Any) -> bool:
         bool(_own(module.variables.get("params", {})))
 
 
+def _held(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A module's array inputs passed through a barrier, for it to compute on. A gather that
+    waits for them (``after_inputs``) then waits for values the module uses: XLA's algebraic
+    simplifier drops a barrier's unused operand whose producer has no other user, as a norm's
+    output fused into the next matmul has not, and the gather would then wait for nothing."""
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    for i, x in zip(at, jax.lax.optimization_barrier([leaves[i] for i in at]), strict=True):
+        leaves[i] = x
+    return treedef.unflatten(leaves)
+
+
 def _module_call(module: Any, shards: list[Shard], args: tuple, kwargs: dict,
                  previous: _Previous, runs: Any, checkpoint: Any) -> Any:
     """A module inside a block gathered by module (``Layers.gather``), linen or NNX: its own
     ``shards`` made whole as it runs, after its inputs (with prefetch, the previous module's:
-    ``_Previous``). ``runs(whole)``: the call with ``whole`` making them whole; ``checkpoint``:
-    the framework's remat. Where the gathered weights outweigh its inputs, it runs under a
-    checkpoint that saves all but them, so that its backward gathers them again rather than
-    keeping them from the block's recompute to their use in its backward; lighter ones (norm
-    scales, biases) stay as residuals."""
+    ``_Previous``; both ``_held``). ``runs(whole, args, kwargs)``: the call with ``whole``
+    making them whole; ``checkpoint``: the framework's remat. Where the gathered weights
+    outweigh its inputs, it runs under a checkpoint that saves all but them, so that its
+    backward gathers them again rather than keeping them from the block's recompute to their
+    use in its backward; lighter ones (norm scales, biases) stay as residuals."""
+    args, kwargs = _held(args, kwargs)
     after = previous.after(args, kwargs)
     heavy = _outweighs(shards, args, kwargs)
-    run = runs(lambda s: _module_whole(s, *after, heavy))
+    run = runs(lambda s: _module_whole(s, *after, heavy), args, kwargs)
     out = checkpoint(run, prevent_cse=True, policy=_all_but_gathered)(module) if heavy \
         else run(module)
     previous.ran(args, kwargs)  # this module, not its children, ran last
@@ -349,8 +362,9 @@ def _gathered_here(module: nn.Module, method: str, args: tuple, kwargs: dict,
             finally:
                 inside.discard(path)
         return call
-    runs = lambda whole: nn.map_variables(lambda mdl: getattr(mdl, method)(*args, **kwargs),
-                                          "params", trans_in_fn=lambda v: _own_whole(v, whole))
+    runs = lambda whole, a, k: nn.map_variables(
+        lambda mdl: getattr(mdl, method)(*a, **k), "params",
+        trans_in_fn=lambda v: _own_whole(v, whole))
     own = _own(module.variables.get("params", {}))
     return _module_call(module, list(own.values()), args, kwargs, previous, runs, remat)
 
@@ -481,8 +495,8 @@ def _per_module_class(cls: type) -> type:
         own, active = _own_vars(self), _ACTIVE.get()
         if active is None or not own:
             return cls.__call__(self, *args, **kwargs)
-        runs = lambda whole: lambda m: _run_whole(cls.__call__, m, _own_vars(m), args, kwargs,
-                                                  whole)
+        runs = lambda whole, a, k: lambda m: _run_whole(cls.__call__, m, _own_vars(m), a, k,
+                                                        whole)
         return _module_call(self, [v.get_raw_value() for v in own], args, kwargs,
                             active.previous, runs, nnx.remat)
 

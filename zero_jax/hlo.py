@@ -345,33 +345,49 @@ def _closure(start: str, edges, stop=lambda _: False) -> set[str]:
     return seen
 
 
-def gathered_beside(hlo_text: str, blocks: list[str]) -> dict[str, list[bool]]:
-    """A straight-line program's blocks (unrolled; ``blocks`` in the order they run, each a
-    part of its matmuls' JAX name stacks), read from the entry computation's data flow.
-    ``forward``: per block after the first, whether an all-gather feeding its matmuls waits
-    for none of the forward matmuls of the block before; ``backward``: per block before the
-    last, whether an all-gather of the backward (one that waits for the last block's forward)
-    feeding its matmuls waits for none of the backward matmuls of the block after. All True:
-    every block's weights are gathered while its neighbour computes (prefetch)."""
+def _gathers_waiting(hlo_text: str, blocks: list[str]):
+    """Each all-gather of a straight-line program that feeds the matmuls of one of ``blocks``
+    (in the order they run, each a part of its matmuls' JAX name stacks), read from the entry
+    computation's data flow: ``(block index, the (block, backward) of every matmul it waits
+    for)``."""
     bodies, entry = computations(hlo_text)
-    order, operands, users = _graph(bodies[entry])
+    order, operands, _ = _graph(bodies[entry])
     is_matmul = matmul_finder(bodies)
     owner = {name: _block_of(line, bodies, blocks) for name, _, line in order
              if is_matmul(line)}
-    found = {"forward": [False] * (len(blocks) - 1), "backward": [False] * (len(blocks) - 1)}
     for name, op, line in order:
-        if op.removesuffix("-start") != "all-gather":
-            continue
-        after = {owner[a] for a in _closure(name, operands) if owner.get(a)}
-        j = (_block_of(line, bodies, blocks) or (None,))[0]
-        if j is None:
-            continue
+        if op.removesuffix("-start") == "all-gather" and \
+                (j := (_block_of(line, bodies, blocks) or (None,))[0]) is not None:
+            yield j, {owner[a] for a in _closure(name, operands) if owner.get(a)}
+
+
+def gathered_beside(hlo_text: str, blocks: list[str]) -> dict[str, list[bool]]:
+    """``forward``: per block after the first, whether an all-gather feeding its matmuls waits
+    for none of the forward matmuls of the block before; ``backward``: per block before the
+    last, whether an all-gather of the backward (one that waits for the last block's forward)
+    feeding its matmuls waits for none of the backward matmuls of the block after
+    (``_gathers_waiting``). All True: every block's weights are gathered while its neighbour
+    computes (prefetch)."""
+    found = {"forward": [False] * (len(blocks) - 1), "backward": [False] * (len(blocks) - 1)}
+    for j, after in _gathers_waiting(hlo_text, blocks):
         if (len(blocks) - 1, False) in after:  # the backward's
             if j < len(blocks) - 1:
                 found["backward"][j] |= (j + 1, True) not in after
         elif j > 0:
             found["forward"][j - 1] |= (j - 1, False) not in after
     return found
+
+
+def forward_waits(hlo_text: str, blocks: list[str]) -> list[set[int]]:
+    """Per block (or module) of ``blocks``, the others whose forward matmuls every forward
+    all-gather of its weights waits for (``_gathers_waiting``): how far ahead of its use it
+    can be gathered."""
+    waits: list[set[int] | None] = [None] * len(blocks)
+    for j, after in _gathers_waiting(hlo_text, blocks):
+        if (len(blocks) - 1, False) not in after:  # not the backward's
+            mine = {i for i, backward in after if not backward}
+            waits[j] = mine if waits[j] is None else waits[j] & mine
+    return [w or set() for w in waits]
 
 
 def scheduled_ahead(hlo_text: str, blocks: list[str]) -> list[bool]:
