@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import OPTIMIZED, SUBPROCESS_ENV, local_bytes, tree_rel
+from flags import EXACT
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -99,15 +100,16 @@ def test_stage3_gathers_in_param_dtype_and_reduces_in_reduce_dtype(mesh, reduce_
 
 
 def train_losses(mesh, stage, precision, steps=50, accum_steps=1, batch=32, tx=None,
-                 loss_fn=None, batches=None, cfg=TINY, comm=None, long=False):
-    """``long``: the step compiled with LLVM's optimizations (``conftest.OPTIMIZED``)."""
+                 loss_fn=None, batches=None, cfg=TINY, comm=None, long=False, options=None):
+    """``long``: the step compiled with LLVM's optimizations (``conftest.OPTIMIZED``);
+    ``options``: with these compiler options instead."""
     from zero_jax.gpt import data
     plan, init, tx, step = setup(mesh, stage, precision, accum_steps, cfg, tx, loss_fn, comm)
     state = zj.init_state(plan, init, tx, KEY)
     tokens = data.stdlib_corpus(1 << 20)
     get = lambda i: batches[i] if batches else data.batch(tokens, i, batch, cfg.seq_len, seed=0)
-    if long:
-        step = step.lower(state, get(0)).compile(compiler_options=OPTIMIZED)
+    if long or options:
+        step = step.lower(state, get(0)).compile(compiler_options=options or OPTIMIZED)
     out = []
     for i in range(steps):
         state, m = step(state, get(i))
@@ -192,6 +194,36 @@ def test_fp16_overflow_skips_that_step_and_halves_the_scale(mesh, stage=3):
     clean = [m["loss"] for i, m in enumerate(got) if i != 3]
     np.testing.assert_allclose(clean, [m["loss"] for m in ref], rtol=1e-3)
     assert tree_rel(state.master, ref_state.master) < 2e-4
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_non_finite_step_is_skipped_alike_by_select_and_cond(mesh, stage, monkeypatch):
+    """The update skips a step whose gradient is not finite with a cond on the CPU and a
+    select per leaf on GPUs (``step.selects_in_place``, for memory): run here both ways, AdamW
+    with a poisoned fourth batch (compiled ``EXACT``: bits compared), the two give the same
+    losses, parameters and optimizer state bit for bit, and the skipped step changed none of
+    them."""
+    from zero_jax import step as step_module
+    from zero_jax.gpt import data
+    tokens = data.stdlib_corpus(1 << 20) % 200  # ids 200+ never occur: free for the marker
+    batches = [data.batch(tokens, i, 16, SMALL.seq_len, seed=0) for i in range(5)]
+    batches[3][0, 0] = 249
+    runs = {}
+    for select in (False, True):
+        monkeypatch.setattr(step_module, "selects_in_place", lambda plan, s=select: s)
+        runs[select] = train_losses(mesh, stage, Precision(), 5, tx=optax.adamw(1e-2),
+                                    loss_fn=poisoned(GPT(SMALL), 249), cfg=SMALL,
+                                    batches=batches, options=EXACT)
+    assert [m["skipped"] for m in runs[True][1]] == [0, 0, 0, 1, 0]
+    for key in runs[True][1][0]:  # NaN equals NaN here
+        np.testing.assert_array_equal([m[key] for m in runs[True][1]],
+                                      [m[key] for m in runs[False][1]])
+    for a, b in zip(jax.tree.leaves(runs[True][0]), jax.tree.leaves(runs[False][0]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # Skipped: four steps' state, one step count and AdamW count behind the step.
+    assert int(runs[True][0].step) == 5 and int(runs[True][0].skipped) == 1
+    counts = [x for x in jax.tree.leaves(runs[True][0].opt_state) if x.dtype == jnp.int32]
+    assert counts and all(int(c) == 4 for c in counts)
 
 
 def test_loss_scale_follows_deepspeed_hysteresis_and_window():

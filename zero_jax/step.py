@@ -54,6 +54,15 @@ def unscale(grads: PyTree, scale: jax.Array) -> tuple[PyTree, jax.Array]:
     return grads, on_device if in_host is None else on_device + in_host
 
 
+def selects_in_place(plan: Plan) -> bool:
+    """Whether the update skips a non-finite step with a select per leaf rather than a cond.
+    XLA's GPU compiler fuses the select into the update and writes the donated state in place,
+    where a cond's branches need the state's size again (8 H100s, d_model 512: stage 0's temp
+    186 -> 40 MiB, stage 2's 33 -> 24); its CPU compiler the other way round (the default
+    model's stage 0: 8.7 -> 10.9 MiB), so the CPU keeps the cond."""
+    return plan.mesh.devices.flat[0].platform != "cpu"
+
+
 def make_update(plan: Plan, tx: optax.GradientTransformation) -> Callable:
     """``update(grads, opt_state, master, finite) -> (master, opt_state, compute)``.
 
@@ -66,9 +75,17 @@ def make_update(plan: Plan, tx: optax.GradientTransformation) -> Callable:
         updates, opt_state = trained_tx.update(grads, opt_state, master)
         return optax.apply_updates(master, updates), opt_state
 
+    select = selects_in_place(plan)
+
     def update(grads, opt_state, master, finite):
-        new_master, opt_state = jax.lax.cond(finite, lambda _: optimize(grads, opt_state, master),
-                                             lambda _: (master, opt_state), None)
+        if select:
+            new = optimize(grads, opt_state, master)
+            new_master, opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new,
+                                                 (master, opt_state))
+        else:
+            new_master, opt_state = jax.lax.cond(
+                finite, lambda _: optimize(grads, opt_state, master),
+                lambda _: (master, opt_state), None)
         compute = jax.tree.map(lambda x: x.astype(plan.precision.compute), new_master)
         return new_master, opt_state, compute
 
