@@ -26,12 +26,12 @@ from zero_jax.mesh import MODEL
 from zero_jax.shards import (
     GATHERED,
     Shard,
-    _gathers,
-    _tile,
     after_inputs,
     has_shards,
+    is_gathered,
     is_shard,
     materialize_tree,
+    whole_tile,
 )
 
 PyTree = Any
@@ -395,7 +395,7 @@ def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = Fals
 
     def intercept(next_fun, args, kwargs, context):
         module = context.module
-        tiled = tiling.use(module, context.method_name, args, kwargs, _tile, materialize_tree)
+        tiled = tiling.use(module, context.method_name, args, kwargs, whole_tile, materialize_tree)
         if tiled is not tiling.UNTILED:
             return tiled
         path = "/".join(module.path) if module.scope is not None else None
@@ -404,7 +404,7 @@ def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = Fals
         if path not in names:  # gathering by module: a module inside a block
             return _gathered_here(module, context.method_name, args, kwargs, inside, previous)
         params = module.variables.get("params", {})
-        seen[path] = seen.get(path, False) or _gathers(params)
+        seen[path] = seen.get(path, False) or is_gathered(params)
         if not seen[path]:  # stages 0-2: reads its whole copy (a replica: all-reduced after)
             if remat_all:
                 return rematerialize(module, context.method_name, args, kwargs,
@@ -448,7 +448,7 @@ def nnx_merge(graphdef: Any, *states: Any) -> Any:
             internals.set_class(node, _per_module_class(type(node)))
         if isinstance(node, nnx.Module) and name in names:
             internals.set_class(node, _per_block_class(type(node)))
-            seen[name] = seen.get(name, False) or _gathers(
+            seen[name] = seen.get(name, False) or is_gathered(
                 [v.get_raw_value() for _, v in nnx.iter_graph(node) if isinstance(v, nnx.Variable)])
             if chain is not None:
                 chain.modules[name] = node
@@ -529,7 +529,7 @@ def _per_block_class(cls: type) -> type:
         inputs = _checkpointed_inputs(args, kwargs, active.partition)
         remat = lambda whole: nnx.remat(lambda m: run(m, *inputs(), whole), prevent_cse=True,
                                         policy=active.policy)(self)
-        if not _gathers(shards):  # stages 0-2
+        if not is_gathered(shards):  # stages 0-2
             return remat(materialize_tree) if active.remat_all else \
                 run(self, args, kwargs, materialize_tree)
         plain = lambda: remat(lambda s: materialize_tree(after_inputs(s, args, kwargs)))

@@ -187,7 +187,7 @@ def _materialize_group(xs: list[Shard], after: tuple) -> list[jax.Array]:
     return wholes
 
 
-def _tile(x: Shard) -> jax.Array:
+def whole_tile(x: Shard) -> jax.Array:
     """One tile of a tiled leaf made whole (``zero_jax.tiling``): its gradient reduce-scattered
     as any gathered leaf's."""
     return _materialize_group([x], ())[0]
@@ -233,7 +233,7 @@ def has_shards(tree: PyTree) -> bool:
     return any(is_shard(x) and not x.tile for x in jax.tree.leaves(tree, is_leaf=is_shard))
 
 
-def _gathers(tree: PyTree) -> bool:
+def is_gathered(tree: PyTree) -> bool:
     """Whether making ``tree`` whole gathers (stage 3), rather than reading a copy (stage 2)."""
     return any(x.kind == "gather" for x in jax.tree.leaves(tree, is_leaf=is_shard) if is_shard(x))
 
