@@ -1,5 +1,6 @@
-"""ZeRO stages 0-3 of GPT-2 small (124M) on every visible GPU, and stage 3 without prefetch: step
-time, tokens/s, model FLOPs utilization, the compiled step's collectives, and whether its async
+"""ZeRO stages 0-3 of GPT-2 small (124M) on every visible GPU, stage 3 without prefetch and
+gathering by module: step time, tokens/s, model FLOPs utilization, the estimate of the same
+compiled step beside it (H100 and H200), the compiled step's collectives, and whether its async
 collectives overlap compute.
 
     python bench/gpu.py [--config gpt2-124m] [--devices N] [--steps 10] [--rounds 5] [--set K=V]
@@ -24,7 +25,9 @@ exits 0.
   one node per ZeRO-3 group, and the baseline.
 
 * Step time: the median over rounds of the mean step time, stages interleaved
-  (``bench/harness.py``); tokens/s from it.
+  (``bench/harness.py``); tokens/s from it. Beside it, ``bench/estimate.py``'s estimate of the
+  program that ran (measured / estimate), and XLA's ``cost_analysis()`` FLOPs beside the
+  estimate's count (a scanned stack's body counts once in XLA's).
 * MFU: model FLOPs per token, 6 N + 12 L d T (N parameters, embeddings included: the head is
   tied, so the embedding matrix is a matmul's weight too; L layers of width d over T positions:
   the attention scores and their use), times tokens/s, over the devices' peak dense bf16 FLOP/s
