@@ -279,8 +279,8 @@ def compile_for(args: argparse.Namespace) -> None:
         lowered = exp.step.lower(state, exp.batch_shape)
         compiled = lowered.compile()
         _save(args, f"{name}-stage-{stage}", compiled)
-        res = program(stage, compiled, report.build(exp.plan, state, lowered, compiled), n)
-        res["estimate"] = estimate.estimate(compiled.as_text(), hw, n, _model_flops(exp, n))
+        res = program(stage, compiled, report.build(exp.plan, state, lowered, compiled), n, hw,
+                      _model_flops(exp, n))
         results.append(res)
         _row(res)
     import peers  # bench/peers.py: the same model and optimizer, as GSPMD FSDP
@@ -306,13 +306,18 @@ def compile_for(args: argparse.Namespace) -> None:
                       f, indent=1)
 
 
-def program(stage: str, compiled, rep: dict, n_devices: int) -> dict:
-    """What one compiled step says: collectives, the reader's bytes against theory, overlap."""
+def program(stage: str, compiled, rep: dict, n_devices: int, hw=None,
+            model_flops: float = 0.0) -> dict:
+    """What one compiled step says: collectives, the reader's bytes against theory, overlap;
+    with ``hw`` (``estimate.Hardware``) its estimated step time too, from the same text."""
     text = compiled.as_text()
-    return {"stage": stage, "collectives": harness.collectives_summary(text, n_devices),
-            "comm_bytes": rep["comm_bytes_per_step"], "comm_theory": rep["comm_bytes_theory"],
-            "overlap": overlap(text), "forms": forms(text),
-            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+    res = {"stage": stage, "collectives": harness.collectives_summary(text, n_devices),
+           "comm_bytes": rep["comm_bytes_per_step"], "comm_theory": rep["comm_bytes_theory"],
+           "overlap": overlap(text), "forms": forms(text),
+           "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+    if hw:
+        res["estimate"] = estimate.estimate(text, hw, n_devices, model_flops)
+    return res
 
 
 def _row(res: dict) -> None:
@@ -444,13 +449,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     results = []
     for r in runs:
-        res = program(r["stage"], r["step"], r["report"], mesh.size)
+        res = program(r["stage"], r["step"], r["report"], mesh.size, hw,
+                      _model_flops(r["exp"], mesh.size))
         tps = r["exp"].tokens_per_step / r["ms"] * 1e3
         mfu = per_token * tps / (peak * mesh.size) if peak else None
         res.update(step_ms=r["ms"], tokens_per_s=tps, mfu=mfu, cost_flops=_cost_flops(r["step"]))
-        if hw:
-            res["estimate"] = estimate.estimate(r["step"].as_text(), hw, mesh.size,
-                                                _model_flops(r["exp"], mesh.size))
         results.append(res)
         pairs = ", ".join(f"{harness.SHORT[k]} {v['matmul']}/{v['pairs']}"
                           for k, v in sorted(res["overlap"].items()))
