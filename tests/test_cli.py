@@ -286,7 +286,7 @@ def test_planner_gathers_by_module_when_blocks_do_not_fit(tmp_path):
     assert module["comm_bytes"] > block["comm_bytes"]
     assert r["best"] == {"stage": 3, "offload": "as set", "remat": "full", "tp": 1,
                          "gather": "module"}
-    assert "gathered by module: --stage 3 --set model.remat=full --set zero.gather=module" \
+    assert "by module: --stage 3 --set model.remat=full --set zero.gather=module" \
         in run.stdout
 
 

@@ -375,5 +375,5 @@ def test_planner_figure_stars_a_tiled_choice():
     ax = fig.axes[0]
     star = next(c for c in ax.collections if c.get_label().startswith("chosen"))
     assert star.get_offsets().tolist() == [[7.0, 0.0]]
-    assert star.get_label() == "chosen: stage 3, offload none, remat full, tiled 0.25 MiB"
-    assert {t.get_text() for t in ax.texts} == {"full", "full tiled"}
+    assert star.get_label() == "chosen: stage 3, offload none, remat full, tiled within 0.25 MiB"
+    assert {t.get_text() for t in ax.texts} == {"full", "full tiled within 0.25 MiB"}

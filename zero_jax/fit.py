@@ -15,6 +15,14 @@ GiB = 2**30
 HEADROOM = 0.9  # leave a tenth for the runtime, the data and everything else
 
 
+def variants(layout: dict) -> list[str]:
+    """What a planner layout sets beyond stage, offload, remat and T, in words: the one
+    spelling its table, its verdict and its figure share."""
+    return ([f"tiled within {layout['tile_mb']:.3g} MiB"] if layout.get("tile_mb") else []) \
+        + (["no prefetch"] if layout.get("prefetch") is False else []) \
+        + (["by module"] if layout.get("gather") == "module" else [])
+
+
 def step_bytes(compiled: Any) -> int:
     """Bytes one device needs to run the compiled step."""
     m = compiled.memory_analysis()

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from zero_jax.fit import HEADROOM
+from zero_jax.fit import HEADROOM, variants
 from zero_jax.hlo import collectives
 from zero_jax.report import model_states, peak_expected, peak_split, shard_bytes
 from zero_jax.state import grads_in_host_memory
@@ -102,10 +102,7 @@ def largest_block_leaf_bytes(plan: Any) -> int:
 def describe(layout: dict) -> str:
     """A layout in words, as the table's verdict and split name it."""
     return (f"stage {layout['stage']}, offload {layout['offload']}, remat {layout['remat']}, "
-            f"tensor parallel {layout['tp']}"
-            + (f", tiled within {layout['tile_mb']:.3g} MiB" if layout.get("tile_mb") else "")
-            + (", no prefetch" if layout.get("prefetch") is False else "")
-            + (", gathered by module" if layout.get("gather") == "module" else ""))
+            f"tensor parallel {layout['tp']}" + "".join(f", {v}" for v in variants(layout)))
 
 
 def fits(c: Candidate, device_memory: int, host_memory: int, devices_per_host: int,
@@ -148,9 +145,7 @@ def format_table(candidates: list[Candidate], best: Candidate | None, device_mem
                      f"{c.host_state * devices_per_host / div:>9.2f}"
                      f"{'yes' if c.fits else 'no':>6} {c.comm / 2**20:>9.2f}"
                      f"{c.host_traffic / 2**20:>16.2f}"
-                     + (f"   tiled within {lo['tile_mb']:.3g} MiB" if lo.get("tile_mb") else "")
-                     + ("   no prefetch" if lo.get("prefetch") is False else "")
-                     + ("   by module" if lo.get("gather") == "module" else "")
+                     + "".join(f"   {v}" for v in variants(lo))
                      + (f"   {c.nvme_state * devices_per_host / div:.2f} {unit} on NVMe"
                         if c.nvme_state else ""))
     # What fills the peak of the chosen layout, or of the one closest to fitting: what to change.

@@ -15,7 +15,7 @@ import pathlib
 import sys
 from typing import Any
 
-from zero_jax.fit import HEADROOM
+from zero_jax.fit import HEADROOM, variants
 
 SIZE, DPI = (8.0, 4.5), 100  # 800 x 450 pixels: legible at README width
 PARTS = ("params", "grads", "master", "opt_state", "temp")
@@ -145,9 +145,8 @@ def communication(report: dict) -> tuple[Any, dict]:
 
 def layout_name(c: dict) -> str:
     tp = f", tp {c['tp']}" if c.get("tp", 1) > 1 else ""
-    tiled = f", tiled {c['tile_mb']:.3g} MiB" if c.get("tile_mb") else ""
-    module = ", by module" if c.get("gather") == "module" else ""
-    return f"stage {c['stage']}, offload {c['offload']}, remat {c['remat']}{tp}{tiled}{module}"
+    return (f"stage {c['stage']}, offload {c['offload']}, remat {c['remat']}{tp}"
+            + "".join(f", {v}" for v in variants(c)))
 
 
 OFFLOAD_COLORS = {"none": "tab:blue", "optimizer": "tab:orange", "params": "tab:red",
@@ -177,8 +176,7 @@ def planner(plan: dict) -> tuple[Any, dict]:
     spots: dict = {}
     for c in cands:  # remat policies that land on the same spot share one label
         tp = f" tp{c['tp']}" if c.get("tp", 1) > 1 else ""
-        spots.setdefault(xy(c), []).append(c["remat"] + tp + (" tiled" if c.get("tile_mb") else "")
-                                           + (" module" if c.get("gather") == "module" else ""))
+        spots.setdefault(xy(c), []).append(" ".join([c["remat"] + tp, *variants(c)]))
     for (x, y), names in spots.items():
         ax.annotate("/".join(dict.fromkeys(names)), (x, y), fontsize=5.5, rotation=35,
                     xytext=(3, 3), textcoords="offset points", color="0.35")
