@@ -70,16 +70,21 @@ def test_distributed_client():
     assert client is None, broke("jax._src.distributed.global_state.client (None before init)")
 
 
-def test_no_compilation_cache_makes_the_compiler_compile():
+def test_compile_afresh_makes_the_compiler_compile():
     """The suite runs with JAX's persistent compilation cache on (conftest): a program compiled
-    a second time for its dumps (``compile_with_peak``) still writes them."""
+    before, without dumps, and compiled again for them (``compile_with_peak``) still writes
+    them; met a third time, its breakdown is the one kept beside the cache."""
     from zero_jax.peak import compile_with_peak
 
     assert os.environ.get("JAX_COMPILATION_CACHE_DIR")
     f = jax.jit(lambda x: jnp.tanh(x @ x.T).sum() * 3.0 + 1.0)
-    peaks = [compile_with_peak(f.lower(jnp.ones((64, 48))))[1]["peak_bytes"] for _ in range(2)]
-    assert peaks[0] > 0 and peaks[1] == peaks[0], \
-        broke("jax._src.compilation_cache.is_cache_used (a cached program dumps nothing)")
+    lowered = f.lower(jnp.ones((64, 48)))
+    lowered.compile()
+    peaks = [compile_with_peak(lowered)[1] for _ in range(2)]
+    assert peaks[0]["peak_bytes"] > 0 and peaks[1] == peaks[0], \
+        broke("jax._src.compiler._cache_read (a cached program dumps nothing)")
+    other = compile_with_peak(f.lower(jnp.ones((128, 48))))[1]  # its own, not the kept one
+    assert other["peak_bytes"] > peaks[0]["peak_bytes"]
 
 
 def test_flax_lift_scan_and_checkpoint_are_what_nn_scan_and_nn_remat_call():

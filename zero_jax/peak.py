@@ -11,10 +11,14 @@ whether the backward still needs it (saved) or the peak is in the forward itself
 from __future__ import annotations
 
 import glob
+import hashlib
+import json
 import os
 import re
 import tempfile
 from typing import Any
+
+import jax
 
 from zero_jax import internals
 
@@ -29,19 +33,43 @@ _LOSS = re.compile(r"softmax|cross_entropy|logsumexp|take_along_axis|log_softmax
 
 def compile_with_peak(lowered: Any) -> tuple[Any, dict]:
     """``lowered.compile()``, and what is live at its peak (``breakdown``): one compilation,
-    with XLA's buffer dumps written to a temporary directory."""
-    name = re.search(r"module @([\w.\-]+)", lowered.as_text()).group(1)
-    # JAX leaves the dump options out of its compilation cache's key: a program compiled before
-    # (in this process, or in another with the persistent cache on) would come from a cache,
-    # dumping nothing. ``xla_dump_large_constants``, harmless without text dumps, is in the
-    # in-memory cache's key; the persistent cache is not asked.
-    with tempfile.TemporaryDirectory() as d, internals.no_compilation_cache():
+    with XLA's buffer dumps written to a temporary directory.
+
+    With JAX's persistent compilation cache on, the breakdown is kept beside it, keyed by the
+    program: a program met again loads from the cache and its breakdown from there. (Without
+    that, every start of a run compiled its step afresh for the dumps.)"""
+    text = lowered.as_text()
+    kept = _kept(text)
+    if kept and os.path.exists(kept):
+        with open(kept) as f:
+            return lowered.compile(), json.load(f)
+    name = re.search(r"module @([\w.\-]+)", text).group(1)
+    # JAX leaves the dump options out of its persistent cache's key: a program compiled before
+    # would come from there, dumping nothing. So the cache is not read here, only written: the
+    # next plain compile of the program loads this one.
+    with tempfile.TemporaryDirectory() as d, internals.compile_afresh():
         compiled = lowered.compile({"xla_dump_to": d, "xla_dump_hlo_pass_re": "^$",
-                                    "xla_dump_hlo_module_re": f"^{re.escape(name)}$",
-                                    "xla_dump_large_constants": True})
+                                    "xla_dump_hlo_module_re": f"^{re.escape(name)}$"})
         found = glob.glob(os.path.join(d, "*after_optimizations-live-range.txt"))
-        text = open(found[0]).read() if found else ""
-    return compiled, breakdown(text)
+        peak = breakdown(open(found[0]).read() if found else "")
+    if kept and found:
+        with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(kept), delete=False) as f:
+            json.dump(peak, f)
+        os.replace(f.name, kept)  # whole or absent, for the processes reading it beside us
+    return compiled, peak
+
+
+def _kept(text: str) -> str | None:
+    """Where the breakdown of the program ``text`` is kept: in JAX's persistent cache's
+    directory when it is on, named by what decides the compiled program (the program, the
+    compiler and its flags, the devices); else None."""
+    directory = jax.config.jax_compilation_cache_dir
+    if not directory:
+        return None
+    os.makedirs(directory, exist_ok=True)
+    key = "\n".join([text, jax.__version__, jax.lib.__version__,
+                     os.environ.get("XLA_FLAGS", ""), jax.devices()[0].device_kind])
+    return os.path.join(directory, f"zero_jax-peak-{hashlib.sha256(key.encode()).hexdigest()}.json")
 
 
 def breakdown(live_ranges: str) -> dict:
