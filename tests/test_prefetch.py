@@ -173,6 +173,15 @@ class Reversed(Scanned):
         return self.head(forward(self.blocks, x))
 
 
+class CarryFirst(Scanned):
+    """``nnx.scan``'s default order: the carry first, then the stack."""
+
+    def __call__(self, x):
+        forward = nnx.scan(lambda x, block: block(x), in_axes=(nnx.Carry, 0),
+                           out_axes=nnx.Carry)
+        return self.head(forward(x, self.blocks))
+
+
 RematDense = nn.remat(nn.Dense)  # made at import, before prefetch can see it
 
 
@@ -319,14 +328,15 @@ def test_unrolled_and_nnx_blocks_hand_the_next_block_its_weights(kind, mesh):
         assert 0 < temp[1] - temp[0] <= block, (temp, block)
 
 
-def test_nnx_stack_prefetches_and_draws_as_nnx_scan(mesh):
-    """An NNX stack under ``nnx.scan`` (4 layers, dropout 0.5, its streams split per layer):
-    prefetch runs its loop, each layer merged from its slice of the parameters and of the
-    streams. 3 SGD steps equal the plain step's bit for bit (the masks are ``nnx.scan``'s own),
-    the streams come back advanced as ``nnx.scan`` leaves them, and the compiled loops gather
-    one layer ahead."""
-    graphdef, _, rest = nnx.split(Scanned(nnx.Rngs(0), dropout=0.5), nnx.Param, ...)
-    init = lambda key: nnx.state(Scanned(nnx.Rngs(key), dropout=0.5), nnx.Param)
+@pytest.mark.parametrize("cls", [Scanned, CarryFirst], ids=["stack first", "carry first"])
+def test_nnx_stack_prefetches_and_draws_as_nnx_scan(cls, mesh):
+    """An NNX stack under ``nnx.scan`` (4 layers, dropout 0.5, its streams split per layer),
+    passed before the carry or after it: prefetch runs its loop, each layer merged from its
+    slice of the parameters and of the streams. 3 SGD steps equal the plain step's bit for bit
+    (the masks are ``nnx.scan``'s own), the streams come back advanced as ``nnx.scan`` leaves
+    them, and the compiled loops gather one layer ahead."""
+    graphdef, _, rest = nnx.split(cls(nnx.Rngs(0), dropout=0.5), nnx.Param, ...)
+    init = lambda key: nnx.state(cls(nnx.Rngs(key), dropout=0.5), nnx.Param)
 
     def loss_fn(params, batch, key):
         model = zj.nnx_merge(graphdef, params, rest)

@@ -212,32 +212,34 @@ def stacks(names: frozenset[str], seen: set[str], saved: Saved):
         yield
 
 
-def _nnx_refusal(args: tuple, kwargs: dict, n: int, rest: list) -> str | None:
-    """Why this ``nnx.scan`` over a named stack cannot run as a prefetching loop."""
+def _nnx_refusal(args: tuple, kwargs: dict, at: int, n: int, rest: list) -> str | None:
+    """Why this ``nnx.scan`` over a named stack (``args[at]``, beside the carry) cannot run as
+    a prefetching loop."""
     from flax import nnx
 
-    if len(args) != 2 or kwargs.get("in_axes") != (0, nnx.Carry):
-        return "prefetch runs nnx.scan(in_axes=(0, nnx.Carry)) over (stack, carry)"
+    if len(args) != 2 or kwargs.get("in_axes") != ((0, nnx.Carry), (nnx.Carry, 0))[at]:
+        return ("prefetch runs nnx.scan(in_axes=(0, nnx.Carry)) over (stack, carry), or "
+                "in_axes=(nnx.Carry, 0) over (carry, stack)")
     if kwargs.get("out_axes") not in (nnx.Carry, (nnx.Carry, 0)) or kwargs.get("reverse"):
         return "prefetch runs scans with out_axes nnx.Carry or (nnx.Carry, 0), forward"
     if kwargs.get("length") not in (None, n) or any(x.shape[:1] != (n,) for x in rest):
         return "its state is not stacked along the layers"
-    if not all(jnp.issubdtype(x.dtype, jnp.inexact) for x in jax.tree.leaves(args[1])):
+    if not all(jnp.issubdtype(x.dtype, jnp.inexact) for x in jax.tree.leaves(args[1 - at])):
         return "its carry holds integers"
     return None
 
 
-def _run_nnx_stack(name: str, f: Callable, kwargs: dict, saved: Saved, *args: Any):
-    """``nnx.scan(f, **kwargs)(stack, carry)`` as ``run_stack``: each layer a copy of the
-    stack's module merged from its slice of the parameters and of the rest of its state (random
-    streams, stacked as ``nnx.scan`` slices them), which comes back stacked, as the call left
-    it, and is set back into ``stack``."""
+def _run_nnx_stack(name: str, f: Callable, kwargs: dict, saved: Saved, args: tuple, at: int):
+    """``nnx.scan(f, **kwargs)(*args)``, the stack ``args[at]`` and the carry the other, as
+    ``run_stack``: each layer a copy of the stack's module merged from its slice of the
+    parameters and of the rest of its state (random streams, stacked as ``nnx.scan`` slices
+    them), which comes back stacked, as the call left it, and is set back into the stack."""
     from flax import nnx
 
-    graphdef, params, rest = nnx.split(args[0], nnx.Param, ...)
+    graphdef, params, rest = nnx.split(args[at], nnx.Param, ...)
     values, tree = jax.tree.flatten(params, is_leaf=is_shard)
     state, state_tree = jax.tree.flatten(rest)
-    why = _nnx_refusal(args, kwargs, jax.tree.leaves(values)[0].shape[0], state)
+    why = _nnx_refusal(args, kwargs, at, jax.tree.leaves(values)[0].shape[0], state)
     if why:
         raise ValueError(f"prefetch cannot run the NNX stack {name!r}: {why}; turn prefetch "
                          f"off (zero.prefetch: false)")
@@ -245,13 +247,13 @@ def _run_nnx_stack(name: str, f: Callable, kwargs: dict, saved: Saved, *args: An
 
     def layer(w, c, _, st):
         copy = nnx.merge(graphdef, tree.unflatten(w), state_tree.unflatten(st))
-        out = f(copy, c)
+        out = f(copy, c) if at == 0 else f(c, copy)
         after = jax.tree.leaves(nnx.state(copy, nnx.Not(nnx.Param)))
         return (out[0], (out[1], after)) if ys_too else (out, after)
 
-    c, ys = run_stack(layer, saved, values, args[1], (), state)
+    c, ys = run_stack(layer, saved, values, args[1 - at], (), state)
     ys, after = ys if ys_too else (None, ys)
-    nnx.update(args[0], state_tree.unflatten(after))
+    nnx.update(args[at], state_tree.unflatten(after))
     return (c, ys) if ys_too else c
 
 
@@ -272,11 +274,12 @@ def nnx_stacks(modules: dict[str, Any], seen: set[str], saved: Saved):
             how = {"in_axes": (nnx.Carry, 0), "out_axes": (nnx.Carry, 0), **kwargs}
 
             def run(*args):
-                name = next((k for k, m in modules.items() if args and m is args[0]), None)
+                name, at = next(((k, at) for at, a in enumerate(args[:2])
+                                 for k, m in modules.items() if m is a), (None, None))
                 if name is None:
                     return plain(*args)
                 seen.add(name)
-                return _run_nnx_stack(name, f, how, saved, *args)
+                return _run_nnx_stack(name, f, how, saved, args, at)
             return run
         return scan
 
