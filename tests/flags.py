@@ -5,7 +5,7 @@ Three settings of the CPU compiler make it cheaper (``FAST_COMPILE``, in ``XLA_F
 
 - LLVM's optimizations off (``--xla_backend_optimization_level=0``): about a third of the
   suite's time. They act below the HLO: collectives and buffers are the same without them.
-- The LLVM module of a program compiled whole, not in 32 parts on as many threads
+- The LLVM module of a program compiled whole, not split into parts for parallel threads
   (``--xla_cpu_parallel_codegen_split_count=1``): the default model's steps at stages 0, 2
   and 3 take 0.7x the CPU time to compile (2.67 s against 3.83, three runs each). The suite
   runs two processes on two cores, so the threads only competed; the program is the same.

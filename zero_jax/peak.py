@@ -61,13 +61,16 @@ def compile_with_peak(lowered: Any) -> tuple[Any, dict]:
 
 def _kept(text: str) -> str | None:
     """Where the breakdown of the program ``text`` is kept: in JAX's persistent cache's
-    directory when it is on, named by what decides the compiled program (the program, the
-    compiler and its flags, the devices); else None."""
+    directory when it is on and local, named by what decides the compiled program (the
+    program, the compiler and its flags, the devices) and how it is read (this file); else
+    None."""
     directory = jax.config.jax_compilation_cache_dir
-    if not directory:
+    if not directory or "://" in directory:
         return None
     os.makedirs(directory, exist_ok=True)
-    key = "\n".join([text, jax.__version__, jax.lib.__version__,
+    with open(__file__) as f:
+        reader = f.read()
+    key = "\n".join([text, jax.__version__, jax.lib.__version__, reader,
                      os.environ.get("XLA_FLAGS", ""), jax.devices()[0].device_kind])
     return os.path.join(directory, f"zero_jax-peak-{hashlib.sha256(key.encode()).hexdigest()}.json")
 
