@@ -182,6 +182,15 @@ class CarryFirst(Scanned):
         return self.head(forward(x, self.blocks))
 
 
+class StackThird(Scanned):
+    """A broadcast argument between the carry and the stack."""
+
+    def __call__(self, x):
+        forward = nnx.scan(lambda x, scale, block: block(x) * scale,
+                           in_axes=(nnx.Carry, None, 0), out_axes=nnx.Carry)
+        return self.head(forward(x, 1.0, self.blocks))
+
+
 RematDense = nn.remat(nn.Dense)  # made at import, before prefetch can see it
 
 
@@ -207,14 +216,16 @@ def test_prefetch_refused_where_it_cannot_run(mesh):
     with pytest.raises(ValueError, match="inside a Flax transform of the model's own"):
         jax.eval_shape(zj.make_grad_fn(plan, lambda p, b: model.apply({"params": p}, b).sum()),
                        zj.abstract_state(plan, optax.sgd(0.1)).params, x)
-    # An NNX stack scanned in reverse.
-    init, loss = nnx_problem(Reversed)
-    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers="^blocks$", comm=on)
+    # NNX stacks scanned in reverse, or beside more than the carry: each named as it is.
     batch = (jax.ShapeDtypeStruct((32, 16), jnp.float32), jax.ShapeDtypeStruct((32, 1),
                                                                                 jnp.float32))
-    with pytest.raises(ValueError, match="NNX stack 'blocks': prefetch runs scans with"):
-        jax.eval_shape(zj.make_grad_fn(plan, loss), zj.abstract_state(plan, optax.sgd(0.1))
-                       .params, batch)
+    for cls, why in ((Reversed, "prefetch runs scans with"),
+                     (StackThird, r"prefetch runs nnx.scan\(in_axes=\(0, nnx.Carry\)\)")):
+        init, loss = nnx_problem(cls)
+        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers="^blocks$", comm=on)
+        with pytest.raises(ValueError, match=f"NNX stack 'blocks': {why}"):
+            jax.eval_shape(zj.make_grad_fn(plan, loss), zj.abstract_state(plan, optax.sgd(0.1))
+                           .params, batch)
 
 
 class SharedBlocks(nnx.Module):

@@ -274,7 +274,7 @@ def nnx_stacks(modules: dict[str, Any], seen: set[str], saved: Saved):
             how = {"in_axes": (nnx.Carry, 0), "out_axes": (nnx.Carry, 0), **kwargs}
 
             def run(*args):
-                name, at = next(((k, at) for at, a in enumerate(args[:2])
+                name, at = next(((k, at) for at, a in enumerate(args)
                                  for k, m in modules.items() if m is a), (None, None))
                 if name is None:
                     return plain(*args)
