@@ -70,21 +70,32 @@ def test_distributed_client():
     assert client is None, broke("jax._src.distributed.global_state.client (None before init)")
 
 
-def test_compile_afresh_makes_the_compiler_compile():
+def test_compile_afresh_makes_the_compiler_compile(monkeypatch):
     """The suite runs with JAX's persistent compilation cache on (conftest): a program compiled
     before, without dumps, and compiled again for them (``compile_with_peak``) still writes
-    them; met a third time, its breakdown is the one kept beside the cache."""
-    from zero_jax.peak import compile_with_peak
+    them; met a third time, its breakdown is the one kept beside the cache, with no compile
+    for dumps; a new program compiled for its dumps is written to JAX's cache too."""
+    import jax._src.compiler
+
+    import zero_jax.peak as peak
 
     assert os.environ.get("JAX_COMPILATION_CACHE_DIR")
     f = jax.jit(lambda x: jnp.tanh(x @ x.T).sum() * 3.0 + 1.0)
     lowered = f.lower(jnp.ones((64, 48)))
     lowered.compile()
-    peaks = [compile_with_peak(lowered)[1] for _ in range(2)]
-    assert peaks[0]["peak_bytes"] > 0 and peaks[1] == peaks[0], \
+    first = peak.compile_with_peak(lowered)[1]
+    assert first["peak_bytes"] > 0, \
         broke("jax._src.compiler._cache_read (a cached program dumps nothing)")
-    other = compile_with_peak(f.lower(jnp.ones((128, 48))))[1]  # its own, not the kept one
-    assert other["peak_bytes"] > peaks[0]["peak_bytes"]
+    with monkeypatch.context() as m:  # the kept split, not a second compile for dumps
+        m.setattr(peak.internals, "compile_afresh", lambda: pytest.fail("compiled for dumps"))
+        assert peak.compile_with_peak(lowered)[1] == first
+    x = jnp.ones((128, 48))
+    other = peak.compile_with_peak(f.lower(x))[1]  # its own, not the kept one
+    assert other["peak_bytes"] > first["peak_bytes"]
+    with monkeypatch.context() as m:  # and its program: loaded, not compiled, from here on
+        m.setattr(jax._src.compiler, "backend_compile_and_load",
+                  lambda *a, **k: pytest.fail("compiled again"))
+        f.lower(x).compile()
 
 
 def test_flax_lift_scan_and_checkpoint_are_what_nn_scan_and_nn_remat_call():

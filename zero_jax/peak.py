@@ -29,6 +29,8 @@ KINDS = ("model states", "gathered weights", "reduced gradients", "logits and lo
 _LINE = re.compile(r"^(?P<indent>[\s│├└─]*)(?P<name>.+?) \([\d.]+%, total: (?P<total>[\d ]+) "
                    r"bytes, current: (?P<current>[\d ]+) bytes")
 _LOSS = re.compile(r"softmax|cross_entropy|logsumexp|take_along_axis|log_softmax")
+with open(__file__, "rb") as _f:  # how a dump is read: part of a kept split's key (``_kept``)
+    _READER = hashlib.sha256(_f.read()).hexdigest()
 
 
 def compile_with_peak(lowered: Any) -> tuple[Any, dict]:
@@ -68,9 +70,7 @@ def _kept(text: str) -> str | None:
     if not directory or "://" in directory:
         return None
     os.makedirs(directory, exist_ok=True)
-    with open(__file__) as f:
-        reader = f.read()
-    key = "\n".join([text, jax.__version__, jax.lib.__version__, reader,
+    key = "\n".join([text, jax.__version__, jax.lib.__version__, _READER,
                      os.environ.get("XLA_FLAGS", ""), jax.devices()[0].device_kind])
     return os.path.join(directory, f"zero_jax-peak-{hashlib.sha256(key.encode()).hexdigest()}.json")
 
