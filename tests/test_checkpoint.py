@@ -4,6 +4,7 @@ that lose nothing."""
 import json
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -158,9 +159,24 @@ def test_mismatched_restores_name_the_path_and_change_nothing(saved):
     assert listing(ckpts.path) == before
 
 
-def test_cli_refuses_contradicting_or_unusable_checkpoints(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    assert train("--steps", 2, "--checkpoint-dir", ckpt).returncode == 0
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> pathlib.Path:
+    """train.py's default run, 4 steps saved every 2 (both kept), started in a directory of its
+    own with a relative --checkpoint-dir: ``runs/ckpt`` there. Tests work on copies."""
+    cwd = tmp_path_factory.mktemp("written")
+    run = train("--steps", 4, "--save-every", 2, "--keep", 2, "--checkpoint-dir", "runs/ckpt",
+                cwd=cwd)
+    assert run.returncode == 0, run.stderr
+    return cwd / "runs" / "ckpt"
+
+
+def copy_of(written: pathlib.Path, to: pathlib.Path) -> pathlib.Path:
+    shutil.copytree(written, to)
+    return to
+
+
+def test_cli_refuses_contradicting_or_unusable_checkpoints(tmp_path, written):
+    ckpt = copy_of(written, tmp_path / "ckpt")
     before = listing(ckpt)
     cases = [
         (["--set", "model.d_model=64"], "written for model.d_model=128 but the config says 64"),
@@ -205,10 +221,8 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
     assert "resumed from step 3" in run.stdout
 
 
-def test_disk_full_during_save_stops_and_keeps_older_checkpoints(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    assert train("--steps", 4, "--save-every", 2, "--keep", 2,
-                 "--checkpoint-dir", ckpt).returncode == 0
+def test_disk_full_during_save_stops_and_keeps_older_checkpoints(tmp_path, written):
+    ckpt = copy_of(written, tmp_path / "ckpt")  # steps 2 and 4, saved every 2, keep 2
     # The kernel refuses to grow any file past 4 KB from here on: writes fail as on a full disk.
     limit = ("import resource, runpy, signal, sys\n"
              "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
@@ -232,8 +246,8 @@ def test_disk_full_during_save_stops_and_keeps_older_checkpoints(tmp_path):
     assert ckpts.meta(4)["step"] == 4
 
 
-def test_export_reads_with_plain_orbax_and_generates(tmp_path):
-    assert train("--steps", 2, "--checkpoint-dir", "runs/ckpt", cwd=tmp_path).returncode == 0
+def test_export_reads_with_plain_orbax_and_generates(tmp_path, written):
+    copy_of(written, tmp_path / "runs" / "ckpt")
     run = subprocess.run([sys.executable, "-m", "zero_jax.export", "runs/ckpt", "runs/export",
                           "--dtype", "bf16"], cwd=tmp_path, env=ENV, capture_output=True,
                          text=True)
