@@ -170,13 +170,8 @@ def written(tmp_path_factory) -> pathlib.Path:
     return cwd / "runs" / "ckpt"
 
 
-def copy_of(written: pathlib.Path, to: pathlib.Path) -> pathlib.Path:
-    shutil.copytree(written, to)
-    return to
-
-
 def test_cli_refuses_contradicting_or_unusable_checkpoints(tmp_path, written):
-    ckpt = copy_of(written, tmp_path / "ckpt")
+    ckpt = shutil.copytree(written, tmp_path / "ckpt")
     before = listing(ckpt)
     cases = [
         (["--set", "model.d_model=64"], "written for model.d_model=128 but the config says 64"),
@@ -222,7 +217,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
 
 
 def test_disk_full_during_save_stops_and_keeps_older_checkpoints(tmp_path, written):
-    ckpt = copy_of(written, tmp_path / "ckpt")  # steps 2 and 4, saved every 2, keep 2
+    ckpt = shutil.copytree(written, tmp_path / "ckpt")  # steps 2 and 4, saved every 2, keep 2
     # The kernel refuses to grow any file past 4 KB from here on: writes fail as on a full disk.
     limit = ("import resource, runpy, signal, sys\n"
              "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
@@ -247,7 +242,7 @@ def test_disk_full_during_save_stops_and_keeps_older_checkpoints(tmp_path, writt
 
 
 def test_export_reads_with_plain_orbax_and_generates(tmp_path, written):
-    copy_of(written, tmp_path / "runs" / "ckpt")
+    shutil.copytree(written, tmp_path / "runs" / "ckpt")
     run = subprocess.run([sys.executable, "-m", "zero_jax.export", "runs/ckpt", "runs/export",
                           "--dtype", "bf16"], cwd=tmp_path, env=ENV, capture_output=True,
                          text=True)
