@@ -6,8 +6,10 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import SUBPROCESS_ENV, TRAIN_ENV
+from test_observability import check_files
 
 from zero_jax import plot
 from zero_jax.gpt import layouts
@@ -140,21 +142,31 @@ def test_user_data_files(tmp_path):
     assert run.returncode == 0, run.stderr
 
 
-def test_planner_names_the_layout_that_fits(tmp_path):
+# The planner sweeps' small model.
+SMALL = {"n_layers": 2, "d_model": 32, "d_ff": 64, "seq_len": 16}
+SMALL_SETS = [x for k, v in SMALL.items() for x in ("--set", f"model.{k}={v}")]
+
+
+@pytest.fixture(scope="module")
+def offload_sweep(tmp_path_factory):
+    """Stage 3 and remat full fixed, so the three offload settings, with one collective per
+    leaf and no prefetch (a layer more, in the offloaded layouts too): the budget sits between
+    the layouts' temps so compiled. With the planner's figure."""
+    d = tmp_path_factory.mktemp("sweep")
+    run, r = dry_run(d, "--device-memory", "150KiB", "--host-memory", "1GB", "--stage", "3",
+                     "--tensor-parallel", "1", "--set", "model.remat=full",
+                     "--set", "train.batch_size=8", *SMALL_SETS, "--set", "zero.bucket_mb=0",
+                     "--set", "zero.prefetch=false", "--set", "zero.gather=block",
+                     "--plot", str(d / "fig"))
+    return run, r, d / "fig"
+
+
+def test_planner_names_the_layout_that_fits(offload_sweep):
     """--dry-run --device-memory/--host-memory compiles each layout not fixed on the command
-    line (here: stage 3 and remat full, so the three offload settings) and reports, from the
-    compiled programs, what each keeps on the device and on the host; the one that fits and
-    moves least wins."""
-    model = {"n_layers": 2, "d_model": 32, "d_ff": 64, "seq_len": 16}
-    sets = [x for k, v in model.items() for x in ("--set", f"model.{k}={v}")]
-    # One collective per leaf and no prefetch (a layer more, in the offloaded layouts too): the
-    # budget below sits between the layouts' temps so compiled.
-    run, r = dry_run(tmp_path, "--device-memory", "150KiB", "--host-memory", "1GB", "--stage", "3",
-                     "--tensor-parallel", "1",
-                     "--set", "model.remat=full", "--set", "train.batch_size=8", *sets,
-                     "--set", "zero.bucket_mb=0", "--set", "zero.prefetch=false",
-                     "--set", "zero.gather=block")
-    psi = GPTConfig(**model).n_params
+    line and reports, from the compiled programs, what each keeps on the device and on the
+    host; the one that fits and moves least wins."""
+    run, r, _ = offload_sweep
+    psi = GPTConfig(**SMALL).n_params
     n, per_host = 8, r["devices_per_host"]
     rows = {c["offload"]: c for c in r["candidates"]}
     assert set(rows) == {"none", "optimizer", "params"}
@@ -185,18 +197,38 @@ def test_planner_names_the_layout_that_fits(tmp_path):
     assert re.search(r"\n +gathered weights +[\d.]+ MiB +ZeRO: [\d.]+ MiB\n", split)
 
 
+def test_planner_figure_marks_each_layout_and_the_choice(offload_sweep):
+    _, plan, fig_dir = offload_sweep
+    side = check_files(fig_dir, "planner")
+    assert [(p["device_bytes"], p["host_bytes_per_host"], p["fits"]) for p in side["points"]] \
+        == [(c["device_bytes"], c["host_bytes_per_host"], c["fits"]) for c in plan["candidates"]]
+    assert len(side["points"]) == 3 and side["best"] == plan["best"]
+    fig, data = plot.planner(plan)
+    assert data == side
+    ax = fig.axes[0]
+    offsets = np.concatenate([c.get_offsets() for c in ax.collections
+                              if c.get_label().startswith("_stage")])
+    np.testing.assert_allclose(offsets, [[c["device_bytes"] / side["device_unit_bytes"],
+                                          c["host_bytes_per_host"] / side["host_unit_bytes"]]
+                                         for c in plan["candidates"]], rtol=1e-12)
+    star = next(c for c in ax.collections if c.get_label().startswith("chosen"))
+    best = next(c for c in plan["candidates"]
+                if all(c[k] == v for k, v in plan["best"].items()))
+    assert star.get_offsets().tolist() == [[best["device_bytes"] / side["device_unit_bytes"],
+                                            best["host_bytes_per_host"]
+                                            / side["host_unit_bytes"]]]
+
+
 def test_planner_offloads_beside_tensor_parallelism(tmp_path):
     """T = 2 with each offload (stage 3, remat full, the small model of the sweep above): ZeRO's
     per-device figures hold per tensor-parallel rank, 1/(D T) of each state with D T = 8, within
     the leaves tensor parallelism keeps whole on ``model`` (6%); the advice names the offload
     beside --tensor-parallel 2."""
-    model = {"n_layers": 2, "d_model": 32, "d_ff": 64, "seq_len": 16}
-    sets = [x for k, v in model.items() for x in ("--set", f"model.{k}={v}")]
     run, r = dry_run(tmp_path, "--device-memory", "150KiB", "--host-memory", "1GB", "--stage", "3",
                      "--tensor-parallel", "2", "--set", "model.remat=full",
-                     "--set", "train.batch_size=8", *sets, "--set", "zero.bucket_mb=0",
+                     "--set", "train.batch_size=8", *SMALL_SETS, "--set", "zero.bucket_mb=0",
                      "--set", "zero.prefetch=false", "--set", "zero.gather=block")
-    psi, per_host = GPTConfig(**model).n_params, r["devices_per_host"]
+    psi, per_host = GPTConfig(**SMALL).n_params, r["devices_per_host"]
     rows = {c["offload"]: c for c in r["candidates"]}
     assert set(rows) == {"none", "optimizer", "params"} and {c["tp"] for c in rows.values()} \
         == {2}
@@ -339,17 +371,15 @@ def test_planner_puts_the_optimizer_on_nvme_when_the_host_is_too_small(tmp_path)
     not) is planned again with its master and optimizer state on the disk (the same compiled
     gradient half); with a host too small for them, that layout fits and is named, with its
     flags; the planner's figure draws every row."""
-    model = {"n_layers": 2, "d_model": 32, "d_ff": 64, "seq_len": 16}
-    sets = [x for k, v in model.items() for x in ("--set", f"model.{k}={v}")]
     run, r = dry_run(tmp_path, "--device-memory", "150KiB", "--host-memory", "300KiB",
                      "--nvme-memory", "1GB", "--stage", "3", "--tensor-parallel", "1",
-                     "--set", "model.remat=full", "--set", "train.batch_size=8", *sets,
+                     "--set", "model.remat=full", "--set", "train.batch_size=8", *SMALL_SETS,
                      "--set", "zero.bucket_mb=0", "--set", "zero.prefetch=false",
                      "--set", "zero.gather=block",
                      "--set", "zero.offload_optimizer.buffer_mb=0.001")
     rows = {c["offload"]: c for c in r["candidates"] if not c.get("tile_mb")}
     assert set(rows) == {"none", "optimizer", "params", "nvme", "nvme+params"}
-    per_host, psi = r["devices_per_host"], GPTConfig(**model).n_params
+    per_host, psi = r["devices_per_host"], GPTConfig(**SMALL).n_params
     # master and Adam moments (12 Psi/N per device) go from the host to the disk, the host
     # keeps 4 buffers of 0.001 MiB (and the offloaded parameters); the devices and the traffic
     # stay as they were

@@ -1,9 +1,9 @@
 """Plots, TensorBoard scalars, profiler traces and DeepSpeed configs, read back and compared
 with the report and the metrics file they came from.
 
-Three train.py runs: one trains 4 steps from a DeepSpeed config and writes everything at once
+Two train.py runs: one trains 4 steps from a DeepSpeed config and writes everything at once
 (metrics, report, figures, TensorBoard, a profile of steps 2-3); one trains the same 4 steps
-from the equivalent --set flags; one is a small planner sweep with --plot.
+from the equivalent --set flags. The planner's figure is read in test_cli.py, from its sweep.
 """
 
 import collections
@@ -129,21 +129,6 @@ def runs(tmp_path_factory):
     return d, out.stdout
 
 
-@pytest.fixture(scope="module")
-def planned(tmp_path_factory):
-    """A planner sweep of a small model: stage 3, remat full, the three offload layouts."""
-    d = tmp_path_factory.mktemp("plan")
-    model = {"n_layers": 2, "d_model": 32, "d_ff": 64, "seq_len": 16}
-    sets = [x for k, v in model.items() for x in ("--set", f"model.{k}={v}")]
-    # test_cli.py's sweep: the persistent compilation cache has its programs when both run.
-    run_train("--dry-run", "--device-memory", "150KiB", "--host-memory", "1GB", "--stage", 3,
-              "--tensor-parallel", 1, "--set", "model.remat=full", "--set",
-              "train.batch_size=8", *sets, "--set", "zero.bucket_mb=0", "--set",
-              "zero.prefetch=false", "--set", "zero.gather=block", "--report", d / "plan.json",
-              "--plot", d / "fig")
-    return d
-
-
 def records(path) -> list[dict]:
     return [json.loads(line) for line in open(path)]
 
@@ -221,28 +206,6 @@ def test_training_curves_are_the_metrics_file(runs):
     for key, title, _ in plot.CURVES[:4]:
         assert list(lines[title].get_ydata()) == [row[key] for row in rows] == side[key]
         assert list(lines[title].get_xdata()) == side["step"]
-
-
-def test_planner_figure_marks_each_layout_and_the_choice(planned):
-    plan = json.loads((planned / "plan.json").read_text())
-    side = check_files(planned / "fig", "planner")
-    assert [(p["device_bytes"], p["host_bytes_per_host"], p["fits"]) for p in side["points"]] \
-        == [(c["device_bytes"], c["host_bytes_per_host"], c["fits"]) for c in plan["candidates"]]
-    assert len(side["points"]) == 3 and side["best"] == plan["best"]
-    fig, data = plot.planner(plan)
-    assert data == side
-    ax = fig.axes[0]
-    offsets = np.concatenate([c.get_offsets() for c in ax.collections
-                              if c.get_label().startswith("_stage")])
-    np.testing.assert_allclose(offsets, [[c["device_bytes"] / side["device_unit_bytes"],
-                                          c["host_bytes_per_host"] / side["host_unit_bytes"]]
-                                         for c in plan["candidates"]], rtol=1e-12)
-    star = next(c for c in ax.collections if c.get_label().startswith("chosen"))
-    best = next(c for c in plan["candidates"]
-                if all(c[k] == v for k, v in plan["best"].items()))
-    assert star.get_offsets().tolist() == [[best["device_bytes"] / side["device_unit_bytes"],
-                                            best["host_bytes_per_host"]
-                                            / side["host_unit_bytes"]]]
 
 
 def test_plot_command_draws_the_same_from_the_files(runs, tmp_path, capsys):
