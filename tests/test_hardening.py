@@ -392,6 +392,8 @@ ROWS = [
     ("export no _METADATA", [*E], no_array_metadata, "40/params/_METADATA is missing"),
     ("export empty dir", [*E], empty_ckpt, "no complete checkpoint in {c}"),
     ("export exists", ["export", "{c}", "{w}"], None, "already exists"),
+    ("export no dir", ["export", "{w}/none", "{w}/out"], None,
+     "checkpoint directory {w}/none does not exist"),
     ("export unwritable", ["export", "{c}", "/proc/out"], None, "cannot export into /proc/out"),
     ("export dtype", [*E, "--dtype", "int8"], None, "--dtype must be one of"),
     ("export into ckpt", ["export", "{c}", "{c}/99"], None,
