@@ -12,7 +12,6 @@ import numpy as np
 import optax
 import pytest
 from conftest import OPTIMIZED, SUBPROCESS_ENV, local_bytes, tree_rel
-from flags import EXACT
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -100,16 +99,15 @@ def test_stage3_gathers_in_param_dtype_and_reduces_in_reduce_dtype(mesh, reduce_
 
 
 def train_losses(mesh, stage, precision, steps=50, accum_steps=1, batch=32, tx=None,
-                 loss_fn=None, batches=None, cfg=TINY, comm=None, long=False, options=None):
-    """``long``: the step compiled with LLVM's optimizations (``conftest.OPTIMIZED``);
-    ``options``: with these compiler options instead."""
+                 loss_fn=None, batches=None, cfg=TINY, comm=None, long=False):
+    """``long``: the step compiled with LLVM's optimizations (``conftest.OPTIMIZED``)."""
     from zero_jax.gpt import data
     plan, init, tx, step = setup(mesh, stage, precision, accum_steps, cfg, tx, loss_fn, comm)
     state = zj.init_state(plan, init, tx, KEY)
     tokens = data.stdlib_corpus(1 << 20)
     get = lambda i: batches[i] if batches else data.batch(tokens, i, batch, cfg.seq_len, seed=0)
-    if long or options:
-        step = step.lower(state, get(0)).compile(compiler_options=options or OPTIMIZED)
+    if long:
+        step = step.lower(state, get(0)).compile(compiler_options=OPTIMIZED)
     out = []
     for i in range(steps):
         state, m = step(state, get(i))
@@ -200,7 +198,7 @@ def test_fp16_overflow_skips_that_step_and_halves_the_scale(mesh, stage=3):
 def test_a_non_finite_step_is_skipped_alike_by_select_and_cond(mesh, stage, monkeypatch):
     """The update skips a step whose gradient is not finite with a cond on the CPU and a
     select per leaf on GPUs (``step.selects_in_place``, for memory): run here both ways, AdamW
-    with a poisoned fourth batch (compiled ``EXACT``: bits compared), the two give the same
+    with a poisoned fourth batch, the two give the same
     losses, parameters and optimizer state bit for bit, and the skipped step changed none of
     them."""
     from zero_jax import step as step_module
@@ -213,7 +211,7 @@ def test_a_non_finite_step_is_skipped_alike_by_select_and_cond(mesh, stage, monk
         monkeypatch.setattr(step_module, "selects_in_place", lambda plan, s=select: s)
         runs[select] = train_losses(mesh, stage, Precision(), 5, tx=optax.adamw(1e-2),
                                     loss_fn=poisoned(GPT(SMALL), 249), cfg=SMALL,
-                                    batches=batches, options=EXACT)
+                                    batches=batches)
     assert [m["skipped"] for m in runs[True][1]] == [0, 0, 0, 1, 0]
     for key in runs[True][1][0]:  # NaN equals NaN here
         np.testing.assert_array_equal([m[key] for m in runs[True][1]],
