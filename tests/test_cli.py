@@ -129,15 +129,12 @@ def test_bad_input_from_the_command_line():
 
 
 def test_user_data_files(tmp_path):
-    import numpy as np
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
     run = train("--data", str(text), "--steps", "3", "--stage", "1")
     assert run.returncode == 0, run.stderr
-    ids = tmp_path / "tokens.bin"
+    ids = tmp_path / "tokens.bin"  # ids past the vocabulary: test_hardening.py's table
     np.arange(5000, dtype=np.uint16).tofile(ids)
-    run = train("--data", str(ids), "--steps", "1")
-    assert run.returncode == 2 and "token id 4999 but model.vocab_size is 256" in run.stderr
     run = train("--data", str(ids), "--steps", "3", "--set", "model.vocab_size=5000")
     assert run.returncode == 0, run.stderr
 

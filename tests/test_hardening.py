@@ -127,6 +127,10 @@ def a_file(c, w):
     (w / "file").write_text("x")
 
 
+def ids_past_vocab(c, w):
+    np.arange(5000, dtype=np.uint16).tofile(w / "tokens.bin")
+
+
 def a_dir(c, w):
     (w / "dir").mkdir()
 
@@ -302,6 +306,8 @@ ROWS = [
     ("config dir", [*T, "--config", "{w}/dir"], a_dir, "is a directory: pass a YAML file"),
     ("config missing", [*T, "--config", "nope"], None, "config nope not found"),
     ("data missing", [*T, "--data", "{w}/none.txt"], None, "none.txt does not exist"),
+    ("data ids past vocab", [*T, "--data", "{w}/tokens.bin"], ids_past_vocab,
+     "tokens.bin has token id 4999 but model.vocab_size is 256"),
     ("metrics no dir", [*T, "--metrics", "{w}/no/m.jsonl"], None,
      "is not an existing directory"),
     ("report no dir", [*T, "--report", "{w}/no/r.json"], None, "is not an existing directory"),
