@@ -2,10 +2,12 @@
 (``tests/lm.py``)."""
 
 import atexit
+import json
 import os
 import pathlib
 import re
 import shutil
+import struct
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -59,6 +61,20 @@ def example(path: str, name: str) -> str:
     block = re.search(rf"<!-- {name} -->\n```python\n(.*?)```\n", text, re.S)
     assert block, f"{path} lost its example {name}"
     return block.group(1)
+
+
+def png_size(path) -> tuple[int, int]:
+    """Width and height from a PNG's signature and IHDR chunk."""
+    head = pathlib.Path(path).read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", path
+    return struct.unpack(">II", head[16:24])
+
+
+def check_files(fig: pathlib.Path, name: str) -> dict:
+    """A figure's three files (``plot``): an 800 x 450 PNG, an SVG, and its JSON sidecar, read."""
+    assert png_size(fig / f"{name}.png") == (800, 450)
+    assert (fig / f"{name}.svg").read_text().lstrip().startswith("<?xml")
+    return json.loads((fig / f"{name}.json").read_text())
 
 
 def rel(a, b) -> float:

@@ -8,8 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import SUBPROCESS_ENV, TRAIN_ENV
-from test_observability import check_files
+from conftest import SUBPROCESS_ENV, TRAIN_ENV, check_files
 
 from zero_jax import plot
 from zero_jax.gpt import layouts

@@ -12,13 +12,12 @@ import json
 import math
 import pathlib
 import re
-import struct
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from conftest import TRAIN_ENV
+from conftest import TRAIN_ENV, check_files
 
 from zero_jax import plot
 from zero_jax.hlo import KINDS
@@ -131,19 +130,6 @@ def runs(tmp_path_factory):
 
 def records(path) -> list[dict]:
     return [json.loads(line) for line in open(path)]
-
-
-def png_size(path) -> tuple[int, int]:
-    """Width and height from a PNG's signature and IHDR chunk."""
-    head = pathlib.Path(path).read_bytes()[:24]
-    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", path
-    return struct.unpack(">II", head[16:24])
-
-
-def check_files(fig: pathlib.Path, name: str) -> dict:
-    assert png_size(fig / f"{name}.png") == (800, 450)
-    assert (fig / f"{name}.svg").read_text().lstrip().startswith("<?xml")
-    return json.loads((fig / f"{name}.json").read_text())
 
 
 def bar_heights(fig) -> dict[str, list[float]]:
