@@ -598,16 +598,19 @@ def memory_table(name: str, sets: list[str], mesh: Mesh, kind: str = "scanned") 
     print(f"{name} config, {kind} model, on {mesh.size} devices, compiled only: MiB per "
           "device\n")
     print("| run | temp | arguments | total | peak | at the peak, by kind "
-          "| collectives MiB/step by mesh axes |")
-    print("|---|---|---|---|---|---|---|")
+          "| temp when fullest, by kind | collectives MiB/step by mesh axes |")
+    print("|---|---|---|---|---|---|---|---|")
+    kinds = lambda by_kind: ", ".join(f"{k} {v / mib:.2f}" for k, v in by_kind.items()
+                                      if v >= mib / 100)
     for row, low in lowered.items():
         compiled, peak = compile_with_peak(low)
         memory = compiled.memory_analysis()
         temp, args = memory.temp_size_in_bytes, memory.argument_size_in_bytes
-        kinds = ", ".join(f"{k} {v / mib:.2f}" for k, v in peak["by_kind"].items()
-                          if v >= mib / 100)
+        fullest = peak.get("temp") or {"by_kind": {}, "between buffers": 0}
         print(f"| {row} | {temp / mib:.2f} | {args / mib:.2f} | {(temp + args) / mib:.2f} "
-              f"| {peak['peak_bytes'] / mib:.2f} | {kinds} "
+              f"| {peak['peak_bytes'] / mib:.2f} | {kinds(peak['by_kind'])} "
+              f"| {kinds(fullest['by_kind'])}, between buffers "
+              f"{fullest['between buffers'] / mib:.2f} "
               f"| {bytes_by_axes(compiled.as_text(), mesh)} |", flush=True)
 
 

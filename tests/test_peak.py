@@ -11,7 +11,7 @@ import pytest
 
 import zero_jax as zj
 from zero_jax import report
-from zero_jax.peak import breakdown, kind
+from zero_jax.peak import breakdown, kind, temp_split
 from zero_jax.shards import after_inputs
 
 # The shape of XLA's "Stack trace breakdown for peak usage" (jax 0.10.2's CPU dump), written
@@ -55,6 +55,73 @@ def test_a_dump_is_read_and_sorted_by_kind():
                 "checkpoint/blocks/add_any") == "gradients"
 
 
+# The four dumps ``temp_split`` reads, written by hand in the shapes of jax 0.10.2's CPU dumps:
+# a loop whose body hands a gathered layer to its next iteration (a "phi"), a buffer that
+# shares bytes with it, and two buffers of the backward. The allocation is 1,000 bytes.
+ASSIGNMENT = """\
+allocation 0: size 100, parameter 0, shape |f32[25]| at ShapeIndex {}:
+ value: <0 p @0> (size=100,offset=0): f32[25]{0}
+allocation 1: size 1000, preallocated-temp:
+ value: <1 param.1{1} (phi) @0> (size=400,offset=0): f32[100]{0}
+ value: <2 copy.1 @0> (size=350,offset=50): f32[87]{0}
+ value: <3 dot.1 @0> (size=200,offset=600): f32[50]{0}
+ value: <4 add_any.1 @0> (size=300,offset=400): f32[75]{0}
+"""
+VALUES = """\
+<1 param.1{1} (phi) @0>
+ positions:
+  param.1 {1}
+ from instruction: %param.1 = (s32[], f32[100]{0}) parameter(0)
+<2 copy.1 @0>
+ positions:
+  copy.1
+ from instruction: %copy.1 = f32[87]{0} copy(%x)
+<3 dot.1 @0>
+ positions:
+  dot.1
+ from instruction: %dot.1 = f32[50]{0} dot(%a, %b)
+<4 add_any.1 @0>
+ positions:
+  add_any.1
+ from instruction: %add_any.1 = f32[75]{0} add(%c, %d)
+"""
+LIVE_RANGES = """\
+  BufferLiveRange:
+    p{}:0-6
+    param.1{1}:0-5
+    copy.1{}:2-2
+    dot.1{}:2-3
+    add_any.1{}:4-6
+  Live ranges at 4 (peak):
+    add_any.1{}: 300 bytes (cumulative: 300 bytes)
+"""
+HLO = """\
+%body.1 (param.1: (s32[], f32[100])) -> (s32[], f32[100]) {
+  %param.1 = (s32[], f32[100]{0}) parameter(0)
+  %all-gather.1 = f32[100]{0} all-gather(%y), metadata={op_name="s/jvp(M)/while/body/all_gather"}
+  ROOT %tuple.1 = (s32[], f32[100]{0}) tuple(%add.1, %all-gather.1)
+}
+
+ENTRY %main.2 (p: f32[25]) -> f32[] {
+  %while.1 = (s32[], f32[100]{0}) while(%tuple.0), condition=%cond.1, body=%body.1
+  %copy.1 = f32[87]{0} copy(%x)
+  %dot.1 = f32[50]{0} dot(%a, %b), metadata={op_name="s/transpose(jvp(M))/jvp(b)/dot"}
+  %add_any.1 = f32[75]{0} add(%c), metadata={op_name="s/transpose(jvp(M))/transpose(jvp(b))/add"}
+}
+"""
+
+
+def test_the_temp_allocation_splits_into_kinds_and_the_bytes_between_them():
+    """At its fullest (time 4: 400 + 300 bytes; at time 2 the copy lies within the carried
+    layer's bytes, so 400 + 200), by kind: the loop's carried value named by what the body
+    hands on (a gathered layer), the backward's gradient, and 300 bytes between buffers."""
+    split = temp_split(ASSIGNMENT, VALUES, LIVE_RANGES, HLO)
+    assert split["bytes"] == 1000 and split["at"] == 4 and split["between buffers"] == 300
+    assert {k: v for k, v in split["by_kind"].items() if v} == {
+        "gathered weights": 400, "gradients": 300}
+    assert temp_split("no temp allocation", VALUES, LIVE_RANGES, HLO) == {}
+
+
 @pytest.fixture(scope="module")
 def scanned():
     import regather
@@ -95,6 +162,14 @@ def test_the_peak_splits_into_arguments_and_temp(stage, mesh, scanned):
     assert args / 2 < states <= args < peak["peak_bytes"] <= args + \
         memory["temp_bytes"] + memory["output_bytes"] - memory["alias_bytes"]
     assert (peak["by_kind"]["gathered weights"] > 0) == (stage == 3)
+    # The temp allocation when fullest: its kinds and the bytes between buffers are all of it.
+    temp = peak["temp"]
+    assert temp["bytes"] == memory["temp_bytes"]
+    assert sum(temp["by_kind"].values()) + temp["between buffers"] == temp["bytes"]
+    assert 0 <= temp["between buffers"] < temp["bytes"] / 5
+    assert temp["by_kind"]["model states"] == 0  # the arguments are not in it
+    # Stages 1 and 2 gather too: the updated parameters, at the step's end.
+    assert (temp["by_kind"]["gathered weights"] > 0) == (stage > 0)
 
 
 @pytest.mark.slow
@@ -108,6 +183,8 @@ def test_stage3_holds_one_gathered_layer_more_with_prefetch(prefetch, bucket_byt
     layer = scanned[3]
     _, peak = peak_of(mesh, scanned, 3, zj.Comm(bucket_bytes=bucket_bytes, prefetch=prefetch))
     assert 0 < peak["by_kind"]["gathered weights"] <= (1 + prefetch) * layer
+    # And when the temp allocation is fullest.
+    assert 0 < peak["temp"]["by_kind"]["gathered weights"] <= (1 + prefetch) * layer
 
 
 def test_a_block_input_gradient_skips_the_gather_barrier():

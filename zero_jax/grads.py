@@ -317,7 +317,11 @@ def local_grads(g: GradStep, params: PyTree, whole: PyTree | None, batch: PyTree
     params = prepare(g, params)
     stats, grads = accumulate(g, params, whole, batch, key, scale)
     stats = tuple(jax.lax.psum(x, g.plan.data_axes) for x in stats)
-    return normalize(g, stats, reduce(g, grads), params)
+    # Named, so that the report's memory split (zero_jax.peak) can tell these phases' buffers.
+    with jax.named_scope("reduce"):
+        grads = reduce(g, grads)
+    with jax.named_scope("normalize"):
+        return normalize(g, stats, grads, params)
 
 
 def on_host_scaled(g: GradStep, grads: PyTree, factor: jax.Array) -> PyTree:

@@ -54,6 +54,13 @@ def compile_with_peak(lowered: Any) -> tuple[Any, dict]:
                                     "xla_dump_hlo_module_re": f"^{re.escape(name)}$"})
         found = glob.glob(os.path.join(d, "*after_optimizations-live-range.txt"))
         peak = breakdown(open(found[0]).read() if found else "")
+        if found:
+            dumps = [found[0][:-len("live-range.txt")] + suffix for suffix in (
+                "buffer-assignment.txt", "buffer-assignment-values.txt")]
+            dumps.append(found[0][:-len("-live-range.txt")] + ".txt")  # the optimized HLO
+            if all(map(os.path.exists, dumps)):
+                texts = [open(p).read() for p in dumps]
+                peak["temp"] = temp_split(texts[0], texts[1], open(found[0]).read(), texts[2])
     if kept and found:
         with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(kept), delete=False) as f:
             json.dump(peak, f)
@@ -111,6 +118,106 @@ def _peak_buffers(text: str):
             yield name if "/" in name else "/".join(label for _, label in stack[1:]), current
 
 
+def temp_split(assignment: str, values: str, live_ranges: str, hlo: str) -> dict:
+    """XLA's temp allocation at the moment its buffers fill most of it: ``{"bytes", "at",
+    "by_kind", "between buffers"}``, where the kinds and the bytes between buffers sum to the
+    allocation. The allocation is one block whose layout XLA fixes at compile time, so a gap
+    between the buffers live at that moment is memory the step needs all the same; the live
+    set at the step's peak (``breakdown``) leaves it out, and counts the arguments besides.
+
+    Read from the dumps of ``compile_with_peak``: the allocation's buffers (offsets and sizes)
+    from the buffer assignment, when each lives from the live ranges, what made it from the
+    optimized HLO's names. A value a loop carries (a "phi" of the dataflow's values) is named
+    by what the loop body hands to its next iteration."""
+    m = re.search(r"^allocation \d+: size (\d+), preallocated-temp:\n((?: value:.*\n?)*)",
+                  assignment, re.M)
+    if not m:
+        return {}
+    spans = dict((n, (int(a), int(b))) for n, a, b in re.findall(
+        r"^\s+(\S+?):(\d+)-(\d+)$", live_ranges.split("BufferLiveRange:")[-1], re.M))
+    buffers = [(_value(n), int(size), int(offset)) for n, size, offset in re.findall(
+        r" value: <\d+ (.+?) @\d+> \(size=(\d+),offset=(\d+)\)", m.group(2))]
+    buffers = [b for b in buffers if b[0] in spans]
+    if not buffers:
+        return {}
+
+    def live_at(t):  # (offset, size, name), the bytes two buffers share counted once
+        return sorted((o, s, n) for n, s, o in buffers if spans[n][0] <= t <= spans[n][1])
+    at = max(sorted({a for a, _ in spans.values()}), key=lambda t: sum(_unique(live_at(t))))
+    names = _names(values, hlo)
+    by_kind = dict.fromkeys(KINDS, 0)
+    for (_, _, name), size in zip(live_at(at), _unique(live_at(at)), strict=True):
+        by_kind[kind(names.get(name, ""))] += size
+    total = int(m.group(1))
+    return {"bytes": total, "at": at, "by_kind": by_kind,
+            "between buffers": total - sum(by_kind.values())}
+
+
+def _value(name: str) -> str:
+    """A value's name as the live ranges write it: ``copy.3{}``, ``while.1{2}``."""
+    name = name.replace(" (phi)", "")
+    return name if "{" in name else name + "{}"
+
+
+def _unique(live: list[tuple[int, int, str]]) -> list[int]:
+    """Per buffer (sorted by offset), the bytes no buffer before it covers."""
+    end, out = 0, []
+    for offset, size, _ in live:
+        out.append(max(0, offset + size - max(offset, end)))
+        end = max(end, offset + size)
+    return out
+
+
+def _names(values: str, hlo: str) -> dict[str, str]:
+    """Each value's name stack (its instruction's ``op_name``). A loop-carried value (a
+    parameter of a loop body, or a loop's result) takes the name of what the body's root hands
+    on in its place."""
+    op_name, operands, roots, bodies, params = {}, {}, {}, {}, {}
+    computation = None
+    for line in hlo.splitlines():
+        if (head := re.match(r"^(?:ENTRY )?%(\S+) \(", line)):
+            computation = head.group(1)
+            continue
+        if not (m := re.match(r"^\s*(ROOT )?%(\S+) = .*? ([a-z][\w\-]*)\((.*?)\)", line)):
+            continue
+        root, inst, opcode, args = m.groups()
+        operands[inst] = (opcode, re.findall(r"%([\w.\-]+)", args),
+                          int(i.group(1)) if (i := re.search(r", index=(\d+)", line)) else None)
+        if (named := re.search(r'op_name="([^"]*)"', line)):
+            op_name[inst] = named.group(1)
+        if root and opcode == "tuple":
+            roots[computation] = operands[inst][1]
+        elif opcode == "parameter":
+            params[inst] = computation
+        elif opcode == "while" and (body := re.search(r"body=%([\w.\-]+)", line)):
+            bodies[inst] = body.group(1)
+
+    def named(inst: str) -> str:
+        """Through copies, bitcasts and a loop body's parameter to an instruction with a name."""
+        for _ in range(16):
+            if inst in op_name:
+                return op_name[inst]
+            opcode, args, index = operands.get(inst, ("", [], None))
+            if opcode == "get-tuple-element" and params.get(args[0]) in roots:
+                inst = roots[params[args[0]]][index]
+            elif args and opcode != "parameter":
+                inst = args[0]
+            else:
+                return ""
+        return ""
+
+    names = {}
+    for m in re.finditer(r"^<\d+ (.+?) @\d+>\n", values, re.M):
+        name = _value(m.group(1))
+        base, index = re.match(r"(.*?)\{(\d*)", name).groups()
+        body = params.get(base) or bodies.get(base)
+        if " (phi)" in m.group(1) and index and body in roots:
+            names[name] = named(roots[body][int(index)])
+        else:
+            names[name] = named(base)
+    return names
+
+
 def kind(name: str) -> str:
     """The kind of a buffer, from the name stack of the operation that made it."""
     last = name.rsplit("/", 1)[-1]
@@ -121,8 +228,11 @@ def kind(name: str) -> str:
                 "slice", "dynamic_slice", "reshape", "concatenate", "convert_element_type")):
         # A layer's gathered bucket, and the leaves cut out of it (buckets._cut names its own).
         return "gathered weights"
-    if any(k in last for k in ("reduce_scatter", "psum_scatter", "all_to_all")):
+    if any(k in last for k in ("reduce_scatter", "psum_scatter", "all_to_all")) or (
+            "/reduce/" in name):
         return "reduced gradients"
+    if "/normalize/" in name:
+        return "gradients"  # reduced, scaled to the global batch: the optimizer's input
     if _LOSS.search(name):
         return "logits and loss"
     if "transpose(" in name:

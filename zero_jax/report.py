@@ -578,10 +578,23 @@ def _peak_lines(r: dict) -> list[str]:
 
 
 def peak_split(peak: dict, unit: str = "MiB", div: int = MiB) -> list[str]:
-    """One line per kind live at the peak, beside ZeRO's figure where it has one."""
+    """One line per kind live at the peak, beside ZeRO's figure where it has one; then the
+    same for the temp allocation at its fullest, with the bytes between its buffers."""
+    lines = _kinds(peak["by_kind"], peak["expected"], unit, div)
+    temp = peak.get("temp")
+    if temp:
+        lines += [f"  what fills XLA's temp allocation ({temp['bytes'] / div:.2f} {unit}) when its "
+                  "buffers take the most of it:",
+                  *_kinds(temp["by_kind"], peak["expected"], unit, div),
+                  f"    {'between buffers':<24}{temp['between buffers'] / div:>8.2f} {unit}   "
+                  "(the layout XLA fixed when compiling leaves these free then)"]
+    return lines
+
+
+def _kinds(by_kind: dict, expected: dict, unit: str, div: int) -> list[str]:
     lines = []
-    for kind, size in peak["by_kind"].items():
-        zero = peak["expected"].get(kind)
+    for kind, size in by_kind.items():
+        zero = expected.get(kind)
         if size or zero is not None:
             lines.append(f"    {kind:<24}{size / div:>8.2f} {unit}"
                          + (f"   ZeRO: {zero / div:.2f} {unit}" if zero is not None else ""))
