@@ -213,3 +213,9 @@ def test_a_block_holding_most_of_the_model_is_warned_about(mesh):
     (line,) = held(params)
     assert "holds 0.13 MiB of gathered weights at its peak" in line
     assert held(params - 1) == [] and report.held_whole(whole, None, params) == []
+    # A program that gathers nothing keeps every block whole from forward to backward; on a
+    # one-device data axis there is nothing to gather, so nothing to warn about.
+    assert "gathers the blocks' 32,768 parameters 0.00 times" in report.gathered_once(
+        parts, [])[0]
+    assert report.gathered_once(zj.make_plan(shapes, zj.make_mesh(1), 3,
+                                             layers="model/[^/]+"), []) == []

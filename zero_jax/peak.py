@@ -129,8 +129,8 @@ def temp_split(assignment: str, values: str, live_ranges: str, hlo: str) -> dict
     from the buffer assignment, when each lives from the live ranges, what made it from the
     optimized HLO's names. A value a loop carries (a "phi" of the dataflow's values) is named
     by what the loop body hands to its next iteration."""
-    m = re.search(r"^allocation \d+: size (\d+), preallocated-temp:\n((?: value:.*\n?)*)",
-                  assignment, re.M)
+    m = re.search(r"^allocation \d+: size (\d+),[^\n]*? preallocated-temp:\n((?: value:.*\n?)*)",
+                  assignment, re.M)  # ", page 0," before it from jax 0.11 on
     if not m:
         return {}
     spans = dict((n, (int(a), int(b))) for n, a, b in re.findall(

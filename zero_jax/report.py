@@ -437,8 +437,8 @@ def gathered_once(plan: Plan, found: list) -> list[str]:
     """Stage 3 gathers each block in its forward and again in its backward. A program that
     gathers the blocks about once per step keeps each block's whole weights from forward to
     backward (XLA merged the two gathers): it holds more than stage 2 would."""
-    if not (plan.rule.shard_params and plan.blocks):
-        return []
+    if not (plan.rule.shard_params and plan.blocks) or plan.mesh.shape[plan.axis] == 1:
+        return []  # one device on the axis: XLA drops its collectives, nothing is gathered
     t = plan.mesh.shape.get(MODEL, 1)
     cut = [leaf for leaf in jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "block"))
            if leaf.axis is not None and not leaf.persistent]
@@ -449,7 +449,8 @@ def gathered_once(plan: Plan, found: list) -> list[str]:
     # gathers of the leaves outside blocks.
     gathered = sum(x.count * x.bytes // DTYPE_BYTES[x.dtype] for x in found
                    if x.kind == "all-gather" and mesh_axes(x.group, plan.mesh) == plan.axis)
-    gathered -= elements([leaf for leaf in cut if not leaf.block]) * plan.accum_steps
+    gathered = max(0, gathered - elements([leaf for leaf in cut if not leaf.block])
+                   * plan.accum_steps)
     if not blocks or gathered >= 1.5 * blocks:
         return []
     return [f"stage 3 gathers the blocks' {blocks:,} parameters {gathered / blocks:.2f} times "
