@@ -46,6 +46,9 @@ def test_a_dump_is_read_and_sorted_by_kind():
     assert kind("jit(step)/shard_map/psum_scatter") == "reduced gradients"
     assert kind("jit(step)/shard_map/jvp(M)/ln_f/mul") == "forward activations"
     assert kind("jit(step)/cond/branch_1_fun/add") == "optimizer update"
+    # The gradient half's last phases, by their named scopes (grads.local_grads).
+    assert kind("jit(step)/shard_map/reduce_gradients/psum") == "reduced gradients"
+    assert kind("jit(step)/shard_map/normalize_gradients/mul") == "gradients"
     # Leaves cut out of a bucket (buckets._cut), in prefetch's backward too, are gathered weights.
     assert kind("jit(step)/shard_map/transpose(jvp(M))/gathered/slice") == "gathered weights"
     # Prefetch's backward loop runs each layer's remat under transposes of its own.

@@ -318,9 +318,9 @@ def local_grads(g: GradStep, params: PyTree, whole: PyTree | None, batch: PyTree
     stats, grads = accumulate(g, params, whole, batch, key, scale)
     stats = tuple(jax.lax.psum(x, g.plan.data_axes) for x in stats)
     # Named, so that the report's memory split (zero_jax.peak) can tell these phases' buffers.
-    with jax.named_scope("reduce"):
+    with jax.named_scope("reduce_gradients"):
         grads = reduce(g, grads)
-    with jax.named_scope("normalize"):
+    with jax.named_scope("normalize_gradients"):
         return normalize(g, stats, grads, params)
 
 

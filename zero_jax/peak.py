@@ -192,14 +192,16 @@ def _names(values: str, hlo: str) -> dict[str, str]:
         elif opcode == "while" and (body := re.search(r"body=%([\w.\-]+)", line)):
             bodies[inst] = body.group(1)
 
+    handed = lambda body, i: (roots.get(body) or [])[i:i + 1] or [""]  # what the root hands on
+
     def named(inst: str) -> str:
         """Through copies, bitcasts and a loop body's parameter to an instruction with a name."""
         for _ in range(16):
             if inst in op_name:
                 return op_name[inst]
             opcode, args, index = operands.get(inst, ("", [], None))
-            if opcode == "get-tuple-element" and params.get(args[0]) in roots:
-                inst = roots[params[args[0]]][index]
+            if opcode == "get-tuple-element" and args and index is not None and args[0] in params:
+                (inst,) = handed(params[args[0]], index)
             elif args and opcode != "parameter":
                 inst = args[0]
             else:
@@ -210,9 +212,8 @@ def _names(values: str, hlo: str) -> dict[str, str]:
     for m in re.finditer(r"^<\d+ (.+?) @\d+>\n", values, re.M):
         name = _value(m.group(1))
         base, index = re.match(r"(.*?)\{(\d*)", name).groups()
-        body = params.get(base) or bodies.get(base)
-        if " (phi)" in m.group(1) and index and body in roots:
-            names[name] = named(roots[body][int(index)])
+        if " (phi)" in m.group(1) and index:
+            (names[name],) = map(named, handed(params.get(base) or bodies.get(base), int(index)))
         else:
             names[name] = named(base)
     return names
@@ -229,9 +230,9 @@ def kind(name: str) -> str:
         # A layer's gathered bucket, and the leaves cut out of it (buckets._cut names its own).
         return "gathered weights"
     if any(k in last for k in ("reduce_scatter", "psum_scatter", "all_to_all")) or (
-            "/reduce/" in name):
+            "/reduce_gradients/" in name):
         return "reduced gradients"
-    if "/normalize/" in name:
+    if "/normalize_gradients/" in name:
         return "gradients"  # reduced, scaled to the global batch: the optimizer's input
     if _LOSS.search(name):
         return "logits and loss"
