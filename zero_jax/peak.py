@@ -16,6 +16,7 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -141,9 +142,9 @@ def temp_split(assignment: str, values: str, live_ranges: str, hlo: str) -> dict
     if not buffers:
         return {}
 
-    def live_at(t):  # (offset, size, name), the bytes two buffers share counted once
-        return sorted((o, s, n) for n, s, o in buffers if spans[n][0] <= t <= spans[n][1])
-    at = max(sorted({a for a, _ in spans.values()}), key=lambda t: sum(_unique(live_at(t))))
+    by_offset = sorted((o, s, n) for n, s, o in buffers)
+    live_at = lambda t: [b for b in by_offset if spans[b[2]][0] <= t <= spans[b[2]][1]]
+    at = _fullest(buffers, spans, lambda t: sum(_unique(live_at(t))))
     names = _names(values, hlo)
     by_kind = dict.fromkeys(KINDS, 0)
     for (_, _, name), size in zip(live_at(at), _unique(live_at(at)), strict=True):
@@ -151,6 +152,29 @@ def temp_split(assignment: str, values: str, live_ranges: str, hlo: str) -> dict
     total = int(m.group(1))
     return {"bytes": total, "at": at, "by_kind": by_kind,
             "between buffers": total - sum(by_kind.values())}
+
+
+def _fullest(buffers: list, spans: dict, occupied: Callable[[int], int]) -> int:
+    """The first moment (a buffer's start) at which ``occupied`` is largest. The plain sum of
+    the live buffers' sizes bounds it from above and is cheap for every moment at once, so
+    only the moments whose sum could beat the best found are measured."""
+    change: dict[int, int] = {}
+    for name, size, _ in buffers:
+        start, end = spans[name]
+        change[start] = change.get(start, 0) + size
+        change[end + 1] = change.get(end + 1, 0) - size
+    total, bound = 0, {}
+    for t in sorted(change):
+        total += change[t]
+        bound[t] = total
+    starts = {spans[name][0] for name, _, _ in buffers}
+    best, at = -1, 0
+    for t in sorted(starts, key=lambda t: (-bound[t], t)):
+        if bound[t] < best:
+            break
+        if (size := occupied(t)) > best or (size == best and t < at):
+            best, at = size, t
+    return at
 
 
 def _value(name: str) -> str:
