@@ -3,6 +3,7 @@ by kind, on a hand-written dump and on compiled steps of a scanned 4-layer model
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -155,6 +156,9 @@ def peak_of(mesh, scanned, stage, comm=None, gather="block"):
     if stage == 3 and gather == "block":
         table = report.format_table(r)
         assert "at the compiled step's peak" in table and "gathered weights" in table
+        fills = table.split("what fills XLA's temp allocation")[1]
+        assert re.search(r"\n +gathered weights +[\d.]+ MiB +ZeRO: [\d.]+ MiB\n", fills)
+        assert re.search(r"\n +between buffers +[\d.]+ MiB", fills)
         assert r["peak"]["expected"]["gathered weights"] == \
             (1 + plan.comm.prefetch) * scanned[3]
     return r["compiled"], r["peak"]

@@ -54,19 +54,25 @@ def compile_with_peak(lowered: Any) -> tuple[Any, dict]:
         compiled = lowered.compile({"xla_dump_to": d, "xla_dump_hlo_pass_re": "^$",
                                     "xla_dump_hlo_module_re": f"^{re.escape(name)}$"})
         found = glob.glob(os.path.join(d, "*after_optimizations-live-range.txt"))
-        peak = breakdown(open(found[0]).read() if found else "")
+        live_ranges = _read(found[0]) if found else ""
+        peak = breakdown(live_ranges)
         if found:
             dumps = [found[0][:-len("live-range.txt")] + suffix for suffix in (
                 "buffer-assignment.txt", "buffer-assignment-values.txt")]
             dumps.append(found[0][:-len("-live-range.txt")] + ".txt")  # the optimized HLO
             if all(map(os.path.exists, dumps)):
-                texts = [open(p).read() for p in dumps]
-                peak["temp"] = temp_split(texts[0], texts[1], open(found[0]).read(), texts[2])
+                assignment, values, hlo = map(_read, dumps)
+                peak["temp"] = temp_split(assignment, values, live_ranges, hlo)
     if kept and found:
         with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(kept), delete=False) as f:
             json.dump(peak, f)
         os.replace(f.name, kept)  # whole or absent, for the processes reading it beside us
     return compiled, peak
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
 
 
 def _kept(text: str) -> str | None:
