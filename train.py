@@ -67,35 +67,47 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--report", help="write the memory/communication report as JSON here")
     p.add_argument("--dry-run", action="store_true",
                    help="compile the step on abstract arrays, print the report, train nothing")
-    p.add_argument("--device-memory", metavar="SIZE",
-                   help="with --dry-run: plan for devices of this memory (80GB, 80GiB): compile "
-                   "every stage x offload x remat policy not fixed by --stage or --set, and "
-                   "name the layout that fits and communicates least")
-    p.add_argument("--host-memory", metavar="SIZE",
-                   help="with --device-memory: each host's memory (e.g. 1TB)")
-    p.add_argument("--nvme-memory", metavar="SIZE",
-                   help="with --device-memory: each host's NVMe disk; also plan the layouts "
-                   "whose optimizer is offloaded with it in files (ZeRO-Infinity's NVMe tier)")
-    p.add_argument("--devices-per-host", type=int, metavar="K",
-                   help="with --device-memory: devices sharing one host's memory (default: "
-                   "this machine's devices)")
-    p.add_argument("--checkpoint-dir", metavar="DIR",
-                   help="save sharded orbax checkpoints here (at the end, and every --save-every)")
-    p.add_argument("--save-every", type=int, metavar="N",
-                   help="also save every N steps (default: only at the end)")
-    p.add_argument("--keep", type=int, metavar="K", help="keep the last K (default 3)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the latest complete checkpoint in --checkpoint-dir, on any "
-                   "stage and device count; --steps is the total to reach")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start afresh in a --checkpoint-dir that holds checkpoints, deleting them")
-    p.add_argument("--allow-other-data", action="store_true",
-                   help="resume on another --data than the checkpoint was trained on")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set optimizer.name=sgd (repeatable)")
+    add_planner(p)
+    add_checkpoints(p)
     add_observability(p)
     add_multi_process(p)
     return p.parse_args(argv)
+
+
+def add_planner(p: argparse.ArgumentParser) -> None:
+    """The machine the planner plans for: it compiles every layout the flags leave open."""
+    plan = p.add_argument_group("the planner, with --dry-run (docs/guides/offload.md)")
+    plan.add_argument("--device-memory", metavar="SIZE", help="plan for devices of this "
+                      "memory (80GB, 80GiB): compile every stage x offload x remat policy not "
+                      "fixed by --stage or --set, and name the layout that fits and "
+                      "communicates least")
+    plan.add_argument("--host-memory", metavar="SIZE",
+                      help="with --device-memory: each host's memory (e.g. 1TB)")
+    plan.add_argument("--nvme-memory", metavar="SIZE", help="with --device-memory: each "
+                      "host's NVMe disk; also plan the layouts whose optimizer is offloaded "
+                      "with it in files (ZeRO-Infinity's NVMe tier)")
+    plan.add_argument("--devices-per-host", type=int, metavar="K", help="with "
+                      "--device-memory: devices sharing one host's memory (default: this "
+                      "machine's devices)")
+
+
+def add_checkpoints(p: argparse.ArgumentParser) -> None:
+    """Where checkpoints go, how many stay, and what a resumed run may change."""
+    ckpt = p.add_argument_group("checkpoints (docs/guides/checkpoints.md)")
+    ckpt.add_argument("--checkpoint-dir", metavar="DIR", help="save sharded orbax "
+                      "checkpoints here (at the end, and every --save-every)")
+    ckpt.add_argument("--save-every", type=int, metavar="N",
+                      help="also save every N steps (default: only at the end)")
+    ckpt.add_argument("--keep", type=int, metavar="K", help="keep the last K (default 3)")
+    ckpt.add_argument("--resume", action="store_true", help="continue from the latest "
+                      "complete checkpoint in --checkpoint-dir, on any stage and device "
+                      "count; --steps is the total to reach")
+    ckpt.add_argument("--overwrite", action="store_true", help="start afresh in a "
+                      "--checkpoint-dir that holds checkpoints, deleting them")
+    ckpt.add_argument("--allow-other-data", action="store_true",
+                      help="resume on another --data than the checkpoint was trained on")
 
 
 def add_observability(p: argparse.ArgumentParser) -> None:
