@@ -62,19 +62,30 @@ def _appended(rest: PyTree, last: PyTree) -> PyTree:
     return jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), rest, last)
 
 
+def _sum(a: PyTree, b: PyTree) -> PyTree:
+    return jax.tree.map(jnp.add, a, b)
+
+
+def _differentiable(cts: PyTree) -> PyTree:
+    """Cotangents with those of integer inputs (``float0``: masks, positions) as ``None``, which
+    a ``custom_vjp`` backward may return for them, and which loops can carry and stack."""
+    return jax.tree.map(lambda g: None if g.dtype == jax.dtypes.float0 else g, cts)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def run_stack(layer: Callable, saved: Saved, params_L: PyTree, carry: PyTree,
-              xs_L: PyTree, keys_L: PyTree) -> tuple[PyTree, PyTree]:
-    """``layer(params, carry, x, keys) -> (carry, y)`` over the ``L`` layers of ``params_L``
-    (whose cut leaves are ``Shard``s), ``xs_L`` and ``keys_L`` (random keys by stream, one per
-    layer), as ``jax.lax.scan``; each layer's weights gathered one layer ahead, its gradient
-    reduced one layer behind; what each layer keeps for its backward kept as ``saved`` says
-    (its keys too: the backward draws what the forward drew)."""
-    return _forward(layer, saved, params_L, carry, xs_L, keys_L)[0]
+              xs_L: PyTree, consts: PyTree, keys_L: PyTree) -> tuple[PyTree, PyTree]:
+    """``layer(params, carry, x, consts, keys) -> (carry, y)`` over the ``L`` layers of
+    ``params_L`` (whose cut leaves are ``Shard``s), ``xs_L`` and ``keys_L`` (random keys by
+    stream, one per layer), every layer seeing all of ``consts`` (a scan's broadcast arguments),
+    as ``jax.lax.scan``; each layer's weights gathered one layer ahead, its gradient reduced
+    one layer behind; what each layer keeps for its backward kept as ``saved`` says (its keys
+    too: the backward draws what the forward drew)."""
+    return _forward(layer, saved, params_L, carry, xs_L, consts, keys_L)[0]
 
 
 @buckets.cut_at_once()
-def _forward(layer, saved, params_L, carry, xs_L, keys_L):
+def _forward(layer, saved, params_L, carry, xs_L, consts, keys_L):
     n = jax.tree.leaves(params_L)[0].shape[0]
     # The first gather of each loop waits for the loop's inputs, like every block's gather: else
     # the scheduler may start it anywhere, and XLA may merge the backward's with the forward's.
@@ -82,7 +93,7 @@ def _forward(layer, saved, params_L, carry, xs_L, keys_L):
 
     def one(w, c, i):  # with Pa, c waits cut between layers, as the partitioner keeps it
         (c, y), kept, _ = saved.linearize(layer, w, saved.whole(c), _slice(xs_L, i),
-                                          _slice(keys_L, i))
+                                          consts, _slice(keys_L, i))
         return saved.cut(c), y, kept
 
     def body(state, i):
@@ -96,46 +107,49 @@ def _forward(layer, saved, params_L, carry, xs_L, keys_L):
     (c, whole), (inputs, kept, ys) = jax.lax.scan(body, (carry, whole), jnp.arange(n - 1))
     c, y, last = one(whole, c, n - 1)
     return (c, _appended(ys, y)), (params_L, saved.save(carry), inputs, kept, last, xs_L,
-                                   keys_L)
+                                   consts, keys_L)
 
 
 @buckets.cut_at_once()
 def _backward(layer, saved, residuals, cts):
-    params_L, first, inputs, kept_L, last, xs_L, keys_L = residuals
+    params_L, first, inputs, kept_L, last, xs_L, consts, keys_L = residuals
     dc, dys = cts
     n = jax.tree.leaves(params_L)[0].shape[0]
 
     def one(w, i, c, kept, dc):  # layer i's backward from its input and what it kept
         c, x, keys = saved.load(c), _slice(xs_L, i), _slice(keys_L, i)
-        return saved.backward(layer, kept, w, c, x, keys)((dc, _slice(dys, i)))[:3]
+        dw, dc, dx, dk = saved.backward(layer, kept, w, c, x, consts, keys)(
+            (dc, _slice(dys, i)))[:4]
+        return dw, dc, _differentiable(dx), _differentiable(dk)
 
     reduce = lambda i, dw, hold=(): reduce_tree(_slice(params_L, i), dw, hold)
     whole = materialize_tree(after_inputs(_slice(params_L, n - 1), cts, {}))
     if n == 1:
-        dw, dc, dx = one(whole, 0, first, last, dc)
+        dw, dc, dx, dk = one(whole, 0, first, last, dc)
         one_layer = lambda tree: jax.tree.map(lambda x: x[None], tree)
-        return one_layer(reduce(0, dw)[0]), dc, one_layer(dx), None
+        return one_layer(reduce(0, dw)[0]), dc, one_layer(dx), dk, None
     # Layer n-1 before the loop, layer n-2's gather beside it; then iteration i gathers layer
     # i-1 and reduce-scatters layer i+1's gradient while layer i computes.
     behind = materialize_tree(after_inputs(_slice(params_L, n - 2), cts, {}))
-    dw, dc, dx_last = one(whole, n - 1, _slice(inputs, n - 2), last, dc)
+    dw, dc, dx_last, dk = one(whole, n - 1, _slice(inputs, n - 2), last, dc)
 
     def body(state, i):
-        dc, w, pending = state  # pending: layer i+1's gradient, whole
+        dc, w, pending, dk = state  # pending: layer i+1's gradient, whole; dk: consts' so far
         c = _slice(inputs, i - 1)  # layer i's input, read in place: scanning a cut copies it
         # Layer i's backward starts (from dc) once layer i+1's gradient is packed into its
         # buckets, and layer i-1's weights are cut out of theirs once it is done: each new
         # value then takes the place of the old one in the loop's carry.
         reduced, dc = reduce(i + 1, pending, dc)
-        dw, dc, dx = one(w, i, c, _slice(kept_L, i), dc)
+        dw, dc, dx, dk_i = one(w, i, c, _slice(kept_L, i), dc)
         behind = materialize_tree(_slice(params_L, i - 1), after=(dw, dc, dx))
-        return (dc, behind, dw), (reduced, dx)
+        return (dc, behind, dw, _sum(dk, dk_i)), (reduced, dx)
 
-    (dc, whole, pending), (dps, dxs) = jax.lax.scan(body, (dc, behind, dw),
-                                                    jnp.arange(1, n - 1), reverse=True)
-    dw, dc, dx = one(whole, 0, first, _slice(kept_L, 0), dc)
+    (dc, whole, pending, dk), (dps, dxs) = jax.lax.scan(body, (dc, behind, dw, dk),
+                                                        jnp.arange(1, n - 1), reverse=True)
+    dw, dc, dx, dk_0 = one(whole, 0, first, _slice(kept_L, 0), dc)
     dps = _stacked(reduce(0, dw)[0], _stacked(reduce(1, pending)[0], dps))
-    return dps, dc, _stacked(dx, _appended(dxs, dx_last)), None  # no gradient for the keys
+    # No gradient for the keys.
+    return dps, dc, _stacked(dx, _appended(dxs, dx_last)), _sum(dk, dk_0), None
 
 
 run_stack.defvjp(_forward, _backward)
@@ -158,6 +172,17 @@ _SCAN_ARGS = ("variable_axes", "variable_broadcast", "variable_carry", "in_axes"
               "reverse")
 
 
+def _stacked_args(in_axes: Any, n: int) -> tuple[bool, ...] | None:
+    """Which of a linen scan's ``n`` arguments are scanned over (axis 0) and which broadcast
+    (``nn.broadcast``); ``None``: another ``in_axes``."""
+    axes = (in_axes,) * n if in_axes == 0 else in_axes
+    if not isinstance(axes, (tuple, list)) or len(axes) != n:
+        return None
+    if not all(a is flax.core.broadcast or (isinstance(a, int) and a == 0) for a in axes):
+        return None
+    return tuple(a is not flax.core.broadcast for a in axes)
+
+
 def _refusal(scopes, carry, xs, variable_axes, variable_broadcast, variable_carry, in_axes,
              out_axes, reverse) -> str | None:
     """Why this ``nn.scan`` cannot run as a prefetching loop (``None``: it can)."""
@@ -167,11 +192,25 @@ def _refusal(scopes, carry, xs, variable_axes, variable_broadcast, variable_carr
     if set(scope.variables()) != {"params"}:
         return "it uses collections besides params"
     if (dict(variable_axes) not in ({"params": 0}, {True: 0}) or variable_broadcast
-            or variable_carry or in_axes != 0 or out_axes != 0 or reverse):
-        return "prefetch runs scans with variable_axes={'params': 0} and in/out axes 0, forward"
-    if not all(jnp.issubdtype(x.dtype, jnp.inexact) for x in jax.tree.leaves((carry, xs))):
-        return "its carry or inputs hold integers"
+            or variable_carry or _stacked_args(in_axes, len(xs)) is None or out_axes != 0
+            or reverse):
+        return ("prefetch runs scans with variable_axes={'params': 0}, in axes 0 or "
+                "nn.broadcast, out axes 0, forward")
+    if not all(jnp.issubdtype(x.dtype, jnp.inexact) for x in jax.tree.leaves(carry)):
+        return "its carry holds integers"
     return None
+
+
+def _split_args(stacked: tuple[bool, ...], args: tuple) -> tuple[tuple, tuple]:
+    """A scan's arguments as (scanned over, broadcast)."""
+    return (tuple(a for a, s in zip(args, stacked, strict=True) if s),
+            tuple(a for a, s in zip(args, stacked, strict=True) if not s))
+
+
+def _merge_args(stacked: tuple[bool, ...], xs: tuple, consts: tuple) -> list:
+    """``_split_args`` undone: one layer's arguments in the scan's order."""
+    xs, consts = iter(xs), iter(consts)
+    return [next(xs) if s else next(consts) for s in stacked]
 
 
 @contextlib.contextmanager
@@ -198,12 +237,15 @@ def stacks(names: frozenset[str], seen: set[str], saved: Saved):
                                      f"prefetch off (zero.prefetch: false)")
                 seen.add(name)
                 n = jax.tree.leaves(scope.variables()["params"])[0].shape[0]
+                stacked = _stacked_args(how["in_axes"], len(xs))
 
-                def layer(params, c, x, keys):
-                    per_layer = lambda s, c, *x: fn([s], c, *x)
-                    return flax.core.apply(per_layer)({"params": params}, c, *x,
-                                                      rngs=keys or None)
-                return run_stack(layer, saved, scope.variables()["params"], carry, xs,
+                def layer(params, c, x, consts, keys):
+                    per_layer = lambda s, c, *args: fn([s], c, *args)
+                    return flax.core.apply(per_layer)(
+                        {"params": params}, c, *_merge_args(stacked, x, consts),
+                        rngs=keys or None)
+                return run_stack(layer, saved, scope.variables()["params"], carry,
+                                 *_split_args(stacked, xs),
                                  _layer_keys(scope, how["split_rngs"], n))
             return run
         return scan
@@ -213,27 +255,35 @@ def stacks(names: frozenset[str], seen: set[str], saved: Saved):
 
 
 def _nnx_refusal(args: tuple, kwargs: dict, at: int, n: int, rest: list) -> str | None:
-    """Why this ``nnx.scan`` over a named stack (``args[at]``, beside the carry) cannot run as
-    a prefetching loop."""
+    """Why this ``nnx.scan`` over a named stack (``args[at]``) cannot run as a prefetching
+    loop."""
     from flax import nnx
 
-    if len(args) != 2 or kwargs.get("in_axes") != ((0, nnx.Carry), (nnx.Carry, 0))[at]:
-        return ("prefetch runs nnx.scan(in_axes=(0, nnx.Carry)) over (stack, carry), or "
-                "in_axes=(nnx.Carry, 0) over (carry, stack)")
+    axes = kwargs.get("in_axes")
+    if (not isinstance(axes, tuple) or len(axes) != len(args) or axes[at] != 0
+            or sum(a is nnx.Carry for a in axes) != 1
+            or not all(a is nnx.Carry or a in (0, None) for a in axes)):
+        return ("prefetch runs nnx.scan with the stack at in axis 0, one nnx.Carry, and the "
+                "other arguments at 0 or None (broadcast)")
     if kwargs.get("out_axes") not in (nnx.Carry, (nnx.Carry, 0)) or kwargs.get("reverse"):
         return "prefetch runs scans with out_axes nnx.Carry or (nnx.Carry, 0), forward"
     if kwargs.get("length") not in (None, n) or any(x.shape[:1] != (n,) for x in rest):
         return "its state is not stacked along the layers"
-    if not all(jnp.issubdtype(x.dtype, jnp.inexact) for x in jax.tree.leaves(args[1 - at])):
+    if not all(jnp.issubdtype(x.dtype, jnp.inexact)
+               for x in jax.tree.leaves(args[axes.index(nnx.Carry)])):
         return "its carry holds integers"
+    graph = lambda x: isinstance(x, (nnx.Module, nnx.Variable))
+    others = [a for j, a in enumerate(args) if axes[j] is not nnx.Carry and j != at]
+    if any(map(graph, jax.tree.leaves(others, is_leaf=graph))):
+        return "an argument besides the stack holds NNX modules or variables"
     return None
 
 
 def _run_nnx_stack(name: str, f: Callable, kwargs: dict, saved: Saved, args: tuple, at: int):
-    """``nnx.scan(f, **kwargs)(*args)``, the stack ``args[at]`` and the carry the other, as
-    ``run_stack``: each layer a copy of the stack's module merged from its slice of the
-    parameters and of the rest of its state (random streams, stacked as ``nnx.scan`` slices
-    them), which comes back stacked, as the call left it, and is set back into the stack."""
+    """``nnx.scan(f, **kwargs)(*args)``, the stack ``args[at]``, as ``run_stack``: each layer a
+    copy of the stack's module merged from its slice of the parameters and of the rest of its
+    state (random streams, stacked as ``nnx.scan`` slices them), which comes back stacked, as
+    the call left it, and is set back into the stack."""
     from flax import nnx
 
     graphdef, params, rest = nnx.split(args[at], nnx.Param, ...)
@@ -244,14 +294,23 @@ def _run_nnx_stack(name: str, f: Callable, kwargs: dict, saved: Saved, args: tup
         raise ValueError(f"prefetch cannot run the NNX stack {name!r}: {why}; turn prefetch "
                          f"off (zero.prefetch: false)")
     ys_too = kwargs["out_axes"] != nnx.Carry
+    axes = kwargs["in_axes"]
+    carry_at = axes.index(nnx.Carry)
+    others = [j for j in range(len(args)) if j not in (at, carry_at)]
+    stacked = tuple(axes[j] == 0 for j in others)
 
-    def layer(w, c, _, st):
-        copy = nnx.merge(graphdef, tree.unflatten(w), state_tree.unflatten(st))
-        out = f(copy, c) if at == 0 else f(c, copy)
-        after = jax.tree.leaves(nnx.state(copy, nnx.Not(nnx.Param)))
+    def layer(w, c, x, consts, st):
+        call = list(args)
+        call[at] = nnx.merge(graphdef, tree.unflatten(w), state_tree.unflatten(st))
+        call[carry_at] = c
+        for j, a in zip(others, _merge_args(stacked, x, consts), strict=True):
+            call[j] = a
+        out = f(*call)
+        after = jax.tree.leaves(nnx.state(call[at], nnx.Not(nnx.Param)))
         return (out[0], (out[1], after)) if ys_too else (out, after)
 
-    c, ys = run_stack(layer, saved, values, args[1 - at], (), state)
+    c, ys = run_stack(layer, saved, values, args[carry_at],
+                      *_split_args(stacked, [args[j] for j in others]), state)
     ys, after = ys if ys_too else (None, ys)
     nnx.update(args[at], state_tree.unflatten(after))
     return (c, ys) if ys_too else c
