@@ -327,7 +327,7 @@ def _row(res: dict) -> None:
     pairs = ", ".join(f"{harness.SHORT[k]} {v['matmul']}/{v['pairs']} "
                       f"({v['matmul_in_loop']}/{v['in_loop']})"
                       for k, v in sorted(res["overlap"].items()))
-    print(f"| {res['stage']} | {res['temp_bytes'] / MiB:.0f} "
+    print(f"| {res['stage']} | {res['temp_bytes'] / MiB:.2f} "
           f"| {harness.format_collectives(res['collectives'])} | {ratio} "
           f"| {pairs or 'no async collectives'} |", flush=True)
 
