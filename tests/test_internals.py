@@ -117,15 +117,28 @@ def test_flax_lift_scan_and_checkpoint_are_what_nn_scan_and_nn_remat_call():
         def __call__(self, c, _):
             return flax.linen.Dense(2)(c), None
 
-    with internals.flax_lift("scan", wrap), internals.flax_lift("checkpoint", wrap):
-        stack = flax.linen.scan(Layer, variable_axes={"params": 0},
-                                split_rngs={"params": True}, length=2)()
-        stack.init(jax.random.key(0), jnp.ones((1, 2)), None)
-        flax.linen.remat(Layer)().init(jax.random.key(0), jnp.ones((1, 2)), None)
-    assert "scan" in called, broke("flax.core.lift.scan (nn.scan no longer calls it)")
-    assert "checkpoint" in called, broke("flax.core.lift.checkpoint (nn.remat no longer "
-                                         "calls it)")
+    # Classes made before the swap (at import) hold the transform in their methods' closures.
+    made_before = (flax.linen.scan(Layer, variable_axes={"params": 0},
+                                   split_rngs={"params": True}, length=2),
+                   flax.linen.remat(Layer))
+    for made_now in (False, True):
+        called.clear()
+        with internals.flax_lift("scan", wrap), internals.flax_lift("checkpoint", wrap):
+            stack, remat = (flax.linen.scan(Layer, variable_axes={"params": 0},
+                                            split_rngs={"params": True}, length=2),
+                            flax.linen.remat(Layer)) if made_now else made_before
+            stack().init(jax.random.key(0), jnp.ones((1, 2)), None)
+            remat().init(jax.random.key(0), jnp.ones((1, 2)), None)
+        when = "made while swapped" if made_now else "made before the swap"
+        assert "scan" in called, broke(f"flax.core.lift.scan (nn.scan {when} no longer calls "
+                                       "it)")
+        assert "checkpoint" in called, broke(f"flax.core.lift.checkpoint (nn.remat {when} no "
+                                             "longer calls it)")
     assert flax.core.lift.scan is original
+    # Restored: the classes made before hold Flax's own transforms again.
+    for cls, fn in zip(made_before, (original, flax.core.lift.checkpoint), strict=True):
+        assert any(cell.cell_contents is fn for method in vars(cls).values()
+                   for cell in getattr(method, "__closure__", None) or ())
 
 
 def test_nnx_scan_is_swapped_where_user_code_calls_it():

@@ -170,7 +170,7 @@ def run_loss(g: GradStep, tree: PyTree, micro: PyTree, key: jax.Array | None):
                                            and b not in prefetched]):
         raise ValueError(f"prefetch runs linen and NNX scanned stacks, unrolled linen blocks "
                          f"and NNX blocks in a list; {missing[0]!r} did not run as one (its "
-                         f"nn.scan class made, or nnx.scan bound, before the step): turn "
+                         f"nnx.scan bound before the step, or applied at import): turn "
                          f"prefetch off")
     if missing := [b for b in blocks if b not in seen and b not in prefetched]:
         raise ValueError(f"layers= names {missing[0]!r}, which never ran as a Flax linen module "

@@ -207,9 +207,8 @@ def _linen(module: Any, method: str) -> tuple[Callable, Callable, list, Callable
             tree = tree.get(part) if hasattr(tree, "get") else None
         if tree is None:  # the root of a transform's scope (the model's own nn.vmap, ...)
             raise ValueError(f"prefetch hands block {path!r} its weights from the block before; "
-                             f"it runs inside a Flax transform of the model's own (nn.vmap, or "
-                             f"an nn.remat class made before the step), which no value may "
-                             f"leave; {_OFF}")
+                             f"it runs inside a Flax transform of the model's own (nn.vmap, ...), "
+                             f"which no value may leave; {_OFF}")
         return tree
     return block, weights_of, [], lambda _: None
 

@@ -89,13 +89,48 @@ def compile_afresh() -> contextlib.AbstractContextManager:
     return _swapped("jax._src.compiler", "_cache_read", lambda _: lambda *a, **k: (None, None))
 
 
-def flax_lift(name: str, wrap: Callable[[Callable], Callable]) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def flax_lift(name: str, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
     """``flax.core.lift.<name>`` replaced by ``wrap(original)`` while the block runs: how
     ``zero_jax.prefetch`` runs the layer loop of a linen ``nn.scan`` stack itself (``scan``),
     and ``zero_jax.handoff`` a block under the model's own ``nn.remat`` (``checkpoint``). Linen
-    reads the attribute when the transformed class is made (``nn.scan(Block)``): classes made
-    before do not see the swap. Trace one such loss at a time."""
-    return _swapped("flax.core.lift", name, wrap)
+    reads the attribute when the transformed class is made (``nn.scan(Block)``); a class made
+    before (at import) holds it in its methods' closures, which are swapped too. Trace one such
+    loss at a time."""
+    import flax.core.lift
+
+    original = getattr(flax.core.lift, name)
+    cells = _captured(original)  # before the wrapper, which holds it too, exists
+    wrapped = wrap(original)
+    setattr(flax.core.lift, name, wrapped)
+    for cell in cells:
+        cell.cell_contents = wrapped
+    try:
+        yield
+    finally:
+        setattr(flax.core.lift, name, original)
+        for cell in cells:
+            cell.cell_contents = original
+
+
+def _captured(fn: Callable) -> list:
+    """The closure cells holding ``fn`` in the methods of every linen class alive (a class
+    ``nn.scan`` or ``nn.remat`` made keeps its transform in its methods' closures)."""
+    import flax.linen as nn
+
+    cells, todo, seen = [], [nn.Module], set()
+    while todo:
+        for cls in todo.pop().__subclasses__():
+            if cls in seen:
+                continue
+            seen.add(cls)
+            todo.append(cls)
+            for method in vars(cls).values():
+                for cell in getattr(method, "__closure__", None) or ():
+                    with contextlib.suppress(ValueError):  # an empty cell
+                        if cell.cell_contents is fn:
+                            cells.append(cell)
+    return cells
 
 
 def nnx_scan(wrap: Callable[[Callable], Callable]) -> contextlib.AbstractContextManager:
