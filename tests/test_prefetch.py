@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from lm import LAYERS, LM, SMALL, init_fn, lm_loss
 from lm import batches as lm_batches
 from test_comm import volume
-from test_nnx import Scanned
+from test_nnx import D, Scanned
 from test_nnx import data as nnx_data
 from test_nnx import problem as nnx_problem
 from test_remat import scan_outputs_in_host_memory
@@ -198,14 +198,14 @@ class BroadcastNNX(Scanned):
 
     def __init__(self, rngs: nnx.Rngs, n: int = 4, dropout: float = 0.0):
         super().__init__(rngs, n, dropout)
-        self.ctx = nnx.Linear(16, 16, rngs=rngs)
+        self.ctx = nnx.Linear(D, D, rngs=rngs)
 
     def __call__(self, x):
         def layer(x, ctx, block, mask, scale):
             return jnp.where(mask, block(x) * ctx * scale, x)
         forward = nnx.scan(layer, in_axes=(nnx.Carry, None, 0, None, 0), out_axes=nnx.Carry)
         return self.head(forward(x, jnp.tanh(self.ctx(x)), self.blocks,
-                                 jnp.arange(16) % 3 != 0, jnp.linspace(0.5, 1.0, 4)))
+                                 jnp.arange(D) % 3 != 0, jnp.linspace(0.5, 1.0, 4)))
 
 
 class CtxBlock(nn.Module):
@@ -232,7 +232,7 @@ def broadcast_problem(kind: str):
     if kind == "nnx":
         return nnx_problem(BroadcastNNX)
     model = BroadcastLinen()
-    init = lambda key: model.init(key, jnp.zeros((32, 16)))["params"]
+    init = lambda key: model.init(key, nnx_data(0)[0])["params"]
     return init, lambda p, b: jnp.mean((model.apply({"params": p}, b[0]) - b[1]) ** 2)
 
 
