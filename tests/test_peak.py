@@ -25,7 +25,7 @@ DUMP = """\
       ├── s/jvp(M)/while (60.0%, total: 600 bytes, current: 0 bytes)
       │   └── body.2_spmd (60.0%, total: 600 bytes, current: 0 bytes)
       │       ├── s/jvp(M)/w/b/checkpoint/all_gather (40.0%, total: 400 bytes, current: 400 bytes)
-      │       └── s/jvp(M)/w/b/checkpoint/slice (20.0%, total: 200 bytes, current: 200 bytes)
+      │       └── s/jvp(M)/w/b/gathered/slice (20.0%, total: 200 bytes, current: 200 bytes)
       ├── state (25.0%, total: 250 bytes, current: 0 bytes)
       │   └── params (25.0%, total: 250 bytes, current: 0 bytes)
       │       └── w (25.0%, total: 250 bytes, current: 250 bytes)
@@ -53,8 +53,13 @@ def test_a_dump_is_read_and_sorted_by_kind():
     # A gradient bucket packed in a block's backward (stage 2) is not a gathered one.
     assert kind("jit(step)/shard_map/transpose(jvp(M))/while/body/closed_call/checkpoint/"
                 "blocks/concatenate") == "gradients"
-    # Leaves cut out of a bucket (buckets._cut), in prefetch's backward too, are gathered weights.
+    # Leaves cut out of a bucket (buckets.all_gather's scope), in prefetch's backward too, are
+    # gathered weights; a block's own slices and casts (q, k, v split from one matmul's output;
+    # a layer norm's cast) are not.
     assert kind("jit(step)/shard_map/transpose(jvp(M))/gathered/slice") == "gathered weights"
+    block = "jit(step)/shard_map/transpose(jvp(M))/while/body/closed_call/checkpoint/"
+    for op in ("blocks/slice", "blocks/ln1/convert_element_type"):
+        assert kind(block + "rematted_computation/" + op) == "recomputed activations"
     # Prefetch's backward loop runs each layer's remat under transposes of its own.
     assert kind("jit(step)/shard_map/transpose(jvp(M))/transpose(jvp(transpose(jvp(M))))/jvp()/"
                 "checkpoint/rematted_computation/blocks/mul") == "recomputed activations"

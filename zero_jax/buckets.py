@@ -113,6 +113,7 @@ def dequantize(q: jax.Array, scale: jax.Array, sizes: list[int], block: int) -> 
     return jnp.concatenate(out, axis=-1)
 
 
+@jax.named_scope("gathered")  # peak.kind counts what this makes as gathered weights
 def all_gather(xs: list[jax.Array], axes: list[int], mesh_axis: AxisName, comm: Comm,
                to: str = "varying", after: tuple = ()) -> list[jax.Array]:
     """Whole leaves from this device's shards (each cut along its ``axes`` entry): one
@@ -151,7 +152,6 @@ def all_gather(xs: list[jax.Array], axes: list[int], mesh_axis: AxisName, comm: 
     return out
 
 
-@jax.named_scope("gathered")  # peak.kind counts what this makes as gathered weights
 def _cut(gathered, xs: list[jax.Array], axes: list[int], comm: Comm) -> list[jax.Array]:
     """The whole leaves of the shards ``xs`` out of their gathered bucket (``n x L``, or int8
     and scales); under ``cut_at_once`` all copied out before any is used: else XLA fuses some

@@ -254,12 +254,8 @@ def kind(name: str) -> str:
     last = name.rsplit("/", 1)[-1]
     if name.startswith(("state", "batch")):
         return "model states"  # the step's arguments: parameters, optimizer state, the batch
-    if "all_gather" in last or "all-gather" in last or "/gathered/" in name or (
-            "checkpoint" in name and last in (
-                "slice", "dynamic_slice", "reshape", "concatenate", "convert_element_type")
-            and not (last == "concatenate" and "transpose(" in name)):
-        # A layer's gathered bucket, and the leaves cut out of it (buckets._cut names its own);
-        # not the backward's concatenations, which pack gradients into their buckets.
+    if "all_gather" in last or "all-gather" in last or "/gathered/" in name:
+        # A layer's gathered bucket, and the leaves cut out of it (buckets.all_gather's scope).
         return "gathered weights"
     if any(k in last for k in ("reduce_scatter", "psum_scatter", "all_to_all")) or (
             "/reduce_gradients/" in name):
