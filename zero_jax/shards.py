@@ -79,6 +79,7 @@ class _How(NamedTuple):
     dtypes: tuple[str, ...]  # the targets', which their gradients come back in
     comm: Comm
     model_dims: tuple[int | None, ...]  # each leaf's tensor-parallel dimension (negative)
+    at_once: bool  # buckets cut into all their leaves before any is used (buckets.cut_at_once)
 
 
 def per_model_rank(fn, xs: list[jax.Array], model_dims: tuple[int | None, ...]) -> list:
@@ -109,7 +110,8 @@ def _whole(targets: list, sources: list, how: _How, after: tuple) -> list:
     ``after`` (``buckets.all_gather``'s)."""
     if how.kind == "gather":
         return per_model_rank(lambda xs: buckets.all_gather(
-            xs, list(how.axes), how.mesh_axis, how.comm, after=after), sources, how.model_dims)
+            xs, list(how.axes), how.mesh_axis, how.comm, after=after, at_once=how.at_once),
+            sources, how.model_dims)
     # pcast marks the copy as per-device; without it JAX would all-reduce its gradient before
     # our reduce and the gradient would come out N times too large.
     return [jax.lax.pcast(s, how.mesh_axis, to="varying") for s in sources]
@@ -150,7 +152,7 @@ def _how(xs: list[Shard]) -> _How:
     axes = tuple(None if x.axis is None else x.axis % x.value.ndim for x in xs)
     return _How(first.kind, axes, first.mesh_axis, first.reduce_dtype,
                 tuple(x.value.dtype.name for x in xs), first.comm,
-                tuple(x.model_dim for x in xs))
+                tuple(x.model_dim for x in xs), buckets.cutting_at_once())
 
 
 def _groups(leaves: list) -> list[list[int]]:
