@@ -238,22 +238,21 @@ def test_planner_offloads_beside_tensor_parallelism(tmp_path):
 
 
 def test_planner_names_tensor_parallelism_when_nothing_fits_without_it(tmp_path):
-    """Remat full, no offload, the stage left open: with prefetch T = 1 needs about 8.2 MiB per
-    device at stage 3 on the default model, T = 2 7.9 (partitioned activations on), T = 4 8.3;
-    with 8.9 MiB (8.0 usable) only T = 2 fits. The others are compiled again without prefetch
-    (T = 1 8.1, T = 4 8.5) and still do not fit. Where stage 3 with T = 2 fits, stage 2 with
-    T = 2 is tried (it keeps more, and communicates less) and does not fit, so stage 1 is not
-    tried; the stages below 3 at T = 1 do not fit either. The advice names T = 2."""
+    """Remat full, no offload, prefetch on (set: else the planner compiles T = 1 again without
+    prefetch, 7.35 MiB, which fits), the stage left open: T = 1 needs about 8.2 MiB per device
+    at stage 3 on the default model, T = 2 7.9 (partitioned activations on), T = 4 8.3; with
+    8.9 MiB (8.0 usable) only T = 2 fits. Where stage 3 with T = 2 fits, stage 2 with T = 2 is
+    tried (it keeps more, and communicates less) and does not fit, so stage 1 is not tried; the
+    stages below 3 at T = 1 do not fit either. The advice names T = 2."""
     run, r = dry_run(tmp_path, "--device-memory", "8.9MiB", "--host-memory", "1GB",
                      "--set", "model.remat=full", "--set", "zero.offload_optimizer.device=none",
-                     "--set", "zero.gather=block")
+                     "--set", "zero.gather=block", "--set", "zero.prefetch=true")
     rows = {(c["stage"], c["tp"], c.get("prefetch", True)): c for c in r["candidates"]}
-    # T: the divisors cutting 4 heads; without prefetch again where it did not fit
+    # T: the divisors cutting 4 heads; prefetch as set, never dropped
     assert set(rows) == {(0, 1, True), (1, 1, True), (2, 1, True), (3, 1, True), (3, 2, True),
-                         (3, 4, True), (3, 1, False), (3, 4, False), (2, 2, True)}
+                         (3, 4, True), (2, 2, True)}
     assert [key for key, c in rows.items() if c["fits"]] == [(3, 2, True)]
-    assert rows[3, 2, True]["temp_bytes"] < min(rows[3, 1, p]["temp_bytes"]
-                                                for p in (True, False))
+    assert rows[3, 2, True]["temp_bytes"] < rows[3, 1, True]["temp_bytes"]
     assert rows[2, 2, True]["comm_bytes"] < rows[3, 2, True]["comm_bytes"]
     assert rows[2, 2, True]["device_bytes"] > rows[3, 2, True]["device_bytes"]
     assert r["best"] == {"stage": 3, "offload": "as set", "remat": "full", "tp": 2}
@@ -274,38 +273,40 @@ def test_planner_takes_tensor_parallelism_at_the_stage_set(tmp_path):
 
 
 def test_planner_tiles_when_nothing_fits_untiled(tmp_path):
-    """Stage 3, T = 1, no offload, remat full, gathering by block: untiled, the default model
-    needs about 8.2 MiB per device, with prefetch or without; with nothing fitting 8.8 MiB (7.9
-    usable), the planner
-    compiles ZeRO-Infinity's tiling at a quarter and a sixteenth of the blocks' largest leaf
-    (fc1's kernel, 128 x 512 in fp32: 256 KiB a layer), each about 7.7 MiB, and names the one
-    that communicates least."""
-    run, r = dry_run(tmp_path, "--device-memory", "8.8MiB", "--host-memory", "1GB", "--stage", "3",
+    """Stage 3, T = 1, no offload, remat full, gathering by block, the default model with
+    d_ff 4096 and a batch of 8 (one sequence per device), so that one leaf, fc1's kernel
+    (128 x 4096 in fp32: 2 MiB a layer), outweighs the activations: untiled it needs about
+    24.9 MiB per device with prefetch, 18.0 without; with nothing fitting 19 MiB (17.1 usable),
+    the planner compiles ZeRO-Infinity's tiling at a quarter and a sixteenth of that leaf, about
+    16.3 and 15.8 MiB, and names the one that communicates least."""
+    run, r = dry_run(tmp_path, "--device-memory", "19MiB", "--host-memory", "1GB", "--stage", "3",
                      "--tensor-parallel", "1", "--set", "model.remat=full",
-                     "--set", "zero.offload_optimizer.device=none", "--set", "zero.gather=block")
+                     "--set", "zero.offload_optimizer.device=none", "--set", "zero.gather=block",
+                     "--set", "model.d_ff=4096", "--set", "train.batch_size=8")
     plain = [c for c in r["candidates"] if "tile_mb" not in c]
     tiled = {c["tile_mb"]: c for c in r["candidates"] if "tile_mb" in c}
     assert [c.get("prefetch", True) for c in plain] == [True, False]
     assert not any(c["fits"] for c in plain)
-    assert sorted(tiled) == [0.25 / 16, 0.25 / 4]
+    assert sorted(tiled) == [2 / 16, 2 / 4]
     for c in tiled.values():  # less temp, more all-gathers (a tile gathered up to 3 times)
-        assert c["fits"] and c["temp_bytes"] < plain[0]["temp_bytes"]
+        assert c["fits"] and c["temp_bytes"] < min(p["temp_bytes"] for p in plain)
         assert c["comm_bytes"] > plain[0]["comm_bytes"]
+    least = min(tiled, key=lambda t: tiled[t]["comm_bytes"])
     assert r["best"] == {"stage": 3, "offload": "none", "remat": "full", "tp": 1,
-                         "tile_mb": 0.0625}
-    assert "tiled within 0.0625 MiB: --stage 3 --set model.remat=full --set zero.tile_mb=0.0625" \
-        in run.stdout
+                         "tile_mb": least}
+    assert f"tiled within {least:g} MiB: --stage 3 --set model.remat=full --set " \
+        f"zero.tile_mb={least:g}" in run.stdout
 
 
 def test_planner_gathers_by_module_when_blocks_do_not_fit(tmp_path):
-    """The tiling test's budget with zero.gather left open: gathering by block does not fit
-    (with prefetch or without), so the planner compiles the layout again gathering by module
-    (about 7.0 MiB: one module's weights whole, not a block's), which fits and is named; it
-    moves more than by block (the matrices gathered again in their backward), and nothing is
-    tiled."""
-    run, r = dry_run(tmp_path, "--device-memory", "8.8MiB", "--host-memory", "1GB", "--stage", "3",
+    """The default model with d_ff 2048, zero.gather left open: gathering by block needs about
+    20.6 MiB per device with prefetch, 18.6 without; with 20 MiB (18.0 usable) neither fits,
+    so the planner compiles the layout again gathering by module (about 17.2 MiB: one module's
+    weights whole, not a block's), which fits and is named; it moves more than by block (the
+    matrices gathered again in their backward), and nothing is tiled."""
+    run, r = dry_run(tmp_path, "--device-memory", "20MiB", "--host-memory", "1GB", "--stage", "3",
                      "--tensor-parallel", "1", "--set", "model.remat=full",
-                     "--set", "zero.offload_optimizer.device=none")
+                     "--set", "zero.offload_optimizer.device=none", "--set", "model.d_ff=2048")
     rows = {(c.get("prefetch", True), c.get("gather", "block")): c for c in r["candidates"]}
     assert set(rows) == {(True, "block"), (False, "block"), (True, "module")}
     block, module = rows[True, "block"], rows[True, "module"]
