@@ -399,10 +399,10 @@ def test_stage3_needs_no_more_temp_than_the_gspmd_fsdp_peer_and_prefetchs_share(
     peer (same model, mesh and remat; both from ``memory_analysis()``). Gathering by module
     without prefetch holds at most the peer's temp, and model states; prefetch (each module's
     gather issued while the module before computes) adds at most one layer's gathered
-    weights. Gathering by block (the default) holds at most the peer's temp plus what the
-    report states prefetch holds (a gathered layer, and a layer's whole gradient waiting to be
-    reduced) plus one bucket's worth, a layer's gradient (its backward holds a layer's weights
-    through it: docs/benchmarks/cpu-mesh.md)."""
+    weights. Gathering by block (the default) holds at most the peer's temp plus one gathered
+    layer (prefetch's) and one bucket, a layer (docs/benchmarks/cpu-mesh.md: 7.03 <= 5.95 +
+    0.76 + 0.76 MiB); the report states what prefetch may hold at most, a gathered layer and
+    a layer's whole gradient waiting to be reduced."""
     temp = {}
     for gather, prefetch in (("module", False), ("module", True), ("block", True)):
         cfg = config.load("tiny", [f"zero.gather={gather}", f"zero.prefetch={prefetch}"])
@@ -420,4 +420,4 @@ def test_stage3_needs_no_more_temp_than_the_gspmd_fsdp_peer_and_prefetchs_share(
     assert by_module[0] < by_module[1] <= by_module[0] + layer, (temp, layer)
     prefetch = report.layout(exp.plan, abstract_state(exp.plan, exp.tx), [])["prefetch_bytes"]
     assert prefetch == 2 * layer
-    assert temp["block", True] <= peer.temp_size_in_bytes + prefetch + layer, (temp, layer)
+    assert temp["block", True] <= peer.temp_size_in_bytes + 2 * layer, (temp, layer)

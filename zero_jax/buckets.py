@@ -14,7 +14,6 @@ quantized, exchanged all-to-all and summed locally in fp32 (qgZ), so nothing is 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from typing import Any
@@ -166,30 +165,6 @@ def _cut(gathered, xs: list[jax.Array], axes: list[int], comm: Comm,
     pieces = _split(gathered, [x.shape for x in xs])
     out = [unrows(r, axis, x.shape) for r, axis, x in zip(pieces, axes, xs, strict=True)]
     return jax.lax.optimization_barrier(out) if at_once else out
-
-
-_AT_ONCE = [False]
-
-
-@contextlib.contextmanager
-def cut_at_once():
-    """While tracing: the leaves made whole (``shards.materialize_tree``) are cut out of their
-    buckets all at once (``_cut``). Every block's gather runs under it: a plain block's
-    (``gather._whole_block``), prefetch's stack loops (where the bucket would stay live beside
-    two layers) and the unrolled blocks' handoff. Cut one by one, the plain step's bucket
-    stayed live through the block's backward (stage 3 without prefetch, temp per device:
-    wide config 46.07 → 38.18 MiB, tiny 6.91 → 6.16, the unrolled GPT 6.66 → 5.90)."""
-    _AT_ONCE.append(True)
-    try:
-        yield
-    finally:
-        _AT_ONCE.pop()
-
-
-def cutting_at_once() -> bool:
-    """Whether ``cut_at_once`` is on, read when a gather is traced (not when its backward's
-    forward is, which JAX may trace later, outside the block)."""
-    return _AT_ONCE[-1]
 
 
 def reduce_scatter(gs: list[jax.Array], axes: list[int], mesh_axis: AxisName, dtype: str,

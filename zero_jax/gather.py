@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from zero_jax import buckets, internals, tiling
+from zero_jax import internals, tiling
 from zero_jax.mesh import MODEL
 from zero_jax.shards import (
     GATHERED,
@@ -249,15 +249,6 @@ def _rematerialized(module: nn.Module, method: str, args: tuple, kwargs: dict, w
         inside.discard(path)
 
 
-def _whole_block(shards: PyTree, args: tuple, kwargs: dict) -> PyTree:
-    """A block's weights made whole once its inputs are there, every leaf cut out of its bucket
-    before any is used (``buckets.cut_at_once``): else XLA fuses some cuts into their
-    consumers and the bucket stays live beside the leaves cut from it, through the block's
-    recompute and backward."""
-    with buckets.cut_at_once():
-        return materialize_tree(after_inputs(shards, args, kwargs))
-
-
 def _own(params: PyTree) -> dict:
     """A module's own ``Shard``s to make whole (not its children's, nor tiled ones)."""
     return {k: v for k, v in params.items() if is_shard(v) and not v.tile}
@@ -422,7 +413,7 @@ def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = Fals
         if not has_shards(params):
             return next_fun(*args, **kwargs)  # made whole already (prefetch's loop)
         gather = (lambda v: _own_whole(v, lambda s: _module_whole(s, args, kwargs, True))) \
-            if by_module else (lambda params: _whole_block(params, args, kwargs))
+            if by_module else (lambda params: materialize_tree(after_inputs(params, args, kwargs)))
         plain = lambda: rematerialize(module, context.method_name, args, kwargs, gather)
         if chain is not None:
             return chain.call(path, chain.linen(module, context.method_name), args, kwargs,

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zero_jax import buckets, internals
+from zero_jax import internals
 from zero_jax.gather import Saved
 from zero_jax.shards import after_inputs, is_shard, materialize_tree, reduce_tree
 
@@ -72,7 +72,6 @@ def _step(block: Callable, names: tuple, saved: Saved, fixed: int) -> Callable:
     differentiated = lambda arrays: [i for i, x in enumerate(arrays[:len(arrays) - fixed])
                                      if _inexact(x)]
 
-    @buckets.cut_at_once()
     def fwd(behind, shards, ahead, hand, arrays):
         # Each collective under the name of the block it serves: read back from the program.
         with jax.named_scope(names[1]):
@@ -89,7 +88,6 @@ def _step(block: Callable, names: tuple, saved: Saved, fixed: int) -> Callable:
         return (out, None if last else (nxt, whole)), (behind, shards, ahead, saved.save(arrays),
                                                         kept)
 
-    @buckets.cut_at_once()
     def bwd(residuals, cts):
         behind, shards, ahead, arrays, kept = residuals
         dout, dhand = cts

@@ -42,7 +42,7 @@ import flax.core
 import jax
 import jax.numpy as jnp
 
-from zero_jax import buckets, internals
+from zero_jax import internals
 from zero_jax.gather import Saved
 from zero_jax.shards import after_inputs, is_shard, materialize_tree, reduce_tree
 
@@ -84,7 +84,6 @@ def run_stack(layer: Callable, saved: Saved, params_L: PyTree, carry: PyTree,
     return _forward(layer, saved, params_L, carry, xs_L, consts, keys_L)[0]
 
 
-@buckets.cut_at_once()
 def _forward(layer, saved, params_L, carry, xs_L, consts, keys_L):
     n = jax.tree.leaves(params_L)[0].shape[0]
     # The first gather of each loop waits for the loop's inputs, like every block's gather: else
@@ -110,7 +109,6 @@ def _forward(layer, saved, params_L, carry, xs_L, consts, keys_L):
                                    consts, keys_L)
 
 
-@buckets.cut_at_once()
 def _backward(layer, saved, residuals, cts):
     params_L, first, inputs, kept_L, last, xs_L, consts, keys_L = residuals
     dc, dys = cts
@@ -174,8 +172,8 @@ _SCAN_ARGS = ("variable_axes", "variable_broadcast", "variable_carry", "in_axes"
 
 def _stacked_args(in_axes: Any, n: int) -> tuple[bool, ...] | None:
     """Which of a linen scan's ``n`` arguments are scanned over (axis 0) and which broadcast
-    (``nn.broadcast``); ``None``: another ``in_axes``."""
-    axes = (in_axes,) * n if in_axes == 0 else in_axes
+    (``nn.broadcast``, for one or for all); ``None``: another ``in_axes``."""
+    axes = (in_axes,) * n if in_axes is flax.core.broadcast or in_axes == 0 else in_axes
     if not isinstance(axes, (tuple, list)) or len(axes) != n:
         return None
     if not all(a is flax.core.broadcast or (isinstance(a, int) and a == 0) for a in axes):
