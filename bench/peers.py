@@ -161,12 +161,10 @@ class UnrolledGPT(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         from zero_jax.gather import remat_policy
+        from zero_jax.gpt.model import embed
 
         c = self.cfg
-        init = nn.initializers.normal(0.02)
-        wte = self.param("wte", init, (c.vocab_size, c.d_model))
-        wpe = self.param("wpe", init, (c.seq_len, c.d_model))
-        x = wte[tokens] + wpe[: tokens.shape[1]]
+        x, wte = embed(self, c, tokens)
         block = HFBlock
         if c.remat != "none":
             block = nn.remat(block, policy=remat_policy(c.remat))  # CSE kept off: no scan

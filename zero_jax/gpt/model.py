@@ -77,17 +77,22 @@ class Block(nn.Module):
         return x, None
 
 
+def embed(module: nn.Module, c: GPTConfig, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """GPT-2's token and position embeddings of ``tokens`` (``module``'s parameters ``wte``
+    and ``wpe``), and the token table, which the output head shares."""
+    init = nn.initializers.normal(0.02)
+    wte = module.param("wte", init, (c.vocab_size, c.d_model))
+    wpe = module.param("wpe", init, (c.seq_len, c.d_model))
+    return wte[tokens] + wpe[: tokens.shape[1]], wte
+
+
 class GPT(nn.Module):
     cfg: GPTConfig
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         c = self.cfg
-        init = nn.initializers.normal(0.02)
-        wte = self.param("wte", init, (c.vocab_size, c.d_model))
-        wpe = self.param("wpe", init, (c.seq_len, c.d_model))
-        x = wte[tokens] + wpe[: tokens.shape[1]]
-
+        x, wte = embed(self, c, tokens)
         block = Block
         if c.remat != "none":
             block = nn.remat(block, prevent_cse=False, policy=remat_policy(c.remat))
