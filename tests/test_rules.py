@@ -65,6 +65,32 @@ def test_leaf_rule_cuts_the_first_divisible_dimension_after_the_layer_index():
     assert leaf_rule("k", (64,), 1, stacked=False, min_shard_elems=0, cut_one=True).axis == 0
 
 
+def test_a_leaf_cut_over_model_alone_subdivides_that_dimension_over_data():
+    """A bias cut over ``model`` (t = 2) has no other dimension to cut over data (n = 4): at
+    stage 3 its ``model`` one is cut into n x t pieces, data-major; never where it would be
+    persistent, nor at stages 1-2 or across hierarchical groups (``subdivide``)."""
+    bias = leaf_rule("b", (2, 96), 4, True, 0, model_dim=-1, t=2)
+    assert (bias.axis, bias.model_dim, bias.persistent) == (1, 1, False)
+    assert leaf_rule("b", (2, 96), 4, True, 0, model_dim=-1, t=2, subdivide=False).axis is None
+    assert leaf_rule("b", (2, 96), 4, True, 49, model_dim=-1, t=2).axis is None  # 48 per rank
+    assert leaf_rule("b", (2, 100), 4, True, 0, model_dim=-1, t=2).axis is None  # 100 % 8
+    assert leaf_rule("k", (2, 64, 96), 4, True, 0, model_dim=-1, t=2).axis == 1  # another one
+    shapes = {"fc1": {"kernel": jax.ShapeDtypeStruct((2, 64, 96), F32),
+                      "bias": jax.ShapeDtypeStruct((2, 96), F32)}}
+    mesh = zj.make_mesh(8, axes={"data": 4, "model": 2})
+    rules = [zj.Rule("fc1", model_dim=-1)]
+    plan = zj.make_plan(shapes, mesh, 3, rules=rules)
+    assert plan.param_specs["fc1"] == {"kernel": P(None, "data", "model"),
+                                       "bias": P(None, ("data", "model"))}
+    assert plan.manual(plan.param_specs)["fc1"]["bias"] == P(None, "data")
+    for stage in (1, 2):
+        assert zj.make_plan(shapes, mesh, stage, rules=rules).opt_specs["fc1"]["bias"] == \
+            P(None, "model")
+    hierarchical = zj.make_mesh(8, axes={"replica": 2, "data": 2, "model": 2})
+    assert zj.make_plan(shapes, hierarchical, 3, rules=rules).param_specs["fc1"]["bias"] == \
+        P(None, "model")
+
+
 def test_find_blocks_takes_the_shortest_module_path():
     paths = ["h/0/attn/kernel", "h/0/mlp/kernel", "h/1/attn/kernel", "ln_f/scale"]
     assert find_blocks(paths, r"h/\d+") == {"h/0/attn/kernel": "h/0", "h/0/mlp/kernel": "h/0",

@@ -77,7 +77,7 @@ class Leaf:
 
 def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
               min_shard_elems: int, cut_one: bool = False, model_dim: int | None = None,
-              t: int = 1) -> Leaf:
+              t: int = 1, *, subdivide: bool = True) -> Leaf:
     """Cut the first dimension (after the layer index) that ``n`` divides.
 
     A leaf with no such dimension stays whole everywhere, optimizer state included. A leaf
@@ -88,6 +88,12 @@ def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
 
     With tensor parallelism, ``model_dim`` is cut over the ``model`` axis's ``t`` devices and
     the data cut takes another dimension: each tensor-parallel rank holds 1/n of its slice.
+    A leaf with no other dimension to cut (a bias cut over ``model``) has its ``model`` one
+    subdivided into ``n x t`` pieces, data-major (``Plan._specs``), where ``subdivide`` and
+    it is not persistent: at stage 3 on a data x model mesh, where its parameter, gradient
+    and optimizer state are all cut so. (Where one of them is whole on data, and so cut over
+    ``model`` alone, the partitioner would permute pieces across both axes to meet the
+    others.)
     """
     first = 1 if stacked else 0
     if model_dim is not None:
@@ -98,10 +104,13 @@ def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
                              f"index): pick a tensor-parallel size that divides it")
     axis = next((a for a in range(first, len(shape))
                  if (n > 1 or cut_one) and shape[a] % n == 0 and a != model_dim), None)
+    size = math.prod(shape[first:]) // (t if model_dim is not None else 1)
+    if axis is None and model_dim is not None and n > 1 and subdivide \
+            and shape[model_dim] % (n * t) == 0 and size >= min_shard_elems:
+        axis = model_dim
     if axis is None:
         reason = "one device" if n == 1 else f"no dimension divisible by {n}"
         return Leaf(path, shape, stacked, None, reason=reason, model_dim=model_dim)
-    size = math.prod(shape[first:]) // (t if model_dim is not None else 1)
     if size < min_shard_elems:
         return Leaf(path, shape, stacked, axis, True,
                     f"persistent: {size} < {min_shard_elems} elements per layer",
@@ -299,7 +308,8 @@ class Plan:
         (the partitioner places the model axis, from the arrays' own shardings)."""
         if not self.model:
             return specs
-        drop = lambda part: None if part == MODEL else part
+        drop = lambda part: None if part == MODEL else part[0] if isinstance(part, tuple) \
+            and part[-1] == MODEL else part
         return jax.tree.map(lambda spec: P(*map(drop, spec)), specs,
                             is_leaf=lambda x: isinstance(x, P))
 
@@ -343,7 +353,9 @@ class Plan:
             if leaf.model_dim is not None and self.model:
                 parts[leaf.model_dim] = self.model
             if sharded and leaf.axis is not None and (persistent_too or not leaf.persistent):
-                parts[leaf.axis] = axes
+                # One dimension cut over both: data-major, so that the data axes' shard_map
+                # sees its slice as it would without ``model`` (each cut again over ``model``)
+                parts[leaf.axis] = axes if parts[leaf.axis] is None else (axes, self.model)
             return P(*parts) if any(p is not None for p in parts) else P()
         return jax.tree.map(spec, self.leaves, is_leaf=_is_leaf)
 
@@ -480,7 +492,7 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *,
             leaf = dataclasses.replace(leaf, reason="ignored_modules")
         else:
             leaf = leaf_rule(name, tuple(x.shape), n, in_stack, f["min_shard_elems"], cut_one,
-                             model_dim, t)
+                             model_dim, t, subdivide=outer is None and stage == 3)
         return dataclasses.replace(leaf, frozen=f["frozen"], block=block)
 
     leaves = jax.tree_util.tree_map_with_path(rule, params_shape)
