@@ -137,7 +137,7 @@ def wrap(g: GradStep, params: PyTree, whole: PyTree | None) -> PyTree:
                          model_dim=model_dim)
         if not r.cut:
             return p
-        if r.leaf.axis == r.leaf.model_dim:  # cut over data x model: gathered whole on model
+        if r.leaf.axis == r.leaf.model_dim is not None:  # data x model: whole on model first
             model_dim = None
         args = (r.leaf.axis - len(r.leaf.shape), plan.axis, reduce)
         tile = r.leaf.tile and (r.leaf.tile[0] - len(r.leaf.shape), r.leaf.tile[1])
