@@ -66,13 +66,16 @@ def test_leaf_rule_cuts_the_first_divisible_dimension_after_the_layer_index():
 
 
 def test_a_leaf_cut_over_model_alone_subdivides_that_dimension_over_data():
-    """A bias cut over ``model`` (t = 2) has no other dimension to cut over data (n = 4): at
-    stage 3 its ``model`` one is cut into n x t pieces, data-major; never where it would be
-    persistent, nor at stages 1-2 or across hierarchical groups (``subdivide``)."""
+    """A bias cut over ``model`` (t = 2) has no other dimension to cut over data (n = 4): its
+    ``model`` one is cut into n x t pieces. Data-major where the parameter is cut so too
+    (stage 3); model-major, the optimizer state's only, where the parameter and gradient stay
+    whole over data (stages 1-2, persistent). Never across hierarchical groups."""
     bias = leaf_rule("b", (2, 96), 4, True, 0, model_dim=-1, t=2)
     assert (bias.axis, bias.model_dim, bias.persistent) == (1, 1, False)
     assert leaf_rule("b", (2, 96), 4, True, 0, model_dim=-1, t=2, subdivide=False).axis is None
-    assert leaf_rule("b", (2, 96), 4, True, 49, model_dim=-1, t=2).axis is None  # 48 per rank
+    small = leaf_rule("b", (2, 96), 4, True, 49, model_dim=-1, t=2)  # 48 per rank
+    state_only = leaf_rule("b", (2, 96), 4, True, 0, model_dim=-1, t=2, params_cut=False)
+    assert (small.axis, small.persistent) == (state_only.axis, state_only.persistent) == (1, True)
     assert leaf_rule("b", (2, 100), 4, True, 0, model_dim=-1, t=2).axis is None  # 100 % 8
     assert leaf_rule("k", (2, 64, 96), 4, True, 0, model_dim=-1, t=2).axis == 1  # another one
     shapes = {"fc1": {"kernel": jax.ShapeDtypeStruct((2, 64, 96), F32),
@@ -84,8 +87,12 @@ def test_a_leaf_cut_over_model_alone_subdivides_that_dimension_over_data():
                                        "bias": P(None, ("data", "model"))}
     assert plan.manual(plan.param_specs)["fc1"]["bias"] == P(None, "data")
     for stage in (1, 2):
-        assert zj.make_plan(shapes, mesh, stage, rules=rules).opt_specs["fc1"]["bias"] == \
+        plan = zj.make_plan(shapes, mesh, stage, rules=rules)
+        assert plan.opt_specs["fc1"]["bias"] == P(None, ("model", "data"))
+        assert plan.param_specs["fc1"]["bias"] == plan.grad_specs["fc1"]["bias"] == \
             P(None, "model")
+    assert zj.make_plan(shapes, mesh, 0, rules=rules).opt_specs["fc1"]["bias"] == \
+        P(None, "model")
     hierarchical = zj.make_mesh(8, axes={"replica": 2, "data": 2, "model": 2})
     assert zj.make_plan(shapes, hierarchical, 3, rules=rules).param_specs["fc1"]["bias"] == \
         P(None, "model")

@@ -105,7 +105,7 @@ def assert_collectives_stay_in_their_axis(plan, text, gathers_on_model: bool = F
         plan.data_axes, plan.data_axes[:1], plan.data_axes[-1:])))
     model = groups_of(plan.mesh, ("model",))
     found = collectives(text, plan.mesh.size)
-    both = sum(leaf.axis == leaf.model_dim is not None and plan.rule.shard_params
+    both = sum(leaf.axis == leaf.model_dim is not None and plan.rule.shard_opt_state
                for leaf in jax.tree.leaves(plan.leaves, is_leaf=lambda x: isinstance(x, Leaf)))
     across = [c for c in found if len(c.group) == plan.mesh.size]
     assert all(c.kind == "all-reduce" and c.dtype == "f32" and c.bytes <= 4 * both
@@ -206,24 +206,26 @@ def test_equals_one_device_with_collectives_in_their_axis(gpt, data_only, layout
 
 @pytest.mark.slow
 def test_a_leaf_cut_over_model_alone_is_cut_over_data_too():
-    """fc1's bias, cut over ``model`` by Megatron's layout and with no other dimension, at
-    stage 3 on 4 x 2: its dimension cut into D x T pieces, so each device holds 1/(D T) of it,
-    as of every leaf (parameters and Adam's moments, read off the shards). Losses over 3 steps
-    equal one device's within 1e-5 (SGD and clipped AdamW; the parameters 1e-5 and 1e-4);
-    ZeRO's collectives stay on data groups, tensor parallelism's on model groups (the bias
-    gathered whole over ``model`` first); only the gradient norm's scalar spans both."""
+    """fc1's bias, cut over ``model`` by Megatron's layout and with no other dimension, on
+    4 x 2: at stage 3 its dimension is cut into D x T pieces, so each device holds 1/(D T) of
+    it, as of every leaf (parameters and Adam's moments, read off the shards); at stages 1-2
+    its optimizer state is. Losses over 3 steps equal one device's within 1e-5 (SGD at stage
+    3, clipped AdamW at stages 1-3; the parameters 1e-5 and 1e-4). ZeRO's collectives stay on
+    data groups, tensor parallelism's on model groups (at stage 3 the bias is gathered whole
+    over ``model`` first); only the gradient norm's scalars span both."""
     cfg = dataclasses.replace(CFG, d_ff=96)  # fc1's bias: 96 = 4 x 2 x 12
     init, loss_fn, batches = gpt_problem(cfg, 16, 3)
-    plan = zj.make_plan(jax.eval_shape(init, KEY), zj.make_mesh(8, axes=MESHES["4x2"]), 3,
-                        layers=LAYERS, rules=TENSOR_PARALLEL)
-    assert plan.param_specs["blocks"]["fc1"]["bias"] == P(None, ("data", "model"))
-    for opt in ("sgd", "adamw"):
-        ref_losses, ref_params = one_device(init, loss_fn, batches, OPTIMIZERS[opt]())
+    refs = {opt: one_device(init, loss_fn, batches, OPTIMIZERS[opt]()) for opt in OPTIMIZERS}
+    for stage, opt in ((3, "sgd"), (3, "adamw"), (2, "adamw"), (1, "adamw")):
+        plan = zj.make_plan(jax.eval_shape(init, KEY), zj.make_mesh(8, axes=MESHES["4x2"]),
+                            stage, layers=LAYERS, rules=TENSOR_PARALLEL)
+        cut = ("data", "model") if stage == 3 else ("model", "data")
+        assert plan.opt_specs["blocks"]["fc1"]["bias"] == P(None, cut)
         tx = OPTIMIZERS[opt]()
         losses, state, text = train(plan, init, loss_fn, batches, tx)
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-        assert max_rel(jax.device_get(state.params), ref_params) < (1e-5 if opt == "sgd"
-                                                                   else 1e-4)
+        np.testing.assert_allclose(losses, refs[opt][0], rtol=1e-5)
+        assert max_rel(jax.device_get(state.params), refs[opt][1]) < (1e-5 if opt == "sgd"
+                                                                     else 1e-4)
         assert_bytes_per_device(plan, state, tx)
         assert_collectives_stay_in_their_axis(plan, text)
         assert any(len(c.group) == 8 for c in collectives(text, 8))  # the norm's sum

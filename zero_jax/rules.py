@@ -77,7 +77,7 @@ class Leaf:
 
 def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
               min_shard_elems: int, cut_one: bool = False, model_dim: int | None = None,
-              t: int = 1, *, subdivide: bool = True) -> Leaf:
+              t: int = 1, *, subdivide: bool = True, params_cut: bool = True) -> Leaf:
     """Cut the first dimension (after the layer index) that ``n`` divides.
 
     A leaf with no such dimension stays whole everywhere, optimizer state included. A leaf
@@ -89,11 +89,13 @@ def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
     With tensor parallelism, ``model_dim`` is cut over the ``model`` axis's ``t`` devices and
     the data cut takes another dimension: each tensor-parallel rank holds 1/n of its slice.
     A leaf with no other dimension to cut (a bias cut over ``model``) has its ``model`` one
-    subdivided into ``n x t`` pieces, data-major (``Plan._specs``), where ``subdivide`` and
-    it is not persistent: at stage 3 on a data x model mesh, where its parameter, gradient
-    and optimizer state are all cut so. (Where one of them is whole on data, and so cut over
-    ``model`` alone, the partitioner would permute pieces across both axes to meet the
-    others.)
+    cut into ``n x t`` pieces where ``subdivide`` (not across hierarchical ZeRO's groups).
+    Where its parameter and gradient are cut so too (``params_cut``: stage 3, unless
+    persistent) the pieces are data-major, the order the data axes' ``shard_map`` takes;
+    else (stages 1-2, persistent) only its optimizer state is cut, model-major: a refinement
+    of the parameter's and gradient's cut over ``model``, which the update slices and
+    gathers over data alone (``Plan._specs``). Data-major pieces there would need a permute
+    across both axes.
     """
     first = 1 if stacked else 0
     if model_dim is not None:
@@ -106,15 +108,17 @@ def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
                  if (n > 1 or cut_one) and shape[a] % n == 0 and a != model_dim), None)
     size = math.prod(shape[first:]) // (t if model_dim is not None else 1)
     if axis is None and model_dim is not None and n > 1 and subdivide \
-            and shape[model_dim] % (n * t) == 0 and size >= min_shard_elems:
+            and shape[model_dim] % (n * t) == 0:
         axis = model_dim
+        if not params_cut:
+            return Leaf(path, shape, stacked, axis, persistent=True, model_dim=model_dim,
+                        reason="cut over model alone: its optimizer state over data too")
     if axis is None:
         reason = "one device" if n == 1 else f"no dimension divisible by {n}"
         return Leaf(path, shape, stacked, None, reason=reason, model_dim=model_dim)
     if size < min_shard_elems:
-        return Leaf(path, shape, stacked, axis, True,
-                    f"persistent: {size} < {min_shard_elems} elements per layer",
-                    model_dim=model_dim)
+        return Leaf(path, shape, stacked, axis, persistent=True, model_dim=model_dim,
+                    reason=f"persistent: {size} < {min_shard_elems} elements per layer")
     return Leaf(path, shape, stacked, axis, model_dim=model_dim)
 
 
@@ -353,9 +357,10 @@ class Plan:
             if leaf.model_dim is not None and self.model:
                 parts[leaf.model_dim] = self.model
             if sharded and leaf.axis is not None and (persistent_too or not leaf.persistent):
-                # One dimension cut over both: data-major, so that the data axes' shard_map
-                # sees its slice as it would without ``model`` (each cut again over ``model``)
-                parts[leaf.axis] = axes if parts[leaf.axis] is None else (axes, self.model)
+                # One dimension cut over both (leaf_rule): data-major where the data axes'
+                # shard_map takes it, model-major where only the update does
+                both = (self.model, axes) if leaf.persistent else (axes, self.model)
+                parts[leaf.axis] = axes if parts[leaf.axis] is None else both
             return P(*parts) if any(p is not None for p in parts) else P()
         return jax.tree.map(spec, self.leaves, is_leaf=_is_leaf)
 
@@ -492,7 +497,8 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *,
             leaf = dataclasses.replace(leaf, reason="ignored_modules")
         else:
             leaf = leaf_rule(name, tuple(x.shape), n, in_stack, f["min_shard_elems"], cut_one,
-                             model_dim, t, subdivide=outer is None and stage == 3)
+                             model_dim, t, subdivide=outer is None and stage > 0,
+                             params_cut=stage == 3)
         return dataclasses.replace(leaf, frozen=f["frozen"], block=block)
 
     leaves = jax.tree_util.tree_map_with_path(rule, params_shape)
