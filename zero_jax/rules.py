@@ -489,8 +489,7 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *,
 
     def rule(path, x):
         name, f = path_str(path), fields[path_str(path)]
-        block = blocks.get(name)
-        in_stack = block is not None and stacked[block]
+        in_stack = name in blocks and stacked[blocks[name]]
         model_dim = f["model_dim"] if MODEL in mesh.axis_names else None
         if not f["shard"]:
             leaf = leaf_rule(name, tuple(x.shape), 1, in_stack, 0, False, model_dim, t)
@@ -499,7 +498,7 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *,
             leaf = leaf_rule(name, tuple(x.shape), n, in_stack, f["min_shard_elems"], cut_one,
                              model_dim, t, subdivide=outer is None and stage > 0,
                              params_cut=stage == 3)
-        return dataclasses.replace(leaf, frozen=f["frozen"], block=block)
+        return dataclasses.replace(leaf, frozen=f["frozen"], block=blocks.get(name))
 
     leaves = jax.tree_util.tree_map_with_path(rule, params_shape)
     host = offloaded(jax.tree.leaves(leaves, is_leaf=_is_leaf), offload.optimizer)
