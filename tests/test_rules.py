@@ -89,6 +89,7 @@ def test_a_leaf_cut_over_model_alone_subdivides_that_dimension_over_data():
     for stage in (1, 2):
         plan = zj.make_plan(shapes, mesh, stage, rules=rules)
         assert plan.opt_specs["fc1"]["bias"] == P(None, ("model", "data"))
+        assert plan.manual(plan.opt_specs)["fc1"]["bias"] == P(None, "data")
         assert plan.param_specs["fc1"]["bias"] == plan.grad_specs["fc1"]["bias"] == \
             P(None, "model")
     assert zj.make_plan(shapes, mesh, 0, rules=rules).opt_specs["fc1"]["bias"] == \

@@ -106,7 +106,6 @@ def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
                              f"index): pick a tensor-parallel size that divides it")
     axis = next((a for a in range(first, len(shape))
                  if (n > 1 or cut_one) and shape[a] % n == 0 and a != model_dim), None)
-    size = math.prod(shape[first:]) // (t if model_dim is not None else 1)
     if axis is None and model_dim is not None and n > 1 and subdivide \
             and shape[model_dim] % (n * t) == 0:
         axis = model_dim
@@ -116,6 +115,7 @@ def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
     if axis is None:
         reason = "one device" if n == 1 else f"no dimension divisible by {n}"
         return Leaf(path, shape, stacked, None, reason=reason, model_dim=model_dim)
+    size = math.prod(shape[first:]) // (t if model_dim is not None else 1)
     if size < min_shard_elems:
         return Leaf(path, shape, stacked, axis, persistent=True, model_dim=model_dim,
                     reason=f"persistent: {size} < {min_shard_elems} elements per layer")
@@ -312,8 +312,10 @@ class Plan:
         (the partitioner places the model axis, from the arrays' own shardings)."""
         if not self.model:
             return specs
-        drop = lambda part: None if part == MODEL else part[0] if isinstance(part, tuple) \
-            and part[-1] == MODEL else part
+        def drop(part):  # a dimension cut over data x model keeps its data part
+            rest = tuple(a for a in part if a != MODEL) if isinstance(part, tuple) else \
+                (() if part == MODEL else (part,))
+            return rest[0] if len(rest) == 1 else rest or None
         return jax.tree.map(lambda spec: P(*map(drop, spec)), specs,
                             is_leaf=lambda x: isinstance(x, P))
 
