@@ -6,11 +6,14 @@ and the combinations ``make_plan`` refuses, on ``ShapeDtypeStruct`` trees.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
 from zero_jax.grads import GradStep, Route, normalize, reduce, routes
+from zero_jax.hlo import collectives
 from zero_jax.rules import find_blocks, leaf_rule, match_rules
 
 F32 = jnp.float32
@@ -67,15 +70,15 @@ def test_leaf_rule_cuts_the_first_divisible_dimension_after_the_layer_index():
 
 def test_a_leaf_cut_over_model_alone_subdivides_that_dimension_over_data():
     """A bias cut over ``model`` (t = 2) has no other dimension to cut over data (n = 4): its
-    ``model`` one is cut into n x t pieces. Data-major where the parameter is cut so too
-    (stage 3); model-major, the optimizer state's only, where the parameter and gradient stay
-    whole over data (stages 1-2, persistent). Never across hierarchical groups."""
+    ``model`` one is cut into n x t pieces, model-major, where the stage cuts each copy: the
+    optimizer state from stage 1, the gradient from 2, the parameter at 3; under the
+    persistence threshold the optimizer state only. Never across hierarchical groups. The data
+    axes' shard_map takes it split in two, a free reshape: each device keeps its bytes."""
     bias = leaf_rule("b", (2, 96), 4, True, 0, model_dim=-1, t=2)
     assert (bias.axis, bias.model_dim, bias.persistent) == (1, 1, False)
     assert leaf_rule("b", (2, 96), 4, True, 0, model_dim=-1, t=2, subdivide=False).axis is None
     small = leaf_rule("b", (2, 96), 4, True, 49, model_dim=-1, t=2)  # 48 per rank
-    state_only = leaf_rule("b", (2, 96), 4, True, 0, model_dim=-1, t=2, params_cut=False)
-    assert (small.axis, small.persistent) == (state_only.axis, state_only.persistent) == (1, True)
+    assert (small.axis, small.persistent) == (1, True)
     assert leaf_rule("b", (2, 100), 4, True, 0, model_dim=-1, t=2).axis is None  # 100 % 8
     assert leaf_rule("k", (2, 64, 96), 4, True, 0, model_dim=-1, t=2).axis == 1  # another one
     shapes = {"fc1": {"kernel": jax.ShapeDtypeStruct((2, 64, 96), F32),
@@ -83,15 +86,24 @@ def test_a_leaf_cut_over_model_alone_subdivides_that_dimension_over_data():
     mesh = zj.make_mesh(8, axes={"data": 4, "model": 2})
     rules = [zj.Rule("fc1", model_dim=-1)]
     plan = zj.make_plan(shapes, mesh, 3, rules=rules)
-    assert plan.param_specs["fc1"] == {"kernel": P(None, "data", "model"),
-                                       "bias": P(None, ("data", "model"))}
-    assert plan.manual(plan.param_specs)["fc1"]["bias"] == P(None, "data")
+    spec = plan.param_specs["fc1"]["bias"]
+    assert plan.param_specs["fc1"]["kernel"] == P(None, "data", "model")
+    assert spec == plan.grad_specs["fc1"]["bias"] == P(None, ("model", "data"))
+    view = plan.split_model(spec)
+    assert view == P(None, "model", "data") and plan.manual(view) == P(None, None, "data")
+    x = jax.device_put(np.arange(192, dtype=np.float32).reshape(2, 96), NamedSharding(mesh, spec))
+    split = jax.jit(lambda x: plan.to_split(x, spec), out_shardings=NamedSharding(mesh, view))
+    y = split(x)
+    assert y.shape == (2, 2, 48) and not collectives(split.lower(x).compile().as_text(), 8)
+    pieces = {s.device: np.asarray(s.data).ravel() for s in x.addressable_shards}
+    for s in y.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(s.data).ravel(), pieces[s.device])
+    np.testing.assert_array_equal(plan.from_split(y, spec), x)
     for stage in (1, 2):
         plan = zj.make_plan(shapes, mesh, stage, rules=rules)
         assert plan.opt_specs["fc1"]["bias"] == P(None, ("model", "data"))
-        assert plan.manual(plan.opt_specs)["fc1"]["bias"] == P(None, "data")
-        assert plan.param_specs["fc1"]["bias"] == plan.grad_specs["fc1"]["bias"] == \
-            P(None, "model")
+        assert plan.param_specs["fc1"]["bias"] == P(None, "model")
+        assert plan.grad_specs["fc1"]["bias"] == (P(None, "model") if stage == 1 else spec)
     assert zj.make_plan(shapes, mesh, 0, rules=rules).opt_specs["fc1"]["bias"] == \
         P(None, "model")
     hierarchical = zj.make_mesh(8, axes={"replica": 2, "data": 2, "model": 2})

@@ -137,14 +137,20 @@ def wrap(g: GradStep, params: PyTree, whole: PyTree | None) -> PyTree:
                          model_dim=model_dim)
         if not r.cut:
             return p
-        if r.leaf.axis == r.leaf.model_dim is not None:  # data x model: whole on model first
-            model_dim = None
+        # Cut over model x data along one dimension: split in two (Plan.split_model), whose
+        # whole is merged back for the model
+        split = model_dim is not None and r.leaf.axis == r.leaf.model_dim
+        if split and w is not None and w.ndim < p.ndim:  # stage 2's whole copy, split alike
+            w = w.reshape(*p.shape[:r.leaf.axis + 1], -1, *w.shape[r.leaf.axis + 1:])
         args = (r.leaf.axis - len(r.leaf.shape), plan.axis, reduce)
-        tile = r.leaf.tile and (r.leaf.tile[0] - len(r.leaf.shape), r.leaf.tile[1])
+        ndim = p.ndim  # the dimensions before a split one count one more
+        tile = r.leaf.tile and (r.leaf.tile[0] - (ndim if r.leaf.tile[0] < r.leaf.axis
+                                                  else len(r.leaf.shape)), r.leaf.tile[1])
         # Stage 3 streaming to the host: ``p`` carries the gradient, ``w`` is gathered.
         return Shard(p, None if r.streamed or not g.stage2 else w, *args,
                      gather_from=w if r.streamed else None, comm=comm(r),
-                     frozen=r.leaf.frozen, model_dim=model_dim, tile=tile)
+                     frozen=r.leaf.frozen, model_dim=args[0] - 1 if split else model_dim,
+                     merge=args[0] - 1 if split else None, tile=tile)
 
     tree = g.map(one, params) if whole is None else g.map(one, params, whole)
     outside = materialize_tree(g.map(lambda r, x: None if r.leaf.block else x, tree))
@@ -358,16 +364,18 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
         # Stage 2 differentiates the shards of its replicated parameters, and passes the whole
         # copy too, which the forward reads as is.
         whole = params if g.needs_whole else None
-        manual = plan.manual
+        given = plan.grad_specs if g.stage2 else plan.param_specs
+        manual = lambda specs: plan.manual(plan.split_model(specs))
         loss, grads, factor = jax.shard_map(
             lambda *args: local_grads(g, *args), mesh=plan.mesh,
-            in_specs=(manual(plan.grad_specs if g.stage2 else plan.param_specs),
-                      None if whole is None else manual(plan.param_specs), batch_spec, P(),
-                      P()),
+            in_specs=(manual(given), None if whole is None else manual(plan.param_specs),
+                      batch_spec, P(), P()),
             out_specs=((P(), P()) if has_aux else P(), manual(plan.grad_specs), P()),
             axis_names=set(plan.data_axes),
-        )(params, whole, batch, key, jnp.asarray(scale, jnp.float32))
-        return loss, on_host_scaled(g, grads, factor)
+        )(plan.to_split(params, given),
+          None if whole is None else plan.to_split(whole, plan.param_specs),
+          batch, key, jnp.asarray(scale, jnp.float32))
+        return loss, plan.from_split(on_host_scaled(g, grads, factor), plan.grad_specs)
 
     return grads_fn
 

@@ -77,7 +77,7 @@ class Leaf:
 
 def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
               min_shard_elems: int, cut_one: bool = False, model_dim: int | None = None,
-              t: int = 1, *, subdivide: bool = True, params_cut: bool = True) -> Leaf:
+              t: int = 1, *, subdivide: bool = True) -> Leaf:
     """Cut the first dimension (after the layer index) that ``n`` divides.
 
     A leaf with no such dimension stays whole everywhere, optimizer state included. A leaf
@@ -89,13 +89,9 @@ def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
     With tensor parallelism, ``model_dim`` is cut over the ``model`` axis's ``t`` devices and
     the data cut takes another dimension: each tensor-parallel rank holds 1/n of its slice.
     A leaf with no other dimension to cut (a bias cut over ``model``) has its ``model`` one
-    cut into ``n x t`` pieces where ``subdivide`` (not across hierarchical ZeRO's groups).
-    Where its parameter and gradient are cut so too (``params_cut``: stage 3, unless
-    persistent) the pieces are data-major, the order the data axes' ``shard_map`` takes;
-    else (stages 1-2, persistent) only its optimizer state is cut, model-major: a refinement
-    of the parameter's and gradient's cut over ``model``, which the update slices and
-    gathers over data alone (``Plan._specs``). Data-major pieces there would need a permute
-    across both axes.
+    cut into ``n x t`` pieces where ``subdivide`` (not across hierarchical ZeRO's groups),
+    model-major: slices of each tensor-parallel rank's piece, so that ZeRO's collectives run
+    on ``data`` alone (``Plan.split_model``).
     """
     first = 1 if stacked else 0
     if model_dim is not None:
@@ -109,9 +105,6 @@ def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
     if axis is None and model_dim is not None and n > 1 and subdivide \
             and shape[model_dim] % (n * t) == 0:
         axis = model_dim
-        if not params_cut:
-            return Leaf(path, shape, stacked, axis, persistent=True, model_dim=model_dim,
-                        reason="cut over model alone: its optimizer state over data too")
     if axis is None:
         reason = "one device" if n == 1 else f"no dimension divisible by {n}"
         return Leaf(path, shape, stacked, None, reason=reason, model_dim=model_dim)
@@ -120,6 +113,12 @@ def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
         return Leaf(path, shape, stacked, axis, persistent=True, model_dim=model_dim,
                     reason=f"persistent: {size} < {min_shard_elems} elements per layer")
     return Leaf(path, shape, stacked, axis, model_dim=model_dim)
+
+
+def _model_major(spec: P) -> int | None:
+    """The dimension ``spec`` cuts over ``model`` and the data axes together, if any."""
+    return next((k for k, part in enumerate(spec)
+                 if isinstance(part, tuple) and part[0] == MODEL), None)
 
 
 def tile_leaf(leaf: Leaf, bound: int, itemsize: int) -> Leaf:
@@ -312,12 +311,36 @@ class Plan:
         (the partitioner places the model axis, from the arrays' own shardings)."""
         if not self.model:
             return specs
-        def drop(part):  # a dimension cut over data x model keeps its data part
-            rest = tuple(a for a in part if a != MODEL) if isinstance(part, tuple) else \
-                (() if part == MODEL else (part,))
-            return rest[0] if len(rest) == 1 else rest or None
-        return jax.tree.map(lambda spec: P(*map(drop, spec)), specs,
+        return jax.tree.map(lambda spec: P(*(None if p == MODEL else p for p in spec)), specs,
                             is_leaf=lambda x: isinstance(x, P))
+
+    def split_model(self, specs: PyTree) -> PyTree:
+        """``specs`` with each dimension cut over ``model`` and data (model-major, leaf_rule)
+        split in two, ``model``'s and the data axes': the layout of ``to_split``'s arrays, in
+        which a device's data piece is a slice of its tensor-parallel rank's, so that the data
+        axes' ``shard_map`` and its collectives never cross ``model`` groups."""
+        def split(spec: P) -> P:
+            k = _model_major(spec)
+            if k is None:
+                return spec
+            rest = spec[k][1:]
+            return P(*spec[:k], MODEL, rest[0] if len(rest) == 1 else rest, *spec[k + 1:])
+        return jax.tree.map(split, specs, is_leaf=lambda x: isinstance(x, P))
+
+    def to_split(self, values: PyTree, specs: PyTree) -> PyTree:
+        """``values`` laid out by ``specs``, reshaped to ``split_model(specs)``: a free
+        reshape, each device keeps its bytes."""
+        def one(x, spec):
+            k = _model_major(spec)
+            return x if k is None else x.reshape(*x.shape[:k], self.tp_size, -1, *x.shape[k + 1:])
+        return jax.tree.map(one, values, specs)
+
+    def from_split(self, values: PyTree, specs: PyTree) -> PyTree:
+        """``to_split`` undone."""
+        def one(x, spec):
+            k = _model_major(spec)
+            return x if k is None else x.reshape(*x.shape[:k], -1, *x.shape[k + 2:])
+        return jax.tree.map(one, values, specs)
 
     @property
     def dp_size(self) -> int:
@@ -359,10 +382,8 @@ class Plan:
             if leaf.model_dim is not None and self.model:
                 parts[leaf.model_dim] = self.model
             if sharded and leaf.axis is not None and (persistent_too or not leaf.persistent):
-                # One dimension cut over both (leaf_rule): data-major where the data axes'
-                # shard_map takes it, model-major where only the update does
-                both = (self.model, axes) if leaf.persistent else (axes, self.model)
-                parts[leaf.axis] = axes if parts[leaf.axis] is None else both
+                # One dimension cut over both (leaf_rule): model-major
+                parts[leaf.axis] = axes if parts[leaf.axis] is None else (self.model, axes)
             return P(*parts) if any(p is not None for p in parts) else P()
         return jax.tree.map(spec, self.leaves, is_leaf=_is_leaf)
 
@@ -498,8 +519,7 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *,
             leaf = dataclasses.replace(leaf, reason="ignored_modules")
         else:
             leaf = leaf_rule(name, tuple(x.shape), n, in_stack, f["min_shard_elems"], cut_one,
-                             model_dim, t, subdivide=outer is None and stage > 0,
-                             params_cut=stage == 3)
+                             model_dim, t, subdivide=outer is None and stage > 0)
         return dataclasses.replace(leaf, frozen=f["frozen"], block=blocks.get(name))
 
     leaves = jax.tree_util.tree_map_with_path(rule, params_shape)

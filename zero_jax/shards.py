@@ -63,6 +63,9 @@ class Shard:
     # Memory-centric tiling: (dimension counted from the end, tiles). Never made whole: its
     # layer gathers it tile by tile (``zero_jax.tiling``).
     tile: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # A dimension cut over model x data, split in two (``Plan.split_model``): ``model``'s at
+    # ``merge``, the data axes' after it; the whole leaf merges them back.
+    merge: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def kind(self) -> str:
@@ -186,9 +189,24 @@ def _materialize_group(xs: list[Shard], after: tuple) -> list[jax.Array]:
         sources = targets
     wholes = _whole(targets, [jax.lax.stop_gradient(s) for s in sources], _how(xs),
                     jax.lax.stop_gradient(after))
+    wholes = [w if x.merge is None else _merged(w, x.merge) for x, w in zip(xs, wholes,
+                                                                            strict=True)]
     if first.kind == "gather":  # the per-layer checkpoint name of remat policies
         wholes = [checkpoint_name(w, GATHERED) for w in wholes]
     return wholes
+
+
+def _merged(w: jax.Array, merge: int) -> jax.Array:
+    k = merge % w.ndim
+    return w.reshape(*w.shape[:k], -1, *w.shape[k + 2:])
+
+
+def _split(g: jax.Array, x: Shard) -> jax.Array:
+    """A whole leaf's gradient split as ``x`` is (``_merged`` undone)."""
+    if x.merge is None:
+        return g
+    k = x.merge % x.value.ndim
+    return g.reshape(*g.shape[:k], x.value.shape[k], -1, *g.shape[k + 1:])
 
 
 def whole_tile(x: Shard) -> jax.Array:
@@ -220,7 +238,7 @@ def reduce_tree(tree: PyTree, grads: PyTree, hold: PyTree = ()) -> tuple[PyTree,
     out = list(jax.tree.leaves(grads))
     for members in _groups(leaves):
         xs = [leaves[i] for i in members]
-        reduced, hold = _reduce(_how(xs), [out[i] for i in members], hold)
+        reduced, hold = _reduce(_how(xs), [_split(out[i], leaves[i]) for i in members], hold)
         for i, x, g in zip(members, xs, reduced, strict=True):
             # An offloaded shard's gradient goes back to host memory, as ``_whole``'s does.
             g = jax.device_put(g, jax.memory.Space.Host) if in_host_memory(x.value) else g
