@@ -72,7 +72,7 @@ def test_a_leaf_cut_over_model_alone_subdivides_that_dimension_over_data():
     """A bias cut over ``model`` (t = 2) has no other dimension to cut over data (n = 4): its
     ``model`` one is cut into n x t pieces, model-major, where the stage cuts each copy: the
     optimizer state from stage 1, the gradient from 2, the parameter at 3; under the
-    persistence threshold the optimizer state only. Never across hierarchical groups. The data
+    persistence threshold the optimizer state only. Hierarchical ZeRO likewise. The data
     axes' shard_map takes it split in two, a free reshape: each device keeps its bytes."""
     bias = leaf_rule("b", (2, 96), 4, True, 0, model_dim=-1, t=2)
     assert (bias.axis, bias.model_dim, bias.persistent) == (1, 1, False)
@@ -106,9 +106,15 @@ def test_a_leaf_cut_over_model_alone_subdivides_that_dimension_over_data():
         assert plan.grad_specs["fc1"]["bias"] == (P(None, "model") if stage == 1 else spec)
     assert zj.make_plan(shapes, mesh, 0, rules=rules).opt_specs["fc1"]["bias"] == \
         P(None, "model")
-    hierarchical = zj.make_mesh(8, axes={"replica": 2, "data": 2, "model": 2})
-    assert zj.make_plan(shapes, hierarchical, 3, rules=rules).param_specs["fc1"]["bias"] == \
-        P(None, "model")
+    plan = zj.make_plan(shapes, zj.make_mesh(8, axes={"replica": 2, "data": 2, "model": 2}), 3,
+                        rules=rules)  # hierarchical: within the group, or across groups too
+    assert plan.param_specs["fc1"]["bias"] == P(None, ("model", "data"))
+    assert plan.grad_specs["fc1"]["bias"] == plan.opt_specs["fc1"]["bias"] == \
+        P(None, ("model", "data", "replica"))
+    assert plan.manual(plan.split_model(plan.opt_specs))["fc1"]["bias"] == \
+        P(None, None, ("data", "replica"))
+    assert plan.split_model(P(None, "model"), like=P(None, ("model", "data"))) == \
+        P(None, "model", None)  # a persistent parameter gathered into the split shape
 
 
 def test_find_blocks_takes_the_shortest_module_path():

@@ -139,7 +139,7 @@ def wrap(g: GradStep, params: PyTree, whole: PyTree | None) -> PyTree:
             return p
         # Cut over model x data along one dimension: split in two (Plan.split_model), whose
         # whole is merged back for the model
-        split = model_dim is not None and r.leaf.axis == r.leaf.model_dim
+        split = model_dim is not None and r.leaf.split
         if split and w is not None and w.ndim < p.ndim:  # stage 2's whole copy, split alike
             w = w.reshape(*p.shape[:r.leaf.axis + 1], -1, *w.shape[r.leaf.axis + 1:])
         args = (r.leaf.axis - len(r.leaf.shape), plan.axis, reduce)
@@ -291,9 +291,11 @@ def reduce(g: GradStep, grads: PyTree) -> PyTree:
     put(flat, whole, per_model_rank(lambda gs: buckets.all_reduce(
         gs, plan.data_axes, reduce_dtype, plan.comm), [flat[i] for i in whole], dims(whole)))
     if across:
+        # A leaf cut over model x data arrives split in two (Plan.split_model): model's
+        # dimension, then the data axes'
         put(flat, across, per_model_rank(lambda gs: buckets.reduce_scatter(
-            gs, [rs[i].leaf.axis for i in across], plan.outer, reduce_dtype, plan.comm)[0],
-            [flat[i] for i in across], dims(across)))
+            gs, [rs[i].leaf.axis + rs[i].leaf.split for i in across], plan.outer,
+            reduce_dtype, plan.comm)[0], [flat[i] for i in across], dims(across)))
     return tree.unflatten(flat)
 
 
@@ -308,7 +310,7 @@ def normalize(g: GradStep, stats: tuple, grads: PyTree, params: PyTree):
         if r.leaf.frozen:  # zeros in the grad_specs layout, never communicated
             shape = list(p.shape)
             if r.cut and plan.outer:
-                shape[r.leaf.axis] //= plan.mesh.shape[plan.outer]
+                shape[r.leaf.axis + r.leaf.split] //= plan.mesh.shape[plan.outer]
             return jnp.zeros(shape, plan.grad_dtype)
         if in_host_memory(x):  # streamed to the host: scaled there, after the shard_map
             return x

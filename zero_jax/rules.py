@@ -70,6 +70,12 @@ class Leaf:
     tile: tuple[int, int] | None = None
 
     @property
+    def split(self) -> bool:
+        """Cut over ``model`` and data along one dimension (leaf_rule): the data axes'
+        ``shard_map`` takes that dimension split in two (``Plan.split_model``)."""
+        return self.axis is not None and self.axis == self.model_dim
+
+    @property
     def layer_elements(self) -> int:
         """Elements of one layer: a scanned stack's leaf without its layer index."""
         return math.prod(self.shape[1:] if self.stacked else self.shape)
@@ -89,7 +95,7 @@ def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
     With tensor parallelism, ``model_dim`` is cut over the ``model`` axis's ``t`` devices and
     the data cut takes another dimension: each tensor-parallel rank holds 1/n of its slice.
     A leaf with no other dimension to cut (a bias cut over ``model``) has its ``model`` one
-    cut into ``n x t`` pieces where ``subdivide`` (not across hierarchical ZeRO's groups),
+    cut into ``n x t`` pieces where ``subdivide`` (where the stage cuts anything),
     model-major: slices of each tensor-parallel rank's piece, so that ZeRO's collectives run
     on ``data`` alone (``Plan.split_model``).
     """
@@ -314,18 +320,21 @@ class Plan:
         return jax.tree.map(lambda spec: P(*(None if p == MODEL else p for p in spec)), specs,
                             is_leaf=lambda x: isinstance(x, P))
 
-    def split_model(self, specs: PyTree) -> PyTree:
+    def split_model(self, specs: PyTree, like: PyTree = None) -> PyTree:
         """``specs`` with each dimension cut over ``model`` and data (model-major, leaf_rule)
         split in two, ``model``'s and the data axes': the layout of ``to_split``'s arrays, in
         which a device's data piece is a slice of its tensor-parallel rank's, so that the data
-        axes' ``shard_map`` and its collectives never cross ``model`` groups."""
-        def split(spec: P) -> P:
-            k = _model_major(spec)
+        axes' ``shard_map`` and its collectives never cross ``model`` groups. ``like``: split
+        where these specs cut so (a whole-on-data copy's, gathered into that shape)."""
+        def split(spec: P, like: P) -> P:
+            k = _model_major(like)
             if k is None:
                 return spec
-            rest = spec[k][1:]
-            return P(*spec[:k], MODEL, rest[0] if len(rest) == 1 else rest, *spec[k + 1:])
-        return jax.tree.map(split, specs, is_leaf=lambda x: isinstance(x, P))
+            rest = spec[k][1:] if isinstance(spec[k], tuple) else ()
+            return P(*spec[:k], MODEL, rest[0] if len(rest) == 1 else rest or None,
+                     *spec[k + 1:])
+        is_spec = lambda x: isinstance(x, P)
+        return jax.tree.map(split, specs, specs if like is None else like, is_leaf=is_spec)
 
     def to_split(self, values: PyTree, specs: PyTree) -> PyTree:
         """``values`` laid out by ``specs``, reshaped to ``split_model(specs)``: a free
@@ -383,7 +392,8 @@ class Plan:
                 parts[leaf.model_dim] = self.model
             if sharded and leaf.axis is not None and (persistent_too or not leaf.persistent):
                 # One dimension cut over both (leaf_rule): model-major
-                parts[leaf.axis] = axes if parts[leaf.axis] is None else (self.model, axes)
+                parts[leaf.axis] = axes if parts[leaf.axis] is None else \
+                    (self.model, *(axes if isinstance(axes, tuple) else (axes,)))
             return P(*parts) if any(p is not None for p in parts) else P()
         return jax.tree.map(spec, self.leaves, is_leaf=_is_leaf)
 
@@ -519,7 +529,7 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *,
             leaf = dataclasses.replace(leaf, reason="ignored_modules")
         else:
             leaf = leaf_rule(name, tuple(x.shape), n, in_stack, f["min_shard_elems"], cut_one,
-                             model_dim, t, subdivide=outer is None and stage > 0)
+                             model_dim, t, subdivide=stage > 0)
         return dataclasses.replace(leaf, frozen=f["frozen"], block=blocks.get(name))
 
     leaves = jax.tree_util.tree_map_with_path(rule, params_shape)

@@ -117,15 +117,19 @@ def to_params(plan: Plan, compute: PyTree) -> PyTree:
             # Persistent leaves are small: int8 would save nothing and round norms' gains.
             comm = dataclasses.replace(plan.comm, quantize_weights=False) if persistent \
                 else plan.comm
-            put(flat, idx, buckets.all_gather([flat[i] for i in idx],
-                                              [leaves[i].axis for i in idx], axes, comm,
-                                              to="invarying"))
+            put(flat, idx, buckets.all_gather(  # a leaf cut over model x data: split in two
+                [flat[i] for i in idx], [leaves[i].axis + leaves[i].split for i in idx], axes,
+                comm, to="invarying"))
         return treedef.unflatten(flat)
 
     # With tensor parallelism a bucket mixes leaves cut over ``model`` with whole ones, which
     # come out the same on every rank but cannot be inferred so (``shards.per_model_rank``).
-    return jax.shard_map(gather, mesh=plan.mesh, in_specs=(plan.opt_specs,),
-                         out_specs=plan.param_specs, check_vma=not plan.model)(compute)
+    split = plan.opt_specs
+    gathered = jax.shard_map(
+        gather, mesh=plan.mesh, in_specs=(plan.split_model(split),),
+        out_specs=plan.split_model(plan.param_specs, like=split),
+        check_vma=not plan.model)(plan.to_split(compute, split))
+    return plan.from_split(gathered, split)
 
 
 def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
