@@ -114,7 +114,7 @@ def dequantize(q: jax.Array, scale: jax.Array, sizes: list[int], block: int) -> 
 
 @jax.named_scope("gathered")  # peak.kind counts what this makes as gathered weights
 def all_gather(xs: list[jax.Array], axes: list[int], mesh_axis: AxisName, comm: Comm,
-               to: str = "varying", after: tuple = (), at_once: bool = False) -> list[jax.Array]:
+               to: str = "varying", after: tuple = ()) -> list[jax.Array]:
     """Whole leaves from this device's shards (each cut along its ``axes`` entry): one
     all-gather per bucket, in int8 with ``comm.quantize_weights``; ``to="invarying"``: the
     result is marked the same on every device (``jax.lax.all_gather``'s ``to``).
@@ -124,7 +124,7 @@ def all_gather(xs: list[jax.Array], axes: list[int], mesh_axis: AxisName, comm: 
     computes from the old ones: the new leaves then come into being once the old are dead,
     and XLA writes them over the old in place, where it would otherwise copy both.
 
-    ``at_once``: every bucket cut into all its leaves before any leaf is used (``_cut``).
+    Every bucket is cut into all its leaves before any leaf is used (``_cut``).
     """
     n = jax.lax.axis_size(mesh_axis)
     groups = buckets([x.size * x.dtype.itemsize * n for x in xs], comm.bucket_bytes)
@@ -148,23 +148,23 @@ def all_gather(xs: list[jax.Array], axes: list[int], mesh_axis: AxisName, comm: 
             out[group[0]] = gathered
             continue
         for i, leaf in zip(group, _cut(gathered, [xs[i] for i in group],
-                                       [axes[i] for i in group], comm, at_once), strict=True):
+                                       [axes[i] for i in group], comm), strict=True):
             out[i] = leaf
     return out
 
 
-def _cut(gathered, xs: list[jax.Array], axes: list[int], comm: Comm,
-         at_once: bool) -> list[jax.Array]:
+def _cut(gathered, xs: list[jax.Array], axes: list[int], comm: Comm) -> list[jax.Array]:
     """The whole leaves of the shards ``xs`` out of their gathered bucket (``n x L``, or int8
-    and scales); ``at_once``, all copied out before any is used: else XLA fuses some slices
-    into their consumers, and the whole bucket stays live beside the leaves already cut from
-    it (through a block's backward; in prefetch's loops, beside the next layer's too)."""
+    and scales), all copied out before any is used: else XLA fuses some slices into their
+    consumers, and the whole bucket stays live beside the leaves already cut from it (through a
+    block's backward; in prefetch's loops, beside the next layer's too). Once per step (the
+    hierarchical gather after the update) it costs nothing: the same temp on tiny and wide."""
     if comm.quantize_weights:
         gathered = dequantize(*gathered, [x.size for x in xs],
                               comm.quantize_block).astype(xs[0].dtype)
     pieces = _split(gathered, [x.shape for x in xs])
     out = [unrows(r, axis, x.shape) for r, axis, x in zip(pieces, axes, xs, strict=True)]
-    return jax.lax.optimization_barrier(out) if at_once else out
+    return jax.lax.optimization_barrier(out)
 
 
 def reduce_scatter(gs: list[jax.Array], axes: list[int], mesh_axis: AxisName, dtype: str,

@@ -110,12 +110,11 @@ def _whole(targets: list, sources: list, how: _How, after: tuple) -> list:
     """The whole leaves: ``sources`` gathered (stage 3) or read as they are; the gradients go
     to ``targets`` (reduce-scattered, or all-reduced for replicas), never to ``sources`` nor
     ``after`` (``buckets.all_gather``'s)."""
-    if how.kind == "gather":  # every bucket cut into all its leaves before any is used:
-        # else XLA fuses some cuts into their consumers and the bucket stays live beside the
-        # leaves cut from it, through a block's backward (stage 3 without prefetch, temp per
-        # device: wide 46.07 -> 38.18 MiB, tiny 6.91 -> 6.16, the unrolled GPT 6.66 -> 5.90)
+    if how.kind == "gather":  # each bucket cut into all its leaves before any is used
+        # (buckets._cut; stage 3 without prefetch, temp per device: wide 46.07 -> 38.18 MiB,
+        # tiny 6.91 -> 6.16, the unrolled GPT 6.66 -> 5.90)
         return per_model_rank(lambda xs: buckets.all_gather(
-            xs, list(how.axes), how.mesh_axis, how.comm, after=after, at_once=True),
+            xs, list(how.axes), how.mesh_axis, how.comm, after=after),
             sources, how.model_dims)
     # pcast marks the copy as per-device; without it JAX would all-reduce its gradient before
     # our reduce and the gradient would come out N times too large.
