@@ -143,9 +143,8 @@ def wrap(g: GradStep, params: PyTree, whole: PyTree | None) -> PyTree:
         if split and w is not None and w.ndim < p.ndim:  # stage 2's whole copy, split alike
             w = w.reshape(*p.shape[:r.leaf.axis + 1], -1, *w.shape[r.leaf.axis + 1:])
         args = (r.leaf.axis - len(r.leaf.shape), plan.axis, reduce)
-        ndim = p.ndim  # the dimensions before a split one count one more
-        tile = r.leaf.tile and (r.leaf.tile[0] - (ndim if r.leaf.tile[0] < r.leaf.axis
-                                                  else len(r.leaf.shape)), r.leaf.tile[1])
+        # (tiling refuses tensor parallelism, so a tiled leaf is never split)
+        tile = r.leaf.tile and (r.leaf.tile[0] - len(r.leaf.shape), r.leaf.tile[1])
         # Stage 3 streaming to the host: ``p`` carries the gradient, ``w`` is gathered.
         return Shard(p, None if r.streamed or not g.stage2 else w, *args,
                      gather_from=w if r.streamed else None, comm=comm(r),
