@@ -139,7 +139,7 @@ def wrap(g: GradStep, params: PyTree, whole: PyTree | None) -> PyTree:
             return p
         # Cut over model x data along one dimension: split in two (Plan.split_model), whose
         # whole is merged back for the model
-        split = model_dim is not None and r.leaf.split
+        split = r.leaf.split
         if split and w is not None and w.ndim < p.ndim:  # stage 2's whole copy, split alike
             w = w.reshape(*p.shape[:r.leaf.axis + 1], -1, *w.shape[r.leaf.axis + 1:])
         args = (r.leaf.axis - len(r.leaf.shape), plan.axis, reduce)
