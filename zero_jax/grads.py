@@ -149,7 +149,7 @@ def wrap(g: GradStep, params: PyTree, whole: PyTree | None) -> PyTree:
         return Shard(p, None if r.streamed or not g.stage2 else w, *args,
                      gather_from=w if r.streamed else None, comm=comm(r),
                      frozen=r.leaf.frozen, model_dim=args[0] - 1 if split else model_dim,
-                     merge=args[0] - 1 if split else None, tile=tile)
+                     split=split, tile=tile)
 
     tree = g.map(one, params) if whole is None else g.map(one, params, whole)
     outside = materialize_tree(g.map(lambda r, x: None if r.leaf.block else x, tree))

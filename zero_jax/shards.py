@@ -63,9 +63,9 @@ class Shard:
     # Memory-centric tiling: (dimension counted from the end, tiles). Never made whole: its
     # layer gathers it tile by tile (``zero_jax.tiling``).
     tile: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
-    # A dimension cut over model x data, split in two (``Plan.split_model``): ``model``'s at
-    # ``merge``, the data axes' after it; the whole leaf merges them back.
-    merge: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # ``model_dim`` cut over model x data, split in two (``Plan.split_model``): ``model``'s
+    # piece at ``model_dim``, the data axes' after it; the whole leaf merges them back.
+    split: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def kind(self) -> str:
@@ -188,23 +188,22 @@ def _materialize_group(xs: list[Shard], after: tuple) -> list[jax.Array]:
         sources = targets
     wholes = _whole(targets, [jax.lax.stop_gradient(s) for s in sources], _how(xs),
                     jax.lax.stop_gradient(after))
-    wholes = [w if x.merge is None else _merged(w, x.merge) for x, w in zip(xs, wholes,
-                                                                            strict=True)]
+    wholes = [_merged(w, x.model_dim) if x.split else w for x, w in zip(xs, wholes, strict=True)]
     if first.kind == "gather":  # the per-layer checkpoint name of remat policies
         wholes = [checkpoint_name(w, GATHERED) for w in wholes]
     return wholes
 
 
-def _merged(w: jax.Array, merge: int) -> jax.Array:
-    k = merge % w.ndim
+def _merged(w: jax.Array, model_dim: int) -> jax.Array:
+    k = model_dim % w.ndim
     return w.reshape(*w.shape[:k], -1, *w.shape[k + 2:])
 
 
 def _split(g: jax.Array, x: Shard) -> jax.Array:
     """A whole leaf's gradient split as ``x`` is (``_merged`` undone)."""
-    if x.merge is None:
+    if not x.split:
         return g
-    k = x.merge % x.value.ndim
+    k = x.model_dim % x.value.ndim
     return g.reshape(*g.shape[:k], x.value.shape[k], -1, *g.shape[k + 1:])
 
 
