@@ -203,6 +203,7 @@ ROWS = [
     ("lr nan", [*T, "--set", "optimizer.lr=.nan"], None, "optimizer.lr must be a finite"),
     ("lr inf", [*T, "--set", "optimizer.lr=.inf"], None, "optimizer.lr must be a finite"),
     ("lr <0", [*T, "--set", "optimizer.lr=-0.001"], None, "optimizer.lr must be a finite"),
+    ("lr 0", [*T, "--set", "optimizer.lr=0"], None, "optimizer.lr is 0: no step would change"),
     ("warmup <0", [*T, "--set", "optimizer.warmup_steps=-1"], None,
      "optimizer.warmup_steps must be a finite number of at least 0"),
     ("clip <0", [*T, "--set", "optimizer.clip_norm=-1.0"], None, "optimizer.clip_norm must be"),

@@ -276,6 +276,9 @@ def _check_optimizer(config: dict) -> None:
     for key in ("lr", "warmup_steps", "decay_steps", "eps", "weight_decay", "momentum",
                 "clip_norm", "warmup_min_lr"):
         _at_least(config, "optimizer", key, 0)
+    if o["lr"] == 0:  # a run that trains nothing would still end "done"
+        raise ConfigError("optimizer.lr is 0: no step would change the parameters; pass the "
+                          "schedule's peak learning rate, e.g. --set optimizer.lr=3e-3")
     for key, allowed in (("schedule", SCHEDULES), ("warmup_type", WARMUPS)):
         if o[key] not in allowed:
             raise ConfigError(f"optimizer.{key} must be one of {', '.join(allowed)} (got "
