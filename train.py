@@ -43,9 +43,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = Parser(description=__doc__.splitlines()[0], epilog=(
         "exit codes: 0 done; 1 a failure while running (a checkpoint that cannot be written, a "
         "lost peer); 2 bad input, refused before anything is written; 3 training diverged: "
-        "train.max_bad_steps steps in a row (default 5; 0 turns the guard off) had a non-finite "
-        "loss or gradient, or one such step's update went in, and nothing was saved from the "
-        "first of them on; 130 / 143 stopped by Ctrl-C / SIGTERM"))
+        "train.max_bad_steps steps in a row (default 5) had a non-finite loss or gradient, or "
+        "one such step's update went in, and nothing was saved from the first of them on; with "
+        "0 the run goes on and saves, and exits 3 if it ends in such steps; 130 / 143 stopped "
+        "by Ctrl-C / SIGTERM"))
     p.add_argument("--stage", type=int, help="ZeRO stage 0-3 (default: the config's, 3)")
     p.add_argument("--config", default="tiny",
                    help="YAML file, or a name in configs/: tiny, gpt2-124m, gpt-1.3b, gpt-7.5b")
@@ -973,7 +974,7 @@ def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
     saved = saver.saved if saver else None
     if stop.signum:
         return stopped(stop, done_steps, saved, start.ckpts, guard.bad_from)
-    if guard.bad_from is not None:  # max_bad_steps in a row, or the run ended in a streak
+    if guard.streak_from is not None:  # max_bad_steps in a row, or the run ended in a streak
         return diverged(t["max_bad_steps"], guard, done_steps, start.ckpts)
     return done(exp, t["steps"], first, tally, time.perf_counter() - tick)
 
@@ -1065,27 +1066,32 @@ def done(exp, steps: int, first: int, tally: Tally, elapsed: float) -> int:
     return 0
 
 
-def newest_checkpoint(ckpts) -> str:
+def newest_checkpoint(ckpts, when: str = "from before it") -> str:
     if not ckpts:
         return "nothing was saved (no --checkpoint-dir)"
     if (newest := ckpts.latest_step()) is None:
         return f"no checkpoint is in {ckpts.path}"
-    return f"the newest checkpoint, from before it, is {newest} in {ckpts.path}"
+    return f"the newest checkpoint, {when}, is {newest} in {ckpts.path}"
 
 
 def diverged(max_bad: int, guard: Guard, step: int, ckpts) -> int:
     """The divergence guard's one line: which steps, the last good one, what is kept."""
-    bad_from, n = guard.bad_from, step - guard.bad_from + 1
+    bad_from, n = guard.streak_from, step - guard.streak_from + 1
     why = ("its update went in" if n < max_bad and guard.diverged
            else "the run ended in it" if not guard.diverged
            else f"train.max_bad_steps is {max_bad}")
     good = (f"the last step with a finite loss was {guard.last_finite}" if guard.last_finite
             else "no step of this run had a finite loss")
+    fix = "with a lower optimizer.lr, or a larger optimizer.warmup_steps"
+    if not max_bad:  # the guard off: the run went on to its last step, and saved as it went
+        newest = newest_checkpoint(ckpts, "saved as it went")
+        kept = f"train.max_bad_steps 0 kept it going, {newest}: train again from before step " \
+               f"{bad_from} {fix}"
+    else:
+        kept = f"nothing saved since, {newest_checkpoint(ckpts)}: resume from it {fix}"
     print(f"error: {PROCESS}training diverged: step{'s' if n > 1 else ''} "
           f"{bad_from}{f'-{step}' if n > 1 else ''} had a non-finite loss or gradient "
-          f"({n} in a row; {why}); {good}; nothing saved since, {newest_checkpoint(ckpts)}: "
-          "resume from it with a lower optimizer.lr, or a larger optimizer.warmup_steps",
-          file=sys.stderr)
+          f"({n} in a row; {why}); {good}; {kept}", file=sys.stderr)
     return DIVERGED
 
 
@@ -1162,22 +1168,29 @@ def read_metrics(path: str) -> list[tuple[int, str]]:
 
 class Guard:
     """The divergence guard: a streak of bad steps (``bad_step``) stops the run once it is
-    train.max_bad_steps long (0: never), or at once when a bad step's update went in; nothing
-    is saved while a streak lasts, so the newest checkpoint is from before it."""
+    train.max_bad_steps long, or at once when a bad step's update went in; nothing is saved
+    while a streak lasts, so the newest checkpoint is from before it. Off (0), it stops and
+    holds back nothing, but a run that ends in a streak is still not reported done."""
 
     def __init__(self, max_bad: int, min_loss_scale: float):
         self.max_bad, self.min_loss_scale = max_bad, min_loss_scale
-        self.bad_from: int | None = None  # the first step of the current streak
+        self.streak_from: int | None = None  # the first step of the current streak
         self.last_finite: int | None = None  # the last step with a finite loss
         self.diverged = False
+
+    @property
+    def bad_from(self) -> int | None:
+        """The streak that holds back saves: none with the guard off."""
+        return self.streak_from if self.max_bad > 0 else None
 
     def update(self, m: dict, step: int) -> bool:
         """Record step ``step``'s metrics; whether to stop now."""
         if math.isfinite(m["loss"]):
             self.last_finite = step
-        bad = self.max_bad > 0 and bad_step(m, self.min_loss_scale)
-        self.bad_from = (self.bad_from or step) if bad else None
-        self.diverged = bad and (step + 1 - self.bad_from >= self.max_bad or not m["skipped"])
+        bad = bad_step(m, self.min_loss_scale)
+        self.streak_from = (self.streak_from or step) if bad else None
+        self.diverged = self.bad_from is not None and (
+            step + 1 - self.bad_from >= self.max_bad or not m["skipped"])
         return self.diverged
 
 

@@ -581,6 +581,24 @@ def test_a_diverging_run_stops_and_saves_nothing_after(tmp_path):
     assert "nonfinite" not in records[1] and records[1]["loss"] > 0
 
 
+def test_with_the_guard_off_a_run_that_ends_diverged_is_not_done(tmp_path, capsys):
+    """train.max_bad_steps 0: the same divergence (NaN from step 3, every step skipped) neither
+    stops the run nor holds back its saves (4 and 8: skipped steps leave the state finite), but
+    a run that ends in it is not reported done: exit code 3 and the guard's one line."""
+    c = tmp_path / "ckpt"
+    code = train.main([*MODEL, "--set", "optimizer.lr=1e30", "--set", "train.max_bad_steps=0",
+                       "--steps", "8", "--save-every", "4", "--checkpoint-dir", str(c)])
+    out, err = capsys.readouterr()
+    assert code == 3, err
+    assert [x for x in err.splitlines() if x.startswith("error:")] == [
+        "error: training diverged: steps 3-8 had a non-finite loss or gradient (6 in a row; the "
+        "run ended in it); the last step with a finite loss was 2; train.max_bad_steps 0 kept it "
+        f"going, the newest checkpoint, saved as it went, is 8 in {c}: train again from before "
+        "step 3 with a lower optimizer.lr, or a larger optimizer.warmup_steps"], err
+    assert "done:" not in out
+    assert Checkpoints(c, read_only=True).steps() == [4, 8]
+
+
 @pytest.mark.parametrize("m, bad", [
     ({"loss": 2.0, "grad_norm": 1.0, "skipped": 0}, False),
     ({"loss": float("nan"), "grad_norm": 1.0, "skipped": 0}, True),

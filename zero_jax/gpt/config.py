@@ -44,7 +44,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                   "frozen_modules": []},
     # ckpt_load_path: a checkpoint directory to resume from (its latest complete step).
     # max_bad_steps: train.py stops (exit 3) after this many steps in a row whose loss or
-    # gradient is not finite (0: never), and saves nothing from the first of them on.
+    # gradient is not finite, and saves nothing from the first of them on (0: never stops,
+    # saves as usual, and exits 3 if the run ends in such steps).
     "train": {"batch_size": 32, "accum_steps": 1, "steps": 400, "seed": 0,
               "ckpt_load_path": "", "max_bad_steps": 5},
     # zero3_size > 0: hierarchical ZeRO, stage 3 within groups of that many devices.
