@@ -174,12 +174,21 @@ def peak_of(mesh, scanned, stage, comm=None, gather="block"):
 def test_the_peak_splits_into_arguments_and_temp(stage, mesh, scanned):
     """At every stage the peak fits what XLA allocates (arguments, temp, outputs not written
     over the arguments), its model states are arguments (at most their bytes, at least the
-    half not yet donated away), and only stage 3 holds gathered weights."""
+    half not yet donated away), and only stage 3 holds gathered weights. From stage 2 on no
+    whole gradient is held beyond one block's and its bucket (ZeRO's figure twice), beside the
+    shards reduced so far and the leaves outside the blocks, reduced after the backward;
+    stages 0 and 1, which all-reduce, hold more."""
     memory, peak = peak_of(mesh, scanned, stage)
     args, states = memory["argument_bytes"], peak["by_kind"]["model states"]
     assert args / 2 < states <= args < peak["peak_bytes"] <= args + \
         memory["temp_bytes"] + memory["output_bytes"] - memory["alias_bytes"]
     assert (peak["by_kind"]["gathered weights"] > 0) == (stage == 3)
+    shapes, layer = scanned[0], scanned[3]
+    whole = 4 * sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+    outside = whole - 4 * sum(math.prod(x.shape) for x in jax.tree.leaves(shapes["blocks"]))
+    bound = 2 * layer + whole // mesh.size + outside
+    assert peak["expected"].get("gradients") == (layer if stage >= 2 else None)
+    assert (peak["by_kind"]["gradients"] <= bound) == (stage >= 2), (peak["by_kind"], bound)
     # The temp allocation when fullest: its kinds and the bytes between buffers are all of it.
     temp = peak["temp"]
     assert temp["bytes"] == memory["temp_bytes"]

@@ -324,16 +324,18 @@ def comm_theory(plan: Plan, block_input: jax.ShapeDtypeStruct | None = None
 
 
 def peak_expected(plan: Plan) -> dict[str, int]:
-    """ZeRO's figures for two kinds of the peak: stage 3 holds the largest block gathered
-    (one more with prefetch), and the backward one block's whole gradient before its
-    reduce-scatter (beside the gradients of its activations, which ZeRO does not count);
-    gathering by module, the largest module's."""
-    if not (plan.rule.shard_params and plan.blocks):
+    """ZeRO's figures for two kinds of the peak: from stage 2 on the backward holds one
+    block's whole gradient before its reduce-scatter (beside the shards reduced so far and the
+    gradients of its activations, which ZeRO does not count), and stage 3 the largest block
+    gathered (one more with prefetch); gathering by module, the largest module's."""
+    if not (plan.rule.shard_grads and plan.blocks):
         return {}
     largest = max(block_elements(plan, plan.gather == "module").values())
+    grads = {"gradients": largest * jnp.dtype(plan.grad_dtype).itemsize}
+    if not plan.rule.shard_params:
+        return grads
     return {"gathered weights": (1 + plan.comm.prefetch) * largest
-            * plan.precision.compute.itemsize,
-            "gradients": largest * jnp.dtype(plan.grad_dtype).itemsize}
+            * plan.precision.compute.itemsize, **grads}
 
 
 def block_elements(plan: Plan, by_module: bool = False) -> dict[str, int]:
