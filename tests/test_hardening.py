@@ -613,6 +613,22 @@ def test_bad_steps(m, bad):
     assert train.bad_step(m, min_loss_scale=1.0) == bad
 
 
+@pytest.mark.parametrize("max_bad", [0, 3])
+def test_the_guard_counts_a_streak_and_forgets_it_when_a_step_trains(max_bad):
+    """A streak ends with the first step that trains: a run that recovers is done, guard on or
+    off. Off, the streak is still counted (the end's verdict) but never stops the run or holds
+    back a save (``bad_from``); on, its third bad step in a row stops it."""
+    nan, good = {"loss": float("nan"), "grad_norm": 1.0, "skipped": 1}, \
+        {"loss": 2.0, "grad_norm": 1.0, "skipped": 0}
+    guard = train.Guard(max_bad, min_loss_scale=1.0)
+    steps = [nan, nan, good, nan, nan, nan]
+    stops = [guard.update(m, i + 1) for i, m in enumerate(steps[:3])]
+    assert stops == [False] * 3 and guard.streak_from is None and guard.bad_from is None
+    stops = [guard.update(m, i + 4) for i, m in enumerate(steps[3:])]
+    assert guard.streak_from == 4 and guard.bad_from == (4 if max_bad else None)
+    assert stops == [False, False, bool(max_bad)]
+
+
 def test_a_run_gone_non_finite_stops_without_saving(tmp_path):
     """lr 1e38 without skipping non-finite steps, the divergence guard off: the parameters
     become NaN at step 2; the run stops with exit code 1 and keeps checkpoint 1, the last
