@@ -98,6 +98,26 @@ def test_compile_afresh_makes_the_compiler_compile(monkeypatch):
         f.lower(x).compile()
 
 
+def test_exact_residuals_takes_out_only_the_wide_roundings():
+    """JAX rounds what a checkpoint saves to its own dtype; ``exact_residuals`` takes that out
+    for float32 (no bit changes) and leaves it for bfloat16, where it matters."""
+    def grad():  # a new function each time: a traced one is cached, with or without the swap
+        saving = jax.checkpoint(lambda x: jnp.sin(x) * x,
+                                policy=jax.checkpoint_policies.everything_saveable)
+        return jax.grad(lambda x: saving(x).astype(jnp.float32).sum())
+
+    rounded = lambda dtype: str(jax.make_jaxpr(grad())(jnp.ones(3, dtype))).count(
+        "reduce_precision")
+    assert rounded(jnp.float32) > 0 and rounded(jnp.bfloat16) > 0, broke(
+        "jax._src.ad_checkpoint._insert_reduce_precision (residuals no longer rounded)")
+    x = jnp.linspace(-2.0, 3.0, 3)
+    with internals.exact_residuals():
+        assert rounded(jnp.float32) == 0 and rounded(jnp.bfloat16) > 0, broke(
+            "jax._src.ad_checkpoint._insert_reduce_precision (the swap is not seen)")
+        exact = jax.jit(grad())(x)
+    np.testing.assert_array_equal(exact, jax.jit(grad())(x))
+
+
 def test_flax_lift_scan_and_checkpoint_are_what_nn_scan_and_nn_remat_call():
     original = flax.core.lift.scan
     args = set(inspect.signature(original).parameters)

@@ -397,9 +397,9 @@ def test_unrolled_model_steps_alike_in_zero_jax_and_the_baseline(mesh):
 def test_stage3_needs_no_more_temp_than_the_gspmd_fsdp_peer_and_prefetchs_share(mesh):
     """The README's default model at stage 3, buckets on, beside the MaxText-style GSPMD FSDP
     peer (same model, mesh and remat; both from ``memory_analysis()``). Gathering by module
-    without prefetch holds at most the peer's temp, and model states; prefetch (each module's
-    gather issued while the module before computes) adds at most one layer's gathered
-    weights. Gathering by block (the default) holds at most the peer's temp plus one gathered
+    holds at most the peer's temp, and model states, with prefetch (each module's gather
+    issued while the module before computes) as without; prefetch adds at most one layer's
+    gathered weights. Gathering by block (the default) holds at most the peer's temp plus one gathered
     layer (prefetch's) and one bucket, a layer (docs/benchmarks/cpu-mesh.md: 7.03 <= 5.95 +
     0.76 + 0.76 MiB); the report states what prefetch may hold at most, a gathered layer and
     a layer's whole gradient waiting to be reduced."""
@@ -416,8 +416,8 @@ def test_stage3_needs_no_more_temp_than_the_gspmd_fsdp_peer_and_prefetchs_share(
     peer = peers.fsdp_lowered(config.load("tiny"), mesh)[1].compile().memory_analysis()
     assert ours.memory_analysis().argument_size_in_bytes <= peer.argument_size_in_bytes + 1024
     by_module = temp["module", False], temp["module", True]
-    assert 0 < by_module[0] <= peer.temp_size_in_bytes, (temp, peer.temp_size_in_bytes)
-    assert by_module[0] < by_module[1] <= by_module[0] + layer, (temp, layer)
+    assert 0 < by_module[0] < by_module[1] <= peer.temp_size_in_bytes, (temp, peer)
+    assert by_module[1] <= by_module[0] + layer, (temp, layer)
     prefetch = report.layout(exp.plan, abstract_state(exp.plan, exp.tx), [])["prefetch_bytes"]
     assert prefetch == 2 * layer
     assert temp["block", True] <= peer.temp_size_in_bytes + 2 * layer, (temp, layer)

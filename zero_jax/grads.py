@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax.errors import ScopeParamShapeError
 from jax.sharding import PartitionSpec as P
 
-from zero_jax import buckets, handoff, prefetch
+from zero_jax import buckets, handoff, internals, prefetch
 from zero_jax.buckets import Comm
 from zero_jax.gather import Saved, per_block
 from zero_jax.offload import in_host_memory, on_host_leaves
@@ -233,7 +233,8 @@ def differentiate(g: GradStep, params: PyTree, whole: PyTree | None, micro: PyTr
         total, weight, aux = run_loss(g, wrap(g, mixed, whole), micro, key)
         return total * scale / (n * k), (total, weight, aux)
 
-    grads, stats = jax.grad(objective, has_aux=True)(params)
+    with internals.exact_residuals():
+        grads, stats = jax.grad(objective, has_aux=True)(params)
     # A frozen leaf's (zero) gradient is not kept, nor accumulated: a scalar stands in.
     return stats, g.map(lambda r, x: jnp.zeros((), x.dtype) if r.leaf.frozen else x, grads)
 
