@@ -399,10 +399,10 @@ def test_stage3_needs_no_more_temp_than_the_gspmd_fsdp_peer_and_prefetchs_share(
     peer (same model, mesh and remat; both from ``memory_analysis()``). Gathering by module
     holds at most the peer's temp, and model states, with prefetch (each module's gather
     issued while the module before computes) as without; prefetch adds at most one layer's
-    gathered weights. Gathering by block (the default) holds at most the peer's temp plus one gathered
-    layer (prefetch's) and one bucket, a layer (docs/benchmarks/cpu-mesh.md: 7.03 <= 5.95 +
-    0.76 + 0.76 MiB); the report states what prefetch may hold at most, a gathered layer and
-    a layer's whole gradient waiting to be reduced."""
+    gathered weights. Gathering by block (the default) holds at most the peer's temp plus one
+    gathered layer (prefetch's) and one bucket, a layer (docs/benchmarks/cpu-mesh.md: 7.03 <=
+    5.95 + 0.76 + 0.76 MiB); the report states what prefetch may hold at most, a gathered
+    layer and a layer's whole gradient waiting to be reduced."""
     temp = {}
     for gather, prefetch in (("module", False), ("module", True), ("block", True)):
         cfg = config.load("tiny", [f"zero.gather={gather}", f"zero.prefetch={prefetch}"])
