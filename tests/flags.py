@@ -21,6 +21,7 @@ Three settings of the CPU compiler make it cheaper (``FAST_COMPILE``, in ``XLA_F
   the older emitters; should one start to differ by an ulp, compile its programs ``EXACT``.
 """
 
+# XLA from jax 0.11 no longer knows the last flag, and stops at it (docs/testing.md).
 FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1"
                 " --xla_cpu_use_fusion_emitters=false")
 # For ``step.lower(...).compile(EXACT)`` and ``jax.jit(f, compiler_options=EXACT)``. The
