@@ -32,7 +32,6 @@ import warnings
 from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
 from flax import serialization
 
 from zero_jax import integrity
@@ -122,6 +121,7 @@ class Checkpoints:
 
     def __init__(self, directory: str | os.PathLike, keep: int = 3, create: bool = True,
                  read_only: bool = False):
+        ocp = _orbax()
         path = pathlib.Path(directory).absolute()
         create = create and not read_only
         if path.exists() and not path.is_dir():
@@ -179,6 +179,7 @@ class Checkpoints:
 
         Refuses (``NonFiniteStateError``) a state with NaN or infinity in its parameters,
         master copy or optimizer state, and a step not newer than the latest on disk."""
+        ocp = _orbax()
         self.finish()
         step = int(state.step)
         if state.opt_state is None:
@@ -232,6 +233,7 @@ class Checkpoints:
         return done
 
     def meta(self, step: int | None = None) -> dict:
+        ocp = _orbax()
         step = self._step(step)
         with self._reading(step, "meta/metadata"):
             meta = self.manager.restore(step, args=ocp.args.Composite(
@@ -249,6 +251,7 @@ class Checkpoints:
         ``abstract_state(plan, tx)`` of any stage on any mesh. Nothing on disk is changed.
         Raises ``CorruptCheckpointError`` for missing, unreadable or altered files.
         """
+        ocp = _orbax()
         step = self._step(step)
         meta = self.meta(step)
         wanted = _items(target)
@@ -287,6 +290,7 @@ class Checkpoints:
         """The fp32 parameters alone (the master copy when there is one), whole, on one device
         (or into ``sharding``), checked against their digests. Needs no model: the tree and
         shapes come from the checkpoint."""
+        ocp = _orbax()
         step = self._step(step)
         meta = self.meta(step)
         name = "master" if (self.path / str(step) / "master").exists() else "params"
@@ -440,6 +444,13 @@ class _OrbaxErrors(logging.Filter):
         return not (record.levelno >= logging.ERROR and (
             orbax in record.pathname or orbax in text or ORBAX_TMP_SUFFIX in text
             or any(orbax in frame.filename for frame in traceback.extract_tb(tb))))
+
+
+def _orbax():
+    """orbax.checkpoint, imported when a checkpoint is first opened: it is a fifth of what
+    ``import zero_jax`` costs (0.29 of 1.35 s), and a run that saves nothing never needs it."""
+    import orbax.checkpoint as ocp
+    return ocp
 
 
 def quiet_background_errors() -> None:
