@@ -447,8 +447,8 @@ class _OrbaxErrors(logging.Filter):
 
 
 def _orbax():
-    """orbax.checkpoint, imported when a checkpoint is first opened: it is a fifth of what
-    ``import zero_jax`` costs (0.29 of 1.35 s), and a run that saves nothing never needs it."""
+    """orbax.checkpoint, imported when a checkpoint is first opened: a run that saves nothing
+    never needs it, and its import is a sizeable part of a run's start (docs/testing.md)."""
     import orbax.checkpoint as ocp
     return ocp
 
