@@ -48,3 +48,16 @@ def test_a_built_wheel_trains_outside_the_clone(tmp_path):
                          cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "done: steps 1-5" in run.stdout
+
+
+def test_orbax_is_imported_when_a_checkpoint_opens(tmp_path):
+    """A run that saves nothing starts without orbax (a sizeable part of the start-up:
+    docs/testing.md); the first checkpoint opened brings it in."""
+    code = ("import sys, zero_jax\n"
+            "before = 'orbax.checkpoint' in sys.modules\n"
+            f"zero_jax.Checkpoints({str(tmp_path / 'ckpt')!r}).close()\n"
+            "print(before, 'orbax.checkpoint' in sys.modules)\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=TRAIN_ENV,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["False", "True"]
