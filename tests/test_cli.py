@@ -34,11 +34,11 @@ def train(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def main(*args: str) -> subprocess.CompletedProcess:
-    """``train.main`` in this process, its output caught as a process's: a planner's dry run
-    without a start-up of its own (about 2.4 s of the 7 a cached run takes; the process's
-    compiler settings are a started dry run's, SUBPROCESS_ENV). train.py's own start-up is run
-    by the tests that train for longer, and by the dry runs on more devices than this process
-    has."""
+    """``train.main`` in this process, its output caught as a process's: a dry run or a short
+    run without a start-up of its own (about 2.4 s of the 7 a cached dry run takes; the
+    process's compiler settings are a started dry run's, SUBPROCESS_ENV). train.py's own
+    start-up is run by the tests that train for longer, and by the dry runs on more devices
+    than this process has."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = train_py.main(list(args))
