@@ -204,9 +204,10 @@ def test_orbax_writes_the_files_we_check(tmp_path):
     assert (step / "meta" / internals.ORBAX_JSON_FILE).exists(), broke("orbax's JSON file name")
 
 
-def test_orbax_names_what_a_failed_save_leaves():
+def test_orbax_names_what_a_failed_save_or_restore_leaves():
     """A failed save's asyncio noise is recognized by orbax's temporary directory suffix and
-    its write coroutine's name (``checkpoint.quiet_background_errors``)."""
+    its write coroutine's name, a failed restore's by its read coroutine's
+    (``checkpoint.quiet_background_errors``)."""
     import inspect
 
     from orbax.checkpoint._src.path import atomicity_types
@@ -216,6 +217,8 @@ def test_orbax_names_what_a_failed_save_leaves():
         "orbax's temporary directory suffix")
     assert f"def {internals.ORBAX_WRITE_COROUTINE}(" in inspect.getsource(
         serialization.async_serialize_from_host), broke("orbax's write coroutine")
+    assert inspect.iscoroutinefunction(getattr(serialization, internals.ORBAX_READ_COROUTINE,
+                                               None)), broke("orbax's read coroutine")
 
 
 def test_the_disabled_xla_pass_keeps_remat_barriers():

@@ -37,6 +37,7 @@ from flax import serialization
 from zero_jax import integrity
 from zero_jax.internals import (
     ORBAX_JSON_FILE,
+    ORBAX_READ_COROUTINE,
     ORBAX_STEP_FILE,
     ORBAX_TMP_SUFFIX,
     ORBAX_TREE_FILES,
@@ -412,9 +413,17 @@ class _Reading:
         if e is None or isinstance(e, CheckpointError) or not isinstance(e, Exception):
             return False
         missing = _missing_file(self.where, self.item)
-        what = f"{missing} is missing" if missing else f"{self.item}: {_first_line(e)}"
+        what = f"{missing} is missing" if missing else f"{self.item}: {_first_line(_root(e))}"
         raise CorruptCheckpointError(self.step, f"checkpoint step {self.step} in "
                                      f"{self.where.parent} cannot be read: {what}") from None
+
+
+def _root(e: BaseException) -> BaseException:
+    """The innermost cause: orbax wraps TensorStore's error, which names the array and the
+    file, in one that names neither."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return e
 
 
 def _missing_file(step_dir: pathlib.Path, items: str) -> str | None:
@@ -454,7 +463,9 @@ def _orbax():
 
 
 def quiet_background_errors() -> None:
-    """Keep a failed save to the one line its ``CheckpointError`` says. Orbax logs each failed
+    """Keep a failed save or restore to the one line its ``CheckpointError`` says. A failed
+    restore leaves its other array reads pending, each raising again when the garbage
+    collector closes it (``sys.unraisablehook``). Orbax logs each failed
     background write with its traceback (absl's logger) before ``finish`` raises it, and the
     asyncio loops it closes on the way out leave "Event loop is closed" tracebacks behind
     (``sys.unraisablehook``), as do its tasks nobody awaits once the save has failed
@@ -469,7 +480,8 @@ def quiet_background_errors() -> None:
 
     def hook(unraisable) -> None:
         e = unraisable.exc_value
-        if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+        closed = isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+        if not closed and getattr(unraisable.object, "__name__", None) != ORBAX_READ_COROUTINE:
             previous(unraisable)
 
     sys.unraisablehook = hook

@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, help="default: the latest complete checkpoint")
     p.add_argument("--dtype", default="fp32", help="fp32 (default), bf16 or fp16")
     args = p.parse_args(argv)
-    from zero_jax.checkpoint import CheckpointError
+    from zero_jax.checkpoint import CheckpointError, quiet_background_errors
+
+    quiet_background_errors()  # a checkpoint that cannot be read is its one line below
     try:
         config = export(args.checkpoint_dir, args.out, args.step, args.dtype)
     except CheckpointError as e:

@@ -30,6 +30,10 @@ ORBAX_JSON_FILE = "metadata"
 # writes never started are this coroutine of ``async_serialize_from_host``, never awaited.
 ORBAX_TMP_SUFFIX = ".orbax-checkpoint-tmp"
 ORBAX_WRITE_COROUTINE = "write_fragment"
+# A failed restore: the first array read that fails raises, and the reads still pending are
+# this coroutine of ``serialization.read_and_create_array``'s module, each raising its own
+# error when the garbage collector closes it.
+ORBAX_READ_COROUTINE = "_read_array_index_and_device_put"
 
 
 def trace_state() -> Any:
