@@ -476,7 +476,12 @@ def quiet_background_errors() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _OrbaxErrors) for f in logger.filters):
             logger.addFilter(_OrbaxErrors())
+    # The writes a failed save never started, collected unawaited at exit.
+    warnings.filterwarnings("ignore", f"coroutine '.*{ORBAX_WRITE_COROUTINE}' was never awaited",
+                            RuntimeWarning)
     previous = sys.unraisablehook
+    if getattr(previous, "quiets_orbax", False):  # called again (train.main, export.main)
+        return
 
     def hook(unraisable) -> None:
         e = unraisable.exc_value
@@ -484,10 +489,8 @@ def quiet_background_errors() -> None:
         if not closed and getattr(unraisable.object, "__name__", None) != ORBAX_READ_COROUTINE:
             previous(unraisable)
 
+    hook.quiets_orbax = True
     sys.unraisablehook = hook
-    # The writes a failed save never started, collected unawaited at exit.
-    warnings.filterwarnings("ignore", f"coroutine '.*{ORBAX_WRITE_COROUTINE}' was never awaited",
-                            RuntimeWarning)
 
 
 def _first_line(e: BaseException) -> str:

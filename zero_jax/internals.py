@@ -31,8 +31,8 @@ ORBAX_JSON_FILE = "metadata"
 ORBAX_TMP_SUFFIX = ".orbax-checkpoint-tmp"
 ORBAX_WRITE_COROUTINE = "write_fragment"
 # A failed restore: the first array read that fails raises, and the reads still pending are
-# this coroutine of ``serialization.read_and_create_array``'s module, each raising its own
-# error when the garbage collector closes it.
+# this coroutine of orbax's ``serialization`` module (``_read_and_create_array`` awaits
+# them), each raising its own error when the garbage collector closes it.
 ORBAX_READ_COROUTINE = "_read_array_index_and_device_put"
 
 
