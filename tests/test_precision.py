@@ -117,8 +117,10 @@ def train_losses(mesh, stage, precision, steps=50, accum_steps=1, batch=32, tx=N
 
 @pytest.fixture(scope="module")
 def bf16_runs(mesh):
+    # Compiled as the suite compiles (LLVM level 0): for this small model the five compiles at
+    # level 2 cost more than their 250 steps gain (4 stages: 15.6-16.3 s against 10.1-10.8).
     run = lambda stage, precision: [m["loss"] for m in train_losses(
-        mesh, stage, precision, cfg=SMALL, batch=16, long=True)[1]]
+        mesh, stage, precision, cfg=SMALL, batch=16)[1]]
     fp32 = run(0, Precision())
     bf16 = {s: run(s, BF16) for s in range(4)}
     return np.array(fp32), {s: np.array(v) for s, v in bf16.items()}
