@@ -734,6 +734,28 @@ def stop_and_resume(proc, tmp_path, reference, sig: int, code: int, keep: int = 
     assert losses(m) == {s: ref[s] for s in range(1, n + 3)}  # bit for bit, the whole run
 
 
+def test_resume_is_bit_identical(tmp_path, reference):
+    """18 steps, stop, resume to 24 == the reference's uninterrupted steps, loss for loss
+    (inside the warmup, which ends at step 20, and after it: the schedule's step is restored
+    too). The second run starts from the first's directory through train.ckpt_load_path (the
+    seed's key) and saves into its own; --resume from a directory: the signals below."""
+    ckpt, split = tmp_path / "ckpt", tmp_path / "split.jsonl"
+    first = run_train("--steps", 18, "--save-every", 9, "--checkpoint-dir", ckpt, "--resume",
+                      "--metrics", split)
+    assert first.returncode == 0, first.stderr
+    assert "starting fresh" in first.stdout
+    assert "checkpoint 18:" in first.stdout and "MiB on disk" in first.stdout
+    second = run_train("--steps", 24, "--checkpoint-dir", tmp_path / "next",
+                       "--set", f"train.ckpt_load_path={ckpt}", "--metrics", split)
+    assert second.returncode == 0, second.stderr
+    assert "resumed from step 18" in second.stdout
+    ref = reference[1]
+    assert losses(split) == {s: ref[s] for s in range(1, 25)}  # exact float equality
+    assert [json.loads(x)["step"] for x in open(split)] == list(range(1, 25))
+    assert Checkpoints(ckpt).manager.all_steps() == [9, 18]  # read, not written
+    assert Checkpoints(tmp_path / "next").manager.all_steps() == [24]
+
+
 def test_ctrl_c_saves_and_resumes_exactly(tmp_path, reference):
     c, m = tmp_path / "ckpt", tmp_path / "m.jsonl"
     proc = start("--steps", 1000, "--checkpoint-dir", c, "--metrics", m)
