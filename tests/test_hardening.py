@@ -752,8 +752,8 @@ def test_resume_is_bit_identical(tmp_path, reference):
     ref = reference[1]
     assert losses(split) == {s: ref[s] for s in range(1, 25)}  # exact float equality
     assert [json.loads(x)["step"] for x in open(split)] == list(range(1, 25))
-    assert Checkpoints(ckpt).manager.all_steps() == [9, 18]  # read, not written
-    assert Checkpoints(tmp_path / "next").manager.all_steps() == [24]
+    assert Checkpoints(ckpt, read_only=True).steps() == [9, 18]  # read, not written
+    assert Checkpoints(tmp_path / "next", read_only=True).steps() == [24]
 
 
 def test_ctrl_c_saves_and_resumes_exactly(tmp_path, reference):
