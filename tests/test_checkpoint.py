@@ -22,6 +22,9 @@ pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENV = TRAIN_ENV
+# The learning-rate schedule fixed whatever --steps is: a run resumed for more steps then runs
+# the program its first run compiled (JAX's persistent cache), not one compiled again.
+FIXED = ["--set", "optimizer.decay_steps=20"]
 
 
 def train(*args, cwd=ROOT, timeout=300, prefix=None) -> subprocess.CompletedProcess:
@@ -131,11 +134,12 @@ def test_mismatched_restores_name_the_path_and_change_nothing(saved):
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory) -> pathlib.Path:
-    """train.py's default run, 4 steps saved every 2 (both kept), started in a directory of its
-    own with a relative --checkpoint-dir: ``runs/ckpt`` there. Tests work on copies."""
+    """train.py's default run (its schedule ``FIXED``), 4 steps saved every 2 (both kept),
+    started in a directory of its own with a relative --checkpoint-dir: ``runs/ckpt`` there.
+    Tests work on copies."""
     cwd = tmp_path_factory.mktemp("written")
-    run = train("--steps", 4, "--save-every", 2, "--keep", 2, "--checkpoint-dir", "runs/ckpt",
-                cwd=cwd)
+    run = train(*FIXED, "--steps", 4, "--save-every", 2, "--keep", 2, "--checkpoint-dir",
+                "runs/ckpt", cwd=cwd)
     assert run.returncode == 0, run.stderr
     return cwd / "runs" / "ckpt"
 
@@ -144,7 +148,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
     """A save killed half-way is never listed; --resume takes the last complete one."""
     ckpt = tmp_path / "ckpt"
     big = ["--set", "model.d_model=512", "--set", "model.d_ff=2048",  # 150 MB per checkpoint
-           "--set", "train.batch_size=8", "--set", "model.seq_len=16"]  # a cheap step
+           "--set", "train.batch_size=8", "--set", "model.seq_len=4", *FIXED]  # a cheap step
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *big, "--steps", "1000",
                              "--save-every", "3", "--checkpoint-dir", str(ckpt)],
                             cwd=ROOT, env={**ENV, "PYTHONUNBUFFERED": "1"},
@@ -171,7 +175,7 @@ def test_disk_full_during_save_stops_and_keeps_older_checkpoints(tmp_path, writt
              "(4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
              "sys.argv = sys.argv[1:]\n"
              "runpy.run_path(sys.argv[0], run_name='__main__')\n")
-    run = train("--steps", 8, "--save-every", 2, "--keep", 2, "--checkpoint-dir", ckpt,
+    run = train(*FIXED, "--steps", 8, "--save-every", 2, "--keep", 2, "--checkpoint-dir", ckpt,
                 "--resume", prefix=["-c", limit])
     assert run.returncode == 1
     # one line; orbax's logged tracebacks and asyncio's "Event loop is closed" are kept quiet
