@@ -55,9 +55,11 @@ def dry_run(tmp_path, *args, timeout: int = 300) -> tuple[subprocess.CompletedPr
 
 
 def test_trains_and_writes_metrics(tmp_path):
+    """40 steps of the default model cut to one layer (its loss falls as far: 5.36 -> 2.91 over
+    the last five steps, against 5.38 -> 2.85 with four, in half the CPU time)."""
     metrics, report = tmp_path / "m.jsonl", tmp_path / "r.json"
-    run = train("--stage", "2", "--steps", "40", "--metrics", str(metrics),
-                "--report", str(report))
+    run = train("--stage", "2", "--steps", "40", "--set", "model.n_layers=1",
+                "--metrics", str(metrics), "--report", str(report))
     assert run.returncode == 0, run.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 41))
