@@ -138,21 +138,21 @@ def test_bf16_tracks_fp32_and_stages_agree(bf16_runs):
 
 def test_int8_trains_the_default_model_like_unquantized(mesh):
     """ZeRO++'s int8 weight all-gathers, and its int8 gradient reduction, each at stage 3 over
-    50 AdamW steps of train.py's default run (model, seed 0, data, batch 32; lr 1e-3): within
-    0.05 nats of the unquantized stage 3 at every step, while the loss falls by over 2 nats.
-    Measured 0.024 and 0.026 with the CPU's default emitters (0.026 and 0.026 without LLVM's
-    optimizations), 0.027 and 0.025 with the suite's older loop emitters (tests/flags.py). Only
-    what crosses the wire is rounded; the master copy and the optimizer stay exact.
+    50 AdamW steps of train.py's default run cut to one layer (seed 0, its data, batch 32; lr
+    1e-3): within 0.05 nats of the unquantized stage 3 at every step, while the loss falls by
+    over 2 nats. Measured 0.017 and 0.001 (seeds 42 and 7: 0.018 / 0.001 and 0.004 / 0.001;
+    bf16 compute alone 0.003-0.004), in 0.43x the CPU time of four layers. Only what crosses
+    the wire is rounded; the master copy and the optimizer stay exact.
 
-    Two runs of this small model part by chance as much as by rounding: at seeds 42 and 7 the
-    same comparison gives 0.061 / 0.051 and 0.095 / 0.093, and bf16 compute alone (no int8)
-    0.020 and 0.090. At train.py's own lr (3e-3 after 20 warmup steps) its loss spikes, and a
-    spike's timing, moved by any rounding, dominates. docs/guides/communication.md says which
-    figure is which; the gradients themselves are checked directly in test_comm.py."""
-    bucket = zj.Comm()  # buckets of 25 MiB
-    losses = lambda comm: np.array([m["loss"] for m in train_losses(mesh, 3, Precision(),
-                                                                     comm=comm, long=True)[1]])
-    plain = losses(bucket)
+    With the default four layers two runs part by chance as much as by rounding (0.024 / 0.026
+    at seed 0, 0.061 / 0.051 and 0.095 / 0.093 at seeds 42 and 7, bf16 alone up to 0.090), so
+    that bound held there by the luck of the seed; one layer keeps it at every seed tried.
+    docs/guides/communication.md gives the figures; the gradients themselves are checked
+    directly in test_comm.py."""
+    cfg = dataclasses.replace(TINY, n_layers=1)
+    losses = lambda comm: np.array([m["loss"] for m in train_losses(
+        mesh, 3, Precision(), comm=comm, cfg=cfg, long=True)[1]])
+    plain = losses(zj.Comm())  # buckets of 25 MiB
     assert plain[0] - plain[-5:].mean() > 2
     for comm in (zj.Comm(quantize_weights=True), zj.Comm(quantize_grads=True)):
         assert np.abs(losses(comm) - plain).max() < 0.05, comm
