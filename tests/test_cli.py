@@ -150,13 +150,16 @@ def test_bad_input_from_the_command_line():
 
 
 def test_user_data_files(tmp_path):
+    """A text file and a file of token ids train (one layer of the default model: the files
+    are what is tested)."""
+    one = ("--set", "model.n_layers=1")
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    run = main("--data", str(text), "--steps", "3", "--stage", "1")
+    run = main("--data", str(text), "--steps", "3", "--stage", "1", *one)
     assert run.returncode == 0, run.stderr
     ids = tmp_path / "tokens.bin"  # ids past the vocabulary: test_hardening.py's table
     np.arange(5000, dtype=np.uint16).tofile(ids)
-    run = main("--data", str(ids), "--steps", "3", "--set", "model.vocab_size=5000")
+    run = main("--data", str(ids), "--steps", "3", "--set", "model.vocab_size=5000", *one)
     assert run.returncode == 0, run.stderr
 
 
