@@ -25,6 +25,8 @@ ENV = TRAIN_ENV
 # The learning-rate schedule fixed whatever --steps is: a run resumed for more steps then runs
 # the program its first run compiled (JAX's persistent cache), not one compiled again.
 FIXED = ["--set", "optimizer.decay_steps=20"]
+# The default model cut to one layer: what the runs below test does not depend on its depth.
+ONE = [*FIXED, "--set", "model.n_layers=1"]
 
 
 def train(*args, cwd=ROOT, timeout=300, prefix=None) -> subprocess.CompletedProcess:
@@ -134,11 +136,11 @@ def test_mismatched_restores_name_the_path_and_change_nothing(saved):
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory) -> pathlib.Path:
-    """train.py's default run (its schedule ``FIXED``), 4 steps saved every 2 (both kept),
-    started in a directory of its own with a relative --checkpoint-dir: ``runs/ckpt`` there.
-    Tests work on copies."""
+    """train.py's default run (``ONE``: one layer, its schedule fixed), 4 steps saved every 2
+    (both kept), started in a directory of its own with a relative --checkpoint-dir:
+    ``runs/ckpt`` there. Tests work on copies."""
     cwd = tmp_path_factory.mktemp("written")
-    run = train(*FIXED, "--steps", 4, "--save-every", 2, "--keep", 2, "--checkpoint-dir",
+    run = train(*ONE, "--steps", 4, "--save-every", 2, "--keep", 2, "--checkpoint-dir",
                 "runs/ckpt", cwd=cwd)
     assert run.returncode == 0, run.stderr
     return cwd / "runs" / "ckpt"
@@ -175,7 +177,7 @@ def test_disk_full_during_save_stops_and_keeps_older_checkpoints(tmp_path, writt
              "(4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
              "sys.argv = sys.argv[1:]\n"
              "runpy.run_path(sys.argv[0], run_name='__main__')\n")
-    run = train(*FIXED, "--steps", 8, "--save-every", 2, "--keep", 2, "--checkpoint-dir", ckpt,
+    run = train(*ONE, "--steps", 8, "--save-every", 2, "--keep", 2, "--checkpoint-dir", ckpt,
                 "--resume", prefix=["-c", limit])
     assert run.returncode == 1
     # one line; orbax's logged tracebacks and asyncio's "Event loop is closed" are kept quiet
