@@ -51,7 +51,7 @@ def bf16_stages(mesh):
         state = zj.init_state(plan, init, tx, KEY)
         lowered = step.lower(state, jax.ShapeDtypeStruct((32, TINY.seq_len + 1), jnp.int32))
         out[stage] = dict(plan=plan, state=state, lowered=lowered,
-                          report=report.build(plan, state, lowered))
+                          report=report.build(plan, state, lowered, lowered.compile()))
     return out
 
 
