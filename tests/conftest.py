@@ -41,6 +41,12 @@ SUBPROCESS_ENV = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
 # level 1 and 231 s at 0 (one run each, side by side): within the noise, so left at 1.
 TRAIN_ENV = {**SUBPROCESS_ENV,
              "XLA_FLAGS": FAST_COMPILE.replace("level=0", "level=1")}
+# train.py flags the tests share. ONE_LAYER: the default model cut to one layer, for runs its
+# depth proves nothing more in. FIXED_SCHEDULE: the learning-rate schedule whatever --steps is
+# (with decay_steps 0 it ends at --steps, a constant of the program), so a run resumed for
+# more steps loads its first run's program from the persistent cache.
+ONE_LAYER = ["--set", "model.n_layers=1"]
+FIXED_SCHEDULE = ["--set", "optimizer.decay_steps=20"]
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
 from zero_jax.mesh import simulate_cpu_devices  # noqa: E402

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import TRAIN_ENV, example
+from conftest import FIXED_SCHEDULE, ONE_LAYER, TRAIN_ENV, example
 from lm import LAYERS
 
 import zero_jax as zj
@@ -22,11 +22,7 @@ pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENV = TRAIN_ENV
-# The learning-rate schedule fixed whatever --steps is: a run resumed for more steps then runs
-# the program its first run compiled (JAX's persistent cache), not one compiled again.
-FIXED = ["--set", "optimizer.decay_steps=20"]
-# The default model cut to one layer: what the runs below test does not depend on its depth.
-ONE = [*FIXED, "--set", "model.n_layers=1"]
+ONE = [*ONE_LAYER, *FIXED_SCHEDULE]  # conftest.py
 
 
 def train(*args, cwd=ROOT, timeout=300, prefix=None) -> subprocess.CompletedProcess:
@@ -150,7 +146,8 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
     """A save killed half-way is never listed; --resume takes the last complete one."""
     ckpt = tmp_path / "ckpt"
     big = ["--set", "model.d_model=512", "--set", "model.d_ff=2048",  # 150 MB per checkpoint
-           "--set", "train.batch_size=8", "--set", "model.seq_len=4", *FIXED]  # a cheap step
+           "--set", "train.batch_size=8", "--set", "model.seq_len=4",  # a cheap step
+           *FIXED_SCHEDULE]
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *big, "--steps", "1000",
                              "--save-every", "3", "--checkpoint-dir", str(ckpt)],
                             cwd=ROOT, env={**ENV, "PYTHONUNBUFFERED": "1"},

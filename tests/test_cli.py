@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import SUBPROCESS_ENV, TRAIN_ENV, check_files
+from conftest import ONE_LAYER, SUBPROCESS_ENV, TRAIN_ENV, check_files
 
 from zero_jax import plot
 from zero_jax.gpt import layouts
@@ -58,7 +58,7 @@ def test_trains_and_writes_metrics(tmp_path):
     """40 steps of the default model cut to one layer (its loss falls as far: 5.36 -> 2.91 over
     the last five steps, against 5.38 -> 2.85 with four, in half the CPU time)."""
     metrics, report = tmp_path / "m.jsonl", tmp_path / "r.json"
-    run = train("--stage", "2", "--steps", "40", "--set", "model.n_layers=1",
+    run = train("--stage", "2", "--steps", "40", *ONE_LAYER,
                 "--metrics", str(metrics), "--report", str(report))
     assert run.returncode == 0, run.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -152,14 +152,13 @@ def test_bad_input_from_the_command_line():
 def test_user_data_files(tmp_path):
     """A text file and a file of token ids train (one layer of the default model: the files
     are what is tested)."""
-    one = ("--set", "model.n_layers=1")
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    run = main("--data", str(text), "--steps", "3", "--stage", "1", *one)
+    run = main("--data", str(text), "--steps", "3", "--stage", "1", *ONE_LAYER)
     assert run.returncode == 0, run.stderr
     ids = tmp_path / "tokens.bin"  # ids past the vocabulary: test_hardening.py's table
     np.arange(5000, dtype=np.uint16).tofile(ids)
-    run = main("--data", str(ids), "--steps", "3", "--set", "model.vocab_size=5000", *one)
+    run = main("--data", str(ids), "--steps", "3", "--set", "model.vocab_size=5000", *ONE_LAYER)
     assert run.returncode == 0, run.stderr
 
 

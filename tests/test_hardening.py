@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TRAIN_ENV
+from conftest import FIXED_SCHEDULE, ONE_LAYER, TRAIN_ENV
 
 from zero_jax import export, integrity
 from zero_jax.checkpoint import Checkpoints, NonFiniteStateError
@@ -33,7 +33,7 @@ import train  # noqa: E402
 pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
 
 ENV = TRAIN_ENV
-MODEL = ["--set", "model.n_layers=1", "--set", "optimizer.decay_steps=20"]  # schedule fixed
+MODEL = [*ONE_LAYER, *FIXED_SCHEDULE]  # conftest.py
 REF_STEPS = 40  # saved every 8: checkpoints 24, 32, 40 are kept
 
 

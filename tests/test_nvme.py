@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import KEY, ROOT, example
+from conftest import KEY, ONE_LAYER, ROOT, example
 from flags import EXACT
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -244,7 +244,7 @@ def test_train_py_trains_resumes_and_reports_with_the_tier(tmp_path, monkeypatch
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "nvme").mkdir()
-    base = ["--config", "tiny", "--set", "model.n_layers=1", "--set", "optimizer.clip_norm=0",
+    base = ["--config", "tiny", *ONE_LAYER, "--set", "optimizer.clip_norm=0",
             "--set", "zero.offload_optimizer.nvme_path=nvme"]
     losses = {}
 

@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import SUBPROCESS_ENV, check_files
+from conftest import ONE_LAYER, SUBPROCESS_ENV, check_files
 
 from zero_jax import plot
 from zero_jax.hlo import KINDS
@@ -30,7 +30,6 @@ pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
 
 MiB = 2**20
 STEPS = 4
-ONE = ["--set", "model.n_layers=1"]  # the default model's depth shows nothing more here
 
 # As DeepSpeed's docs write them.
 DS_STAGE2_BF16 = {
@@ -123,11 +122,13 @@ def runs(tmp_path_factory):
     # linear or log warmup; XLA's rendezvous sees devices at an all-reduce and others at a
     # reduce-scatter as the same op and aborts after 40 s); compiled afresh it runs, and the
     # cosine schedule's step runs from the cache too. Not understood yet: docs/limits.md.
-    out = run_train("--steps", STEPS, *ONE, "--deepspeed-config", ds, "--metrics", d / "m.jsonl",
-                    "--report", d / "r.json", "--plot", d / "fig", "--tensorboard", d / "tb",
-                    "--profile", d / "prof", "--profile-steps", "2:4", cache=d / "cache-ds")
+    out = run_train("--steps", STEPS, *ONE_LAYER, "--deepspeed-config", ds,
+                    "--metrics", d / "m.jsonl", "--report", d / "r.json", "--plot", d / "fig",
+                    "--tensorboard", d / "tb", "--profile", d / "prof", "--profile-steps", "2:4",
+                    cache=d / "cache-ds")
     sets = [x for s in SETS_STAGE2_BF16 for x in ("--set", s)]
-    run_train("--steps", STEPS, *ONE, *sets, "--metrics", d / "m_set.jsonl", cache=d / "cache-set")
+    run_train("--steps", STEPS, *ONE_LAYER, *sets, "--metrics", d / "m_set.jsonl",
+              cache=d / "cache-set")
     return d, out.stdout
 
 
