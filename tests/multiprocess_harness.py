@@ -17,7 +17,6 @@ import time
 
 import jax
 import numpy as np
-from flags import EXACT
 from jax.experimental import multihost_utils
 
 from zero_jax import distributed, report
@@ -104,8 +103,6 @@ def run(out: pathlib.Path, reference_ckpt: str | None) -> dict:
             lowered = exp.step.lower(state, exp.batch_shape)
             step = lowered.compile()
             results["report"] = report.build(exp.plan, state, lowered, step)
-        elif layout.startswith("stage2-adamw-"):  # compared bit for bit
-            step = exp.step.lower(state, exp.batch_shape).compile(EXACT)
         state, losses = train(exp, state, 0, STEPS, tokens, step)
         results["losses"][layout] = losses
         if layout == CKPT_LAYOUT:
