@@ -1,4 +1,5 @@
-"""How the suite's programs are compiled: for speed, and exactly where a test compares bits.
+"""How the suite's programs are compiled: for speed, and without the fused multiply-adds that
+made bit-for-bit comparisons depend on how XLA fuses.
 
 The suite compiles hundreds of small programs, where compiling costs far more than running.
 Five settings of the CPU compiler make it cheaper (``FAST_COMPILE``, in ``XLA_FLAGS``):
