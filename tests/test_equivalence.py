@@ -76,10 +76,9 @@ def test_gradients_equal_single_device(stage, mesh, small, reference):
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 def test_training_equals_single_device_and_offloaded(stage, opt, mesh, small, reference):
-    """10 steps against one-device optax, then 5 offloaded against the same steps in memory,
-    compiled with the suite's older loop emitters (tests/flags.py), whose elementwise results
-    may depend on the fusion they land in: offloaded or not, within 1e-6 (measured: the same
-    bits at every stage, jax 0.10.2)."""
+    """10 steps against one-device optax, then 5 offloaded against the same steps in memory
+    (compiled as the whole suite is, tests/flags.py): offloaded or not, within 1e-6 (measured:
+    the same bits at every stage, jax 0.10.2)."""
     _, init, loss_fn, batches = small
     tx = OPTIMIZERS[opt]()
     plan = make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=LAYERS,
