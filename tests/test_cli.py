@@ -149,17 +149,33 @@ def test_bad_input_from_the_command_line():
         "error: ZeRO stage must be 0, 1, 2 or 3 (got 4)", run.stderr
 
 
-def test_user_data_files(tmp_path):
+def test_user_data_files(tmp_path, monkeypatch):
     """A text file and a file of token ids train (one layer of the default model: the files
-    are what is tested)."""
+    are what is tested), every batch cut from the file's tokens."""
+    from zero_jax.gpt import data
+
+    seen, cut = [], data.batch  # the tokens each batch was cut from, and the batch
+
+    def batch(tokens, *args, **kwargs):
+        seen.append((tokens, cut(tokens, *args, **kwargs)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(data, "batch", batch)
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    run = main("--data", str(text), "--steps", "3", "--stage", "1", *ONE_LAYER)
-    assert run.returncode == 0, run.stderr
     ids = tmp_path / "tokens.bin"  # ids past the vocabulary: test_hardening.py's table
     np.arange(5000, dtype=np.uint16).tofile(ids)
-    run = main("--data", str(ids), "--steps", "3", "--set", "model.vocab_size=5000", *ONE_LAYER)
-    assert run.returncode == 0, run.stderr
+    for path, want, more in ((text, np.frombuffer(text.read_bytes(), np.uint8), ["--stage", "1"]),
+                             (ids, np.arange(5000), ["--set", "model.vocab_size=5000"])):
+        seen.clear()
+        run = main("--data", str(path), "--steps", "3", *more, *ONE_LAYER)
+        assert run.returncode == 0, run.stderr
+        assert len(seen) == 3
+        for tokens, batch in seen:
+            assert np.array_equal(tokens, want)
+            for row in batch:  # a window of the file
+                assert any(np.array_equal(row, want[s: s + len(row)])
+                           for s in np.flatnonzero(want == row[0]))
 
 
 # The planner sweeps' small model.
