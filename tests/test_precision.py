@@ -50,8 +50,8 @@ def bf16_stages(mesh):
         plan, init, tx, step = setup(mesh, stage)
         state = zj.init_state(plan, init, tx, KEY)
         lowered = step.lower(state, jax.ShapeDtypeStruct((32, TINY.seq_len + 1), jnp.int32))
-        out[stage] = dict(plan=plan, state=state, lowered=lowered,
-                          report=report.build(plan, state, lowered, lowered.compile()))
+        out[stage] = dict(state=state, report=report.build(plan, state, lowered,
+                                                           lowered.compile()))
     return out
 
 
