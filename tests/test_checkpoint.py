@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import FIXED_SCHEDULE, ONE_LAYER, TRAIN_ENV, example
+from conftest import FIXED_SCHEDULE, ONE_LAYER, TRAIN_ENV, example, small_problem
 from lm import LAYERS
 
 import zero_jax as zj
@@ -128,6 +128,88 @@ def test_mismatched_restores_name_the_path_and_change_nothing(saved):
                                               r"checkpoint but \(3, .*\) here"):
         ckpts.restore(zj.abstract_state(plan, optax.adamw(1e-2)))
     assert listing(ckpts.path) == before
+
+
+def user_states(mesh) -> dict:
+    """A user's states that are not plain dicts of arrays: an NNX model's ``State`` (lists
+    keyed by integers, ``Variable``s) with AdamW and with plain SGD, whose state holds no
+    array, and the linen model with plain SGD. Each after one step at stage 3."""
+    from functools import partial
+
+    from test_nnx import Listed, data, problem
+
+    _, linen_init, linen_loss, batches = small_problem()
+    nnx_init, nnx_loss = problem(partial(Listed, n=2))
+    cases = {"nnx-adamw": (nnx_init, nnx_loss, optax.adamw(1e-2), r"^blocks/\d+$", data(0)),
+             "nnx-sgd": (nnx_init, nnx_loss, optax.sgd(0.1), r"^blocks/\d+$", data(0)),
+             "linen-sgd": (linen_init, linen_loss, optax.sgd(0.1), LAYERS, batches[0])}
+    out = {}
+    for name, (init, loss_fn, tx, layers, batch) in cases.items():
+        plan = zj.make_plan(jax.eval_shape(init, jax.random.key(0)), mesh, 3, layers=layers)
+        state = zj.init_state(plan, init, tx, jax.random.key(0))
+        state, _ = zj.make_train_step(plan, loss_fn, tx)(state, batch)
+        out[name] = (plan, tx, state)
+    return out
+
+
+RESTORE = """
+import sys; sys.path.insert(0, {tests!r})
+import conftest, jax, numpy as np, zero_jax as zj
+from test_checkpoint import user_states
+for name, (plan, tx, _) in user_states(conftest.make_mesh(8)).items():
+    ckpts = zj.Checkpoints({root!r} + "/" + name, read_only=True)
+    state, meta = ckpts.restore(zj.abstract_state(plan, tx))
+    print(name, jax.tree.structure(state), sorted(meta))
+    np.savez({root!r} + "/" + name + ".npz", *map(np.asarray, jax.tree.leaves(state)))
+"""
+
+
+def test_nnx_and_stateless_states_restore_exactly_in_a_new_process(mesh, tmp_path):
+    states = user_states(mesh)
+    for name, (_, _, state) in states.items():
+        ckpts = Checkpoints(tmp_path / name)
+        ckpts.save(state, {"note": name})
+        ckpts.finish()
+        assert ckpts.steps() == [1]
+        ckpts.close()
+    run = subprocess.run([sys.executable, "-c", RESTORE.format(
+        tests=str(ROOT / "tests"), root=str(tmp_path))], env=ENV, capture_output=True,
+        text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in run.stdout.splitlines())
+    for name, (_, _, state) in states.items():
+        structure, meta = lines[name].rsplit(" [", 1)
+        assert structure == str(jax.tree.structure(state))  # NNX's State comes back as one
+        assert meta == "'note', 'step']"  # the user's metadata and the step, nothing internal
+        with np.load(tmp_path / f"{name}.npz") as got:
+            want = jax.tree.leaves(state)
+            assert len(got.files) == len(want) > 0
+            for i, leaf in enumerate(want):
+                np.testing.assert_array_equal(got[f"arr_{i}"], np.asarray(leaf))
+    assert not (tmp_path / "nnx-sgd" / "1" / "opt_state").exists()  # nothing to write
+
+
+def test_names_are_flax_state_dict_names():
+    """Checkpoints written before NNX states were saved named each array by flax's state
+    dict; plain dicts and optax's states must still read back under the same names."""
+    from flax import serialization
+
+    from zero_jax.checkpoint import _flat, _items
+
+    _, init, _, _ = small_problem()
+    params = init(jax.random.key(0))
+    labels = jax.tree.map(lambda _: "trained", params)
+    labels["ln_f"] = jax.tree.map(lambda _: "frozen", params["ln_f"])
+    for tx in (optax.adamw(1e-3), optax.chain(optax.clip_by_global_norm(1.0), optax.lion(1e-3)),
+               optax.multi_transform({"trained": optax.adafactor(1e-3),
+                                      "frozen": optax.set_to_zero()}, labels)):
+        state = zj.TrainState(jax.numpy.zeros((), int), params, None, tx.init(params), None,
+                              jax.numpy.zeros((), int))
+        ours = _flat({k: v[k] for k, v in _items(state).items()})
+        flax = {f"{name}/{k}".rstrip("/"): v for name in ("params", "opt_state", "skipped")
+                for k, v in _flat(serialization.to_state_dict(getattr(state, name))).items()
+                if hasattr(v, "shape")}
+        assert ours.keys() == flax.keys()
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,6 @@ import warnings
 from typing import Any
 
 import jax
-from flax import serialization
 
 from zero_jax import integrity
 from zero_jax.internals import (
@@ -51,10 +50,54 @@ FORMAT = 2  # 2: meta holds "digests"; format 1 checkpoints restore unverified
 ITEMS = TrainState._fields[1:]  # every field but the step, which names the checkpoint
 
 
+def _is_variable(x: Any) -> bool:
+    """An NNX ``Variable`` (without importing NNX, which a linen run never loads)."""
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(x, nnx.Variable)
+
+
+def _names(tree: PyTree) -> list[str]:
+    """The name of each of ``jax.tree.leaves(tree)``: its key path, "h_0/Dense_0/kernel", as
+    flax's state dicts spell plain dicts, tuples and optax's named tuples (so checkpoints
+    written from those read as before). Any pytree has them, NNX's ``State`` too, whose
+    ``Variable`` is named by where it sits, not by its ``value`` attribute."""
+    names = []
+    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)[0]:
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        inner = [jax.tree_util.keystr(p, simple=True, separator="/")
+                 for p, _ in jax.tree_util.tree_flatten_with_path(node)[0]]
+        names += [name if len(inner) == 1 else f"{name}/{p}" for p in inner]
+    return names
+
+
+def _nested(flat: dict[str, Any]) -> dict:
+    """``{"a/b": x}`` -> ``{"a": {"b": x}}``: what orbax stores."""
+    out: dict = {}
+    for name, leaf in flat.items():
+        *parents, last = name.split("/")
+        node = out
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = leaf
+    return out
+
+
 def _items(state: TrainState) -> dict[str, PyTree]:
-    """The state's fields that are present, each as a tree of plain dicts under its name."""
-    return {name: {name: serialization.to_state_dict(getattr(state, name))}
-            for name in ITEMS if getattr(state, name) is not None}
+    """The state's fields that hold arrays, each as a tree of plain dicts under its name. A
+    field with none (a stateless optimizer's state) is not written: orbax writes no files for
+    it, and its structure comes back from the restore target."""
+    items = {}
+    for name in ITEMS:
+        field = getattr(state, name)
+        if leaves := jax.tree.leaves(field):
+            items[name] = {name: _nested(dict(zip(_names(field), leaves, strict=True)))}
+    return items
+
+
+def _unflat(target: PyTree, flat: dict[str, Any]) -> PyTree:
+    """``target``'s tree with its leaves read from ``flat`` by name."""
+    leaves = [flat[name] for name in _names(target)]
+    return jax.tree.unflatten(jax.tree.structure(target), leaves)
 
 
 class CheckpointError(ValueError):
@@ -257,11 +300,19 @@ class Checkpoints:
         meta = self.meta(step)
         wanted = _items(target)
         self._check_present(step, meta, wanted)
-        have = {name for name in ITEMS if (self.path / str(step) / name).exists()}
+        # The items the checkpoint holds arrays of (an optimizer without state writes none).
+        have = {path.split("/")[0] for path in meta["digests"]} if "digests" in meta else \
+            {name for name in ITEMS if (self.path / str(step) / name).exists()}
         for name in sorted(have ^ set(wanted)):
+            if name in have and getattr(target, name) is not None:  # held here, but empty
+                with self._reading(step, name):
+                    stored = _tree_of(self.manager.item_metadata(step)[name])
+                raise CheckpointError(f"checkpoint step {step} in {self.path} does not fit: "
+                                      f"{first_mismatch(_flat(stored), {})}")
             where = "the checkpoint" if name in have else "the state being restored"
             raise CheckpointError(f"checkpoint step {step} in {self.path} does not fit: {name} "
-                                  f"is only in {where} (a different precision policy?)")
+                                  f"is only in {where} (a different optimizer or precision "
+                                  "policy?)")
         for name, tree in wanted.items():
             with self._reading(step, name):
                 stored = _tree_of(self.manager.item_metadata(step)[name])
@@ -280,12 +331,12 @@ class Checkpoints:
                 raise e
         restored = {name: restored[name] for name in wanted}
         self._verify(step, meta, restored)
-        fields = {name: serialization.from_state_dict(getattr(target, name),
-                                                      restored[name][name])
+        fields = {name: _unflat(getattr(target, name), _flat(restored[name][name]))
                   for name in wanted}
         step_array = jax.device_put(jax.numpy.asarray(step, target.step.dtype),
                                     target.step.sharding)
-        return target._replace(step=step_array, **fields), meta
+        user = {k: v for k, v in meta.items() if k not in ("format", "digests")}
+        return target._replace(step=step_array, **fields), user
 
     def read_params(self, step: int | None = None, sharding: Any = None) -> PyTree:
         """The fp32 parameters alone (the master copy when there is one), whole, on one device
