@@ -1,13 +1,16 @@
 """The public API on users' own models: the docs' examples (README's linen one, the NNX one of
 docs/guides/your-model.md), run as written, and NNX."""
 
+import subprocess
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import ROOT, example, rel
+from conftest import ROOT, SUBPROCESS_ENV, example, rel
 from flax import nnx
 
 import zero_jax as zj
@@ -98,3 +101,48 @@ def test_state_from_existing_parameters():
     wrong = {"kernel": pretrained["kernel"][:8], "bias": pretrained["bias"]}
     with pytest.raises(ValueError, match="parameter kernel has shape"):
         zj.init_state(plan, wrong, tx)
+
+
+def test_a_users_mistakes_are_said_in_one_line():
+    """What ``train.py`` checks for its users, the library says to a loop of one's own: a
+    batch that does not divide over the devices, stage 3 without its blocks named."""
+    model = nn.Dense(16)
+    init = lambda key: model.init(key, jnp.zeros((1, 16)))["params"]
+    loss_fn = lambda params, batch: jnp.mean(model.apply({"params": params}, batch) ** 2)
+    tx, key = optax.sgd(0.1), jax.random.key(0)
+    with pytest.warns(UserWarning, match=r"stage 3 gathers 100% of the cut parameters once per "
+                                         r"step .* name the model's blocks \(make_plan layers="):
+        zj.make_plan(jax.eval_shape(init, key), zj.make_mesh(), stage=3)
+    plan = zj.make_plan(jax.eval_shape(init, key), zj.make_mesh(), stage=2,
+                        precision=zj.Precision(accum_steps=2))
+    step = zj.make_train_step(plan, loss_fn, tx)
+    state = zj.init_state(plan, init, tx, key)
+    with pytest.raises(ValueError, match=r"^batch has 24 rows, which do not divide over the 8 "
+                                         r"devices of the mesh's data axis times accum_steps 2: "
+                                         r"pass a batch of a multiple of 16 rows"):
+        step(state, jnp.ones((24, 16)))
+    state, _ = step(state, jnp.ones((32, 16)))  # and a batch that divides trains
+    assert int(state.step) == 1
+
+
+def test_one_cpu_device_says_how_to_simulate_more():
+    """The README's example on a machine without accelerators would run on one device, with
+    nothing cut; ``make_mesh`` says so, and how to get eight."""
+    code = ("import warnings, zero_jax as zj\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always'); zj.make_mesh()\n"
+            "print(*[str(x.message) for x in w])\n"
+            "zj.simulate_cpu_devices(8)\n")
+    env = {k: v for k, v in SUBPROCESS_ENV.items() if k != "JAX_PLATFORMS"}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "JAX_PLATFORMS": "cpu"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "one CPU device, so nothing is cut: to simulate 8, call " \
+           "zero_jax.simulate_cpu_devices(8) before JAX's first computation" in out.stdout
+    assert "simulate_cpu_devices(8)" in example(*LINEN)  # the README's example shows it
+
+
+def test_export_help_names_the_command_a_user_types():
+    out = subprocess.run([sys.executable, "-m", "zero_jax.export", "--help"], capture_output=True,
+                         text=True, env=SUBPROCESS_ENV, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("usage: python -m zero_jax.export ")

@@ -102,7 +102,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(description=__doc__.splitlines()[0])
+    p = _Parser(prog="python -m zero_jax.export", description=__doc__.splitlines()[0])
     p.add_argument("checkpoint_dir")
     p.add_argument("out")
     p.add_argument("--step", type=int, help="default: the latest complete checkpoint")

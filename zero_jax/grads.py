@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -363,6 +364,7 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
 
     def grads_fn(params: PyTree, batch: PyTree, scale: jax.Array | float = 1.0,
                  key: jax.Array | None = None):
+        check_batch(plan, batch, batch_spec)
         # Stage 2 differentiates the shards of its replicated parameters, and passes the whole
         # copy too, which the forward reads as is.
         whole = params if g.needs_whole else None
@@ -380,6 +382,26 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
         return loss, plan.from_split(on_host_scaled(g, grads, factor), plan.grad_specs)
 
     return grads_fn
+
+
+def check_batch(plan: Plan, batch: PyTree, batch_spec: PyTree) -> None:
+    """Each cut batch leaf divides into the data devices' slices and their microbatches (said
+    here in one line, where ``shard_map`` would name an argument index)."""
+    is_spec = lambda x: isinstance(x, P)
+    specs = jax.tree.broadcast(batch_spec, batch, is_leaf=is_spec)
+    flat = jax.tree_util.tree_flatten_with_path(batch)[0]
+    for (path, leaf), spec in zip(flat, jax.tree.leaves(specs, is_leaf=is_spec), strict=True):
+        axes = spec[0] if len(spec) and spec[0] is not None else ()
+        axes = axes if isinstance(axes, tuple) else (axes,)
+        devices = math.prod(plan.mesh.shape[a] for a in axes)
+        need = devices * plan.accum_steps
+        rows = jnp.shape(leaf)[0] if jnp.ndim(leaf) else None
+        if axes and (rows is None or rows % need):
+            micro = f" times accum_steps {plan.accum_steps}" if plan.accum_steps > 1 else ""
+            raise ValueError(
+                f"batch{jax.tree_util.keystr(path)} has {rows} rows, which do not divide over "
+                f"the {devices} devices of the mesh's {'/'.join(axes)} axis{micro}: pass a "
+                f"batch of a multiple of {need} rows")
 
 
 def put(flat: list, where: list[int], values: list) -> None:

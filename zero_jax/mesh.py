@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pkgutil
+import warnings
 
 import jax
 import numpy as np
@@ -90,5 +91,9 @@ def make_mesh(devices: int | None = None, axes: dict[str, int] | None = None) ->
             axes[name] = n // fixed
     if int(np.prod(list(axes.values()))) != n:
         raise ValueError(f"mesh axes {axes} do not multiply to {n} devices")
+    if devices is None and n == 1 and available[0].platform == "cpu":
+        warnings.warn("make_mesh: one CPU device, so nothing is cut: to simulate 8, call "
+                      "zero_jax.simulate_cpu_devices(8) before JAX's first computation (or "
+                      "set XLA_FLAGS=--xla_force_host_platform_device_count=8)", stacklevel=2)
     grid = np.array(available[:n]).reshape(tuple(axes.values()))
     return Mesh(grid, tuple(axes), axis_types=(AxisType.Auto,) * len(axes))

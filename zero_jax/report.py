@@ -19,7 +19,7 @@ from zero_jax.distributed import processes_spanned
 from zero_jax.hlo import DTYPE_BYTES, collectives
 from zero_jax.mesh import MODEL
 from zero_jax.peak import compile_with_peak
-from zero_jax.rules import Plan, path_str
+from zero_jax.rules import Plan, held_once, path_str
 from zero_jax.state import abstract_state, grads_in_host_memory
 
 PyTree = Any
@@ -230,7 +230,7 @@ def layout(plan: Plan, state: PyTree, found: list, more: list[str] = ()) -> dict
         if plan.comm.prefetch else 0,
         "opt_state_whole": whole_opt_state(plan, state),
         **tiled(plan, found),
-        "warnings": [*warnings(plan), *one_big_block(plan), *gathered_once(plan, found), *more],
+        "warnings": [*held_once(plan), *one_big_block(plan), *gathered_once(plan, found), *more],
     }
 
 
@@ -385,23 +385,6 @@ def whole_opt_state(plan: Plan, state: PyTree) -> list[dict]:
                 and math.prod(x.shape) > 1:
             out.append({"path": name, "shape": list(x.shape)})
     return out
-
-
-def warnings(plan: Plan) -> list[str]:
-    """What a user should know about the layout: at stage 3, parameters gathered once per step
-    (outside any block) are held whole for the whole step."""
-    if not plan.rule.shard_params:
-        return []
-    leaves = [leaf for leaf in jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "block"))
-              if leaf.axis is not None and not leaf.persistent]
-    per_step = sum(math.prod(leaf.shape) for leaf in leaves if leaf.block is None)
-    cut = sum(math.prod(leaf.shape) for leaf in leaves)
-    where = "no blocks named" if not plan.blocks else "outside the named blocks"
-    if cut and per_step > cut / 2:
-        return [f"stage 3 gathers {per_step / cut:.0%} of the cut parameters once per step and "
-                f"holds them whole through it ({where}): name the model's blocks (make_plan "
-                "layers=, zero.transformer_layers) to hold one block at a time"]
-    return []
 
 
 def one_big_block(plan: Plan) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -224,13 +225,32 @@ def find_blocks(paths: list[str], pattern: str) -> dict[str, str]:
         hits = [p for p in paths if regex.search(p)]
         what = (f"only parameters ({hits[0]!r}), not the module of a block" if hits else
                 "no parameter path")
-        raise ValueError(f"layers={pattern!r} names {what}; name the blocks' module paths "
-                         f"(e.g. 'h/\\d+' or 'encoder/layers_\\d+' for blocks built in a loop, "
-                         f"'blocks' for an nn.scan stack); parameter paths look like "
-                         f"{paths[0]!r}")
+        raise ValueError(f"layers={pattern!r} names {what}; name the blocks' module paths: "
+                         f"{_blocks_hint(paths)}")
     for block in dict.fromkeys(found.values()):
         _refuse_stack(pattern, block, [p for p in found if found[p] == block])
     return found
+
+
+def _blocks_hint(paths: list[str]) -> str:
+    """The model's top-level modules, and the numbered modules most often repeated (blocks
+    built in a loop: linen's "h_0", NNX's and Hugging Face's "layers/0") as a pattern."""
+    top = sorted({p.split("/")[0] for p in paths if "/" in p})
+    shown = ", ".join(top[:8]) + (f", ... ({len(top)} in all)" if len(top) > 8 else "")
+    stems: dict[str, set[str]] = {}
+    for path in paths:
+        parts = path.split("/")[:-1]
+        for end in range(1, len(parts) + 1):
+            if m := re.fullmatch(r"(.*?)(\d+)", parts[end - 1]):
+                stem = "/".join([*parts[:end - 1], m.group(1)])
+                stems.setdefault(stem, set()).add(m.group(2))
+                break
+    stem = max((s for s in stems if len(stems[s]) > 1), default=None,
+               key=lambda s: (len(stems[s]), -s.count("/")))
+    guess = (f"e.g. layers=r'^{re.escape(stem)}\\d+$' for its {len(stems[stem])} numbered "
+             f"modules; " if stem is not None else "")
+    return (f"{guess}an nn.scan stack is named by its module (layers='blocks'); the model's "
+            f"top-level modules are {shown}")
 
 
 def _refuse_stack(pattern: str, block: str, paths: list[str]) -> None:
@@ -539,9 +559,29 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *,
         leaf, offload=leaf.path in host), bound, precision.compute.itemsize), leaves,
         is_leaf=_is_leaf)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_shape)
-    return Plan(stage, mesh, axis, leaves, shapes, precision, outer, offload,
+    plan = Plan(stage, mesh, axis, leaves, shapes, precision, outer, offload,
                 layers.remat if layers else "full", comm, bool(layers and layers.partition),
                 bound, layers.gather if layers else "block")
+    for text in held_once(plan):  # a user's own loop has no report to say it
+        warnings.warn(text, stacklevel=2)
+    return plan
+
+
+def held_once(plan: Plan) -> list[str]:
+    """What a user should know about the layout: at stage 3, parameters gathered once per step
+    (outside any block) are held whole for the whole step."""
+    if not plan.rule.shard_params:
+        return []
+    leaves = [leaf for leaf in jax.tree.leaves(plan.leaves, is_leaf=_is_leaf)
+              if leaf.axis is not None and not leaf.persistent]
+    per_step = sum(math.prod(leaf.shape) for leaf in leaves if leaf.block is None)
+    cut = sum(math.prod(leaf.shape) for leaf in leaves)
+    where = "no blocks named" if not plan.blocks else "outside the named blocks"
+    if cut and per_step > cut / 2:
+        return [f"stage 3 gathers {per_step / cut:.0%} of the cut parameters once per step and "
+                f"holds them whole through it ({where}): name the model's blocks (make_plan "
+                "layers=, zero.transformer_layers) to hold one block at a time"]
+    return []
 
 
 def data_axes(mesh: Mesh) -> tuple[str, str | None]:
