@@ -825,19 +825,29 @@ class Saver(Hook):
 
 
 class Tally(Hook):
-    """A hook: the losses, the skipped steps, the progress bar's figures, and the records for
-    --plot's curves (kept only for them: a long run's records add up)."""
+    """A hook: the losses, the skipped steps, the throughput so far (the progress bar's and the
+    summary's figure alike), and the records for --plot's curves (kept only for them: a long
+    run's records add up). Without a terminal (output to a file), a plain line every tenth of
+    the run instead of the bar's redrawn one."""
 
-    def __init__(self, bar, keep_records: bool = False):
+    def __init__(self, bar, tokens_per_step: int, keep_records: bool = False):
         self.bar, self.losses, self.skipped = bar, [], 0
         self.records: list[dict] | None = [] if keep_records else None
+        self.tokens_per_step, self.tokens_per_s = tokens_per_step, 0.0
+        self.start = time.perf_counter()
+        self.every = max(1, (bar.total - bar.n) // 10) if bar.disable and jax_primary() else 0
 
     def __call__(self, n: int, state, m: dict, record: dict) -> None:
         self.losses.append(m["loss"])
         self.skipped += m["skipped"]
         if self.records is not None:
             self.records.append(finite_record(record))
-        self.bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+        self.tokens_per_s = len(self.losses) * self.tokens_per_step / (
+            time.perf_counter() - self.start)
+        self.bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{self.tokens_per_s:,.0f}")
+        if self.every and (len(self.losses) % self.every == 0 or n == self.bar.total):
+            print(f"step {n}/{self.bar.total}: loss {m['loss']:.3f}, "
+                  f"{self.tokens_per_s:,.0f} tokens/s", flush=True)
 
 
 class TensorBoard(Hook):
@@ -943,7 +953,7 @@ def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
         return 0
     guard = Guard(t["max_bad_steps"], cfg["precision"]["min_loss_scale"])
     bar, rows = progress(exp, t["steps"], first)
-    tally, saver = Tally(bar, keep_records=bool(args.plot)), None
+    tally, saver = Tally(bar, exp.tokens_per_step, keep_records=bool(args.plot)), None
     hooks: list[Hook] = [tally]
     if start.ckpts:  # before the outputs: a step whose record cannot be written is saved
         hooks.append(saver := Saver(start.ckpts, args.save_every, t["steps"], stop, guard,
@@ -976,7 +986,9 @@ def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
         return stopped(stop, done_steps, saved, start.ckpts, guard.bad_from)
     if guard.streak_from is not None:  # max_bad_steps in a row, or the run ended in a streak
         return diverged(t["max_bad_steps"], guard, done_steps, start.ckpts)
-    return done(exp, t["steps"], first, tally, time.perf_counter() - tick)
+    return done(t["steps"], first, tally, time.perf_counter() - tick,
+                f"checkpoint {saved} in {start.ckpts.path}" if saved else
+                newest_checkpoint(start.ckpts, "from before this run"))
 
 
 def whole_state(step, target):
@@ -1032,7 +1044,8 @@ def progress(exp, steps: int, first: int):
     from zero_jax import distributed
 
     bar = tqdm(range(first, steps), desc=f"stage {exp.plan.stage}", unit="step",
-               mininterval=0.5, initial=first, total=steps, disable=not jax_primary())
+               mininterval=0.5, initial=first, total=steps,
+               disable=not (jax_primary() and sys.stderr.isatty()))
     return bar, distributed.local_rows(exp.batch_sharding, exp.batch_shape.shape)
 
 
@@ -1055,14 +1068,16 @@ def timed(exp, step, state, batch, n: int):
     return state, m, {"step": n, **m, "tokens_per_s": tps}
 
 
-def done(exp, steps: int, first: int, tally: Tally, elapsed: float) -> int:
+def done(steps: int, first: int, tally: Tally, elapsed: float, saved: str) -> int:
     import numpy as np
 
     losses = tally.losses
+    last = min(10, len(losses))
     print(f"done: steps {first + 1}-{steps} in {elapsed:.1f} s, loss {losses[0]:.3f} -> "
-          f"{float(np.mean(losses[-10:])):.3f} (mean of last 10), "
-          f"{(steps - first) * exp.tokens_per_step / elapsed:,.0f} tokens/s"
-          + (f", {tally.skipped} steps skipped (gradient not finite)" if tally.skipped else ""))
+          f"{float(np.mean(losses[-last:])):.3f} (mean of last {last}), "
+          f"{tally.tokens_per_s:,.0f} tokens/s"
+          + (f", {tally.skipped} steps skipped (gradient not finite)" if tally.skipped else "")
+          + f"; {saved}")
     return 0
 
 

@@ -69,7 +69,14 @@ def test_trains_and_writes_metrics(tmp_path):
     assert rows[0]["lr"] == 0.0 and rows[-1]["lr"] > 0  # warmup from zero
     r = json.loads(report.read_text())
     assert r["stage"] == 2 and r["mesh"] == {"data": 8}
-    assert "done: steps 1-40" in run.stdout
+    # Output to a file (no terminal): a plain line every tenth of the run, no redrawn bar, and
+    # the last line's throughput is the summary's.
+    lines = re.findall(r"^step (\d+)/40: loss [\d.]+, ([\d,]+) tokens/s$", run.stdout, re.M)
+    assert [int(n) for n, _ in lines] == list(range(4, 41, 4)) and "\r" not in run.stderr
+    summary = re.search(r"^done: steps 1-40 in [\d.]+ s, loss [\d.]+ -> [\d.]+ \(mean of last "
+                        r"10\), ([\d,]+) tokens/s; nothing was saved \(no --checkpoint-dir\)$",
+                        run.stdout, re.M)
+    assert summary and summary.group(1) == lines[-1][1]
 
 
 def peak_rss_mb(*args: str) -> tuple[subprocess.CompletedProcess, float, bool]:

@@ -49,7 +49,7 @@ def test_a_built_wheel_trains_outside_the_clone(tmp_path):
     run = subprocess.run([sys.executable, "train.py", "--stage", "3", "--steps", "5"],
                          cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "done: steps 1-5" in run.stdout
+    assert "done: steps 1-5" in run.stdout and "(mean of last 5)" in run.stdout
 
 
 def test_orbax_is_imported_when_a_checkpoint_opens(tmp_path):
