@@ -10,17 +10,19 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import pathlib
 import re
 import signal
 import sys
 import tempfile
-import threading
 import time
+import warnings
+from typing import TYPE_CHECKING
 
-SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal, as shells report
+if TYPE_CHECKING:  # imported where they are used: jax loads after the arguments are checked
+    from zero_jax.loop import Checkpointer, DivergenceGuard, OutputError, Preemption
+
 DIVERGED = 3  # the exit code of a run the divergence guard stopped (train.max_bad_steps)
 MAX_DEVICES = 4096  # --devices: more than any data axis here; XLA aborts on absurd CPU counts
 SEEDS = 2**32  # jax.random.key keeps a seed's low 32 bits (no x64): larger ones would collide
@@ -289,54 +291,6 @@ def unwritable(path: str) -> str | None:
     return None
 
 
-class Stop:
-    """SIGTERM (preemption) or Ctrl-C: finish the step, save, exit 143 or 130. A second Ctrl-C
-    exits at once; orbax renames a save only when complete, so the one in flight is dropped and
-    the last complete checkpoint stays."""
-
-    def __init__(self, enabled: bool = True):
-        self.signum: int | None = None
-        self.previous: dict = {}
-        self.enabled = enabled
-        self.compiling = False  # while XLA compiles, Python runs no handler until it returns
-        self.wakeup: tuple[int, int] | None = None  # the C handler's pipe, and the old fd
-
-    def __enter__(self) -> Stop:
-        if self.enabled and threading.current_thread() is threading.main_thread():
-            self.previous = {s: signal.signal(s, self.handle) for s in SIGNAL_EXIT}
-            # The C-level handler writes each signal to this pipe at once, even while the main
-            # thread is inside a compile: a thread answers then, not after the compile.
-            read, write = os.pipe()
-            os.set_blocking(write, False)
-            self.wakeup = (write, signal.set_wakeup_fd(write, warn_on_full_buffer=False))
-            threading.Thread(target=self.acknowledge, args=(read,), daemon=True).start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-        if self.wakeup:
-            signal.set_wakeup_fd(self.wakeup[1])
-            os.close(self.wakeup[0])  # the thread reads the end of the pipe and returns
-
-    def acknowledge(self, read: int) -> None:
-        """Say at once that a signal during compilation was heard: the run stops when the
-        compile returns, before any state exists, so there is nothing to save yet."""
-        with os.fdopen(read, "rb", buffering=0) as pipe:
-            while data := pipe.read(16):
-                if self.compiling and any(n in SIGNAL_EXIT for n in data):
-                    name = signal.Signals(next(n for n in data if n in SIGNAL_EXIT)).name
-                    print(f"\n{name} during compilation: stopping once it returns; nothing to "
-                          "save yet", file=sys.stderr, flush=True)
-
-    def handle(self, signum: int, frame) -> None:
-        if self.signum is not None and signum == signal.SIGINT:
-            print("\nerror: interrupted again: stopped at once; a save in flight is dropped, the "
-                  "last complete checkpoint is kept", file=sys.stderr, flush=True)
-            os._exit(SIGNAL_EXIT[signal.SIGINT])
-        self.signum = self.signum or signum
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if problem := check_args(args) or check_observability(args):
@@ -345,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
 
     simulate_cpu_devices(args.devices or 8)
     from zero_jax import distributed, supervise  # jax is imported from here on
+
+    # make_plan's warning for a loop of one's own: the report below says it for this one.
+    warnings.filterwarnings("ignore", "stage 3 gathers .* once per step", UserWarning)
 
     try:
         spec = distributed.settings(args.coordinator, args.num_processes, args.process_id,
@@ -397,7 +354,9 @@ def run_main(args: argparse.Namespace, watchdog=None) -> int:
         except ValueError:
             return fail(f"--zero3-size must be a number of devices or 'local' (got "
                         f"{args.zero3_size!r})")
-    with Stop(enabled=not args.dry_run) as stop:  # a dry run has nothing to save
+    from zero_jax.loop import OutputError, Preemption
+
+    with Preemption(enabled=not args.dry_run) as stop:  # a dry run has nothing to save
         from zero_jax import distributed
         from zero_jax.checkpoint import CheckpointError, quiet_background_errors
         from zero_jax.gpt import config as configs
@@ -637,14 +596,9 @@ def compile_report(exp, state) -> tuple[dict, object]:
     return r, compiled
 
 
-class OutputError(Exception):
-    """--metrics or --report could not be written (a full disk, say): one line, exit 1."""
-
-    def __init__(self, flag: str, path: str, e: OSError):
-        super().__init__(f"{flag} {path}: {e.strerror or e}")
-
-
 def write_json(path: str | None, obj: dict) -> None:
+    from zero_jax.loop import OutputError
+
     if path and jax_primary():
         try:
             with open(path, "w") as f:
@@ -744,94 +698,16 @@ def draw(args: argparse.Namespace, r: dict, records: list[dict] | None = None) -
     print(f"figures: {', '.join(p.name for p in paths if p.suffix == '.png')} in {args.plot}")
 
 
-class Hook:
-    """Told before step ``n`` runs, called with its results (``n, state, metrics, record``),
-    closed at the end."""
-
-    def before(self, n: int) -> None:
-        pass
-
-    def __call__(self, n: int, state, m: dict, record: dict) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class MetricsFile(Hook):
-    """A hook: one strict-JSON line per step, line-buffered. On resume, the records after
-    ``first`` (from a run that went further than its last checkpoint) are dropped, since they
-    are trained again."""
-
-    def __init__(self, path: str, first: int, records: list[tuple[int, str]]):
-        p = pathlib.Path(path)
-        if first and p.exists():
-            keep = "".join(line for step, line in records if step <= first)
-            tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")  # a kill leaves the old file
-            tmp.write_text(keep)
-            os.replace(tmp, p)
-        self.file = open(p, "a" if first else "w", buffering=1)
-        self.path, self.failed = path, False
-
-    def __call__(self, n: int, state, m: dict, record: dict) -> None:
-        try:
-            self.file.write(json.dumps(finite_record(record), allow_nan=False) + "\n")
-        except OSError as e:
-            self.failed = True
-            raise OutputError("--metrics", self.path, e) from None
-
-    def close(self) -> None:
-        try:
-            self.file.close()
-        except OSError as e:  # the line that failed is flushed again: said already
-            if not self.failed:
-                raise OutputError("--metrics", self.path, e) from None
-
-
-class Saver(Hook):
-    """A hook: save at --save-every, at the last step and on a stop signal, unless the
-    divergence guard is in a streak of bad steps; report finished saves."""
-
-    def __init__(self, ckpts, every: int, last: int, stop: Stop, guard: Guard, bar, meta,
-                 whole=lambda state: state):
-        self.ckpts, self.every, self.last, self.stop = ckpts, every, last, stop
-        self.guard, self.bar, self.meta = guard, bar, meta
-        self.whole = whole  # the state to save: with the NVMe tier, read back from its files
-        self.saved: int | None = None  # the newest step saved
-        self.n, self.state = None, None  # the newest step trained, for a stop signal's save
-
-    def __call__(self, n: int, state, m: dict, record: dict) -> None:
-        self.n, self.state = n, state
-        if (self.every and n % self.every == 0) or n == self.last or self.stop.signum:
-            self.save()
-        if done := self.ckpts.poll():
-            self.bar.write(str(done))
-
-    def save(self) -> None:
-        if self.saved != self.n and self.guard.bad_from is None:
-            self.ckpts.save(self.whole(self.state), self.meta(self.n))
-            self.saved = self.n
-            self.bar.write(f"saving checkpoint {self.n} (training goes on)")
-
-    def finish(self, force: bool = False) -> None:
-        """Wait for the saves in flight. A stop signal that came after this step's check (in
-        the poll, say) still saves the step: the loop then stops before training another; so
-        does ``force`` (an output that failed)."""
-        if (self.stop.signum or force) and self.n is not None:
-            self.save()
-        if done := self.ckpts.finish():
-            self.bar.write(str(done))
-        self.state = None
-
-
-class Tally(Hook):
+class Tally:
     """A hook: the losses, the skipped steps, the throughput so far (the progress bar's and the
     summary's figure alike), and the records for --plot's curves (kept only for them: a long
     run's records add up). Without a terminal (output to a file), a plain line every tenth of
     the run instead of the bar's redrawn one."""
 
     def __init__(self, bar, tokens_per_step: int, keep_records: bool = False):
-        self.bar, self.losses, self.skipped = bar, [], 0
+        from zero_jax.loop import finite_record
+
+        self.bar, self.losses, self.skipped, self.finite = bar, [], 0, finite_record
         self.records: list[dict] | None = [] if keep_records else None
         self.tokens_per_step, self.tokens_per_s = tokens_per_step, 0.0
         self.start = time.perf_counter()
@@ -841,7 +717,7 @@ class Tally(Hook):
         self.losses.append(m["loss"])
         self.skipped += m["skipped"]
         if self.records is not None:
-            self.records.append(finite_record(record))
+            self.records.append(self.finite(record))
         self.tokens_per_s = len(self.losses) * self.tokens_per_step / (
             time.perf_counter() - self.start)
         self.bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{self.tokens_per_s:,.0f}")
@@ -849,66 +725,18 @@ class Tally(Hook):
             print(f"step {n}/{self.bar.total}: loss {m['loss']:.3f}, "
                   f"{self.tokens_per_s:,.0f} tokens/s", flush=True)
 
-
-class TensorBoard(Hook):
-    """A hook: each step's record as TensorBoard scalars, the report's headline as text."""
-
-    def __init__(self, directory: str, first: int, r: dict):
-        from tensorboardX import SummaryWriter
-
-        # A resumed run hides the old events past its checkpoint (trained again).
-        self.writer = SummaryWriter(directory, purge_step=first + 1 if first else None,
-                                    flush_secs=10)
-        self.writer.add_text("report", headline(r), first)
-
-    def __call__(self, n: int, state, m: dict, record: dict) -> None:
-        for key, value in record.items():
-            if key != "step":
-                self.writer.add_scalar(f"train/{key}", value, n)
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-class Profile(Hook):
-    """A hook: a JAX profiler trace around --profile-steps, beside the step's compiled HLO."""
-
-    def __init__(self, directory: str, window: tuple[int, int], compiled, write=print):
-        self.dir, self.window, self.write = pathlib.Path(directory), window, write
-        self.tracing = False
-        self.dir.mkdir(parents=True, exist_ok=True)
-        # The trace's events are named by the program's instructions: the HLO says what each
-        # one is (all_gather.3 -> an all-gather of which shapes, in which loop).
-        (self.dir / "train_step.hlo.txt").write_text(compiled.as_text())
-
     def before(self, n: int) -> None:
-        if n == self.window[0]:
-            import jax
-
-            jax.profiler.start_trace(str(self.dir), create_perfetto_trace=True)
-            self.tracing = True
-
-    def __call__(self, n: int, state, m: dict, record: dict) -> None:
-        if self.tracing and n == self.window[1] - 1:
-            self.close()
+        pass
 
     def close(self) -> None:
-        """Also when a run stops inside the window: what was traced is kept."""
-        if not self.tracing:
-            return
-        import jax
-
-        self.tracing = False
-        jax.profiler.stop_trace()
-        a, b = self.window
-        self.write(f"profile of steps {a}-{b - 1} in {self.dir} (open it with TensorBoard's "
-                   "profile plugin, or its perfetto_trace.json.gz in ui.perfetto.dev)")
+        pass
 
 
-def compile_checked(exp, target, stop: Stop):
+def compile_checked(exp, target, stop: Preemption):
     """``(report, compiled step)``, or the exit code: a signal during the compile (nothing
     restored or initialized yet, nothing written), or a model that cannot fit."""
     from zero_jax import fit
+    from zero_jax.loop import SIGNAL_EXIT
 
     stop.compiling = True  # before the line that says so: a signal after it is answered
     print("compiling the train step", flush=True)
@@ -927,11 +755,12 @@ def compile_checked(exp, target, stop: Stop):
     return r, step
 
 
-def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
+def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Preemption,
           watchdog=None) -> int:
     """Compile, check the fit, start (restore or initialize), then the loop and its hooks."""
     from zero_jax import nvme, report
     from zero_jax.checkpoint import CheckpointError
+    from zero_jax.loop import Checkpointer, DivergenceGuard, OutputError
     from zero_jax.state import abstract_state
 
     t = cfg["train"]
@@ -951,20 +780,14 @@ def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
     if first >= t["steps"]:
         print(f"nothing to do: the checkpoint is at step {first} and --steps is {t['steps']}")
         return 0
-    guard = Guard(t["max_bad_steps"], cfg["precision"]["min_loss_scale"])
+    guard = DivergenceGuard(t["max_bad_steps"], cfg["precision"]["min_loss_scale"])
     bar, rows = progress(exp, t["steps"], first)
     tally, saver = Tally(bar, exp.tokens_per_step, keep_records=bool(args.plot)), None
-    hooks: list[Hook] = [tally]
     if start.ckpts:  # before the outputs: a step whose record cannot be written is saved
-        hooks.append(saver := Saver(start.ckpts, args.save_every, t["steps"], stop, guard,
-                                    bar, lambda n: checkpoint_meta(exp, cfg, args, start.seed,
-                                                                   n), whole_state(step, target)))
-    if args.metrics and jax_primary():
-        hooks.append(MetricsFile(args.metrics, first, start.records))
-    if args.tensorboard and jax_primary():
-        hooks.append(TensorBoard(args.tensorboard, first, r))
-    if args.profile and jax_primary():
-        hooks.append(Profile(args.profile, args.profile_steps, step, bar.write))
+        saver = Checkpointer(start.ckpts, args.save_every, t["steps"], stop, guard,
+                             lambda n: checkpoint_meta(exp, cfg, args, start.seed, n),
+                             whole_state(step, target), bar.write)
+    hooks = [tally, *([saver] if saver else []), *outputs(args, start, r, step, first, bar)]
     tick, done_steps = time.perf_counter(), first
     try:
         done_steps = loop(exp, step, state, start, t, bar, rows, hooks, guard, stop, watchdog)
@@ -991,6 +814,22 @@ def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
                 newest_checkpoint(start.ckpts, "from before this run"))
 
 
+def outputs(args: argparse.Namespace, start: Start, r: dict, step, first: int, bar) -> list:
+    """The hooks that write the run's files (process 0's): --metrics, --tensorboard,
+    --profile."""
+    from zero_jax.loop import MetricsFile, Profile, TensorBoard
+
+    if not jax_primary():
+        return []
+    hooks = [MetricsFile(args.metrics, first, start.records, "--metrics")] if args.metrics \
+        else []
+    if args.tensorboard:
+        hooks.append(TensorBoard(args.tensorboard, first, headline(r)))
+    if args.profile:
+        hooks.append(Profile(args.profile, args.profile_steps, step, bar.write))
+    return hooks
+
+
 def whole_state(step, target):
     """What a checkpoint saves of a trained state: itself, or with the NVMe tier, the state
     with its master and optimizer state read back from the files (laid out as ``target``)."""
@@ -998,8 +837,8 @@ def whole_state(step, target):
     return (lambda state: state) if tier is None else (lambda state: tier.give(state, target))
 
 
-def loop(exp, step, state, start: Start, t: dict, bar, rows, hooks: list, guard: Guard,
-         stop: Stop, watchdog) -> int:
+def loop(exp, step, state, start: Start, t: dict, bar, rows, hooks: list,
+         guard: DivergenceGuard, stop: Preemption, watchdog) -> int:
     """Train until the last step, a stop signal or the divergence guard; each step's results
     go to every hook. Returns the last step trained."""
     done_steps = int(state.step)
@@ -1021,7 +860,7 @@ def loop(exp, step, state, start: Start, t: dict, bar, rows, hooks: list, guard:
     return done_steps
 
 
-def output_failed(e: OutputError, saver: Saver | None, step: int) -> int:
+def output_failed(e: OutputError, saver: Checkpointer | None, step: int) -> int:
     """A --metrics write that failed mid-run: the step trained is saved (unless the
     divergence guard forbids it), then one line and exit 1."""
     from zero_jax.checkpoint import CheckpointError
@@ -1089,7 +928,7 @@ def newest_checkpoint(ckpts, when: str = "from before it") -> str:
     return f"the newest checkpoint, {when}, is {newest} in {ckpts.path}"
 
 
-def diverged(max_bad: int, guard: Guard, step: int, ckpts) -> int:
+def diverged(max_bad: int, guard: DivergenceGuard, step: int, ckpts) -> int:
     """The divergence guard's one line: which steps, the last good one, what is kept."""
     bad_from, n = guard.streak_from, step - guard.streak_from + 1
     why = ("its update went in" if n < max_bad and guard.diverged
@@ -1110,7 +949,10 @@ def diverged(max_bad: int, guard: Guard, step: int, ckpts) -> int:
     return DIVERGED
 
 
-def stopped(stop: Stop, step: int, saved: int | None, ckpts, bad_from: int | None) -> int:
+def stopped(stop: Preemption, step: int, saved: int | None, ckpts,
+            bad_from: int | None) -> int:
+    from zero_jax.loop import SIGNAL_EXIT
+
     name = signal.Signals(stop.signum).name
     if saved == step:
         what = f"checkpoint {step} saved in {ckpts.path}; continue with --resume"
@@ -1179,53 +1021,6 @@ def read_metrics(path: str) -> list[tuple[int, str]]:
                              "remove that line, or pass another --metrics")
         records.append((record.get("step", 0), line if line.endswith("\n") else line + "\n"))
     return records
-
-
-class Guard:
-    """The divergence guard: a streak of bad steps (``bad_step``) stops the run once it is
-    train.max_bad_steps long, or at once when a bad step's update went in; nothing is saved
-    while a streak lasts, so the newest checkpoint is from before it. Off (0), it stops and
-    holds back nothing, but a run that ends in a streak is still not reported done."""
-
-    def __init__(self, max_bad: int, min_loss_scale: float):
-        self.max_bad, self.min_loss_scale = max_bad, min_loss_scale
-        self.streak_from: int | None = None  # the first step of the current streak
-        self.last_finite: int | None = None  # the last step with a finite loss
-        self.diverged = False
-
-    @property
-    def bad_from(self) -> int | None:
-        """The streak that holds back saves: none with the guard off."""
-        return self.streak_from if self.max_bad > 0 else None
-
-    def update(self, m: dict, step: int) -> bool:
-        """Record step ``step``'s metrics; whether to stop now."""
-        if math.isfinite(m["loss"]):
-            self.last_finite = step
-        bad = bad_step(m, self.min_loss_scale)
-        self.streak_from = (self.streak_from or step) if bad else None
-        self.diverged = self.bad_from is not None and (
-            step + 1 - self.bad_from >= self.max_bad or not m["skipped"])
-        return self.diverged
-
-
-def bad_step(m: dict, min_loss_scale: float) -> bool:
-    """A step that did not train: its loss or gradient was not finite, or it was skipped. Not
-    one that fp16's loss scaler skipped while it can still lower the scale: that is the scaler
-    finding its level, as it does at the start of every fp16 run."""
-    if math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and not m["skipped"]:
-        return False
-    return not (m["skipped"] and math.isfinite(m["loss"])
-                and m.get("loss_scale", 0.0) > min_loss_scale)
-
-
-def finite_record(record: dict) -> dict:
-    """``record`` as strict JSON can hold it: a non-finite float becomes null, and the keys
-    that held one are listed under ``nonfinite``."""
-    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
-    if not bad:
-        return record
-    return {**{k: None if k in bad else v for k, v in record.items()}, "nonfinite": bad}
 
 
 def warn(message: str) -> None:

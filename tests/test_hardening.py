@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from conftest import FIXED_SCHEDULE, ONE_LAYER, TRAIN_ENV
 
-from zero_jax import export, integrity
+from zero_jax import export, integrity, loop
 from zero_jax.checkpoint import Checkpoints, NonFiniteStateError
 from zero_jax.lock import WriterLock
 from zero_jax.state import TrainState
@@ -485,12 +485,12 @@ def test_every_float_spelling_python_reads(text, value, tmp_path):
 
 def test_metrics_records_are_strict_json():
     """JSON has no NaN: a non-finite value is written as null, and named."""
-    record = train.finite_record({"step": 3, "loss": float("nan"), "grad_norm": float("inf"),
+    record = loop.finite_record({"step": 3, "loss": float("nan"), "grad_norm": float("inf"),
                                   "skipped": 1, "lr": 0.5})
     line = json.dumps(record, allow_nan=False)
     assert json.loads(line) == {"step": 3, "loss": None, "grad_norm": None, "skipped": 1,
                                 "lr": 0.5, "nonfinite": ["loss", "grad_norm"]}
-    assert train.finite_record({"step": 1, "loss": 2.0}) == {"step": 1, "loss": 2.0}
+    assert loop.finite_record({"step": 1, "loss": 2.0}) == {"step": 1, "loss": 2.0}
 
 
 def test_a_metrics_line_cut_short_does_not_block_resume(reference, tmp_path):
@@ -632,7 +632,7 @@ def test_with_the_guard_off_a_run_that_ends_diverged_is_not_done(tmp_path, capsy
         "fp16 inf loss"])
 def test_bad_steps(m, bad):
     """fp16's scaler skipping steps while it can still lower the scale is not divergence."""
-    assert train.bad_step(m, min_loss_scale=1.0) == bad
+    assert loop.bad_step(m, min_loss_scale=1.0) == bad
 
 
 @pytest.mark.parametrize("max_bad", [0, 3])
@@ -642,7 +642,7 @@ def test_the_guard_counts_a_streak_and_forgets_it_when_a_step_trains(max_bad):
     back a save (``bad_from``); on, its third bad step in a row stops it."""
     nan, good = {"loss": float("nan"), "grad_norm": 1.0, "skipped": 1}, \
         {"loss": 2.0, "grad_norm": 1.0, "skipped": 0}
-    guard = train.Guard(max_bad, min_loss_scale=1.0)
+    guard = loop.DivergenceGuard(max_bad, min_loss_scale=1.0)
     steps = [nan, nan, good, nan, nan, nan]
     stops = [guard.update(m, i + 1) for i, m in enumerate(steps[:3])]
     assert stops == [False] * 3 and guard.streak_from is None and guard.bad_from is None

@@ -559,12 +559,10 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *,
         leaf, offload=leaf.path in host), bound, precision.compute.itemsize), leaves,
         is_leaf=_is_leaf)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_shape)
-    plan = Plan(stage, mesh, axis, leaves, shapes, precision, outer, offload,
-                layers.remat if layers else "full", comm, bool(layers and layers.partition),
-                bound, layers.gather if layers else "block")
-    for text in held_once(plan):  # a user's own loop has no report to say it
-        warnings.warn(text, stacklevel=2)
-    return plan
+    return _warned(Plan(stage, mesh, axis, leaves, shapes, precision, outer, offload,
+                        layers.remat if layers else "full", comm,
+                        bool(layers and layers.partition), bound,
+                        layers.gather if layers else "block"))
 
 
 def held_once(plan: Plan) -> list[str]:
@@ -582,6 +580,13 @@ def held_once(plan: Plan) -> list[str]:
                 f"holds them whole through it ({where}): name the model's blocks (make_plan "
                 "layers=, zero.transformer_layers) to hold one block at a time"]
     return []
+
+
+def _warned(plan: Plan) -> Plan:
+    """``plan``, after warning of what ``held_once`` finds: a user's own loop has no report."""
+    for text in held_once(plan):
+        warnings.warn(text, stacklevel=3)
+    return plan
 
 
 def data_axes(mesh: Mesh) -> tuple[str, str | None]:

@@ -1,0 +1,92 @@
+"""``zero_jax.loop``'s services in a loop of one's own: docs/guides/checkpoints.md's loop, run as
+written. A SIGTERM mid-run saves the step it finished, and the resumed run ends bit for bit where
+an uninterrupted one does; the divergence guard stops a streak of non-finite steps unsaved."""
+
+import signal
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import example
+
+import zero_jax as zj
+
+pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
+
+LOOP = example("docs/guides/checkpoints.md", "loop-example")
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(16)(nn.gelu(nn.Dense(64)(x)))
+
+
+class Net(nn.Module):
+    def setup(self):
+        self.h = [Block() for _ in range(2)]
+        self.out = nn.Dense(1)
+
+    def __call__(self, x):
+        for block in self.h:
+            x = block(x)
+        return self.out(x)
+
+
+@pytest.fixture(scope="module")
+def setup(mesh):
+    model, tx, key = Net(), optax.adamw(1e-2), jax.random.key(0)
+    init = lambda k: model.init(k, jnp.zeros((1, 16)))["params"]
+
+    def loss_fn(params, batch):
+        x, y = batch
+        return jnp.mean((model.apply({"params": params}, x) - y) ** 2)
+
+    plan = zj.make_plan(jax.eval_shape(init, key), mesh, stage=3, layers=r"^h_\d+$")
+    return plan, tx, lambda: zj.init_state(plan, init, tx, key), \
+        zj.make_train_step(plan, loss_fn, tx)
+
+
+def run(setup, directory, steps: int, batch) -> dict:
+    plan, tx, fresh, step = setup
+    ns = {"zj": zj, "directory": str(directory), "plan": plan, "tx": tx, "step": step,
+          "steps": steps, "state": fresh(), "batch": batch}
+    exec(compile(LOOP, "docs/guides/checkpoints.md", "exec"), ns)
+    return ns
+
+
+def data(n: int, nan_from: int | None = None, kill_at: int | None = None):
+    if n == kill_at:  # a preemption, delivered while the step's batch is made
+        signal.raise_signal(signal.SIGTERM)
+    x = jax.random.normal(jax.random.key(n), (16, 16))
+    y = jnp.sin(x.sum(axis=1, keepdims=True))
+    return x, y * jnp.nan if nan_from is not None and n >= nan_from else y
+
+
+def test_preempted_run_saves_its_step_and_resumes_exactly(setup, tmp_path):
+    handler = signal.getsignal(signal.SIGTERM)
+    whole = run(setup, tmp_path / "whole", 6, data)
+    stopped = run(setup, tmp_path / "stopped", 6, lambda n: data(n, kill_at=3))
+    assert stopped["stop"].signum == signal.SIGTERM and stopped["n"] == 3
+    assert signal.getsignal(signal.SIGTERM) is handler  # put back as it was
+    assert zj.Checkpoints(tmp_path / "stopped", read_only=True).steps() == [3]
+    resumed = run(setup, tmp_path / "stopped", 6, data)
+    assert resumed["meta"]["data_position"] == 3 and int(resumed["state"].step) == 6
+    assert zj.Checkpoints(tmp_path / "stopped", read_only=True).steps() == [3, 6]
+    for a, b in zip(jax.tree.leaves(resumed["state"]), jax.tree.leaves(whole["state"]),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_divergence_guard_stops_a_streak_and_saves_none_of_it(setup, tmp_path):
+    """Non-finite steps are skipped (the state stays finite); five in a row stop the run, and
+    the step the run ends at is not saved."""
+    run(setup, tmp_path, 2, data)  # a healthy start, saved at its last step
+    diverged = run(setup, tmp_path, 8, lambda n: data(n, nan_from=4))
+    guard = diverged["guard"]
+    assert diverged["n"] == 8 and guard.diverged and guard.streak_from == 4
+    assert guard.last_finite == 3 and diverged["m"]["skipped"] == 1
+    assert zj.Checkpoints(tmp_path, read_only=True).steps() == [2]  # step 8 was the last
