@@ -134,6 +134,11 @@ def ds_warmup(t, n, warmup_type):
     return math.log(t + 1) / math.log(n) if warmup_type == "log" else t / n
 
 
+def ds_warmup_lr(t, min_lr, max_lr, n, warmup_type):
+    gamma = ds_warmup(t, n, warmup_type) if t < max(2, n) else 1.0
+    return min_lr + (max_lr - min_lr) * gamma
+
+
 def ds_warmup_decay_lr(t, total, min_lr, max_lr, n, warmup_type):
     if t < max(2, n):
         gamma = ds_warmup(t, n, warmup_type)
@@ -152,6 +157,16 @@ def ds_warmup_cosine_lr(t, lr, total, min_ratio, n, cos_min_ratio, warmup_type):
 
 
 STEPS = [0, 1, 2, 5, 9, 10, 11, 17, 30, 44, 59, 60, 61, 90]
+
+
+@pytest.mark.parametrize("warmup_type", ["log", "linear"])
+def test_warmup_lr_is_deepspeeds(warmup_type, tmp_path):
+    params = {"warmup_min_lr": 1e-5, "warmup_max_lr": 2e-3, "warmup_num_steps": 10,
+              "warmup_type": warmup_type}
+    cfg = load({"scheduler": {"type": "WarmupLR", "params": params}}, tmp_path)
+    lr = make_schedule(cfg["optimizer"], total_steps=400)
+    want = [ds_warmup_lr(t, 1e-5, 2e-3, 10, warmup_type) for t in STEPS]
+    assert [float(lr(t)) for t in STEPS] == pytest.approx(want, rel=1e-6)
 
 
 @pytest.mark.parametrize("warmup_type", ["log", "linear"])
