@@ -230,6 +230,23 @@ def test_every_key_that_cannot_be_mapped_is_refused_in_one_message():
         f"(the keys it maps, ignores and refuses: {deepspeed.GUIDE})")
 
 
+def test_refusals_within_one_block_are_all_named():
+    ds = {"fp16": {"enabled": True, "loss_scale": 64, "consecutive_hysteresis": True},
+          "optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1,
+                                                   "amsgrad": True}},
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cubic",
+                                                       "last_batch_iteration": 5}}}
+    with pytest.raises(configs.ConfigError) as e:
+        deepspeed.translate(ds, 8, "ds.json", configs.merge("tiny"))
+    message = str(e.value)
+    assert message.startswith("--deepspeed-config ds.json: 6 keys cannot be mapped: ")
+    assert "\n" not in message
+    for key in ("fp16.loss_scale is", "fp16.consecutive_hysteresis is",
+                "optimizer.params.adam_w_mode false", "optimizer.params.amsgrad is",
+                "scheduler.params.warmup_type must", "scheduler.params.last_batch_iteration is"):
+        assert key in message, key
+
+
 def test_train_refuses_them_in_one_line_before_compiling(tmp_path, capsys):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 2, "cpu_offload": True},

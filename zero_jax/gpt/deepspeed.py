@@ -276,11 +276,11 @@ def _precision(m: Mapping) -> None:
         m.ignored += off
     if fp16:
         if m.get("fp16.loss_scale", 0, (int, float)) != 0:
-            raise m.refuse("fp16.loss_scale", "is a static loss scale, which is not built: "
-                           "zero_jax's fp16 scaler is DeepSpeed's dynamic one (loss_scale 0)")
+            m.refuse("fp16.loss_scale", "is a static loss scale, which is not built: "
+                     "zero_jax's fp16 scaler is DeepSpeed's dynamic one (loss_scale 0)")
         if m.get("fp16.consecutive_hysteresis", False, bool):
-            raise m.refuse("fp16.consecutive_hysteresis", "is not built: zero_jax's hysteresis "
-                           "is DeepSpeed's default (false)")
+            m.refuse("fp16.consecutive_hysteresis", "is not built: zero_jax's hysteresis "
+                     "is DeepSpeed's default (false)")
         for key, kind in (("initial_scale_power", int), ("loss_scale_window", int),
                           ("hysteresis", int), ("min_loss_scale", (int, float))):
             if (value := m.get(f"fp16.{key}", None, kind)) is not None:
@@ -355,10 +355,10 @@ def _optimizer(m: Mapping) -> None:
     wd = m.get(f"{p}.weight_decay", 0.0, (int, float))
     decay = m.value("optimizer.weight_decay") if wd == AUTO else float(wd)
     if not decoupled and decay:
-        raise m.refuse(f"{p}.adam_w_mode", "false with weight_decay is Adam with L2 "
-                       "regularization, which is not built: use AdamW (adam_w_mode true)")
+        m.refuse(f"{p}.adam_w_mode", "false with weight_decay is Adam with L2 "
+                 "regularization, which is not built: use AdamW (adam_w_mode true)")
     if m.get(f"{p}.amsgrad", False, bool):
-        raise m.refuse(f"{p}.amsgrad", "is not built: zero_jax's Adam has no AMSGrad")
+        m.refuse(f"{p}.amsgrad", "is not built: zero_jax's Adam has no AMSGrad")
     m.set("optimizer.type", "optimizer.name", "adamw" if decoupled else "adam",
           "DeepSpeed's Adam is decoupled (AdamW) unless adam_w_mode is false")
     betas = m.get(f"{p}.betas", [0.9, 0.999], list)
@@ -390,10 +390,10 @@ def _scheduler(m: Mapping) -> None:
     steps = m.count(f"{p}.warmup_num_steps", 1000)
     warmup = m.get(f"{p}.warmup_type", "log", str)
     if warmup not in ("log", "linear"):
-        raise m.refuse(f"{p}.warmup_type", f"must be log or linear (got {warmup!r})")
+        m.refuse(f"{p}.warmup_type", f"must be log or linear (got {warmup!r})")
     if m.get(f"{p}.last_batch_iteration", -1, int) != -1:
-        raise m.refuse(f"{p}.last_batch_iteration", "is not -1: zero_jax resumes the schedule "
-                       "from its checkpoints (--resume)")
+        m.refuse(f"{p}.last_batch_iteration", "is not -1: zero_jax resumes the schedule "
+                 "from its checkpoints (--resume)")
     m.set("scheduler.type", "optimizer.schedule", SCHEDULERS[kind], {
         "WarmupLR": "WarmupLR: warmup, then constant",
         "WarmupDecayLR": "WarmupDecayLR: warmup, then linear down to warmup_min_lr",
