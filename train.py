@@ -397,13 +397,13 @@ def load_config(args: argparse.Namespace) -> dict:
 
         from zero_jax.gpt import deepspeed
 
-        try:  # DeepSpeed's batch sizes count per data-parallel device
-            tp = configs.load(args.config, overrides)["mesh"]["tensor_parallel"]
-        except configs.ConfigError:
-            tp = 1
+        # The run's own config: what "auto" takes. DeepSpeed's batch sizes count per
+        # data-parallel device.
+        run = configs.merge(args.config, overrides)
+        tp = max(1, run["mesh"]["tensor_parallel"])
         mapped, lines = deepspeed.translate(deepspeed.read(args.deepspeed_config),
                                             (args.devices or jax.device_count()) // tp,
-                                            args.deepspeed_config)
+                                            args.deepspeed_config, run)
         print("\n".join(lines), flush=True)
         overrides = mapped + overrides
     return configs.load(args.config, overrides)

@@ -349,7 +349,8 @@ ROWS = [
      "zero_optimization.offload_param.device is nvme: the NVMe tier (ZeRO-Infinity) holds "
      "the optimizer's state, not the parameters"),
     ("deepspeed auto", [*T, "--deepspeed-config", "{w}/ds.json"],
-     deepspeed({"train_batch_size": "auto"}), "train_batch_size is \"auto\""),
+     deepspeed({"zero_optimization": {"stage": "auto"}}),
+     "zero_optimization.stage is \"auto\", which Hugging Face's Trainer does not fill either"),
     ("deepspeed batch", [*T, "--deepspeed-config", "{w}/ds.json"],
      deepspeed({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2,
                 "gradient_accumulation_steps": 1}),

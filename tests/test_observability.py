@@ -1,9 +1,10 @@
 """Plots, TensorBoard scalars, profiler traces and DeepSpeed configs, read back and compared
 with the report and the metrics file they came from.
 
-Two train.py runs: one trains 4 steps from a DeepSpeed config and writes everything at once
-(metrics, report, figures, TensorBoard, a profile of steps 2-3); one trains the same 4 steps
-from the equivalent --set flags. The planner's figure is read in test_cli.py, from its sweep.
+Two train.py runs: one trains 4 steps from a DeepSpeed config in Hugging Face Trainer's form
+("auto" values, WarmupDecayLR) and writes everything at once (metrics, report, figures,
+TensorBoard, a profile of steps 2-3); one trains the same 4 steps from the equivalent --set
+flags. The planner's figure is read in test_cli.py, from its sweep.
 """
 
 import collections
@@ -55,6 +56,25 @@ SETS_STAGE2_BF16 = [
     "optimizer.eps=1e-8", "optimizer.weight_decay=0.1", "optimizer.schedule=constant",
     "optimizer.warmup_steps=3", "optimizer.warmup_type=log", "optimizer.warmup_min_lr=0.0",
     "optimizer.clip_norm=1.0"]
+# Hugging Face Trainer's form of it: "auto" for what the run's own config says (here zero_jax's
+# defaults: a batch of 32, 1 microbatch, AdamW at 3e-3 with betas 0.9/0.95, eps 1e-8, weight
+# decay 0.1, clipping at 1.0), and WarmupDecayLR over the run's steps.
+DS_STAGE2_HF = {
+    **DS_STAGE2_BF16,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": 2,
+        "total_num_steps": "auto"}},
+}
+SETS_STAGE2_HF = [
+    "zero.stage=2", "zero.prefetch=true", "zero.bucket_mb=382", "precision.param_dtype=bf16",
+    "train.accum_steps=1", "train.batch_size=32", "optimizer.name=adamw", "optimizer.lr=3e-3",
+    "optimizer.b1=0.9", "optimizer.b2=0.95", "optimizer.eps=1e-8", "optimizer.weight_decay=0.1",
+    "optimizer.schedule=linear", "optimizer.warmup_steps=2", "optimizer.warmup_type=log",
+    "optimizer.decay_steps=0", "optimizer.warmup_min_lr=0.0", "optimizer.clip_norm=1.0"]
 DS_STAGE3_OFFLOAD = {
     "train_micro_batch_size_per_gpu": 4,
     "gradient_accumulation_steps": 2,
@@ -116,7 +136,7 @@ def runs(tmp_path_factory):
     """The DeepSpeed-config run writing everything, and the --set run writing metrics."""
     d = tmp_path_factory.mktemp("observe")
     ds = d / "ds.json"
-    ds.write_text(json.dumps(DS_STAGE2_BF16, indent=2))
+    ds.write_text(json.dumps(DS_STAGE2_HF, indent=2))
     # Each run compiles its own program. Loaded from JAX's persistent cache, this stage 2 bf16
     # step with optimizer.schedule=constant deadlocks on the CPU mesh (jax 0.10.2: 4 runs of 4,
     # linear or log warmup; XLA's rendezvous sees devices at an all-reduce and others at a
@@ -126,7 +146,7 @@ def runs(tmp_path_factory):
                     "--metrics", d / "m.jsonl", "--report", d / "r.json", "--plot", d / "fig",
                     "--tensorboard", d / "tb", "--profile", d / "prof", "--profile-steps", "2:4",
                     cache=d / "cache-ds")
-    sets = [x for s in SETS_STAGE2_BF16 for x in ("--set", s)]
+    sets = [x for s in SETS_STAGE2_HF for x in ("--set", s)]
     run_train("--steps", STEPS, *ONE_LAYER, *sets, "--metrics", d / "m_set.jsonl",
               cache=d / "cache-set")
     return d, out.stdout
@@ -262,18 +282,21 @@ def test_deepspeed_run_trains_as_the_set_flags(runs):
     ds, sets = records(d / "m.jsonl"), records(d / "m_set.jsonl")
     assert [r["loss"] for r in ds] == [r["loss"] for r in sets]
     assert [r["grad_norm"] for r in ds] == [r["grad_norm"] for r in sets]
-    # WarmupLR, log warmup over 3 steps: min + (max - min) log(t + 1) / log(3), then max.
-    want = [3e-3 * math.log(t + 1) / math.log(3) for t in range(3)] + [3e-3]
+    # WarmupDecayLR, log warmup over 2 steps: min + (max - min) log(t + 1) / log(2), then down
+    # to min at the run's 4 steps: min + (max - min) (4 - t) / (4 - 2).
+    want = [0.0, 3e-3, 3e-3, 1.5e-3]
     assert [r["lr"] for r in ds] == pytest.approx(want, rel=1e-6)
     assert "zero_optimization.stage" in stdout and "-> zero.stage=2" in stdout
+    assert "-> auto: train.batch_size=32  (the run's config; 4 per device" in stdout
     assert "ignored, no effect on what is computed: " in stdout
     assert "zero_optimization.contiguous_gradients" in stdout and "steps_per_print" in stdout
 
 
 @pytest.mark.parametrize("ds, sets", [(DS_STAGE2_BF16, SETS_STAGE2_BF16),
+                                      (DS_STAGE2_HF, SETS_STAGE2_HF),
                                       (DS_STAGE3_OFFLOAD, SETS_STAGE3_OFFLOAD),
                                       (DS_HPZ_QUANTIZED, SETS_HPZ_QUANTIZED)],
-                         ids=["stage-2-bf16", "stage-3-offload", "hpz-int8"])
+                         ids=["stage-2-bf16", "stage-2-hf-auto", "stage-3-offload", "hpz-int8"])
 def test_deepspeed_config_is_the_set_flags(ds, sets, tmp_path, capsys):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ds))

@@ -36,10 +36,13 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # frozen_modules: not trained (no gradient, no optimizer state), e.g. ["wpe"].
     # schedule cosine: warmup, then cosine decay to 10% at decay_steps; constant: warmup, then
     # lr (DeepSpeed's WarmupLR, whose default warmup_type is log: min + (lr - min) * log(t + 1)
-    # / log(warmup_steps)). Warmup starts at warmup_min_lr.
+    # / log(warmup_steps)); linear: WarmupLR's warmup, then a straight line down to
+    # warmup_min_lr at decay_steps (DeepSpeed's WarmupDecayLR); deepspeed_cosine: WarmupLR's
+    # warmup, then cosine down to cos_min_ratio x lr at decay_steps (DeepSpeed's
+    # WarmupCosineLR). Warmup starts at warmup_min_lr; decay_steps 0: the run's last step.
     "optimizer": {"name": "adamw", "lr": 3e-3, "warmup_steps": 20, "decay_steps": 0,
                   "schedule": "cosine", "warmup_type": "linear", "warmup_min_lr": 0.0,
-                  "b1": 0.9, "b2": 0.95,
+                  "cos_min_ratio": 1e-4, "b1": 0.9, "b2": 0.95,
                   "eps": 1e-8, "weight_decay": 0.1, "momentum": 0.0, "clip_norm": 1.0,
                   "frozen_modules": []},
     # ckpt_load_path: a checkpoint directory to resume from (its latest complete step).
@@ -91,7 +94,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
-SCHEDULES = ("cosine", "constant")
+SCHEDULES = ("cosine", "constant", "linear", "deepspeed_cosine")
 WARMUPS = ("linear", "log")
 
 
@@ -227,6 +230,14 @@ def parse_override(text: str) -> dict:
 
 def load(name: str = "tiny", overrides: list[str] = ()) -> dict:
     """The defaults, updated by the YAML file ``name`` and then by each ``KEY=VALUE``."""
+    config = merge(name, overrides)
+    validate(config)
+    return config
+
+
+def merge(name: str = "tiny", overrides: list[str] = ()) -> dict:
+    """``load`` before ``validate``: each key known and of its type, the whole not checked yet
+    (a DeepSpeed config read after it may be what completes it)."""
     config = copy.deepcopy(DEFAULTS)
     path = resolve(name)
     try:
@@ -240,7 +251,6 @@ def load(name: str = "tiny", overrides: list[str] = ()) -> dict:
     _merge(config, data)
     for text in overrides:
         _merge(config, parse_override(text))
-    validate(config)
     return config
 
 
@@ -275,7 +285,7 @@ def validate(config: dict) -> None:
 def _check_optimizer(config: dict) -> None:
     o = config["optimizer"]
     for key in ("lr", "warmup_steps", "decay_steps", "eps", "weight_decay", "momentum",
-                "clip_norm", "warmup_min_lr"):
+                "clip_norm", "warmup_min_lr", "cos_min_ratio"):
         _at_least(config, "optimizer", key, 0)
     if o["lr"] == 0:  # a run that trains nothing would still end "done"
         raise ConfigError("optimizer.lr is 0: no step would change the parameters; pass the "
@@ -284,9 +294,13 @@ def _check_optimizer(config: dict) -> None:
         if o[key] not in allowed:
             raise ConfigError(f"optimizer.{key} must be one of {', '.join(allowed)} (got "
                               f"{o[key]!r})")
-    if o["warmup_type"] == "log" and (o["schedule"] != "constant" or o["warmup_steps"] < 2):
+    if o["warmup_type"] == "log" and (o["schedule"] == "cosine" or o["warmup_steps"] < 2):
         raise ConfigError("optimizer.warmup_type log is DeepSpeed WarmupLR's warmup: it needs "
-                          "optimizer.schedule=constant and optimizer.warmup_steps of at least 2")
+                          "optimizer.schedule constant, linear or deepspeed_cosine and "
+                          "optimizer.warmup_steps of at least 2")
+    if o["cos_min_ratio"] > 1:
+        raise ConfigError(f"optimizer.cos_min_ratio must be at most 1 (got {o['cos_min_ratio']:g})"
+                          ": deepspeed_cosine ends at that fraction of optimizer.lr")
     for key in ("b1", "b2", "momentum"):
         if not 0 <= o[key] < 1:
             raise ConfigError(f"optimizer.{key} must be in [0, 1) (got {o[key]})")

@@ -28,21 +28,40 @@ def make_optimizer(cfg: dict, total_steps: int
 
 def make_schedule(cfg: dict, total_steps: int) -> Callable:
     """The learning rate at each optimizer step count (0 at the first step). ``cosine`` cuts
-    its warmup short in runs shorter than it; ``constant`` follows DeepSpeed's WarmupLR to the
-    step, whatever the run's length."""
+    its warmup short in runs shorter than it; ``constant``, ``linear`` and ``deepspeed_cosine``
+    follow DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR to the step (count t is their
+    ``last_batch_iteration`` t), whatever the run's length."""
     lo, hi, n = cfg["warmup_min_lr"], cfg["lr"], cfg["warmup_steps"]
+    total = cfg["decay_steps"] or total_steps
     if cfg["schedule"] == "cosine":
-        total = cfg["decay_steps"] or total_steps
         warmup = min(n, max(total - 1, 0))
         return optax.warmup_cosine_decay_schedule(
             lo, hi, warmup, max(total, warmup + 1), end_value=hi * 0.1)
-    if n == 0:
+    if n == 0 and cfg["schedule"] == "constant":
         return optax.constant_schedule(hi)
     log = cfg["warmup_type"] == "log"
+    decay = {"constant": lambda t: hi, "linear": _linear_decay(lo, hi, n, total),
+             "deepspeed_cosine": _cosine_decay(hi * cfg["cos_min_ratio"], hi, n, total)}
+    after = decay[cfg["schedule"]]
 
     def schedule(count):
         t = jnp.asarray(count, jnp.float32)
-        gamma = jnp.log1p(t) / math.log(n) if log else t / n
-        return jnp.where(t < n, lo + (hi - lo) * gamma, hi)
+        gamma = jnp.log1p(t) / math.log(max(n, 2)) if log else t / max(n, 1)
+        return jnp.where(t < n, lo + (hi - lo) * gamma, after(t))
 
     return schedule
+
+
+def _linear_decay(lo: float, hi: float, n: int, total: int) -> Callable:
+    """WarmupDecayLR after its warmup: from ``hi`` at step n down to ``lo`` at ``total``."""
+    return lambda t: lo + (hi - lo) * jnp.maximum(0.0, (total - t) / max(1, total - n))
+
+
+def _cosine_decay(end: float, hi: float, n: int, total: int) -> Callable:
+    """WarmupCosineLR after its warmup: half a cosine from ``hi`` to ``end`` at ``total``; its
+    first step after the warmup is already one step into the cosine, as DeepSpeed counts."""
+    def lr(t):
+        progress = jnp.minimum(1.0, (t - n + 1) / max(1, total - n))
+        return end + (hi - end) * (1 + jnp.cos(jnp.pi * progress)) / 2
+
+    return lr
