@@ -410,16 +410,28 @@ def run_main(args: argparse.Namespace, watchdog=None) -> int:
             local = {"coordinator", "num_processes", "process_id", "distributed"}
             distributed.agree("configuration", {"config": cfg, "arguments": {
                 k: v for k, v in vars(args).items() if k not in local}}, args.peer_timeout)
-            exp = build(cfg, args)
-            if args.dry_run:
-                return plan_layouts(exp, cfg, args) if args.device_memory else \
-                    dry_run(exp, args)
-            with find_start(exp, cfg, args) as start:
-                return train(exp, cfg, args, start, stop, watchdog)
+            exp = build(cfg, args)  # with the NVMe tier, its directory locked: see tier_closed
+            with tier_closed(exp):
+                if args.dry_run:
+                    return plan_layouts(exp, cfg, args) if args.device_memory else \
+                        dry_run(exp, args)
+                with find_start(exp, cfg, args) as start:
+                    return train(exp, cfg, args, start, stop, watchdog)
         except (configs.ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
             return fail(str(e))
         except OutputError as e:  # --report of a dry run
             return fail(str(e), 1)
+
+
+@contextlib.contextmanager
+def tier_closed(exp):
+    """The NVMe tier's directory released when the run ends, also when ``main`` is called in
+    a process that goes on (the process's exit would release it)."""
+    try:
+        yield
+    finally:
+        if tier := getattr(exp.step, "tier", None):
+            tier.close()
 
 
 def load_config(args: argparse.Namespace) -> dict:
@@ -963,7 +975,7 @@ def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
     except (CheckpointError, nvme.NvmeError) as e:
         if watchdog:  # a save's collective that failed: a lost peer is named by the watchdog
             watchdog.settle(e)
-        return fail(str(e), 1)
+        return fail(tier_failed(e, saver) if isinstance(e, nvme.NvmeError) else str(e), 1)
     except OutputError as e:
         return output_failed(e, saver, first + len(tally.losses))
     finally:
@@ -977,6 +989,20 @@ def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
     if guard.streak_from is not None:  # max_bad_steps in a row, or the run ended in a streak
         return diverged(t["max_bad_steps"], guard, done_steps, start.ckpts)
     return done(exp, t["steps"], first, tally, time.perf_counter() - tick)
+
+
+def tier_failed(e, saver: Saver | None) -> str:
+    """The NVMe tier's files failed or were damaged: the saves in flight (all read back, and
+    checked, before it) are finished, and the line says where to resume from."""
+    from zero_jax.checkpoint import CheckpointError
+
+    if saver is None:
+        return f"{e}; {newest_checkpoint(None)}"
+    try:
+        saver.ckpts.finish()
+    except CheckpointError as c:
+        return f"{e}; {c}"
+    return f"{e}; {newest_checkpoint(saver.ckpts)}: continue from it with --resume"
 
 
 def whole_state(step, target):

@@ -4,7 +4,8 @@ Against ``Offload(optimizer=1.0)`` (the same optax update, in host memory): the 
 parameters and state, bit for bit, at every stage (AdamW, and SGD over two microbatches); the
 files where the policy says and nowhere else; the bands alive at once bounded by
 ``Nvme.buffers`` while the state is many times that; checkpoints across the tiers; bad paths,
-failed files and unchunkable optimizers refused with one line.
+failed files and unchunkable optimizers refused with one line; one writer per directory, and a
+damaged band stopping the step that reads it, naming its file, before anything is trained on it.
 """
 
 import dataclasses
@@ -113,7 +114,7 @@ def test_equals_host_memory_offload_bit_for_bit(stage, mesh, small, tmp_path):
     assert tier.read_bytes == tier.written_bytes == tier.bytes - frozen
     assert os.listdir(tmp_path) == ["process0"]
     assert sorted(os.listdir(tmp_path / "process0")) == sorted(
-        [os.path.basename(f) for f in tier.files] + ["layout.json"])
+        [os.path.basename(f) for f in tier.files] + ["layout.json", ".writer.lock"])
 
 
 class MLP(nn.Module):
@@ -172,6 +173,7 @@ def test_checkpoints_cross_between_the_tiers(mesh, small, tmp_path):
     ckpts = Checkpoints(tmp_path / "ckpt")
     ckpts.save(step.tier.give(state, state_shardings(nvme, ADAMW)), {})
     ckpts.finish()
+    step.tier.close()  # the directory is free for the next step's tier
     for plan in (host, nvme):  # restored into host memory, and into the files again
         restored, _ = ckpts.restore(abstract_state(plan, ADAMW))
         _, _, more = train(plan, small, restored, 3, 2)
@@ -214,6 +216,66 @@ def test_a_file_lost_mid_run_is_one_line(mesh, small, tmp_path):
         train(nvme, small, state, 1, 1, step)
 
 
+def test_one_writer_per_directory(mesh, small, tmp_path):
+    """A second tier on a directory in use is refused in one line naming the directory and its
+    holder, before it writes anything; once the first closes, the directory is free."""
+    _, _, loss_fn, _ = small
+    nvme = plans(mesh, small, 2, tmp_path)[1]
+    first = make_train_step(nvme, loss_fn, ADAMW)
+    with pytest.raises(ValueError, match=(
+            rf"^the NVMe tier's directory {tmp_path}/process0 is being written by process "
+            rf"{os.getpid()} on .+ since .+ \(.*pytest.*\): two runs on one directory would "
+            rf"train on each other's optimizer state; wait for it to finish, or give this run "
+            rf"another NVMe path$")):
+        make_train_step(nvme, loss_fn, ADAMW)
+    assert os.listdir(tmp_path / "process0") == [".writer.lock"]
+    first.tier.close()
+    make_train_step(nvme, loss_fn, ADAMW).tier.close()
+    assert not os.listdir(tmp_path)  # a tier that wrote nothing leaves nothing
+
+
+def flip(path, offset: int, n: int) -> None:
+    """``n`` bytes of a file inverted from ``offset``, as a disk's bad block would return them."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        data = f.read(n)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def zero(path) -> None:
+    with open(path, "r+b") as f:
+        f.write(bytes(os.path.getsize(path)))
+
+
+def test_a_damaged_band_stops_the_step_naming_its_file(mesh, small, tmp_path):
+    """Bytes flipped in one band: the step that reads it stops with one line naming the file
+    and the band, and reading the state back for a checkpoint is refused alike; files zeroed:
+    the same. A checkpoint's state handed to the step rewrites the files and training goes on
+    with the losses of host memory."""
+    nvme = plans(mesh, small, 3, tmp_path)[1]
+    want = host_run(mesh, small, 3, tmp_path)[1]
+    step, state, losses = train(nvme, small, steps=1)
+    tier, shardings = step.tier, state_shardings(nvme, ADAMW)
+    good = tier.give(state, shardings)  # what a checkpoint after step 1 holds
+    band = tier._placed[0][0][1]
+    flip(tier.files[0], band.start + 16, 256)
+    damaged = (rf"^the NVMe tier's file {tier.files[0]} is damaged: band 1 of {tier._nbands} "
+               rf"\(bytes {band.start}-{band.start + band.nbytes}\) does not match the checksum "
+               rf"written with it; nothing was trained on it or read back from it: restart "
+               rf"from the last checkpoint$")
+    with pytest.raises(NvmeError, match=damaged):
+        train(nvme, small, state, 1, 1, step)
+    with pytest.raises(NvmeError, match=damaged):
+        tier.give(state, shardings)
+    for f in tier.files:
+        zero(f)
+    with pytest.raises(NvmeError, match=rf"file {tier.files[0]} is damaged: band 0 of "):
+        train(nvme, small, state, 1, 1, step)
+    _, _, more = train(nvme, small, good, 1, 2, step)  # restarted from the checkpoint
+    assert losses + more == want[:3]
+
+
 def test_the_guides_example_runs_as_written(mesh, small, tmp_path):
     _, init, loss_fn, batches = small
     ns = {"params_shape": jax.eval_shape(init, KEY), "mesh": mesh, "init_params": init,
@@ -226,7 +288,7 @@ def test_the_guides_example_runs_as_written(mesh, small, tmp_path):
     _, m = ns["step"](ns["state"], jax.device_put(batches[1], NamedSharding(mesh, P("data"))))
     want = host_run(mesh, small, 3, tmp_path)[1]
     assert [float(ns["metrics"]["loss"]), float(m["loss"])] == want[:2]
-    assert len(os.listdir(tmp_path / "process0")) == len(ns["step"].tier.files) + 1
+    assert len(os.listdir(tmp_path / "process0")) == len(ns["step"].tier.files) + 2
 
 
 def _full():
