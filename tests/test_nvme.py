@@ -11,6 +11,7 @@ damaged band stopping the step that reads it, naming its file, before anything i
 import dataclasses
 import json
 import os
+import re
 import shutil
 import sys
 import tracemalloc
@@ -27,7 +28,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from lm import LAYERS
 
-from zero_jax import Offload, Precision, init_state, make_plan, make_train_step
+from zero_jax import Offload, Precision, init_state, lock, make_plan, make_train_step
+from zero_jax import nvme as tiers
 from zero_jax.checkpoint import CheckpointError, Checkpoints
 from zero_jax.nvme import Nvme, NvmeError, check_elementwise
 from zero_jax.state import abstract_state, state_shardings
@@ -338,3 +340,78 @@ def test_train_py_trains_resumes_and_reports_with_the_tier(tmp_path, monkeypatch
     assert "in files under nvme (the NVMe tier)" in capsys.readouterr().out
     report = json.loads((tmp_path / "r.json").read_text())["offload"]["nvme"]
     assert report["swapped_bytes_per_step"] == 2 * sum(report["file_bytes"].values()) > 0
+
+
+def test_train_py_stops_on_a_damaged_tier_and_resumes_exactly(tmp_path, monkeypatch, capsys):
+    """Through ``train.py`` (4 steps, a checkpoint every 2): a band flipped just after
+    checkpoint 2, and every file zeroed in the middle of step 3's update, each stop the run at
+    once with one line naming the file (exit 1): no checkpoint after 2 is written, 2 is kept,
+    and ``--resume`` gives the uninterrupted run's losses bit for bit. A second run on the
+    tier's directory is refused in one line (exit 2) before it writes anything."""
+    sys.path.insert(0, str(ROOT))
+    import train as cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "nvme").mkdir()
+    base = ["--config", "tiny", *ONE_LAYER, *FIXED_SCHEDULE, "--set", "optimizer.clip_norm=0",
+            "--set", "zero.offload_optimizer.device=nvme", "--set",
+            "zero.offload_optimizer.nvme_path=nvme", "--save-every", "2"]
+
+    def run(name, *more):
+        capsys.readouterr()
+        rc = cli.main([*base, "--steps", "4", "--checkpoint-dir", name, "--metrics",
+                       f"{name}.jsonl", *more])
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert "Traceback" not in "\n".join(err)
+        return rc, err
+
+    def losses(name):
+        return [json.loads(line)["loss"] for line in (tmp_path / f"{name}.jsonl").open()]
+
+    assert run("whole")[0] == 0
+    real_give, real_update, real_write = tiers.Tier.give, tiers.Tier.update, tiers.Tier._write
+
+    def give_then_flip(self, *args):  # the checkpoint's state is read back, then damaged
+        out = real_give(self, *args)
+        flip(self.files[0], 1024, 4096)
+        return out
+
+    def counted(self, *args):
+        self.updates = getattr(self, "updates", 0) + 1
+        return real_update(self, *args)
+
+    def write_then_zero(self, *args):  # step 3's first band written, then every file zeroed
+        real_write(self, *args)
+        if self.updates == 3 and not getattr(self, "zeroed", False):
+            self.zeroed = [zero(f) for f in self.files]
+
+    for name, patches in [("flipped", {"give": give_then_flip}),
+                          ("zeroed", {"update": counted, "_write": write_then_zero})]:
+        with monkeypatch.context() as m:
+            for attr, fn in patches.items():
+                m.setattr(tiers.Tier, attr, fn)
+            rc, err = run(name)
+        assert rc == 1 and len([e for e in err if e.startswith("error:")]) == 1, err
+        assert re.fullmatch(
+            r"error: the NVMe tier's file nvme/process0/slot\d+\.bin is damaged: band 0 of \d+ "
+            r"\(bytes \d+-\d+\) does not match the checksum written with it; nothing was "
+            r"trained on it or read back from it: restart from the last checkpoint; the "
+            rf"newest checkpoint, from before it, is 2 in {tmp_path / name}: continue from it "
+            r"with --resume", err[-1]), err
+        assert Checkpoints(tmp_path / name, read_only=True).steps() == [2]
+        assert losses(name) == losses("whole")[:2]  # step 3 stopped before its record
+        assert run(name, "--resume")[0] == 0
+        assert losses(name) == losses("whole"), name
+    before = {p: p.read_bytes() for p in (tmp_path / "nvme" / "process0").glob("*.bin")}
+    holder = lock.WriterLock(tmp_path / "nvme" / "process0")  # another run's, in effect
+    try:
+        rc, err = run("second")
+    finally:
+        holder.release()
+    assert rc == 2 and len(err) == 1, err
+    assert re.fullmatch(
+        rf"error: the NVMe tier's directory nvme/process0 is being written by process "
+        rf"{os.getpid()} on .+: two runs on one directory would train on each other's "
+        r"optimizer state; wait for it to finish, or give this run another NVMe path", err[0])
+    assert not (tmp_path / "second").exists() and not (tmp_path / "second.jsonl").exists()
+    assert before == {p: p.read_bytes() for p in (tmp_path / "nvme" / "process0").glob("*.bin")}
