@@ -59,9 +59,11 @@ TIMEOUT = 600
 # and the losses differ (the one outcome that must never happen).
 OUTCOMES = ("fell back", "refused", "harmless", "missed")
 # The NVMe tier damaged under a run: it stopped with an error naming the file; the damage was
-# overwritten by the update before it was read (the run exact); a second run refused; missed
-# (neither, or a checkpoint differing from the uninterrupted run's: must never happen).
-NVME_OUTCOMES = ("stopped", "healed", "refused", "missed")
+# overwritten by the update before it was read (the run exact); it landed after the run had
+# ended, and the resume rewrote the files from its checkpoint (exact); a second run refused;
+# one that started only once the first had ended (nothing to refuse); missed (none of these,
+# or a checkpoint differing from the uninterrupted run's: must never happen).
+NVME_OUTCOMES = ("stopped", "healed", "rewritten", "refused", "apart", "missed")
 
 
 class Parser(argparse.ArgumentParser):
@@ -217,17 +219,19 @@ def inject_nvme(kind: str, proc: subprocess.Popen, run: pathlib.Path, rng: rando
     of its training: a second run on the same directory (its own checkpoints, another seed),
     4 KiB of a file flipped, or every file zeroed."""
     ckpt, after_save = run / "ckpt", rng.random() < 0.5
+    # A second run takes seconds to reach the lock: started in the first half, it meets the run.
+    second = kind == "nvme-second"
     if after_save:
-        wait_checkpoint(ckpt, proc, rng.randrange(2, STEPS, 2))
+        wait_checkpoint(ckpt, proc, rng.randrange(2, STEPS // 2 if second else STEPS, 2))
     else:
-        time.sleep(rng.uniform(0, window))
+        time.sleep(rng.uniform(0, window / 2 if second else window))
     fault = {"moment": "after a checkpoint" if after_save else "mid-run",
              "before": sorted(complete_steps(ckpt)), "landed": proc.poll() is None}
     files = sorted((run / "nvme").rglob("slot*.bin"))
-    if kind == "nvme-second":
-        second = start(run, "second", STEPS, [*NVME, "--seed", "1", "--checkpoint-dir",
-                                              "ckpt-second", "--metrics", "second.jsonl"], env)
-        fault["second_rc"] = finish(second)
+    if second:
+        other = start(run, "second", STEPS, [*NVME, "--seed", "1", "--checkpoint-dir",
+                                             "ckpt-second", "--metrics", "second.jsonl"], env)
+        fault["second_rc"] = finish(other)
         fault["landed"] = fault["landed"] and proc.poll() is None  # refused while it ran
         fault["second_wrote"] = sorted(p.name for p in run.iterdir()
                                        if p.name.startswith(("ckpt-second", "second.jsonl")))
@@ -318,12 +322,14 @@ def nvme_outcome(run: pathlib.Path, t: dict, ref: pathlib.Path) -> dict:
         err = (run / "second.err").read_text()
         ok = t["second_rc"] == 2 and not t["second_wrote"] and len(err.splitlines()) == 1 \
             and "the NVMe tier's directory nvme/process0 is being written by process" in err
-        outcome = "refused" if ok else "missed"
+        outcome = "refused" if ok else "apart" if t["second_rc"] == 0 and not t["landed"] \
+            else "missed"
     else:
         named = any(re.search(r"file nvme/process0/slot\d+\.bin is damaged", e)
                     for e in t["errors"])
         outcome = ("stopped" if t["rc"] == 1 and named
-                   else "healed" if t["rc"] == 0 and t["bit_exact"] else "missed")
+                   else "missed" if t["rc"] != 0 or not t["bit_exact"]
+                   else "healed" if t["landed"] else "rewritten")
     return {"outcome": "missed" if bad else outcome, "from_damaged": bad}
 
 
