@@ -59,8 +59,9 @@ TIMEOUT = 600
 # and the losses differ (the one outcome that must never happen).
 OUTCOMES = ("fell back", "refused", "harmless", "missed")
 # The NVMe tier damaged under a run: it stopped with an error naming the file; the damage was
-# overwritten by the update before it was read (the run exact); it landed after the run had
-# ended, and the resume rewrote the files from its checkpoint (exact); a second run refused;
+# overwritten by the update before it was read (the run exact); it came after the run's last
+# read of the files, and the resume rewrote them from its checkpoint (exact); a second run
+# refused;
 # one that started only once the first had ended (nothing to refuse); missed (none of these,
 # or a checkpoint differing from the uninterrupted run's: must never happen).
 NVME_OUTCOMES = ("stopped", "healed", "rewritten", "refused", "apart", "missed")
@@ -219,12 +220,13 @@ def inject_nvme(kind: str, proc: subprocess.Popen, run: pathlib.Path, rng: rando
     of its training: a second run on the same directory (its own checkpoints, another seed),
     4 KiB of a file flipped, or every file zeroed."""
     ckpt, after_save = run / "ckpt", rng.random() < 0.5
-    # A second run takes seconds to reach the lock: started in the first half, it meets the run.
+    # In the first half of the training: a second run takes seconds to reach the lock, and
+    # damage after the run's last read of the files (its last save) would meet nothing.
     second = kind == "nvme-second"
     if after_save:
-        wait_checkpoint(ckpt, proc, rng.randrange(2, STEPS // 2 if second else STEPS, 2))
+        wait_checkpoint(ckpt, proc, rng.randrange(2, STEPS // 2 + 1, 2))
     else:
-        time.sleep(rng.uniform(0, window / 2 if second else window))
+        time.sleep(rng.uniform(0, window / 2))
     fault = {"moment": "after a checkpoint" if after_save else "mid-run",
              "before": sorted(complete_steps(ckpt)), "landed": proc.poll() is None}
     files = sorted((run / "nvme").rglob("slot*.bin"))
@@ -240,17 +242,22 @@ def inject_nvme(kind: str, proc: subprocess.Popen, run: pathlib.Path, rng: rando
         at = rng.randrange(0, max(1, target.stat().st_size - 4096) + 1, 4096)
         with open(target, "r+b") as f:
             f.seek(at)
-            data = f.read(4096)
+            data = bytes(b ^ 0xFF for b in f.read(4096))
             f.seek(at)
-            f.write(bytes(b ^ 0xFF for b in data))
+            f.write(data)
         fault["damaged"] = {"how": "flip", "path": str(target.relative_to(run)), "offset": at}
+        damaged = lambda: target.read_bytes()[at:at + len(data)] == data  # noqa: E731
     else:
         for target in files:
             with open(target, "r+b") as f:
                 f.write(bytes(target.stat().st_size))
         fault["damaged"] = {"how": "zero", "path": f"{len(files)} files"}
+        damaged = lambda: any(not p.read_bytes().strip(b"\0") for p in files)  # noqa: E731
     fault["landed"] = fault["landed"] and proc.poll() is None
     fault["rc"] = finish(proc)
+    if not second:  # a run that ended well with the damage still there never read it again
+        fault["unread"] = fault["rc"] == 0 and damaged()
+        fault["landed"] = fault["landed"] and not fault["unread"]
     return fault
 
 
@@ -329,7 +336,7 @@ def nvme_outcome(run: pathlib.Path, t: dict, ref: pathlib.Path) -> dict:
                     for e in t["errors"])
         outcome = ("stopped" if t["rc"] == 1 and named
                    else "missed" if t["rc"] != 0 or not t["bit_exact"]
-                   else "healed" if t["landed"] else "rewritten")
+                   else "rewritten" if t["unread"] else "healed")
     return {"outcome": "missed" if bad else outcome, "from_damaged": bad}
 
 

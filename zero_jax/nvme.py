@@ -409,9 +409,9 @@ class Tier:
                             at = kept[i, p] + self._span(s, k)[0] * s.shape[1] * \
                                 self._itemsize(p)
                             _pwrite(fd, x, at, self.files[j])
-                            self._kept_sums[j].append((at, x.nbytes, zlib.crc32(x)))
+                            self._kept_sums[j].append((at, x.nbytes, checksum(x)))
                     _pwrite(fd, data, band.start, self.files[j])
-                    self._sums[j].append(zlib.crc32(data))
+                    self._sums[j].append(checksum(data))
             finally:
                 os.close(fd)
         except OSError as e:
@@ -476,13 +476,13 @@ class Tier:
         for k, band in enumerate(bands):
             self._check(j, k, data[band.start:band.start + band.nbytes])
         for at, n, crc in self._kept_sums[j]:
-            if zlib.crc32(data[at:at + n]) != crc:
+            if checksum(data[at:at + n]) != crc:
                 raise NvmeError(self._damaged(j, f"the frozen bytes {at}-{at + n}"))
         return data
 
     def _check(self, j: int, k: int, data: np.ndarray) -> None:
         """Raise unless band ``k`` of slot ``j``, as read, is the band as written."""
-        if zlib.crc32(data) != self._sums[j][k]:
+        if checksum(data) != self._sums[j][k]:
             band = self._placed[j][0][k]
             raise NvmeError(self._damaged(j, f"band {k} of {self._nbands} (bytes {band.start}-"
                                              f"{band.start + band.nbytes})"))
@@ -627,7 +627,7 @@ class Tier:
     def _write(self, j: int, k: int, data: np.ndarray, buffers: _Buffers) -> None:
         band = self._placed[j][0][k]
         try:
-            crc = zlib.crc32(data)
+            crc = checksum(data)
             _write_at(self.files[j], data, band.start)
             self._sums[j][k] = crc
         finally:
@@ -696,6 +696,11 @@ def _view(data: np.ndarray, offset: int, dtype, shape: tuple[int, ...]) -> np.nd
     """The bytes of ``data`` from ``offset`` as an array of ``shape`` (a view: writable)."""
     n = math.prod(shape) * np.dtype(dtype).itemsize
     return data[offset:offset + n].view(dtype).reshape(shape)
+
+
+def checksum(data: np.ndarray) -> int:
+    """The CRC-32 of a band's bytes (``uint8``), as written or as read."""
+    return zlib.crc32(data)
 
 
 def _write_at(path: str, data: np.ndarray, offset: int) -> None:
