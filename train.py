@@ -369,16 +369,28 @@ def run_main(args: argparse.Namespace, watchdog=None) -> int:
             local = {"coordinator", "num_processes", "process_id", "distributed"}
             distributed.agree("configuration", {"config": cfg, "arguments": {
                 k: v for k, v in vars(args).items() if k not in local}}, args.peer_timeout)
-            exp = build(cfg, args)
-            if args.dry_run:
-                return plan_layouts(exp, cfg, args) if args.device_memory else \
-                    dry_run(exp, args)
-            with find_start(exp, cfg, args) as start:
-                return train(exp, cfg, args, start, stop, watchdog)
+            exp = build(cfg, args)  # with the NVMe tier, its directory locked: see tier_closed
+            with tier_closed(exp):
+                if args.dry_run:
+                    return plan_layouts(exp, cfg, args) if args.device_memory else \
+                        dry_run(exp, args)
+                with find_start(exp, cfg, args) as start:
+                    return train(exp, cfg, args, start, stop, watchdog)
         except (configs.ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
             return fail(str(e))
         except OutputError as e:  # --report of a dry run
             return fail(str(e), 1)
+
+
+@contextlib.contextmanager
+def tier_closed(exp):
+    """The NVMe tier's directory released when the run ends, also when ``main`` is called in
+    a process that goes on (the process's exit would release it)."""
+    try:
+        yield
+    finally:
+        if tier := getattr(exp.step, "tier", None):
+            tier.close()
 
 
 def load_config(args: argparse.Namespace) -> dict:
@@ -780,7 +792,7 @@ def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Preempti
     if first >= t["steps"]:
         print(f"nothing to do: the checkpoint is at step {first} and --steps is {t['steps']}")
         return 0
-    guard = DivergenceGuard(t["max_bad_steps"], cfg["precision"]["min_loss_scale"])
+    guard = DivergenceGuard(t["max_bad_steps"], cfg["precision"]["min_loss_scale"], warn)
     bar, rows = progress(exp, t["steps"], first)
     tally, saver = Tally(bar, exp.tokens_per_step, keep_records=bool(args.plot)), None
     if start.ckpts:  # before the outputs: a step whose record cannot be written is saved
@@ -796,7 +808,7 @@ def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Preempti
     except (CheckpointError, nvme.NvmeError) as e:
         if watchdog:  # a save's collective that failed: a lost peer is named by the watchdog
             watchdog.settle(e)
-        return fail(str(e), 1)
+        return fail(tier_failed(e, saver) if isinstance(e, nvme.NvmeError) else str(e), 1)
     except OutputError as e:
         return output_failed(e, saver, first + len(tally.losses))
     finally:
@@ -828,6 +840,20 @@ def outputs(args: argparse.Namespace, start: Start, r: dict, step, first: int, b
     if args.profile:
         hooks.append(Profile(args.profile, args.profile_steps, step, bar.write))
     return hooks
+
+
+def tier_failed(e, saver: Checkpointer | None) -> str:
+    """The NVMe tier's files failed or were damaged: the saves in flight (all read back, and
+    checked, before it) are finished, and the line says where to resume from."""
+    from zero_jax.checkpoint import CheckpointError
+
+    if saver is None:
+        return f"{e}; {newest_checkpoint(None)}"
+    try:
+        saver.ckpts.finish()
+    except CheckpointError as c:
+        return f"{e}; {c}"
+    return f"{e}; {newest_checkpoint(saver.ckpts)}: continue from it with --resume"
 
 
 def whole_state(step, target):

@@ -1,16 +1,20 @@
 """Fault injection: SIGKILL, SIGTERM, a damaged checkpoint and a full disk, each at a random
-moment of a small ``train.py`` run, then ``--resume`` to the end; a table per kind.
+moment of a small ``train.py`` run, then ``--resume`` to the end; a table per kind. With the
+NVMe tier: a second run on its directory, a band of a file flipped, every file zeroed.
 
-    python bench/faults.py --trials 4 --seed 0 [--kinds kill,term,corrupt,diskfull] [--json F]
-                           [--workdir DIR]
+    python bench/faults.py --trials 4 --seed 0 [--kinds kill,term,corrupt,diskfull,nvme-second,
+                           nvme-flip,nvme-zero] [--json F] [--workdir DIR]
 
 Not part of the test suite (minutes of wall time): the suite tests each fault once at a fixed
 moment (``tests/test_checkpoint.py``, ``tests/test_hardening.py``); this repeats them where a
 fixed test would not look. For each trial it reports the complete checkpoints that existed
 before the fault and are gone or unreadable after it, whether the resumed run's losses equal an
 uninterrupted run's bit for bit, any Python traceback, and the exit codes; for a damaged
-checkpoint, whether the resume fell back from it, refused it, or did not need the damaged bytes.
-The figures and what they show: docs/guides/checkpoints.md, "Fault injection".
+checkpoint, whether the resume fell back from it, refused it, or did not need the damaged bytes;
+for the NVMe tier, whether the run stopped naming the damaged file (or the second run was
+refused), and how many checkpoints hold state other than the uninterrupted run's.
+The figures and what they show: docs/guides/checkpoints.md, "Fault injection", and
+docs/guides/nvme.md, "Damage".
 """
 
 from __future__ import annotations
@@ -34,7 +38,11 @@ import time
 from zero_jax.internals import ORBAX_TREE_FILES  # orbax's names live there alone
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-KINDS = ("kill", "term", "corrupt", "diskfull")
+KINDS = ("kill", "term", "corrupt", "diskfull", "nvme-second", "nvme-flip", "nvme-zero")
+# The NVMe tier's runs: the optimizer state in files under the run's nvme/ (global-norm clipping
+# cannot run band by band).
+NVME = ["--set", "zero.offload_optimizer.device=nvme", "--set", "optimizer.clip_norm=0",
+        "--set", "zero.offload_optimizer.nvme_path=nvme"]
 DAMAGES = ("flip", "truncate", "delete-file", "delete-opt_state", "delete-params-_METADATA")
 # The faulted run trains STEPS, its resume and the reference TOTAL: so that every resume restores
 # and trains, even from the faulted run's last checkpoint. The schedule is fixed (not spread over
@@ -50,6 +58,13 @@ TIMEOUT = 600
 # stopped with an error; not named, yet the losses exact (a file that is never read); not named
 # and the losses differ (the one outcome that must never happen).
 OUTCOMES = ("fell back", "refused", "harmless", "missed")
+# The NVMe tier damaged under a run: it stopped with an error naming the file; the damage was
+# overwritten by the update before it was read (the run exact); it came after the run's last
+# read of the files, and the resume rewrote them from its checkpoint (exact); a second run
+# refused;
+# one that started only once the first had ended (nothing to refuse); missed (none of these,
+# or a checkpoint differing from the uninterrupted run's: must never happen).
+NVME_OUTCOMES = ("stopped", "healed", "rewritten", "refused", "apart", "missed")
 
 
 class Parser(argparse.ArgumentParser):
@@ -146,13 +161,16 @@ def losses(run: pathlib.Path) -> dict[int, float]:
     return out
 
 
-def reference(work: pathlib.Path, env: dict) -> tuple[dict[int, float], float, float]:
+def reference(work: pathlib.Path, env: dict, extra: tuple[str, ...] = ()
+              ) -> tuple[dict[int, float], float, float]:
     """The uninterrupted run's losses, and the windows for the faults: from the first record
     to the process's exit (a kill may land in the last save or the shutdown), and to the
-    STEPS-th record (SIGTERM and the file-size limit: where they land in training)."""
-    run = work / "reference"
+    STEPS-th record (SIGTERM and the file-size limit: where they land in training). Its
+    checkpoints stay in ``reference[-nvme]/ckpt``, to compare the trials' with."""
+    run = work / ("reference-nvme" if extra else "reference")
     run.mkdir()
-    proc = start(run, "run", TOTAL, [], env)
+    (run / "nvme").mkdir()
+    proc = start(run, "run", TOTAL, list(extra), env)
     wait_records(run, proc)
     tick = time.monotonic()
     wait_records(run, proc, STEPS)
@@ -170,8 +188,10 @@ def complete_steps(ckpt: pathlib.Path) -> set[int]:
 
 
 def inject(kind: str, proc: subprocess.Popen, run: pathlib.Path, rng: random.Random,
-           window: float) -> dict:
+           window: float, env: dict) -> dict:
     """The fault, at a random moment of the training; the checkpoints complete before it."""
+    if kind.startswith("nvme"):
+        return inject_nvme(kind, proc, run, rng, window, env)
     finish_first = kind == "corrupt" and rng.random() < 0.5
     if kind == "diskfull":  # by step, not time: on a loaded machine a time may be past the saves
         wait_records(run, proc, rng.randrange(1, STEPS))
@@ -192,6 +212,67 @@ def inject(kind: str, proc: subprocess.Popen, run: pathlib.Path, rng: random.Ran
     if kind == "corrupt":
         fault["damaged"] = damage(ckpt, rng)
     return fault
+
+
+def inject_nvme(kind: str, proc: subprocess.Popen, run: pathlib.Path, rng: random.Random,
+                window: float, env: dict) -> dict:
+    """Under an NVMe run, after a checkpoint completes (half the trials) or at a random moment
+    of its training: a second run on the same directory (its own checkpoints, another seed),
+    4 KiB of a file flipped, or every file zeroed."""
+    ckpt, after_save = run / "ckpt", rng.random() < 0.5
+    # In the first half of the training: a second run takes seconds to reach the lock, and
+    # damage after the run's last read of the files (its last save) would meet nothing.
+    second = kind == "nvme-second"
+    if after_save:
+        wait_checkpoint(ckpt, proc, rng.randrange(2, STEPS // 2 + 1, 2))
+    else:
+        time.sleep(rng.uniform(0, window / 2))
+    fault = {"moment": "after a checkpoint" if after_save else "mid-run",
+             "before": sorted(complete_steps(ckpt)), "landed": proc.poll() is None}
+    files = sorted((run / "nvme").rglob("slot*.bin"))
+    if second:
+        other = start(run, "second", STEPS, [*NVME, "--seed", "1", "--checkpoint-dir",
+                                             "ckpt-second", "--metrics", "second.jsonl"], env)
+        fault["second_rc"] = finish(other)
+        fault["landed"] = fault["landed"] and proc.poll() is None  # refused while it ran
+        fault["second_wrote"] = sorted(p.name for p in run.iterdir()
+                                       if p.name.startswith(("ckpt-second", "second.jsonl")))
+    elif kind == "nvme-flip":
+        target = rng.choice(files)
+        at = rng.randrange(0, max(1, target.stat().st_size - 4096) + 1, 4096)
+        with open(target, "r+b") as f:
+            f.seek(at)
+            data = bytes(b ^ 0xFF for b in f.read(4096))
+            f.seek(at)
+            f.write(data)
+        fault["damaged"] = {"how": "flip", "path": str(target.relative_to(run)), "offset": at}
+        damaged = lambda: target.read_bytes()[at:at + len(data)] == data  # noqa: E731
+    else:
+        for target in files:
+            with open(target, "r+b") as f:
+                f.write(bytes(target.stat().st_size))
+        fault["damaged"] = {"how": "zero", "path": f"{len(files)} files"}
+        damaged = lambda: any(not p.read_bytes().strip(b"\0") for p in files)  # noqa: E731
+    fault["landed"] = fault["landed"] and proc.poll() is None
+    fault["rc"] = finish(proc)
+    if not second:  # a run that ended well with the damage still there never read it again
+        fault["unread"] = fault["rc"] == 0 and damaged()
+        fault["landed"] = fault["landed"] and not fault["unread"]
+    return fault
+
+
+def wait_checkpoint(ckpt: pathlib.Path, proc: subprocess.Popen, step: int) -> None:
+    while proc.poll() is None and step not in complete_steps(ckpt):
+        time.sleep(0.02)
+
+
+def differing(run: pathlib.Path, ref: pathlib.Path) -> list[int]:
+    """The steps whose checkpoint in the run holds other arrays than the reference's at the
+    same step (their digests, as saved, differ): saved from a state the reference never had."""
+    digests = lambda d, s: json.loads((d / str(s) / "meta" / "metadata").read_text())["digests"]
+    return sorted(s for s in complete_steps(run / "ckpt")
+                  if s in complete_steps(ref / "ckpt") and digests(run / "ckpt", s) != digests(
+                      ref / "ckpt", s))
 
 
 def damage(ckpt: pathlib.Path, rng: random.Random) -> dict | None:
@@ -224,14 +305,39 @@ def trial(kind: str, n: int, work: pathlib.Path, env: dict, rng: random.Random,
     """One run, one fault at a random moment, one ``--resume`` to the end, checked."""
     run = work / f"{kind}-{n}"
     run.mkdir()
-    ckpt = run / "ckpt"
-    proc = start(run, "run", STEPS, [], env)
+    (run / "nvme").mkdir()
+    ckpt, extra = run / "ckpt", NVME if kind.startswith("nvme") else []
+    proc = start(run, "run", STEPS, extra, env)
     wait_records(run, proc)
-    fault = inject(kind, proc, run, rng, ref[1] if kind in ("kill", "corrupt") else ref[2])
+    fault = inject(kind, proc, run, rng, ref[1] if kind in ("kill", "corrupt") else ref[2],
+                   env)
     after = complete_steps(ckpt)
-    resumed = finish(start(run, "resume", TOTAL, ["--resume"], env))
-    return {"kind": kind, "trial": n, **fault, "after": sorted(after), "resume_rc": resumed,
-            **check(run, fault, after, resumed == 0, ref[0])}
+    resumed = finish(start(run, "resume", TOTAL, [*extra, "--resume"], env))
+    out = {"kind": kind, "trial": n, **fault, "after": sorted(after), "resume_rc": resumed,
+           **check(run, fault, after, resumed == 0, ref[0])}
+    if extra:
+        out.update(nvme_outcome(run, out, work / "reference-nvme"))
+    return out
+
+
+def nvme_outcome(run: pathlib.Path, t: dict, ref: pathlib.Path) -> dict:
+    """Whether the run stopped naming the damaged file, the damage was overwritten before it was
+    read, the second run was refused in one line having written nothing; and the checkpoints
+    that differ from the uninterrupted run's."""
+    bad = differing(run, ref)
+    if t["kind"] == "nvme-second":
+        err = (run / "second.err").read_text()
+        ok = t["second_rc"] == 2 and not t["second_wrote"] and len(err.splitlines()) == 1 \
+            and "the NVMe tier's directory nvme/process0 is being written by process" in err
+        outcome = "refused" if ok else "apart" if t["second_rc"] == 0 and not t["landed"] \
+            else "missed"
+    else:
+        named = any(re.search(r"file nvme/process0/slot\d+\.bin is damaged", e)
+                    for e in t["errors"])
+        outcome = ("stopped" if t["rc"] == 1 and named
+                   else "missed" if t["rc"] != 0 or not t["bit_exact"]
+                   else "rewritten" if t["unread"] else "healed")
+    return {"outcome": "missed" if bad else outcome, "from_damaged": bad}
 
 
 def check(run: pathlib.Path, fault: dict, after: set[int], resumed: bool,
@@ -271,10 +377,13 @@ def summarize(trials: list[dict]) -> list[dict]:
         rows.append({
             "kind": kind, "trials": len(ts), "landed": sum(t["landed"] for t in ts),
             "checkpoints_lost": sum(len(t["lost"]) for t in ts),
+            "from_damaged": sum(len(t["from_damaged"]) for t in ts)
+            if kind.startswith("nvme") else "-",
             "bit_exact": sum(t["bit_exact"] for t in ts),
             "tracebacks": sum(t["traceback"] for t in ts),
-            "damage": ", ".join(f"{o} {outcomes.count(o)}" for o in OUTCOMES
-                                if o in outcomes) or "-",
+            "damage": ", ".join(f"{o} {outcomes.count(o)}"
+                                for o in (NVME_OUTCOMES if kind.startswith("nvme")
+                                          else OUTCOMES) if o in outcomes) or "-",
             "exit_codes": f"run {codes(t['rc'] for t in ts)}; "
                           f"resume {codes(t['resume_rc'] for t in ts)}"})
     return rows
@@ -289,13 +398,13 @@ def codes(rcs) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    """Markdown, as it goes into docs/guides/checkpoints.md."""
-    lines = ["| fault | trials | fault landed | checkpoints lost | resumes bit-exact "
-             "| tracebacks | damaged checkpoint | exit codes |", "|" + "---|" * 8]
+    """Markdown, as it goes into docs/guides/checkpoints.md and nvme.md."""
+    lines = ["| fault | trials | fault landed | checkpoints lost | checkpoints from damaged "
+             "state | resumes bit-exact | tracebacks | damage | exit codes |", "|" + "---|" * 9]
     for r in rows:
         lines.append(f"| {r['kind']} | {r['trials']} | {r['landed']} | {r['checkpoints_lost']} "
-                     f"| {r['bit_exact']}/{r['trials']} | {r['tracebacks']} | {r['damage']} "
-                     f"| {r['exit_codes']} |")
+                     f"| {r['from_damaged']} | {r['bit_exact']}/{r['trials']} "
+                     f"| {r['tracebacks']} | {r['damage']} | {r['exit_codes']} |")
     return "\n".join(lines)
 
 
@@ -307,6 +416,9 @@ def describe(t: dict) -> str:
     if t.get("damaged"):
         d = t["damaged"]
         bits.append(f"damaged {d['how']} {d['path']}: {t['outcome']}")
+    if t["kind"].startswith("nvme"):
+        bits.append(f"{t['moment']}: {t['outcome']}, from damaged state {t['from_damaged']}"
+                    + (f", second run rc={t['second_rc']}" if "second_rc" in t else ""))
     return "; ".join(bits)
 
 
@@ -325,12 +437,16 @@ def main(argv: list[str] | None = None) -> int:
         work = pathlib.Path(args.workdir or tmp).absolute()
         work.mkdir(parents=True, exist_ok=True)
         env = environment(work)
-        ref = reference(work, env)
-        print(f"reference: {len(ref[0])} steps, training window {ref[1]:.1f} s", flush=True)
+        refs = {}
         trials = []
         for kind in args.kinds:
+            family = tuple(NVME) if kind.startswith("nvme") else ()
+            if family not in refs:
+                refs[family] = ref = reference(work, env, family)
+                print(f"reference{' (NVMe)' * bool(family)}: {len(ref[0])} steps, training "
+                      f"window {ref[1]:.1f} s", flush=True)
             for n in range(args.trials):
-                trials.append(trial(kind, n, work, env, rng, ref))
+                trials.append(trial(kind, n, work, env, rng, refs[family]))
                 print(describe(trials[-1]), flush=True)
     rows = summarize(trials)
     print(format_table(rows))

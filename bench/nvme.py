@@ -8,18 +8,22 @@ master and moments (12 bytes a parameter) in files under ``--path``. Each round 
 tier's update (read, optimizer, write back, band by band) and then a plain sequential pass over
 the same files in chunks of the same size (read each chunk, write it back: the rate the disk
 allows). Both report GB/s of bytes read plus written, medians over rounds, and their ratio (the
-target is at least 0.7). Without ``--drop-caches`` (root only) both go through the page cache,
-so they measure the same cached I/O path; with it, each pass starts from the disk.
+target is at least 0.7). Each round also runs one update without the bands' checksums (CRC-32
+made a constant, so nothing is computed or compared), for what they cost. Without
+``--drop-caches`` (root only) both go through the page cache, so they measure the same cached
+I/O path; with it, each pass starts from the disk.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import tempfile
 import time
 
 import harness  # bench/harness.py, beside this script
+import numpy as np
 
 
 def options(p) -> None:
@@ -53,6 +57,22 @@ def sequential(files: list[str], chunk: int) -> float:
     return time.perf_counter() - start
 
 
+@contextlib.contextmanager
+def checksums_off(tier, tiers):
+    """The tier's update with ``nvme.checksum`` a constant: every sum 0, every check passes.
+    The files' true sums are set afterwards (untimed), for the next update's checks."""
+    for sums in tier._sums:
+        sums[:] = [0] * len(sums)
+    real, tiers.checksum = tiers.checksum, lambda data: 0
+    try:
+        yield
+    finally:
+        tiers.checksum = real
+        for j, f in enumerate(tier.files):
+            data = np.fromfile(f, np.uint8)
+            tier._sums[j] = [real(data[b.start:b.start + b.nbytes]) for b in tier._placed[j][0]]
+
+
 def main() -> None:
     args = harness.parse_args(__doc__.splitlines()[0], options)
 
@@ -64,6 +84,7 @@ def main() -> None:
     from jax.sharding import PartitionSpec as P
 
     from zero_jax import Nvme, Offload, init_state, make_mesh, make_plan, make_train_step
+    from zero_jax import nvme as tiers
 
     width = 1024
     layers = max(1, round(args.params_m * 1e6 / width ** 2))
@@ -88,25 +109,28 @@ def main() -> None:
     batch = jax.device_put(x_BxD, NamedSharding(mesh, P("data")))
     state, _ = step(init_state(plan, init, tx, jax.random.key(0)), batch)  # warm up
 
-    update, timed = tier.update, []
+    update, timed, checked = tier.update, {True: [], False: []}, [True]
 
     def timed_update(grads, *program):
         jax.block_until_ready(grads)  # the backward is not the tier's time
         drop_caches(args.drop_caches)
         start = time.perf_counter()
         out = update(grads, *program)
-        timed.append(time.perf_counter() - start)
+        timed[checked[0]].append(time.perf_counter() - start)
         return out
     tier.update = timed_update
 
     raw = []
     for _ in range(args.rounds):
-        state, _ = step(state, batch)
+        for checked[0] in (True, False):
+            with contextlib.nullcontext() if checked[0] else checksums_off(tier, tiers):
+                state, _ = step(state, batch)
         drop_caches(args.drop_caches)
         raw.append(sequential(tier.files, tier.nvme.chunk_bytes))
     moved = tier.read_bytes + tier.written_bytes
-    pipe_gbs, raw_gbs = moved / statistics.median(timed) / 1e9, \
-        2 * tier.bytes / statistics.median(raw) / 1e9
+    pipe_gbs, bare_gbs, raw_gbs = (moved / statistics.median(timed[True]) / 1e9,
+                                   moved / statistics.median(timed[False]) / 1e9,
+                                   2 * tier.bytes / statistics.median(raw) / 1e9)
 
     print(harness.header("MLP", mesh, args.rounds, 1))
     print(f"{sum(x.size for x in jax.tree.leaves(state.params)) / 1e6:.1f} M parameters, "
@@ -116,7 +140,11 @@ def main() -> None:
     print("| pass | GB/s (read + written) | ratio |")
     print("|---|---|---|")
     print(f"| the tier's update | {pipe_gbs:.2f} | {pipe_gbs / raw_gbs:.2f} |")
+    print(f"| the same without checksums | {bare_gbs:.2f} | {bare_gbs / raw_gbs:.2f} |")
     print(f"| sequential read + write back | {raw_gbs:.2f} | 1.00 |")
+    print(f"the checksums: {statistics.median(timed[True]) - statistics.median(timed[False]):.3f}"
+          f" s of the update's {statistics.median(timed[True]):.3f} s (medians), "
+          f"{(bare_gbs / pipe_gbs - 1) * 100:+.1f}%")
 
 
 if __name__ == "__main__":

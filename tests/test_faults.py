@@ -19,14 +19,28 @@ def trial(kind, rc, lost=(), exact=True, traceback=False, **extra):
 def test_the_table_counts_each_kind():
     trials = [trial("term", 143), trial("term", -15, lost=[4]),
               trial("corrupt", -9, exact=False, outcome="fell back"),
-              trial("corrupt", 0, traceback=True, outcome="refused")]
+              trial("corrupt", 0, traceback=True, outcome="refused"),
+              trial("nvme-flip", 1, outcome="stopped", from_damaged=[]),
+              trial("nvme-flip", 0, exact=False, outcome="missed", from_damaged=[8, 10])]
     assert faults.format_table(faults.summarize(trials)).splitlines() == [
-        "| fault | trials | fault landed | checkpoints lost | resumes bit-exact | tracebacks "
-        "| damaged checkpoint | exit codes |",
-        "|---|---|---|---|---|---|---|---|",
-        "| term | 2 | 2 | 1 | 2/2 | 0 | - | run 143 x1, SIGTERM x1; resume 0 x2 |",
-        "| corrupt | 2 | 2 | 0 | 1/2 | 1 | fell back 1, refused 1 "
-        "| run SIGKILL x1, 0 x1; resume 0 x2 |"]
+        "| fault | trials | fault landed | checkpoints lost | checkpoints from damaged state "
+        "| resumes bit-exact | tracebacks | damage | exit codes |",
+        "|---|---|---|---|---|---|---|---|---|",
+        "| term | 2 | 2 | 1 | - | 2/2 | 0 | - | run 143 x1, SIGTERM x1; resume 0 x2 |",
+        "| corrupt | 2 | 2 | 0 | - | 1/2 | 1 | fell back 1, refused 1 "
+        "| run SIGKILL x1, 0 x1; resume 0 x2 |",
+        "| nvme-flip | 2 | 2 | 0 | 2 | 1/2 | 0 | stopped 1, missed 1 "
+        "| run 1 x1, 0 x1; resume 0 x2 |"]
+
+
+def test_checkpoints_that_differ_from_the_reference_are_counted(tmp_path):
+    """A checkpoint saved from state the uninterrupted run never had shows in its digests."""
+    for run, digest in (("ref", {2: "a", 4: "b", 6: "c"}), ("trial", {2: "a", 4: "x"})):
+        for step, value in digest.items():
+            meta = tmp_path / run / "ckpt" / str(step) / "meta"
+            meta.mkdir(parents=True)
+            (meta / "metadata").write_text(f'{{"digests": {{"params/w": "{value}"}}}}')
+    assert faults.differing(tmp_path / "trial", tmp_path / "ref") == [4]
 
 
 @pytest.mark.parametrize("how", faults.DAMAGES)

@@ -4,12 +4,14 @@ Against ``Offload(optimizer=1.0)`` (the same optax update, in host memory): the 
 parameters and state, bit for bit, at every stage (AdamW, and SGD over two microbatches); the
 files where the policy says and nowhere else; the bands alive at once bounded by
 ``Nvme.buffers`` while the state is many times that; checkpoints across the tiers; bad paths,
-failed files and unchunkable optimizers refused with one line.
+failed files and unchunkable optimizers refused with one line; one writer per directory, and a
+damaged band stopping the step that reads it, naming its file, before anything is trained on it.
 """
 
 import dataclasses
 import json
 import os
+import re
 import shutil
 import sys
 import tracemalloc
@@ -26,7 +28,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from lm import LAYERS
 
-from zero_jax import Offload, Precision, init_state, make_plan, make_train_step
+from zero_jax import Offload, Precision, init_state, lock, make_plan, make_train_step
+from zero_jax import nvme as tiers
 from zero_jax.checkpoint import CheckpointError, Checkpoints
 from zero_jax.nvme import Nvme, NvmeError, check_elementwise
 from zero_jax.state import abstract_state, state_shardings
@@ -113,7 +116,7 @@ def test_equals_host_memory_offload_bit_for_bit(stage, mesh, small, tmp_path):
     assert tier.read_bytes == tier.written_bytes == tier.bytes - frozen
     assert os.listdir(tmp_path) == ["process0"]
     assert sorted(os.listdir(tmp_path / "process0")) == sorted(
-        [os.path.basename(f) for f in tier.files] + ["layout.json"])
+        [os.path.basename(f) for f in tier.files] + ["layout.json", ".writer.lock"])
 
 
 class MLP(nn.Module):
@@ -172,6 +175,7 @@ def test_checkpoints_cross_between_the_tiers(mesh, small, tmp_path):
     ckpts = Checkpoints(tmp_path / "ckpt")
     ckpts.save(step.tier.give(state, state_shardings(nvme, ADAMW)), {})
     ckpts.finish()
+    step.tier.close()  # the directory is free for the next step's tier
     for plan in (host, nvme):  # restored into host memory, and into the files again
         restored, _ = ckpts.restore(abstract_state(plan, ADAMW))
         _, _, more = train(plan, small, restored, 3, 2)
@@ -214,6 +218,66 @@ def test_a_file_lost_mid_run_is_one_line(mesh, small, tmp_path):
         train(nvme, small, state, 1, 1, step)
 
 
+def test_one_writer_per_directory(mesh, small, tmp_path):
+    """A second tier on a directory in use is refused in one line naming the directory and its
+    holder, before it writes anything; once the first closes, the directory is free."""
+    _, _, loss_fn, _ = small
+    nvme = plans(mesh, small, 2, tmp_path)[1]
+    first = make_train_step(nvme, loss_fn, ADAMW)
+    with pytest.raises(ValueError, match=(
+            rf"^the NVMe tier's directory {tmp_path}/process0 is being written by process "
+            rf"{os.getpid()} on .+ since .+ \(.*pytest.*\): two runs on one directory would "
+            rf"train on each other's optimizer state; wait for it to finish, or give this run "
+            rf"another NVMe path$")):
+        make_train_step(nvme, loss_fn, ADAMW)
+    assert os.listdir(tmp_path / "process0") == [".writer.lock"]
+    first.tier.close()
+    make_train_step(nvme, loss_fn, ADAMW).tier.close()
+    assert not os.listdir(tmp_path)  # a tier that wrote nothing leaves nothing
+
+
+def flip(path, offset: int, n: int) -> None:
+    """``n`` bytes of a file inverted from ``offset``, as a disk's bad block would return them."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        data = f.read(n)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def zero(path) -> None:
+    with open(path, "r+b") as f:
+        f.write(bytes(os.path.getsize(path)))
+
+
+def test_a_damaged_band_stops_the_step_naming_its_file(mesh, small, tmp_path):
+    """Bytes flipped in one band: the step that reads it stops with one line naming the file
+    and the band, and reading the state back for a checkpoint is refused alike; files zeroed:
+    the same. A checkpoint's state handed to the step rewrites the files and training goes on
+    with the losses of host memory."""
+    nvme = plans(mesh, small, 3, tmp_path)[1]
+    want = host_run(mesh, small, 3, tmp_path)[1]
+    step, state, losses = train(nvme, small, steps=1)
+    tier, shardings = step.tier, state_shardings(nvme, ADAMW)
+    good = tier.give(state, shardings)  # what a checkpoint after step 1 holds
+    band = tier._placed[0][0][1]
+    flip(tier.files[0], band.start + 16, 256)
+    damaged = (rf"^the NVMe tier's file {tier.files[0]} is damaged: band 1 of {tier._nbands} "
+               rf"\(bytes {band.start}-{band.start + band.nbytes}\) does not match the checksum "
+               rf"written with it; nothing was trained on it or read back from it: restart "
+               rf"from the last checkpoint$")
+    with pytest.raises(NvmeError, match=damaged):
+        train(nvme, small, state, 1, 1, step)
+    with pytest.raises(NvmeError, match=damaged):
+        tier.give(state, shardings)
+    for f in tier.files:
+        zero(f)
+    with pytest.raises(NvmeError, match=rf"file {tier.files[0]} is damaged: band 0 of "):
+        train(nvme, small, state, 1, 1, step)
+    _, _, more = train(nvme, small, good, 1, 2, step)  # restarted from the checkpoint
+    assert losses + more == want[:3]
+
+
 def test_the_guides_example_runs_as_written(mesh, small, tmp_path):
     _, init, loss_fn, batches = small
     ns = {"params_shape": jax.eval_shape(init, KEY), "mesh": mesh, "init_params": init,
@@ -226,7 +290,7 @@ def test_the_guides_example_runs_as_written(mesh, small, tmp_path):
     _, m = ns["step"](ns["state"], jax.device_put(batches[1], NamedSharding(mesh, P("data"))))
     want = host_run(mesh, small, 3, tmp_path)[1]
     assert [float(ns["metrics"]["loss"]), float(m["loss"])] == want[:2]
-    assert len(os.listdir(tmp_path / "process0")) == len(ns["step"].tier.files) + 1
+    assert len(os.listdir(tmp_path / "process0")) == len(ns["step"].tier.files) + 2
 
 
 def _full():
@@ -276,3 +340,78 @@ def test_train_py_trains_resumes_and_reports_with_the_tier(tmp_path, monkeypatch
     assert "in files under nvme (the NVMe tier)" in capsys.readouterr().out
     report = json.loads((tmp_path / "r.json").read_text())["offload"]["nvme"]
     assert report["swapped_bytes_per_step"] == 2 * sum(report["file_bytes"].values()) > 0
+
+
+def test_train_py_stops_on_a_damaged_tier_and_resumes_exactly(tmp_path, monkeypatch, capsys):
+    """Through ``train.py`` (4 steps, a checkpoint every 2): a band flipped just after
+    checkpoint 2, and every file zeroed in the middle of step 3's update, each stop the run at
+    once with one line naming the file (exit 1): no checkpoint after 2 is written, 2 is kept,
+    and ``--resume`` gives the uninterrupted run's losses bit for bit. A second run on the
+    tier's directory is refused in one line (exit 2) before it writes anything."""
+    sys.path.insert(0, str(ROOT))
+    import train as cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "nvme").mkdir()
+    base = ["--config", "tiny", *ONE_LAYER, *FIXED_SCHEDULE, "--set", "optimizer.clip_norm=0",
+            "--set", "zero.offload_optimizer.device=nvme", "--set",
+            "zero.offload_optimizer.nvme_path=nvme", "--save-every", "2"]
+
+    def run(name, *more):
+        capsys.readouterr()
+        rc = cli.main([*base, "--steps", "4", "--checkpoint-dir", name, "--metrics",
+                       f"{name}.jsonl", *more])
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert "Traceback" not in "\n".join(err)
+        return rc, err
+
+    def losses(name):
+        return [json.loads(line)["loss"] for line in (tmp_path / f"{name}.jsonl").open()]
+
+    assert run("whole")[0] == 0
+    real_give, real_update, real_write = tiers.Tier.give, tiers.Tier.update, tiers.Tier._write
+
+    def give_then_flip(self, *args):  # the checkpoint's state is read back, then damaged
+        out = real_give(self, *args)
+        flip(self.files[0], 1024, 4096)
+        return out
+
+    def counted(self, *args):
+        self.updates = getattr(self, "updates", 0) + 1
+        return real_update(self, *args)
+
+    def write_then_zero(self, *args):  # step 3's first band written, then every file zeroed
+        real_write(self, *args)
+        if self.updates == 3 and not getattr(self, "zeroed", False):
+            self.zeroed = [zero(f) for f in self.files]
+
+    for name, patches in [("flipped", {"give": give_then_flip}),
+                          ("zeroed", {"update": counted, "_write": write_then_zero})]:
+        with monkeypatch.context() as m:
+            for attr, fn in patches.items():
+                m.setattr(tiers.Tier, attr, fn)
+            rc, err = run(name)
+        assert rc == 1 and len([e for e in err if e.startswith("error:")]) == 1, err
+        assert re.fullmatch(
+            r"error: the NVMe tier's file nvme/process0/slot\d+\.bin is damaged: band 0 of \d+ "
+            r"\(bytes \d+-\d+\) does not match the checksum written with it; nothing was "
+            r"trained on it or read back from it: restart from the last checkpoint; the "
+            rf"newest checkpoint, from before it, is 2 in {tmp_path / name}: continue from it "
+            r"with --resume", err[-1]), err
+        assert Checkpoints(tmp_path / name, read_only=True).steps() == [2]
+        assert losses(name) == losses("whole")[:2]  # step 3 stopped before its record
+        assert run(name, "--resume")[0] == 0
+        assert losses(name) == losses("whole"), name
+    before = {p: p.read_bytes() for p in (tmp_path / "nvme" / "process0").glob("*.bin")}
+    holder = lock.WriterLock(tmp_path / "nvme" / "process0")  # another run's, in effect
+    try:
+        rc, err = run("second")
+    finally:
+        holder.release()
+    assert rc == 2 and len(err) == 1, err
+    assert re.fullmatch(
+        rf"error: the NVMe tier's directory nvme/process0 is being written by process "
+        rf"{os.getpid()} on .+: two runs on one directory would train on each other's "
+        r"optimizer state; wait for it to finish, or give this run another NVMe path", err[0])
+    assert not (tmp_path / "second").exists() and not (tmp_path / "second.jsonl").exists()
+    assert before == {p: p.read_bytes() for p in (tmp_path / "nvme" / "process0").glob("*.bin")}

@@ -1,4 +1,5 @@
-"""One writer per checkpoint directory, and an error that says who holds it.
+"""One writer per directory (a checkpoint directory, the NVMe tier's), and an error that says
+who holds it.
 
 An advisory ``flock`` on ``DIR/.writer.lock``: the kernel drops it when the holder dies (a
 SIGKILL leaves no stale lock to clean up), and the file records who took it. The holder
@@ -24,17 +25,19 @@ class LockedError(RuntimeError):
 
 
 class WriterLock:
-    def __init__(self, directory: pathlib.Path):
-        self.path = directory / NAME
+    """``what`` names the directory in the refusal, ``fix`` says what to do instead."""
+
+    def __init__(self, directory: pathlib.Path, what: str = "checkpoint directory",
+                 fix: str = "wait for it to finish, or pass another --checkpoint-dir"):
+        self.path = pathlib.Path(directory) / NAME
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                raise LockedError(f"checkpoint directory {directory} is being written by "
-                                  f"{self.holder()}: wait for it to finish, or pass another "
-                                  "--checkpoint-dir") from None
+                raise LockedError(f"{what} {directory} is being written by {self.holder()}: "
+                                  f"{fix}") from None
             try:
                 if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
                     break

@@ -225,13 +225,22 @@ class DivergenceGuard:
     """The divergence guard: a streak of bad steps (``bad_step``) stops the run once it is
     ``max_bad`` long, or at once when a bad step's update went in; nothing is saved
     while a streak lasts, so the newest checkpoint is from before it. Off (0), it stops and
-    holds back nothing, but a run that ends in a streak is still not reported done."""
+    holds back nothing, but a run that ends in a streak is still not reported done.
 
-    def __init__(self, max_bad: int = 5, min_loss_scale: float = 1.0):
+    A finite loss far above the last ``WINDOW`` (``jumped``) is only warned of (``write``):
+    damaged state or too high a learning rate shows there first, yet a noisy run may also
+    jump once."""
+
+    WINDOW = 10
+
+    def __init__(self, max_bad: int = 5, min_loss_scale: float = 1.0,
+                 write: Callable[[str], None] | None = None):
         self.max_bad, self.min_loss_scale = max_bad, min_loss_scale
         self.streak_from: int | None = None  # the first step of the current streak
         self.last_finite: int | None = None  # the last step with a finite loss
         self.diverged = False
+        self.recent: list[float] = []  # the last WINDOW finite losses
+        self.write = write or (lambda text: print(f"warning: {text}", file=sys.stderr))
 
     @property
     def bad_from(self) -> int | None:
@@ -242,11 +251,24 @@ class DivergenceGuard:
         """Record step ``step``'s metrics; whether to stop now."""
         if math.isfinite(m["loss"]):
             self.last_finite = step
+            self.jumped(m["loss"], step)
         bad = bad_step(m, self.min_loss_scale)
         self.streak_from = (self.streak_from or step) if bad else None
         self.diverged = self.bad_from is not None and (
             step + 1 - self.bad_from >= self.max_bad or not m["skipped"])
         return self.diverged
+
+    def jumped(self, loss: float, step: int) -> None:
+        """Warn of a loss above the highest of the last WINDOW by more than their spread (and
+        by a tenth of it at least, for a loss that had settled)."""
+        if len(self.recent) == self.WINDOW:
+            lo, hi = min(self.recent), max(self.recent)
+            if loss > hi + max(hi - lo, 0.1 * abs(hi)):
+                self.write(f"the loss jumped to {loss:.4g} at step {step}, far above its last "
+                           f"{self.WINDOW} steps' {lo:.4g} to {hi:.4g}: training goes on; if "
+                           "it stays there, resume from a checkpoint before this step (with a "
+                           "lower learning rate, if the state is sound)")
+        self.recent = [*self.recent[-self.WINDOW + 1:], loss]
 
 
 def bad_step(m: dict, min_loss_scale: float) -> bool:

@@ -12,17 +12,27 @@ is read and the previous one written (DeepSpeed's pipelined swapper). At most
 Cutting rows is exact when the optimizer is elementwise (SGD, momentum, Adam, AdamW, Lion):
 ``check_elementwise`` reads that off the update's jaxpr and refuses the rest (global-norm
 clipping, Adafactor's factored moments), naming what it found.
+
+The files are the state: a second run writing into them, or bytes changed under the run, would
+be trained on and checkpointed without a sign. So a tier holds its directory's writer lock
+(``zero_jax.lock``) from its construction to ``close()``, and keeps the CRC-32 of every band as
+it wrote it: a band read back (by the update, or by ``give`` for a checkpoint) that does not
+match stops with ``NvmeError`` naming the file and the band. The sums live in memory: every run
+writes the files anew from a state (``take``, ``start``), so no run reads another's files.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import shutil
 import threading
+import weakref
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -33,6 +43,7 @@ import numpy as np
 import optax
 from jax.extend import core as jex_core
 
+from zero_jax.lock import LockedError, WriterLock
 from zero_jax.offload import Nvme  # noqa: F401 (the policy, re-exported)
 from zero_jax.rules import Leaf, Plan
 
@@ -122,7 +133,8 @@ class Tier:
     master and optimizer state to the files and returns the state without them (``start``,
     a new state's master and the optimizer's init, band by band);
     ``update(grads)`` runs the pipeline; ``give(state, shardings)`` reads them back into a
-    whole state (for a checkpoint, or to compare)."""
+    whole state (for a checkpoint, or to compare); ``close()`` lets another tier use the
+    directory (as the tier's garbage collection, or the process's exit, does)."""
 
     def __init__(self, plan: Plan, tx: optax.GradientTransformation):
         self.plan, self.nvme = plan, plan.offload.nvme
@@ -152,6 +164,9 @@ class Tier:
         self._slots, self._nbands, self._rows = self._bands()
         self._placed = [self._place(slot) for slot in self._slots]
         self.check_path()
+        self._lock = self._take_lock()
+        self._sums: list[list[int]] = [[] for _ in self._slots]  # per band, as written
+        self._kept_sums: list[list[tuple[int, int, int]]] = [[] for _ in self._slots]
         self._band = [self._piece_shape(i, r) for i, r in enumerate(self._rows)]
         self.band_fn = self._band_fn()
         self.band_program = jax.jit(self.band_fn)  # runs where its arguments are: the CPU
@@ -254,6 +269,28 @@ class Tier:
                              f"process's optimizer state needs {self.bytes / 2**30:.3f} GiB: "
                              f"free space there, or spread the state over more devices")
 
+    def _take_lock(self) -> WriterLock:
+        """This process's directory, locked: one run's state per directory (two would train
+        each on the other's)."""
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            lock = WriterLock(self.root, "the NVMe tier's directory", (
+                "two runs on one directory would train on each other's optimizer state; wait "
+                "for it to finish, or give this run another NVMe path"))
+        except LockedError as e:
+            raise ValueError(str(e)) from None
+        except OSError as e:
+            raise ValueError(f"NVMe path {self.nvme.path}: cannot create {self.root} "
+                             f"({e.strerror}): set a directory you can write to") from None
+        self._release = weakref.finalize(self, lock.release)
+        return lock
+
+    def close(self) -> None:
+        """Release the directory (the files stay); removed if this tier wrote nothing in it."""
+        self._release()
+        with contextlib.suppress(OSError):
+            os.rmdir(self.root)
+
     # -- the update of one chunk --------------------------------------------------------------
     def _optimize(self, grads, opt_state, master):
         updates, opt_state = self.tx.update(grads, opt_state, master)
@@ -351,35 +388,47 @@ class Tier:
 
     def _write_slot(self, j: int, rows_of: Callable[[int], dict]) -> None:
         """Slot ``j``'s file, written band by band: ``rows_of(k)`` gives band k's rows of every
-        piece's parts, ``{(parameter, part): rows}``, trained (into the band) and frozen (into
-        their place after the bands) alike."""
-        os.makedirs(self.root, exist_ok=True)
+        piece's parts, ``{(parameter, part): rows}``, trained (into the band, one write) and
+        frozen (into their place after the bands) alike; the checksum of each write kept."""
         bands, kept, size = self._placed[j]
-        fd = os.open(self.files[j], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._sums[j], self._kept_sums[j] = [], []
         try:
-            os.ftruncate(fd, size)
-            for k, band in enumerate(bands):
-                for (i, p), x in rows_of(k).items():
-                    if not len(x):
-                        continue
-                    s = self._slots[j][i]
-                    at = kept[i, p] + self._span(s, k)[0] * s.shape[1] * self._itemsize(p) \
-                        if i in self._frozen else band.start + band.where[i, p][0]
-                    x = np.ascontiguousarray(x, self._dtype(p)).view(np.uint8)
-                    if os.pwrite(fd, x, at) != x.nbytes:
-                        raise OSError(f"{self.files[j]}: short write")
-        finally:
-            os.close(fd)
+            fd = os.open(self.files[j], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                for k, band in enumerate(bands):
+                    data = np.zeros(band.nbytes, np.uint8)
+                    for (i, p), x in rows_of(k).items():
+                        x = np.ascontiguousarray(x, self._dtype(p)).view(np.uint8).ravel()
+                        if not x.nbytes:
+                            continue
+                        if i not in self._frozen:
+                            data[band.where[i, p][0]:][:x.nbytes] = x
+                        else:
+                            s = self._slots[j][i]
+                            at = kept[i, p] + self._span(s, k)[0] * s.shape[1] * \
+                                self._itemsize(p)
+                            _pwrite(fd, x, at, self.files[j])
+                            self._kept_sums[j].append((at, x.nbytes, checksum(x)))
+                    _pwrite(fd, data, band.start, self.files[j])
+                    self._sums[j].append(checksum(data))
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise NvmeError(f"the NVMe tier's file {self.files[j]} could not be written ({e}): "
+                            f"nothing was trained; free or fix the disk and start again") from None
 
     def give(self, state, shardings):
         """``state`` with its master and optimizer state read back from the files, laid out by
         ``shardings`` (``state_shardings``'s, or an ``abstract_state``): for a checkpoint, or
         to compare."""
+        self._check_written()
         sharding = lambda tree: [getattr(x, "sharding", x) for x in jax.tree.leaves(tree)]
         m_sh, s_sh = sharding(shardings.master), sharding(shardings.opt_state)
         pieces: dict[tuple[int, int | None], list] = collections.defaultdict(list)
-        for f, slot, (bands, kept, _) in zip(self.files, self._slots, self._placed, strict=True):
-            data = np.fromfile(f, np.uint8)
+        for j, (slot, (bands, kept, _)) in enumerate(zip(self._slots, self._placed,
+                                                        strict=True)):
+            data = self._read_whole(j)
             rows = {(i, p): np.empty(s.shape, self._dtype(p)) for i, s in slot.items()
                     for p in s.parts}
             for k, band in enumerate(bands):
@@ -406,6 +455,43 @@ class Tier:
         return state._replace(master=self._p_tree.unflatten(masters),
                               opt_state=self._s_tree.unflatten(states))
 
+    def _check_written(self) -> None:
+        if not all(self._sums):
+            raise ValueError("the NVMe tier holds no state of its own yet: the state's master "
+                             "and optimizer state are in another tier's files; hand this step "
+                             "a whole state (init_state's, or a restored checkpoint)")
+
+    def _read_whole(self, j: int) -> np.ndarray:
+        """Slot ``j``'s file, every band and frozen piece checked against its checksum."""
+        bands, _, size = self._placed[j]
+        try:
+            data = np.fromfile(self.files[j], np.uint8)
+        except OSError as e:
+            raise NvmeError(f"the NVMe tier's file {self.files[j]} cannot be read back ({e}): "
+                            f"restart from the last checkpoint") from None
+        if data.nbytes != size:
+            raise NvmeError(f"the NVMe tier's file {self.files[j]} is {data.nbytes} bytes, not "
+                            f"the {size} it was written with: it was damaged; restart from the "
+                            f"last checkpoint")
+        for k, band in enumerate(bands):
+            self._check(j, k, data[band.start:band.start + band.nbytes])
+        for at, n, crc in self._kept_sums[j]:
+            if checksum(data[at:at + n]) != crc:
+                raise NvmeError(self._damaged(j, f"the frozen bytes {at}-{at + n}"))
+        return data
+
+    def _check(self, j: int, k: int, data: np.ndarray) -> None:
+        """Raise unless band ``k`` of slot ``j``, as read, is the band as written."""
+        if checksum(data) != self._sums[j][k]:
+            band = self._placed[j][0][k]
+            raise NvmeError(self._damaged(j, f"band {k} of {self._nbands} (bytes {band.start}-"
+                                             f"{band.start + band.nbytes})"))
+
+    def _damaged(self, j: int, what: str) -> str:
+        return (f"the NVMe tier's file {self.files[j]} is damaged: {what} does not match the "
+                f"checksum written with it; nothing was trained on it or read back from it: "
+                f"restart from the last checkpoint")
+
     def _write_meta(self) -> None:
         part = lambda p: "master" if p is None else f"optimizer state leaf {p}"
         meta = [{"file": os.path.basename(f), "bytes": size, "bands": self._nbands,
@@ -423,6 +509,7 @@ class Tier:
                ) -> dict[int, list[jax.Array]]:
         """``_update`` (with ``program`` for ``band_program``: one compiled with other options),
         a failed read or write said in one line."""
+        self._check_written()
         try:
             return self._update(grads, program or self.band_program)
         except OSError as e:
@@ -529,6 +616,7 @@ class Tier:
             got = os.preadv(fd, [memoryview(data)], band.start)
             if got != band.nbytes:
                 raise OSError(f"{self.files[j]}: short read ({got} of {band.nbytes} bytes)")
+            self._check(j, k, data)
             if k + 1 < len(bands):
                 os.posix_fadvise(fd, bands[k + 1].start, bands[k + 1].nbytes,
                                  os.POSIX_FADV_WILLNEED)
@@ -539,7 +627,9 @@ class Tier:
     def _write(self, j: int, k: int, data: np.ndarray, buffers: _Buffers) -> None:
         band = self._placed[j][0][k]
         try:
+            crc = checksum(data)
             _write_at(self.files[j], data, band.start)
+            self._sums[j][k] = crc
         finally:
             buffers.free(band.nbytes)
 
@@ -608,11 +698,19 @@ def _view(data: np.ndarray, offset: int, dtype, shape: tuple[int, ...]) -> np.nd
     return data[offset:offset + n].view(dtype).reshape(shape)
 
 
+def checksum(data: np.ndarray) -> int:
+    """The CRC-32 of a band's bytes (``uint8``), as written or as read."""
+    return zlib.crc32(data)
+
+
 def _write_at(path: str, data: np.ndarray, offset: int) -> None:
     fd = os.open(path, os.O_WRONLY)
     try:
-        done = os.pwrite(fd, memoryview(data), offset)
+        _pwrite(fd, data, offset, path)
     finally:
         os.close(fd)
-    if done != data.nbytes:
+
+
+def _pwrite(fd: int, data: np.ndarray, offset: int, path: str) -> None:
+    if (done := os.pwrite(fd, memoryview(data), offset)) != data.nbytes:
         raise OSError(f"{path}: short write ({done} of {data.nbytes} bytes)")
