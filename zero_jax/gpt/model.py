@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from zero_jax.gather import BLOCK_INPUT, remat_policy
 from zero_jax.rules import Rule, modules_pattern
 
+LN_EPS = 1e-5  # GPT-2's layer-norm epsilon (and nn.gelu's tanh approximation is its GELU)
 LAYER_STACKS = ("blocks",)  # this model's modules under nn.scan
 LAYERS = modules_pattern(LAYER_STACKS)  # the plan's ``layers`` pattern for this model
 # Megatron's tensor-parallel layout, as rules over parameter paths (dimensions from the end,
@@ -61,7 +62,7 @@ class Block(nn.Module):
         init = nn.initializers.normal(0.02)
         out_init = nn.initializers.normal(0.02 / math.sqrt(2 * c.n_layers))
 
-        h = nn.LayerNorm(name="ln1")(x)
+        h = nn.LayerNorm(epsilon=LN_EPS, name="ln1")(x)
         # (3, heads, head size) outputs: tensor parallelism cuts whole heads (TENSOR_PARALLEL).
         qkv = nn.DenseGeneral((3, c.n_heads, dh), kernel_init=init, name="qkv")(h)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
@@ -71,7 +72,7 @@ class Block(nn.Module):
         att = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), v).reshape(b, t, d)
         x = x + nn.Dense(d, kernel_init=out_init, name="proj")(att)
 
-        h = nn.LayerNorm(name="ln2")(x)
+        h = nn.LayerNorm(epsilon=LN_EPS, name="ln2")(x)
         h = nn.gelu(nn.Dense(c.d_ff, kernel_init=init, name="fc1")(h))
         x = x + nn.Dense(d, kernel_init=out_init, name="fc2")(h)
         return x, None
@@ -99,7 +100,7 @@ class GPT(nn.Module):
         stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                         length=c.n_layers)
         x, _ = stack(c, name="blocks")(x, None)
-        x = nn.LayerNorm(name="ln_f")(x)
+        x = nn.LayerNorm(epsilon=LN_EPS, name="ln_f")(x)
         return x @ wte.T  # output head tied to the embedding, as GPT-2
 
 
