@@ -321,3 +321,29 @@ def test_the_guide_maps_fused_transposed_heads_and_back(tmp_path, monkeypatch):
     assert set(back) == set(ns["theirs"])
     for name, x in back.items():
         np.testing.assert_array_equal(x, ns["theirs"][name])
+
+
+def test_a_bf16_checkpoint_into_a_bf16_run_with_a_frozen_embedding(gpt2, tmp_path):
+    """transformers' model saved in bf16 (BF16 tensors), read into a bf16 run at stage 3 whose
+    position embedding is frozen: the fp32 master holds the file's values exactly, the compute
+    copy is bf16, and a step trains everything but wpe."""
+    model = transformers.GPT2LMHeadModel.from_pretrained(gpt2["one"]).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    files, mapping = hf.weights_source(tmp_path / "bf16")
+    assert {i.dtype.name for i in files.tensors.values()} == {"bfloat16"}
+    whole = load_params(plan_for(gpt2["model"], 0), *hf.weights_source(gpt2["one"]))
+    want = jax.tree.map(lambda x: np.asarray(x).astype(jax.numpy.bfloat16).astype(np.float32),
+                        whole)
+    base = plan_for(gpt2["model"], 3)
+    plan = zj.make_plan(base.shapes, base.mesh, stage=3, layers=LAYERS,
+                        rules=[zj.Rule("^wpe$", frozen=True)], precision=zj.Precision("bf16"))
+    state = zj.init_state(plan, load_params(plan, files, mapping), optax.sgd(0.1))
+    master = jax.device_get(state.master)
+    for a, b in zip(jax.tree.leaves(master), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jax.numpy.dtype("bfloat16")}
+    state, _ = zj.make_train_step(plan, lm_loss(gpt2["model"]), optax.sgd(0.1))(state, TOKENS)
+    after = jax.device_get(state.master)
+    np.testing.assert_array_equal(after["wpe"], want["wpe"])
+    assert not np.array_equal(after["wte"], want["wte"])
+    assert not np.array_equal(after["blocks"]["qkv"]["kernel"], want["blocks"]["qkv"]["kernel"])

@@ -185,7 +185,7 @@ def _sources(files: TensorFiles, mapping: Mapping, shapes: PyTree) -> dict[str, 
                                    f"which makes {list(got)} for parameter {path} of shape "
                                    f"{list(per)}{' per layer' if row.stacked else ''}: pass "
                                    "weights of this model's config, or fix the mapping")
-            if info.dtype.kind != np.dtype(want.dtype).kind:
+            if _floating(info.dtype) != _floating(want.dtype):
                 raise WeightsError(f"tensor {name} in {info.file} is {info.dtype}, parameter "
                                    f"{path} is {np.dtype(want.dtype)}: pass floating-point "
                                    "weights")
@@ -197,6 +197,10 @@ def _sources(files: TensorFiles, mapping: Mapping, shapes: PyTree) -> dict[str, 
             raise WeightsError(f"tensor {name} in {info.file} is not used by the mapping: "
                                "pass the model's own weights, or map or ignore it")
     return out
+
+
+def _floating(dtype) -> bool:
+    return bool(jax.numpy.issubdtype(dtype, jax.numpy.floating))  # bfloat16 included
 
 
 def load_params(plan: Plan, source: str | os.PathLike | TensorFiles,
