@@ -19,6 +19,7 @@ models as a Hugging Face directory.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import pathlib
@@ -123,6 +124,17 @@ def _size(text: str) -> int:
     return size
 
 
+def _return_freed_memory() -> None:
+    """A streamed export frees each parameter before reading the next. glibc raises its mmap
+    threshold to the largest block freed (up to 32 MiB), after which such blocks come from the
+    heap, which a stream of them fragments (8 parameters of 16 MiB: 309 MB peak, 264 MB with
+    the threshold fixed at 1 MiB): fixed, each buffer goes back to the system when dropped."""
+    try:
+        ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line and exit code 2, like train.py
         print(f"error: {message}", file=sys.stderr)
@@ -146,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     from zero_jax.tensorfiles import WeightsError
 
     quiet_background_errors()  # a checkpoint that cannot be read is its one line below
+    if args.format == "safetensors":
+        _return_freed_memory()
     try:
         config = export(args.checkpoint_dir, args.out, args.step, args.dtype,
                         {"max_shard_bytes": args.max_shard_size}

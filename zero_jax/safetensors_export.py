@@ -44,7 +44,7 @@ class LeafReader:
                 item={self.name: item}, restore_args={self.name: args}, partial_restore=True))
         x = _flat(out[self.name])[path]
         key = f"{self.name}/{path}"
-        if self.digests is not None and integrity.digest(x)[0] != self.digests.get(key):
+        if self.digests is not None and integrity.host_digest(x) != self.digests.get(key):
             raise CorruptCheckpointError(self.step, f"checkpoint step {self.step} in "
                                          f"{self.ckpts.path} is corrupted: {key} does not match "
                                          "the digest recorded when it was saved")

@@ -207,6 +207,7 @@ def write_file(file: pathlib.Path, specs: list[Spec], arrays: Iterable[np.ndarra
             if x.shape != tuple(s.shape):
                 raise WeightsError(f"{s.name}: got shape {x.shape}, declared {s.shape}")
             f.write(x.astype(x.dtype.newbyteorder("<"), copy=False).reshape(-1).view(np.uint8))
+            x = None  # not held while the next is made
 
 
 def write_set(out: pathlib.Path, specs: list[Spec], arrays: Iterator[np.ndarray],

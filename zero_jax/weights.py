@@ -271,12 +271,12 @@ def export_arrays(mapping: Mapping, specs: list, leaf: Any) -> Iterator[np.ndarr
     """Each tensor of ``specs`` (``export_specs``), cut from its parameter: ``leaf(path)``
     reads a parameter whole; it is called once per parameter, in order, and only one is held."""
     rows = {t.path: t for t in mapping.tensors}
-    current, value = None, None
+    current = value = x = None
     for spec, path, layer, part in specs:
         if path != current:
-            current, value = path, None  # drop the last before reading the next
-            value = np.asarray(leaf(path))
+            value = x = None  # the last parameter dropped before the next is read
+            current, value = path, np.asarray(leaf(path))
         x = value if layer is None else value[layer]
         if part is not None:
             x = np.take(x, part, axis=rows[path].fuse_axis)
-        yield rows[path].backward(x, spec.shape).astype(spec.dtype)
+        yield rows[path].backward(x, spec.shape).astype(spec.dtype, copy=False)
