@@ -31,10 +31,14 @@ HF = {"vocab_size": 64, "n_positions": 16, "n_embd": 32, "n_layer": 2, "n_head":
 TOKENS = np.random.default_rng(0).integers(0, 64, (8, 17)).astype(np.int32)
 
 
-def torch_logits(directory, tokens=TOKENS[:, :-1]) -> np.ndarray:
-    model = transformers.GPT2LMHeadModel.from_pretrained(directory).eval()
+def torch_logits_of(cls, directory, tokens=TOKENS[:, :-1]) -> np.ndarray:
+    model = cls.from_pretrained(directory).eval()
     with torch.no_grad():
         return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+def torch_logits(directory, tokens=TOKENS[:, :-1]) -> np.ndarray:
+    return torch_logits_of(transformers.GPT2LMHeadModel, directory, tokens)
 
 
 @pytest.fixture(scope="module")
@@ -387,3 +391,43 @@ def test_export_peak_memory_follows_the_largest_parameter_not_the_model(tmp_path
     leaf = 4 << 22
     assert peaks["eight"] - peaks["two"] < leaf, peaks
     assert peaks["eight"] - peaks["tiny"] < 5 * leaf, peaks
+
+
+def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(tmp_path):
+    """transformers' Llama (RMSNorm, rotary, SwiGLU, grouped-query attention 4:2, untied head),
+    every tensor random: read at stage 3 through the Llama mapping (transposes, head splits),
+    logits within 1e-5 of transformers'; written back through the same table as shards with an
+    index and a config.json, transformers loads it with the same logits."""
+    from zero_jax.gpt import llama
+    from zero_jax.tensorfiles import write_set
+    from zero_jax.weights import export_arrays, export_specs
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+        tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.save_pretrained(tmp_path / "llama")
+    with torch.no_grad():
+        theirs = model(torch.tensor(TOKENS[:, :-1], dtype=torch.long)).logits.numpy()
+    cfg = llama.read_config(tmp_path / "llama")
+    ours_model = llama.Llama(cfg)
+    shapes = jax.eval_shape(lambda: ours_model.init(jax.random.key(0), TOKENS[:1, :-1])["params"])
+    plan = zj.make_plan(shapes, zj.make_mesh(), stage=3, layers=LAYERS)
+    params = load_params(plan, tmp_path / "llama", llama.mapping(cfg))
+    ours = np.asarray(ours_model.apply({"params": params}, TOKENS[:, :-1]))
+    assert rel(ours, theirs) < 1e-5, rel(ours, theirs)
+
+    flat = {zj.rules.path_str(p): np.asarray(v)
+            for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    specs = export_specs(llama.mapping(cfg), {p: v.shape for p, v in flat.items()}, np.float32)
+    out = tmp_path / "out"
+    out.mkdir()
+    write_set(out, [s for s, *_ in specs], export_arrays(llama.mapping(cfg), specs,
+                                                         flat.__getitem__), 20_000)
+    llama.write_config(out, cfg)
+    assert (out / "model.safetensors.index.json").exists()
+    assert rel(torch_logits_of(transformers.LlamaForCausalLM, out), ours) < 1e-5
