@@ -431,3 +431,22 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(tmp_path):
     llama.write_config(out, cfg)
     assert (out / "model.safetensors.index.json").exists()
     assert rel(torch_logits_of(transformers.LlamaForCausalLM, out), ours) < 1e-5
+
+
+@pytest.mark.slow
+def test_two_processes_each_read_half_the_file_at_stage_3(gpt2, tmp_path):
+    """2 processes x 4 devices (zero_jax.launch) read the directory at stage 3: each reads
+    exactly half of the tensors' bytes, and every shard it holds is its slice of the file."""
+    from conftest import SUBPROCESS_ENV
+
+    from zero_jax.launch import spawn, wait
+
+    with open(tmp_path / "log", "w") as log:
+        procs = spawn([str(ROOT / "tests" / "weights_process.py"), str(gpt2["one"]),
+                       str(tmp_path)], 2, 4, env={**SUBPROCESS_ENV, "PYTHONPATH": str(ROOT)},
+                      cwd=ROOT, stdout=log, stderr=log)
+        assert wait(procs, grace=30) == 0, (tmp_path / "log").read_text()[-3000:]
+    runs = [json.loads((tmp_path / f"process-{i}.json").read_text()) for i in range(2)]
+    for run in runs:
+        assert run["local_devices"] == 4 and run["equal"], run
+        assert run["bytes_read"] == run["tensor_bytes"] // 2, run
