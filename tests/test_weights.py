@@ -393,15 +393,10 @@ def test_export_peak_memory_follows_the_largest_parameter_not_the_model(tmp_path
     assert peaks["eight"] - peaks["tiny"] < 5 * leaf, peaks
 
 
-def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(tmp_path):
-    """transformers' Llama (RMSNorm, rotary, SwiGLU, grouped-query attention 4:2, untied head),
-    every tensor random: read at stage 3 through the Llama mapping (transposes, head splits),
-    logits within 1e-5 of transformers'; written back through the same table as shards with an
-    index and a config.json, transformers loads it with the same logits."""
-    from zero_jax.gpt import llama
-    from zero_jax.tensorfiles import write_set
-    from zero_jax.weights import export_arrays, export_specs
-
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> pathlib.Path:
+    """transformers' Llama (4 query heads sharing 2 key/value heads, untied head), every
+    tensor random."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -410,15 +405,30 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(tmp_path):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
-    model.save_pretrained(tmp_path / "llama")
-    with torch.no_grad():
-        theirs = model(torch.tensor(TOKENS[:, :-1], dtype=torch.long)).logits.numpy()
-    cfg = llama.read_config(tmp_path / "llama")
-    ours_model = llama.Llama(cfg)
-    shapes = jax.eval_shape(lambda: ours_model.init(jax.random.key(0), TOKENS[:1, :-1])["params"])
-    plan = zj.make_plan(shapes, zj.make_mesh(), stage=3, layers=LAYERS)
-    params = load_params(plan, tmp_path / "llama", llama.mapping(cfg))
-    ours = np.asarray(ours_model.apply({"params": params}, TOKENS[:, :-1]))
+    path = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(llama_dir, tmp_path, tp):
+    """Read at stage 3 (x tensor parallel 2) through the Llama mapping (transposes, head
+    splits): logits within 1e-5 of transformers'; written back through the same table as
+    shards with an index and a config.json, transformers loads it with the same logits."""
+    from zero_jax.gpt import llama
+    from zero_jax.tensorfiles import write_set
+    from zero_jax.weights import export_arrays, export_specs
+
+    theirs = torch_logits_of(transformers.LlamaForCausalLM, llama_dir)
+    section = llama.read_config(llama_dir)
+    cfg = GPTConfig(**section, remat="none")
+    model = llama.Llama(cfg)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), TOKENS[:1, :-1])["params"])
+    mesh = zj.make_mesh(axes={"data": 8 // tp, **({"model": tp} if tp > 1 else {})})
+    plan = zj.make_plan(shapes, mesh, stage=3, layers=LAYERS,
+                        rules=list(llama.TENSOR_PARALLEL) if tp > 1 else [])
+    params = load_params(plan, llama_dir, llama.mapping(cfg))
+    ours = np.asarray(model.apply({"params": params}, TOKENS[:, :-1]))
     assert rel(ours, theirs) < 1e-5, rel(ours, theirs)
 
     flat = {zj.rules.path_str(p): np.asarray(v)
@@ -428,9 +438,42 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(tmp_path):
     out.mkdir()
     write_set(out, [s for s, *_ in specs], export_arrays(llama.mapping(cfg), specs,
                                                          flat.__getitem__), 20_000)
-    llama.write_config(out, cfg)
+    llama.write_config(out, section)
     assert (out / "model.safetensors.index.json").exists()
     assert rel(torch_logits_of(transformers.LlamaForCausalLM, out), ours) < 1e-5
+
+
+@pytest.mark.slow
+def test_train_py_fine_tunes_a_llama_and_exports_it(llama_dir, gpt2, tmp_path):
+    """train.py --init-from a Llama directory: the model section from its config.json, its
+    first loss transformers' on that batch; two SGD steps; the export loads in transformers
+    with zero_jax's logits of the trained checkpoint."""
+    from zero_jax.gpt import llama
+
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    run = subprocess.run([sys.executable, "train.py", "--init-from", str(llama_dir),
+                          "--steps", "2", "--data", str(gpt2["tokens"]), "--checkpoint-dir",
+                          str(ckpt), "--save-every", "2", "--metrics", str(metrics),
+                          "--set", "optimizer.name=sgd", "--set", "train.batch_size=8"],
+                         cwd=ROOT, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    first = json.loads(metrics.read_text().splitlines()[0])["loss"]
+    batch = data.batch(np.fromfile(gpt2["tokens"], np.uint16), 0, 8, 16, 0)
+    logits = torch.tensor(torch_logits_of(transformers.LlamaForCausalLM, llama_dir,
+                                          batch[:, :-1]))
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), torch.tensor(
+        batch[:, 1:], dtype=torch.long).reshape(-1)).item()
+    assert first == pytest.approx(ref, rel=1e-5)
+
+    out = tmp_path / "hf"
+    assert hf.main([str(ckpt), str(out)]) == 0
+    ckpts = zj.Checkpoints(ckpt, read_only=True)
+    trained = ckpts.read_params()
+    ckpts.close()
+    model = llama.Llama(GPTConfig(**llama.read_config(llama_dir), remat="none"))
+    ours = np.asarray(model.apply({"params": trained}, TOKENS[:, :-1]))
+    theirs = torch_logits_of(transformers.LlamaForCausalLM, out)
+    assert rel(theirs, ours) < 1e-5
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""The demo's models in Hugging Face's layout: config.json and GPT-2's tensor names.
+"""The demo's models in Hugging Face's layout: config.json and GPT-2's (or Llama's,
+``llama.py``) tensor names.
 
 GPT-2's safetensors hold ``Conv1D`` weights as ``(in, out)``, which is a Flax kernel already:
 its fused ``c_attn`` is this model's ``(d, 3, heads, head_dim)`` qkv kernel with its output
@@ -12,6 +13,7 @@ import json
 import os
 import pathlib
 
+from zero_jax.gpt.model import GPTConfig
 from zero_jax.tensorfiles import WeightsError
 from zero_jax.weights import Mapping, Tensor
 
@@ -19,7 +21,7 @@ CONFIG = "config.json"
 # config.json's keys -> the model section of this demo's config
 GPT2_KEYS = {"vocab_size": "vocab_size", "n_embd": "d_model", "n_layer": "n_layers",
              "n_head": "n_heads", "n_inner": "d_ff", "n_positions": "seq_len"}
-GPT2_FIXED = {"activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+GPT2_FIXED = {"activation_function": "gelu_new",
               "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
               "tie_word_embeddings": True}  # what this model computes; anything else refused
 
@@ -53,9 +55,13 @@ def read_config(directory: str | os.PathLike) -> dict:
     except (OSError, ValueError, AssertionError):
         raise WeightsError(f"{path} is missing or not JSON: pass a Hugging Face model "
                            "directory (config.json and safetensors)") from None
+    if hf.get("model_type") == "llama":
+        from zero_jax.gpt import llama
+
+        return llama.read_config(directory)
     if hf.get("model_type") != "gpt2":
         raise WeightsError(f"{path} is model_type {hf.get('model_type')!r}; this demo reads "
-                           "gpt2: pass a GPT-2 directory")
+                           "gpt2 and llama: pass a GPT-2 or Llama directory")
     for key, want in GPT2_FIXED.items():
         if key in hf and hf[key] != want:
             raise WeightsError(f"{path} has {key} {hf[key]!r}; this demo's GPT-2 computes "
@@ -65,7 +71,7 @@ def read_config(directory: str | os.PathLike) -> dict:
     except KeyError as e:
         raise WeightsError(f"{path} has no {e.args[0]}: pass a GPT-2 config.json") from None
     model["d_ff"] = hf.get("n_inner") or 4 * model["d_model"]
-    return model
+    return {**model, "arch": "gpt2", "norm_eps": hf.get("layer_norm_epsilon", 1e-5)}
 
 
 def config_overrides(directory: str | os.PathLike) -> list[str]:
@@ -78,9 +84,19 @@ def weights_source(directory: str | os.PathLike):
     ``transformer.`` prefix ``GPT2LMHeadModel`` saves)."""
     from zero_jax.tensorfiles import TensorFiles
 
+    model = read_config(directory)
     files = TensorFiles(directory)
     prefix = "transformer." if any(n.startswith("transformer.") for n in files.tensors) else ""
-    return files, gpt2_mapping(read_config(directory), prefix)
+    return files, mapping(model, prefix)
+
+
+def mapping(model: dict, prefix: str = "transformer.") -> Mapping:
+    """The mapping of the demo's ``model`` section: GPT-2's or Llama's."""
+    if model.get("arch", "gpt2") == "llama":
+        from zero_jax.gpt import llama
+
+        return llama.mapping(GPTConfig(**model))
+    return gpt2_mapping(model, prefix)
 
 
 def load(plan, directory: str | os.PathLike, check_only: bool = False):
@@ -95,9 +111,15 @@ def load(plan, directory: str | os.PathLike, check_only: bool = False):
 
 
 def write_config(directory: pathlib.Path, model: dict, dtype: str) -> None:
-    """A GPT-2 config.json for this demo's ``model`` section, as transformers reads it."""
+    """A GPT-2 or Llama config.json for this demo's ``model`` section, as transformers reads
+    it."""
+    if model.get("arch", "gpt2") == "llama":
+        from zero_jax.gpt import llama
+
+        return llama.write_config(directory, model, dtype)
     hf = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
           **{theirs: model[ours] for theirs, ours in GPT2_KEYS.items()}, **GPT2_FIXED,
+          "layer_norm_epsilon": model.get("norm_eps", 1e-5),
           "dtype": dtype, "bos_token_id": model["vocab_size"] - 1,
           "eos_token_id": model["vocab_size"] - 1}
     (directory / CONFIG).write_text(json.dumps(hf, indent=2))
@@ -105,23 +127,23 @@ def write_config(directory: pathlib.Path, model: dict, dtype: str) -> None:
 
 def export(checkpoint_dir: str, out: str, step: int | None = None, dtype: str = "fp32",
            max_shard_bytes: int | None = None) -> dict:
-    """A demo checkpoint as a Hugging Face GPT-2 directory: config.json (from the model config
-    the run stored) and model.safetensors (or shards and their index), streamed."""
+    """A demo checkpoint as a Hugging Face GPT-2 or Llama directory: config.json (from the
+    model config the run stored) and model.safetensors (or shards and their index), streamed."""
     from zero_jax import export as library
 
-    def mapping(meta: dict) -> Mapping:
+    def names(meta: dict) -> Mapping:
         model = (meta.get("config") or {}).get("model")
         if not model:
             raise WeightsError(f"checkpoint step {meta['step']} in {checkpoint_dir} records no "
                                "model config: it was not written by train.py; export it with "
                                "python -m zero_jax.export --format safetensors")
-        return gpt2_mapping(model)
+        return mapping(model)
 
     def config(directory: pathlib.Path, meta: dict) -> None:
         write_config(directory, meta["config"]["model"], library.DTYPES[dtype])
 
     return library.export(checkpoint_dir, out, step, dtype, {
-        "mapping": mapping, "max_shard_bytes": max_shard_bytes, "extra": config})
+        "mapping": names, "max_shard_bytes": max_shard_bytes, "extra": config})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     from zero_jax import export as library
     from zero_jax.checkpoint import CheckpointError, quiet_background_errors
 
-    p = library._Parser(description="Export a demo checkpoint as a Hugging Face GPT-2 directory")
+    p = library._Parser(description="Export a demo checkpoint as a Hugging Face directory")
     p.add_argument("checkpoint_dir")
     p.add_argument("out")
     p.add_argument("--step", type=int, help="default: the latest complete checkpoint")
@@ -146,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, WeightsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"exported step {done['step']} as a Hugging Face GPT-2 ({done['dtype']}) to "
+    print(f"exported step {done['step']} as a Hugging Face directory ({done['dtype']}) to "
           f"{args.out}")
     return 0
 
