@@ -493,3 +493,21 @@ def test_two_processes_each_read_half_the_file_at_stage_3(gpt2, tmp_path):
     for run in runs:
         assert run["local_devices"] == 4 and run["equal"], run
         assert run["bytes_read"] == run["tensor_bytes"] // 2, run
+
+
+def test_a_corrupted_checkpoint_exports_nothing(tmp_path, capsys):
+    """A parameter whose bytes do not match its recorded digest, found while streaming: one
+    line naming the step and the array, exit code 2, and neither the output nor its hidden
+    partial directory left behind (the first parameter was already written when it failed)."""
+    from zero_jax import export
+
+    _checkpoint_of(tmp_path / "ckpt", 2, 1024)
+    meta_file = tmp_path / "ckpt" / "0" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["digests"]["params/w1"] = "float32:0000000000000000"
+    meta_file.write_text(json.dumps(meta))
+    code = export.main([str(tmp_path / "ckpt"), str(tmp_path / "out"), "--format",
+                        "safetensors"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "is corrupted: params/w1 does not match" in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
