@@ -68,6 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "ids (default: the Python standard library's sources, as bytes)")
     p.add_argument("--metrics", help="write one JSON object per step to this file")
     p.add_argument("--report", help="write the memory/communication report as JSON here")
+    p.add_argument("--init-from", metavar="DIR", help="start from a Hugging Face GPT-2 or "
+                   "Llama directory's weights (config.json, safetensors; docs/guides/weights.md)")
     p.add_argument("--dry-run", action="store_true",
                    help="compile the step on abstract arrays, print the report, train nothing")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -399,6 +401,10 @@ def load_config(args: argparse.Namespace) -> dict:
     from zero_jax.gpt import config as configs
 
     overrides = list(args.set)
+    if args.init_from:  # the model section from config.json, before --set
+        from zero_jax.gpt import hf
+
+        overrides = hf.config_overrides(args.init_from) + overrides
     for flag, key in [("stage", "zero.stage"), ("steps", "train.steps"),
                       ("seed", "train.seed"), ("zero3_size", "zero.zero3_size"),
                       ("tensor_parallel", "mesh.tensor_parallel")]:
@@ -438,7 +444,12 @@ def profile_window(args: argparse.Namespace, steps: int) -> str | None:
 def build(cfg: dict, args: argparse.Namespace):
     from zero_jax.gpt.experiment import Experiment, mesh_for
 
-    return Experiment.build(cfg, mesh_for(cfg, args.devices))
+    exp = Experiment.build(cfg, mesh_for(cfg, args.devices))
+    if args.init_from:  # its tensors checked against the model before anything is written
+        from zero_jax.gpt import hf
+
+        hf.load(exp.plan, args.init_from, check_only=True)
+    return exp
 
 
 @dataclasses.dataclass
@@ -586,6 +597,10 @@ def initial_state(start: Start, target, cfg: dict, args: argparse.Namespace, exp
               f"{start.ckpts.path}")
     if start.step is not None:
         return restore(start, target, cfg, args, exp)
+    if args.init_from:
+        from zero_jax.gpt import hf
+
+        return init_state(exp.plan, hf.load(exp.plan, args.init_from), exp.tx)
     return init_state(exp.plan, exp.init, exp.tx, jax.random.key(start.seed))
 
 

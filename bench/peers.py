@@ -147,8 +147,9 @@ class HFBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + HFAttention(self.cfg, name="attn")(nn.LayerNorm(name="ln_1")(x))
-        return x + HFMLP(self.cfg, name="mlp")(nn.LayerNorm(name="ln_2")(x))
+        eps = self.cfg.norm_eps  # GPT-2's 1e-5, as the demo's scanned GPT
+        x = x + HFAttention(self.cfg, name="attn")(nn.LayerNorm(eps, name="ln_1")(x))
+        return x + HFMLP(self.cfg, name="mlp")(nn.LayerNorm(eps, name="ln_2")(x))
 
 
 class UnrolledGPT(nn.Module):
@@ -170,7 +171,7 @@ class UnrolledGPT(nn.Module):
             block = nn.remat(block, policy=remat_policy(c.remat))  # CSE kept off: no scan
         for i in range(c.n_layers):
             x = block(c, name=f"h_{i}")(x)
-        return nn.LayerNorm(name="ln_f")(x) @ wte.T
+        return nn.LayerNorm(c.norm_eps, name="ln_f")(x) @ wte.T
 
 
 def _model(kind: str, model_cfg):

@@ -31,8 +31,11 @@ def _shipped() -> pathlib.Path:
 CONFIG_DIR = _shipped()
 
 DEFAULTS: dict[str, dict[str, Any]] = {
+    # arch gpt2 (GPT-2's layer norms, learned positions, tied head) or llama (RMSNorm, rotary
+    # positions of base rope_theta, SwiGLU, n_kv_heads key/value heads, 0: n_heads; untied).
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512,
-              "seq_len": 64, "remat": "full"},
+              "seq_len": 64, "remat": "full", "arch": "gpt2", "norm_eps": 1e-5,
+              "n_kv_heads": 0, "rope_theta": 10000.0},
     # frozen_modules: not trained (no gradient, no optimizer state), e.g. ["wpe"].
     # schedule cosine: warmup, then cosine decay to 10% at decay_steps; constant: warmup, then
     # lr (DeepSpeed's WarmupLR, whose default warmup_type is log: min + (lr - min) * log(t + 1)
@@ -94,6 +97,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
+ARCHS = ("gpt2", "llama")
 SCHEDULES = ("cosine", "constant", "linear", "deepspeed_cosine")
 WARMUPS = ("linear", "log")
 
@@ -266,6 +270,13 @@ def validate(config: dict) -> None:
         raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3 (got {z['stage']})")
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len"):
         _at_least(config, "model", key, 1)
+    if m["arch"] not in ARCHS:
+        raise ConfigError(f"model.arch must be one of {', '.join(ARCHS)} (got {m['arch']!r})")
+    if not m["norm_eps"] > 0 or not m["rope_theta"] > 0 or m["n_kv_heads"] < 0 or \
+            m["n_heads"] % (m["n_kv_heads"] or m["n_heads"]):
+        raise ConfigError(f"model.norm_eps and model.rope_theta must be above 0 and "
+                          f"model.n_kv_heads divide model.n_heads {m['n_heads']} (got "
+                          f"{m['norm_eps']}, {m['rope_theta']}, {m['n_kv_heads']})")
     if m["d_model"] % m["n_heads"]:
         raise ConfigError(f"model.d_model {m['d_model']} is not divisible by model.n_heads "
                           f"{m['n_heads']}")
@@ -386,7 +397,7 @@ def _check_tensor_parallel(config: dict) -> None:
         raise ConfigError("zero.partition_activations cuts each block's saved input over the "
                           "tensor-parallel ranks: it needs --tensor-parallel 2 or more and "
                           "the blocks named in zero.transformer_layers")
-    for key in ("n_heads", "d_ff", "vocab_size"):
+    for key in ("n_heads", "d_ff", "vocab_size") + (("n_kv_heads",) if m["n_kv_heads"] else ()):
         if m[key] % t:
             raise ConfigError(f"mesh.tensor_parallel {t} does not divide model.{key} {m[key]}: "
                               f"tensor parallelism cuts it into {t} pieces; pick a divisor")

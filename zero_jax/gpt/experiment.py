@@ -19,14 +19,15 @@ from jax.sharding import PartitionSpec as P
 from zero_jax.buckets import Comm
 from zero_jax.checkpoint import CheckpointError
 from zero_jax.gather import Layers
+from zero_jax.gpt.config import DEFAULTS
 from zero_jax.gpt.model import (
-    GPT,
     LAYER_STACKS,
-    TENSOR_PARALLEL,
     GPTConfig,
     init_fn,
     lm_loss,
+    tensor_parallel,
 )
+from zero_jax.gpt.model import build as build_model
 from zero_jax.gpt.optim import make_optimizer
 from zero_jax.mesh import make_mesh
 from zero_jax.offload import Nvme, Offload
@@ -67,7 +68,7 @@ class Experiment:
         own_remat = "none" if z["transformer_layers"] and (
             z["stage"] == 3 or z["partition_activations"]) else cfg["model"]["remat"]
         model_cfg = GPTConfig(**{**cfg["model"], "remat": own_remat})
-        model = GPT(model_cfg)
+        model = build_model(model_cfg)
         init = init_fn(model)
         tx, schedule = make_optimizer(cfg["optimizer"], t["steps"])
         shapes = jax.eval_shape(init, jax.random.key(0))
@@ -77,7 +78,7 @@ class Experiment:
                          layers=layers and Layers(layers, cfg["model"]["remat"],
                                                   z["partition_activations"],
                                                   z["tile_mb"] or None, z["gather"]),
-                         rules=[*rules_from(cfg), *TENSOR_PARALLEL],
+                         rules=[*rules_from(cfg), *tensor_parallel(model_cfg)],
                          precision=precision, offload=offload_from(z),
                          comm=comm_from(z))
         loss = lm_loss(model, fp32_logits=precision.autocast_output)
@@ -212,9 +213,10 @@ def check_compatible(meta: dict, config: dict, platform: str | None = None) -> N
     (a stage of the optimizer chain) decide which arrays the state holds."""
     saved = meta["config"]
     for key, value in config["model"].items():
-        if key != "remat" and saved["model"].get(key) != value:  # remat changes no state
+        was = saved["model"].get(key, DEFAULTS["model"][key])  # keys added since: defaults
+        if key != "remat" and was != value:  # remat changes no state
             raise CheckpointError(
-                f"the checkpoint was written for model.{key}={saved['model'].get(key)} but the "
+                f"the checkpoint was written for model.{key}={was} but the "
                 f"config says {value}: use the checkpoint's config or another --checkpoint-dir")
     if saved["optimizer"]["name"] != config["optimizer"]["name"]:
         raise CheckpointError(

@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from zero_jax.gather import BLOCK_INPUT, remat_policy
 from zero_jax.rules import Rule, modules_pattern
 
+LN_EPS = 1e-5  # GPT-2's layer-norm epsilon (and nn.gelu's tanh approximation is its GELU)
 LAYER_STACKS = ("blocks",)  # this model's modules under nn.scan
 LAYERS = modules_pattern(LAYER_STACKS)  # the plan's ``layers`` pattern for this model
 # Megatron's tensor-parallel layout, as rules over parameter paths (dimensions from the end,
@@ -41,10 +42,21 @@ class GPTConfig:
     d_ff: int = 512
     seq_len: int = 64
     remat: str = "full"  # policy of each block's remat (zero_jax.gather.remat_policy)
+    arch: str = "gpt2"  # or "llama" (zero_jax.gpt.llama)
+    norm_eps: float = LN_EPS
+    n_kv_heads: int = 0  # llama: key/value heads (grouped-query attention); 0: n_heads
+    rope_theta: float = 10000.0  # llama: the rotary positions' base
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
 
     @property
     def n_params(self) -> int:
         d, f, L = self.d_model, self.d_ff, self.n_layers
+        if self.arch == "llama":  # untied head, no position table, no biases
+            kv = d // self.n_heads * self.kv_heads
+            return 2 * self.vocab_size * d + d + L * (2 * d + 2 * d * d + 2 * d * kv + 3 * d * f)
         per_layer = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
         return self.vocab_size * d + self.seq_len * d + L * per_layer + 2 * d
 
@@ -61,7 +73,7 @@ class Block(nn.Module):
         init = nn.initializers.normal(0.02)
         out_init = nn.initializers.normal(0.02 / math.sqrt(2 * c.n_layers))
 
-        h = nn.LayerNorm(name="ln1")(x)
+        h = nn.LayerNorm(epsilon=c.norm_eps, name="ln1")(x)
         # (3, heads, head size) outputs: tensor parallelism cuts whole heads (TENSOR_PARALLEL).
         qkv = nn.DenseGeneral((3, c.n_heads, dh), kernel_init=init, name="qkv")(h)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
@@ -71,7 +83,7 @@ class Block(nn.Module):
         att = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), v).reshape(b, t, d)
         x = x + nn.Dense(d, kernel_init=out_init, name="proj")(att)
 
-        h = nn.LayerNorm(name="ln2")(x)
+        h = nn.LayerNorm(epsilon=c.norm_eps, name="ln2")(x)
         h = nn.gelu(nn.Dense(c.d_ff, kernel_init=init, name="fc1")(h))
         x = x + nn.Dense(d, kernel_init=out_init, name="fc2")(h)
         return x, None
@@ -99,8 +111,25 @@ class GPT(nn.Module):
         stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                         length=c.n_layers)
         x, _ = stack(c, name="blocks")(x, None)
-        x = nn.LayerNorm(name="ln_f")(x)
+        x = nn.LayerNorm(epsilon=c.norm_eps, name="ln_f")(x)
         return x @ wte.T  # output head tied to the embedding, as GPT-2
+
+
+def build(cfg: GPTConfig) -> nn.Module:
+    """The model ``cfg.arch`` names."""
+    if cfg.arch == "llama":
+        from zero_jax.gpt.llama import Llama
+
+        return Llama(cfg)
+    return GPT(cfg)
+
+
+def tensor_parallel(cfg: GPTConfig) -> tuple[Rule, ...]:
+    if cfg.arch == "llama":
+        from zero_jax.gpt.llama import TENSOR_PARALLEL as LLAMA
+
+        return LLAMA
+    return TENSOR_PARALLEL
 
 
 def lm_loss(model: GPT, fp32_logits: bool = True):

@@ -1,0 +1,150 @@
+"""A Llama-family decoder (RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention,
+untied head) with Hugging Face's tensor names, its layers under ``nn.scan`` as ``blocks``.
+
+Rotary positions rotate the two halves of each head (Hugging Face's ``rotate_half``), so its
+q and k projections are read as they are stored, with no permutation of their rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from zero_jax.gather import remat_policy
+from zero_jax.gpt.model import GPTConfig
+from zero_jax.rules import Rule
+from zero_jax.tensorfiles import WeightsError
+from zero_jax.weights import Mapping, Tensor
+
+HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model",
+           "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
+           "num_key_value_heads": "n_kv_heads", "intermediate_size": "d_ff",
+           "max_position_embeddings": "seq_len", "rms_norm_eps": "norm_eps"}
+# Megatron's layout (zero_jax.gpt.model.TENSOR_PARALLEL's): attention by heads, the MLP's
+# gate and up by columns and down by rows, the embedding by vocabulary, the head by its outputs
+TENSOR_PARALLEL = (
+    Rule(r"^blocks/(q|k|v)/kernel$", model_dim=-2),
+    Rule(r"^blocks/o/kernel$", model_dim=-3),
+    Rule(r"^blocks/(gate|up)/kernel$", model_dim=-1),
+    Rule(r"^blocks/down/kernel$", model_dim=-2),
+    Rule(r"^wte$", model_dim=0),
+    Rule(r"^head/kernel$", model_dim=-1),
+)
+HF_FIXED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+            "tie_word_embeddings": False}  # what this model computes; anything else refused
+
+
+def rope(x: jax.Array, theta: float) -> jax.Array:
+    """Rotary positions on ``(batch, seq, heads, head_dim)``, halves rotated as HF does."""
+    t, dh = x.shape[1], x.shape[-1]
+    inv = 1.0 / theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh)
+    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv[None]
+    angles = jnp.concatenate([angles, angles], -1)[None, :, None]
+    half = jnp.concatenate([-x[..., dh // 2:], x[..., :dh // 2]], -1)
+    return (x * jnp.cos(angles) + half * jnp.sin(angles)).astype(x.dtype)
+
+
+class LlamaBlock(nn.Module):
+    cfg: GPTConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _) -> tuple[jax.Array, None]:
+        c = self.cfg
+        b, t, d = x.shape
+        dh = d // c.n_heads
+        dense = lambda features, name, **kw: nn.DenseGeneral(features, use_bias=False,
+                                                             name=name, **kw)
+        h = nn.RMSNorm(epsilon=c.norm_eps, name="ln1")(x)
+        q = rope(dense((c.n_heads, dh), "q")(h), c.rope_theta)
+        k = rope(dense((c.kv_heads, dh), "k")(h), c.rope_theta)
+        v = dense((c.kv_heads, dh), "v")(h)
+        rep = c.n_heads // c.kv_heads  # query head i reads key/value head i // rep
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+        scores = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(dh)
+        scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, jnp.finfo(scores.dtype).min)
+        att = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), v)
+        x = x + dense(d, "o", axis=(-2, -1))(att)
+        h = nn.RMSNorm(epsilon=c.norm_eps, name="ln2")(x)
+        return x + dense(d, "down")(nn.silu(dense(c.d_ff, "gate")(h)) * dense(c.d_ff, "up")(h)), \
+            None
+
+
+class Llama(nn.Module):
+    """The demo's model when ``cfg.arch`` is "llama" (``d_ff``: the SwiGLU's hidden width)."""
+
+    cfg: GPTConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        c = self.cfg
+        wte = self.param("wte", nn.initializers.normal(0.02), (c.vocab_size, c.d_model))
+        block = LlamaBlock
+        if c.remat != "none":
+            block = nn.remat(block, prevent_cse=False, policy=remat_policy(c.remat))
+        stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                        length=c.n_layers)
+        x, _ = stack(c, name="blocks")(wte[tokens], None)
+        x = nn.RMSNorm(epsilon=c.norm_eps, name="ln_f")(x)
+        return nn.Dense(c.vocab_size, use_bias=False, name="head")(x)
+
+
+def mapping(c: GPTConfig) -> Mapping:
+    """Hugging Face's ``LlamaForCausalLM`` tensors: PyTorch Linear weights ``(out, in)``,
+    transposed into Flax kernels, the attention's output axis split into heads."""
+    h = "model.layers.{layer}."
+    rows = [Tensor("model.embed_tokens.weight", "wte"), Tensor("model.norm.weight", "ln_f/scale"),
+            Tensor("lm_head.weight", "head/kernel", transpose=(1, 0)),
+            Tensor(h + "input_layernorm.weight", "blocks/ln1/scale"),
+            Tensor(h + "post_attention_layernorm.weight", "blocks/ln2/scale"),
+            Tensor(h + "self_attn.o_proj.weight", "blocks/o/kernel", transpose=(1, 0),
+                   split=(0, (c.n_heads, -1)))]
+    for name, heads in [("q", c.n_heads), ("k", c.kv_heads), ("v", c.kv_heads)]:
+        rows.append(Tensor(f"{h}self_attn.{name}_proj.weight", f"blocks/{name}/kernel",
+                           transpose=(1, 0), split=(1, (heads, -1))))
+    for name in ("gate", "up", "down"):
+        rows.append(Tensor(f"{h}mlp.{name}_proj.weight", f"blocks/{name}/kernel",
+                           transpose=(1, 0)))
+    return Mapping(tuple(rows), ignore=(r"rotary_emb\.inv_freq$",))
+
+
+def read_config(directory: str | os.PathLike) -> dict:
+    """The model section of the demo's config from a Llama directory's config.json; what this
+    model does not compute (biases, a tied head, another activation, rope scaling) is refused."""
+    path = pathlib.Path(directory) / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+        assert isinstance(hf, dict) and hf.get("model_type") == "llama"
+    except (OSError, ValueError, AssertionError):
+        raise WeightsError(f"{path} is missing or not a Llama config.json: pass a Hugging Face "
+                           "Llama directory") from None
+    for key, want in HF_FIXED.items():
+        if hf.get(key, want) != want:
+            raise WeightsError(f"{path} has {key} {hf[key]!r}; this model computes {want!r}")
+    rope_params = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0)}
+    if rope_params.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
+        raise WeightsError(f"{path} scales its rotary positions; this model does not")
+    try:
+        model = {ours: hf[theirs] for theirs, ours in HF_KEYS.items()}
+    except KeyError as e:
+        raise WeightsError(f"{path} has no {e.args[0]}: pass a Llama config.json") from None
+    head_dim = hf.get("head_dim") or model["d_model"] // model["n_heads"]
+    if head_dim * model["n_heads"] != model["d_model"]:
+        raise WeightsError(f"{path} has head_dim {head_dim} x {model['n_heads']} heads != "
+                           f"hidden_size {model['d_model']}; this model needs them equal")
+    return {**model, "arch": "llama", "rope_theta": float(rope_params["rope_theta"])}
+
+
+def write_config(directory: pathlib.Path, model: dict, dtype: str = "float32") -> None:
+    """A Llama config.json for the demo's ``model`` section, as transformers reads it."""
+    c = GPTConfig(**model)
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+          **{theirs: getattr(c, ours) for theirs, ours in HF_KEYS.items()}, **HF_FIXED,
+          "num_key_value_heads": c.kv_heads, "head_dim": c.d_model // c.n_heads,
+          "rope_theta": c.rope_theta, "dtype": dtype}
+    (directory / "config.json").write_text(json.dumps(hf, indent=2))

@@ -1,0 +1,282 @@
+"""Pretrained weights in, trained weights out: safetensors tensors mapped onto a plan's parameters.
+
+A ``Mapping`` is a table, declared like the placement rules: one ``Tensor`` row per parameter,
+naming the checkpoint tensor(s) it comes from and the few transforms real checkpoints need
+(a transpose, an axis split into heads, per-layer tensors stacked into a scanned stack's
+layer axis, several tensors fused along a new axis). ``load_params`` builds the parameters
+already sharded by the plan: each device's shard is read from a memory map of its own bytes
+(``jax.make_array_from_callback``), so no process reads a whole tensor it holds only part of.
+The same table, run backwards, names and shapes the tensors ``export`` writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from zero_jax.rules import Plan, path_str
+from zero_jax.tensorfiles import Spec, TensorFiles, WeightsError
+
+PyTree = Any
+LAYER = "{layer}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One row of a mapping: the checkpoint tensor(s) of one parameter, and how they become it.
+
+    ``name`` holds ``{layer}`` for one tensor per layer of a scanned stack, stacked along the
+    parameter's first axis. A tuple of names is fused: their (transformed) tensors stacked
+    along a new axis ``fuse_axis`` of the (per-layer) parameter, e.g. separate q, k and v
+    projections into one ``(d, 3, heads, head_dim)`` kernel. Each tensor is first transposed
+    by ``transpose`` (PyTorch's ``(out, in)`` Linear weight is ``(1, 0)`` of a Flax kernel),
+    then its axis ``split[0]`` is split into the sizes ``split[1]`` (one may be -1), e.g.
+    ``(1, (heads, -1))`` for a Flax ``DenseGeneral``'s heads.
+    """
+
+    name: str | tuple[str, ...]
+    path: str
+    transpose: tuple[int, ...] | None = None
+    split: tuple[int, tuple[int, ...]] | None = None
+    fuse_axis: int = 0
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.name if isinstance(self.name, tuple) else (self.name,)
+
+    @property
+    def stacked(self) -> bool:
+        return any(LAYER in n for n in self.names)
+
+    @property
+    def fused(self) -> bool:
+        return isinstance(self.name, tuple)
+
+    def tensor_names(self, layers: int) -> list[list[str]]:
+        """The names per layer (one list when not stacked), per fused part."""
+        if not self.stacked:
+            return [list(self.names)]
+        return [[n.replace(LAYER, str(i)) for n in self.names] for i in range(layers)]
+
+    def forward_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """A checkpoint tensor's shape after the transpose and split (one layer, one part)."""
+        if self.transpose is not None:
+            if sorted(self.transpose) != list(range(len(shape))):
+                raise WeightsError(f"Tensor({self.name!r}).transpose {self.transpose} is not a "
+                                   f"permutation of the axes of its shape {shape}")
+            shape = tuple(shape[a] for a in self.transpose)
+        if self.split is not None:
+            axis, sizes = self.split
+            axis %= len(shape)
+            known = math.prod(s for s in sizes if s != -1)
+            sizes = tuple(shape[axis] // known if s == -1 else s for s in sizes)
+            if math.prod(sizes) != shape[axis]:
+                raise WeightsError(f"Tensor({self.name!r}).split cannot cut axis {axis} of "
+                                   f"{shape} into {self.split[1]}")
+            shape = shape[:axis] + sizes + shape[axis + 1:]
+        return shape
+
+    def view(self, x: np.ndarray) -> np.ndarray:
+        """``x`` transformed: a view of it (transposes and splits copy nothing)."""
+        shape = self.forward_shape(x.shape)
+        if self.transpose is not None:
+            x = x.transpose(self.transpose)
+        return x.reshape(shape)
+
+    def backward(self, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        """One part of one layer of the parameter as the checkpoint tensor of ``shape``."""
+        if self.transpose is not None:
+            inverse = tuple(np.argsort(self.transpose))
+            x = x.reshape(tuple(shape[a] for a in self.transpose)).transpose(inverse)
+        return x.reshape(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mapping:
+    """Checkpoint tensors -> parameters. ``ignore``: regular expressions of checkpoint tensors
+    that are not parameters (buffers, a head tied to the embedding) and are left unread.
+    ``prefix`` is put before every name (``"transformer."`` for a model saved with its head)."""
+
+    tensors: tuple[Tensor, ...]
+    ignore: tuple[str, ...] = ()
+    prefix: str = ""
+
+    def rows(self, paths: list[str]) -> dict[str, Tensor]:
+        """Each parameter's row (by its path); a row naming no parameter, a parameter set
+        twice or by no row are errors."""
+        rows: dict[str, Tensor] = {}
+        for t in self.tensors:
+            if t.path not in paths:
+                raise WeightsError(f"the mapping sets {t.path} (from {t.name}), which is not a "
+                                   f"parameter of the model; its paths look like "
+                                   f"{paths[0]!r}")
+            if t.path in rows:
+                raise WeightsError(f"the mapping sets parameter {t.path} twice (from "
+                                   f"{rows[t.path].name} and {t.name}): keep one row")
+            rows[t.path] = t
+        if unset := [p for p in paths if p not in rows]:
+            raise WeightsError(f"the mapping sets no value for parameter {unset[0]}"
+                               f"{f' and {len(unset) - 1} more' if len(unset) > 1 else ''}: "
+                               "add a Tensor row for it")
+        return rows
+
+
+def by_path(paths: list[str]) -> Mapping:
+    """The default mapping of any model: one tensor per parameter, named by its path with dots
+    (``blocks.qkv.kernel``), whole (a scanned stack's layers in one tensor)."""
+    return Mapping(tuple(Tensor(p.replace("/", "."), p) for p in paths))
+
+
+def _paths(shapes: PyTree) -> dict[str, jax.ShapeDtypeStruct]:
+    flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    return {path_str(k): v for k, v in flat}
+
+
+@dataclasses.dataclass
+class _Source:
+    """One parameter's checkpoint tensors, checked against its shape."""
+
+    row: Tensor
+    names: list[list[str]]  # per layer, per fused part (prefixed)
+
+    def read(self, files: TensorFiles, index: tuple[slice, ...], dtype) -> np.ndarray:
+        layers = range(len(self.names))[index[0]] if self.row.stacked else [0]
+        rest = index[1:] if self.row.stacked else index
+        pieces = [self._layer(files, self.names[i], rest) for i in layers]
+        out = np.stack(pieces) if self.row.stacked else pieces[0]
+        return out.astype(dtype, copy=False)
+
+    def _layer(self, files: TensorFiles, names: list[str], index: tuple) -> np.ndarray:
+        if not self.row.fused:
+            return files.read(self.row.view(files.view(names[0]))[index])
+        ax = self.row.fuse_axis
+        part = index[:ax] + index[ax + 1:]
+        return np.stack([files.read(self.row.view(files.view(names[k]))[part])
+                         for k in range(len(names))[index[ax]]], axis=ax)
+
+
+def _sources(files: TensorFiles, mapping: Mapping, shapes: PyTree) -> dict[str, _Source]:
+    """Every parameter's tensors, with every name, shape and dtype checked before any byte is
+    read; every tensor of the files used or ignored."""
+    out, used, params = {}, set(), _paths(shapes)
+    for path, row in mapping.rows(list(params)).items():
+        want = params[path]
+        layers = want.shape[0] if row.stacked and want.shape else 0
+        names = [[mapping.prefix + n for n in part] for part in row.tensor_names(layers)]
+        per = want.shape[1:] if row.stacked else want.shape
+        for name in (n for part in names for n in part):
+            info = files.tensors.get(name)
+            if info is None:
+                raise WeightsError(f"tensor {name} (for parameter {path}) is missing from "
+                                   f"{files.source}: pass the model's own weights, or fix the "
+                                   "mapping")
+            got = row.forward_shape(info.shape)
+            got = got[:row.fuse_axis] + (len(names[0]),) + got[row.fuse_axis:] \
+                if row.fused else got
+            if got != tuple(per):
+                raise WeightsError(f"tensor {name} in {info.file} has shape {list(info.shape)}, "
+                                   f"which makes {list(got)} for parameter {path} of shape "
+                                   f"{list(per)}{' per layer' if row.stacked else ''}: pass "
+                                   "weights of this model's config, or fix the mapping")
+            if _floating(info.dtype) != _floating(want.dtype):
+                raise WeightsError(f"tensor {name} in {info.file} is {info.dtype}, parameter "
+                                   f"{path} is {np.dtype(want.dtype)}: pass floating-point "
+                                   "weights")
+            used.add(name)
+        out[path] = _Source(row, names)
+    ignore = [re.compile(p) for p in mapping.ignore]
+    for name, info in files.tensors.items():
+        if name not in used and not any(p.search(name) for p in ignore):
+            raise WeightsError(f"tensor {name} in {info.file} is not used by the mapping: "
+                               "pass the model's own weights, or map or ignore it")
+    return out
+
+
+def _floating(dtype) -> bool:
+    return bool(jax.numpy.issubdtype(dtype, jax.numpy.floating))  # bfloat16 included
+
+
+def load_params(plan: Plan, source: str | os.PathLike | TensorFiles,
+                mapping: Mapping | None = None) -> PyTree:
+    """The parameters of ``plan`` read from safetensors, born in the optimizer's layout
+    (``plan.opt_specs``) for ``init_state(plan, params, tx)``.
+
+    ``source`` is a ``.safetensors`` file, a sharded set's ``model.safetensors.index.json``, a
+    directory holding either, or an open ``TensorFiles`` (whose ``bytes_read`` then counts what
+    this process read). Each device's shard is read by itself from a memory map: a process
+    reads only the bytes of its own devices' shards. Raises ``WeightsError``, one line, before
+    reading any tensor's bytes when a name, shape or dtype does not fit.
+    """
+    files, sources = check(plan, source, mapping)
+    shardings = plan.shardings(plan.opt_specs)
+
+    def build(path, want, sharding):
+        src, done = sources[path_str(path)], {}
+
+        def shard(index):  # devices holding the same piece share one read
+            key = tuple((s.start, s.stop, s.step) for s in index)
+            if key not in done:
+                done[key] = src.read(files, index, want.dtype)
+            return done[key]
+        return jax.make_array_from_callback(want.shape, sharding, shard)
+    return jax.tree_util.tree_map_with_path(build, plan.shapes, shardings)
+
+
+def check(plan: Plan, source: str | os.PathLike | TensorFiles, mapping: Mapping | None = None
+          ) -> tuple[TensorFiles, dict[str, _Source]]:
+    """``load_params``'s checks alone (headers only, no tensor read): for a program that must
+    refuse bad weights before it writes anything."""
+    files = source if isinstance(source, TensorFiles) else TensorFiles(source)
+    mapping = mapping or by_path(list(_paths(plan.shapes)))
+    return files, _sources(files, mapping, plan.shapes)
+
+
+# Export ---------------------------------------------------------------------------------------
+
+
+def export_specs(mapping: Mapping, shapes: dict[str, tuple[int, ...]], dtype
+                 ) -> list[tuple[Spec, str, int | None, int | None]]:
+    """The tensors the mapping writes for parameters of ``shapes`` (by path), in parameter
+    order: ``(spec, path, layer, part)``; a checkpoint tensor's shape is the parameter's
+    (per layer, per part) with the split merged and the transpose undone."""
+    rows = mapping.rows(list(shapes))
+    out = []
+    for path, shape in shapes.items():
+        row = rows[path]
+        per = tuple(shape[1:] if row.stacked else shape)
+        if row.fused:
+            per = per[:row.fuse_axis] + per[row.fuse_axis + 1:]
+        if row.split is not None:
+            axis, sizes = row.split
+            axis %= len(per) - len(sizes) + 1
+            per = per[:axis] + (math.prod(per[axis:axis + len(sizes)]),) + \
+                per[axis + len(sizes):]
+        if row.transpose is not None:
+            per = tuple(per[a] for a in np.argsort(row.transpose))
+        for layer, names in enumerate(row.tensor_names(shape[0] if row.stacked else 0)):
+            for part, name in enumerate(names):
+                out.append((Spec(mapping.prefix + name, np.dtype(dtype), per), path,
+                            layer if row.stacked else None, part if row.fused else None))
+    return out
+
+
+def export_arrays(mapping: Mapping, specs: list, leaf: Any) -> Iterator[np.ndarray]:
+    """Each tensor of ``specs`` (``export_specs``), cut from its parameter: ``leaf(path)``
+    reads a parameter whole; it is called once per parameter, in order, and only one is held."""
+    rows = {t.path: t for t in mapping.tensors}
+    current = value = x = None
+    for spec, path, layer, part in specs:
+        if path != current:
+            value = x = None  # the last parameter dropped before the next is read
+            current, value = path, np.asarray(leaf(path))
+        x = value if layer is None else value[layer]
+        if part is not None:
+            x = np.take(x, part, axis=rows[path].fuse_axis)
+        yield rows[path].backward(x, spec.shape).astype(spec.dtype, copy=False)
