@@ -80,6 +80,25 @@ def test_sharded_bf16_gradients_show_in_temp_memory(bf16_stages):
     assert 0.8 * expected < saved < 1.5 * expected, (temp, expected)
 
 
+def test_the_report_says_the_collectives_run_in_f32_on_the_cpu(bf16_stages):
+    """bf16 asks for bf16 collectives; the CPU backend runs them in f32 (the compiled table
+    says f32): the headline says so beside the dtype asked for, and the theory the ratio is
+    taken against counts every phase in f32, twice ZeRO's bytes in bf16 (given beside it)."""
+    for s in bf16_stages.values():
+        r = s["report"]
+        text = report.format_table(r)
+        assert {g["dtype"] for g in r["collectives"]} == {"f32"}
+        assert r["collectives_run_in"] == "f32"
+        assert r["comm_bytes_theory_as_run"] == 2 * r["comm_bytes_theory"] > 0
+        assert text.splitlines()[0].endswith(
+            "compute bfloat16, gradient collectives bfloat16 (run in f32 by the cpu backend)")
+        formula = r["comm_theory_formula"]
+        assert (f"ZeRO theory {r['comm_bytes_theory_as_run'] / 2**20:.2f} MiB ({formula}, in "
+                "f32 as the cpu backend runs the 16-bit collectives; "
+                f"{r['comm_bytes_theory'] / 2**20:.2f} MiB in the dtypes requested), ratio "
+                f"{r['comm_bytes_per_step'] / r['comm_bytes_theory_as_run']:.2f}") in text
+
+
 def requested(lowered):
     """(kind, dtype, in_loop) of the collectives the program asks XLA for."""
     return {(c.kind, c.dtype, c.in_loop) for c in collectives(lowered.as_text(dialect="hlo"), N)}
