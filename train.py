@@ -7,7 +7,6 @@ otherwise), so every shard is its own buffer and every collective really runs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -650,58 +649,32 @@ def dry_run(exp, args: argparse.Namespace) -> int:
 
 
 def plan_layouts(exp, cfg: dict, args: argparse.Namespace) -> int:
-    """The planner: every layout this config leaves open, compiled on abstract arrays, against
-    --device-memory and --host-memory."""
+    """The planner: the layouts this config leaves open that can change the answer, compiled on
+    abstract arrays, against --device-memory and --host-memory (``zero_jax.gpt.sweep``)."""
     import jax
 
     from zero_jax import planner
-    from zero_jax.gpt import layouts
+    from zero_jax.gpt import layouts, sweep
     from zero_jax.peak import compile_with_peak
-    from zero_jax.state import abstract_state
 
     if exp.plan.outer is not None:
         raise ValueError("the planner compares the flat stages; drop zero3_size")
     per_host, n = args.devices_per_host or jax.local_device_count(), exp.mesh.size
 
-    def measure(layout: dict, c: dict):
-        e = build(c, args)
-        state = abstract_state(e.plan, e.tx)
+    def measure(e, state, layout: dict):
         compiled, peak = compile_with_peak(e.step.lower(state, e.batch_shape))
         return planner.measure(layout, e.plan, state, compiled, peak)
 
-    pairs = list(layouts.candidates(cfg, args.set, args.stage, args.tensor_parallel, per_host, n))
-    rows = [measure(layout, c) for layout, c in pairs]
-    # Prefetch holds a gathered layer more, gathering by block a block more than by module: a
-    # stage 3 layout whose device does not fit is compiled again without prefetch, and by
-    # module (where the command line left them open).
-    for (layout, c), row in zip(pairs, list(rows), strict=True):
-        if row.device > planner.HEADROOM * args.device_memory:
-            for other in (layouts.without_prefetch(layout, c, args.set),
-                          layouts.by_module(layout, c, args.set)):
-                if other:
-                    rows.append(measure(*other))
-    fit = lambda row: planner.fits(row, args.device_memory, args.host_memory, per_host)
-    for (layout, c), row in zip(pairs, rows[:len(pairs)], strict=True):  # T > 1 below stage 3
-        while fit(row) and (lower := layouts.lower_stage(layout, c, args.stage)):
-            layout, c = lower
-            rows.append(row := measure(layout, c))
-    off = cfg["zero"]["offload_optimizer"]
-    if args.nvme_memory:  # the NVMe tier: the host-offload layouts, their state on the disk
-        rows += [planner.on_nvme(r, int(off["buffer_count"] * off["buffer_mb"] * 2**20),
-                                 per_host) for r in rows
-                 if r.layout["offload"] in ("optimizer", "params")]
-    fits = lambda: planner.choose(rows, args.device_memory, args.host_memory, per_host,
-                                  args.nvme_memory or 0)
-    best = fits()
-    if best is None:  # ZeRO-Infinity's tiling, where a bound can cut the largest leaf
-        for layout, c in layouts.tiled(cfg, args.set, args.stage, args.tensor_parallel,
-                                       planner.largest_block_leaf_bytes(exp.plan)):
-            with contextlib.suppress(ValueError):  # no tile of some leaf within this bound
-                rows.append(measure(layout, c))
-        best = fits()
+    machine = sweep.Machine(args.device_memory, args.host_memory, per_host, args.nvme_memory or 0)
+    search = sweep.Search(cfg, args.set, args.stage, args.tensor_parallel, n, machine,
+                          lambda c: build(c, args), measure,
+                          planner.largest_block_leaf_bytes(exp.plan))
+    best = search.run()
+    rows = search.rows + search.nvme
     untried = layouts.untried(cfg, args.set, [r.layout for r in rows]) if best is None else []
-    print(planner.format_table(rows, best, args.device_memory, args.host_memory, per_host,
-                               exp.model.n_params, n, untried)
+    print(("\n" + search.summary() if search.summary() else "") + "\n"
+          + planner.format_table(rows, best, args.device_memory, args.host_memory, per_host,
+                                 exp.model.n_params, n, untried)
           + (f": {layouts.flags(best.layout)}" if best else ""))
     verdict = planner.as_json(rows, best, args.device_memory, args.host_memory, per_host, n)
     write_json(args.report, verdict)

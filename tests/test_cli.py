@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import ONE_LAYER, SUBPROCESS_ENV, TRAIN_ENV, check_files
 
-from zero_jax import plot
+from zero_jax import planner, plot
 from zero_jax.gpt import layouts
 from zero_jax.gpt.model import GPTConfig
 
@@ -238,6 +238,17 @@ def test_planner_names_the_layout_that_fits(offload_sweep):
         assert peak["expected"]["gathered weights"] == peak["expected"]["gradients"] > 0
     split = run.stdout.split("at the peak of stage 3, offload optimizer, remat full")[1]
     assert re.search(r"\n +gathered weights +[\d.]+ MiB +ZeRO: [\d.]+ MiB\n", split)
+    # A line per layout as it is compiled, before the table: which, whether it fits, what is
+    # left at the mean compile time so far (T fixed: every layout counted from the start).
+    progress = [x for x in run.stdout.splitlines() if x.startswith("[")]
+    assert run.stdout.index(progress[-1]) < run.stdout.index("layouts of ")
+    assert len(progress) == len(r["candidates"]) == 3
+    for k, (line, c) in enumerate(zip(progress, r["candidates"], strict=True), 1):
+        verdict = "fits" if c["fits"] else "does not fit"
+        assert re.fullmatch(rf"\[{k}/3\] {re.escape(planner.describe(c))}: {verdict} \(device "
+                            rf"{c['device_bytes'] / 2**20:.2f} MiB, host "
+                            rf"{c['host_bytes_per_host'] / 2**20:.2f} MiB per host\), ~\d+ s left",
+                            line), line
 
 
 def test_planner_figure_marks_each_layout_and_the_choice(offload_sweep):
@@ -290,14 +301,17 @@ def test_planner_names_tensor_parallelism_when_nothing_fits_without_it(tmp_path)
     at stage 3 on the default model, T = 2 7.9 (partitioned activations on), T = 4 8.3; with
     8.9 MiB (8.0 usable) only T = 2 fits. Where stage 3 with T = 2 fits, stage 2 with T = 2 is
     tried (it keeps more, and communicates less) and does not fit, so stage 1 is not tried; the
-    stages below 3 at T = 1 do not fit either. The advice names T = 2."""
+    stages below 3 at T = 1 do not fit either (stage 0's model state alone, 12.7 MiB, does
+    not: it is not compiled). Tensor parallelism is tried as nothing fits without it. The
+    advice names T = 2."""
     run, r = dry_run(tmp_path, "--device-memory", "8.9MiB", "--host-memory", "1GB",
                      "--set", "model.remat=full", "--set", "zero.offload_optimizer.device=none",
                      "--set", "zero.gather=block", "--set", "zero.prefetch=true")
     rows = {(c["stage"], c["tp"], c.get("prefetch", True)): c for c in r["candidates"]}
     # T: the divisors cutting 4 heads; prefetch as set, never dropped
-    assert set(rows) == {(0, 1, True), (1, 1, True), (2, 1, True), (3, 1, True), (3, 2, True),
+    assert set(rows) == {(1, 1, True), (2, 1, True), (3, 1, True), (3, 2, True),
                          (3, 4, True), (2, 2, True)}
+    assert "layouts whose model state alone does not fit: 1\n" in run.stdout
     assert [key for key, c in rows.items() if c["fits"]] == [(3, 2, True)]
     assert rows[3, 2, True]["temp_bytes"] < rows[3, 1, True]["temp_bytes"]
     assert rows[2, 2, True]["comm_bytes"] < rows[3, 2, True]["comm_bytes"]
@@ -306,6 +320,30 @@ def test_planner_names_tensor_parallelism_when_nothing_fits_without_it(tmp_path)
     advice = run.stdout.split("fits and communicates least")[1]
     assert "--tensor-parallel 2 --set zero.partition_activations=true" in advice
     assert "zero.prefetch=false" not in advice
+
+
+@pytest.mark.slow
+def test_planner_compiles_only_what_can_change_the_answer(tmp_path):
+    """Stage 3 and remat full fixed, offload and T left open, a device that fits all: the
+    layout without offload fits, so its offloaded versions (the same collectives, more moved
+    to and from the host: the sweep above) are not compiled, nor tensor parallelism, which was
+    not asked for: 1 compile of the 9 (T = 1, 2, 4 with each offload) the full sweep made.
+    Asked for T = 2 (the stage open), every stage of it fits and each communicates more than
+    the layout chosen without it (Megatron's activations on top of ZeRO's)."""
+    sets = ["--host-memory", "1GB", "--stage", "3", "--set", "model.remat=full",
+            "--set", "train.batch_size=8", *SMALL_SETS]
+    run, r = dry_run(tmp_path, "--device-memory", "1GB", *sets)
+    assert [(c["stage"], c["offload"], c["tp"]) for c in r["candidates"]] == [(3, "none", 1)]
+    assert r["best"] == {"stage": 3, "offload": "none", "remat": "full", "tp": 1}
+    assert "not compiled, as they cannot change the answer: offloaded layouts whose layout " \
+        "without offload fits: 2; tensor-parallel layouts (one fits without: --tensor-parallel " \
+        "T plans them): 6\n" in run.stdout
+    assert len(re.findall(r"^\[\d+/\d+\] ", run.stdout, re.M)) == 1
+    _, t2 = dry_run(tmp_path, "--device-memory", "1GB", "--tensor-parallel", "2", *sets[:2],
+                    "--set", "model.remat=full", "--set", "train.batch_size=8", *SMALL_SETS)
+    assert sorted(c["stage"] for c in t2["candidates"]) == [0, 1, 2, 3]
+    assert all(c["fits"] and c["tp"] == 2 and c["comm_bytes"] > r["candidates"][0]["comm_bytes"]
+               for c in t2["candidates"])
 
 
 def test_planner_takes_tensor_parallelism_at_the_stage_set(tmp_path):

@@ -37,12 +37,17 @@ def test_processes_that_exited_before_wait_keep_their_code():
 
 def test_two_processes_lines_never_run_together():
     """Each process prints its lines in two pieces, unbuffered, at the same time as the other:
-    the launcher's output holds every line whole, and a last line without a newline ends."""
+    the launcher's output holds every line whole, and a last line without a newline ends.
+    Between the pieces each writes what gloo's C++ writes to stdout when a communicator
+    connects (a line per rank and communicator): left out, and the lines whole."""
+    gloo = "[Gloo] Rank {i} is connected to 7 peer ranks. Expected number of connected peer " \
+           "ranks is : 7\\n"
     program = ("import os, sys, time\n"
                "i = os.environ['JAX_PROCESS_ID']\n"
                "for n in range(40):\n"
                "    for out in (sys.stdout, sys.stderr):\n"
                "        out.write(f'error: process {i} line {n}')\n"
+               f"        out is sys.stdout and out.write(f'{gloo}')\n"
                "        time.sleep(0.001)\n"
                "        out.write(' ends here\\n')\n"
                "sys.stderr.write(f'last {i}')\n")

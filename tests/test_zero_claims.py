@@ -13,7 +13,7 @@ import optax
 import pytest
 from conftest import local_bytes
 
-from zero_jax import abstract_state, init_state, make_plan, make_train_step, report
+from zero_jax import Rule, abstract_state, init_state, make_plan, make_train_step, report
 from zero_jax.gpt.model import GPT, LAYERS, GPTConfig, init_fn, lm_loss
 from zero_jax.hlo import collectives
 
@@ -173,3 +173,29 @@ def test_stage3_temp_memory_grows_by_a_shard_per_layer(mesh, stages):
         growth[stage] = (compiled.memory_analysis().temp_size_in_bytes - base) / 12 - checkpoint
     assert growth[3] <= 1.2 * layer_bytes / N, (growth, layer_bytes)
     assert growth[0] >= 0.9 * layer_bytes, (growth, layer_bytes)
+
+
+def test_the_report_says_first_when_most_leaves_stay_whole(mesh, stages):
+    """A persistence threshold above most leaves' size per layer keeps them whole at stage 3
+    (parameters and gradients; their optimizer state is cut): the report's first lines say
+    how many, and that for them stage 3 is stage 1. The default layout cuts most leaves and
+    says nothing of it; below stage 3 nothing is gathered and no line says blocks are."""
+    model = GPT(TINY)
+    init, tx = init_fn(model), optax.adamw(1e-3)
+    plan = make_plan(jax.eval_shape(init, jax.random.key(0)), mesh, 3, layers=LAYERS,
+                     rules=[Rule("", min_shard_elems=TINY.d_model * TINY.d_model)])
+    state = abstract_state(plan, tx)
+    lowered = make_train_step(plan, lm_loss(model), tx).lower(state, BATCH)
+    text = report.format_table(report.build(plan, state, lowered, lowered.compile()))
+    leaves = jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "persistent"))
+    whole = [leaf for leaf in leaves if leaf.persistent or leaf.axis is None]
+    assert len(leaves) > len(whole) > len(leaves) / 2 and all(x.persistent for x in whole)
+    share = sum(math.prod(x.shape) for x in whole) / TINY.n_params
+    assert text.splitlines()[1] == (
+        f"  {len(whole)} of {len(leaves)} leaves stay whole ({share:.0%} of the parameters), "
+        f"so stage 3 cuts only the rest: {len(whole)} persistent (parameters and gradients "
+        "whole, optimizer state cut: stage 1 for them)")
+    for stage, s in stages.items():
+        default = report.format_table(s["report"])
+        assert "leaves stay whole" not in default
+        assert ("gathered block by block (1 block): blocks" in default) == (stage == 3)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -101,10 +102,18 @@ def wait(procs: list[subprocess.Popen], grace: float) -> int:
     return first[1] if first[1] > 0 else 128 - first[1]
 
 
+# Gloo (JAX's CPU collectives across processes) prints one such line per rank and
+# communicator to stdout, from C++ and unconditionally, into the middle of Python's lines.
+GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected "
+                            rb"number of connected peer ranks is : \d+\n")
+
+
 class _Lines:
     """Copies the processes' pipes to our stdout and stderr a whole line at a time, under one
     lock: what two processes print never runs together on one line. A line ends at ``\\n`` or
-    ``\\r`` (a progress bar redraws itself with ``\\r``); an unfinished last line is ended."""
+    ``\\r`` (a progress bar redraws itself with ``\\r``); an unfinished last line is ended.
+    Gloo's connection lines are left out (``GLOO_CONNECTED``), and the line they cut in two is
+    joined again: one is only matched once whole, as it holds no line end but its last."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -118,7 +127,7 @@ class _Lines:
     def copy(self, pipe, out) -> None:
         fd, pending = pipe.fileno(), b""
         while chunk := os.read(fd, 1 << 16):
-            pending += chunk
+            pending = GLOO_CONNECTED.sub(b"", pending + chunk)
             cut = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
             if cut:
                 self.write(out, pending[:cut])

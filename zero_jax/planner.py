@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -103,6 +105,37 @@ def describe(layout: dict) -> str:
     """A layout in words, as the table's verdict and split name it."""
     return (f"stage {layout['stage']}, offload {layout['offload']}, remat {layout['remat']}, "
             f"tensor parallel {layout['tp']}" + "".join(f", {v}" for v in variants(layout)))
+
+
+def state_exceeds(state: Any, device_memory: int, host_memory: int, devices_per_host: int,
+                  host_checked: bool = True) -> str | None:
+    """Why a layout cannot fit by its model state alone, read from its abstract state's
+    shardings before anything is compiled (the step's temporaries only add to it), or None.
+    ``host_checked`` False: the host's part may still move to the disk (the NVMe tier)."""
+    device, host = shard_bytes(state, "device"), shard_bytes(state, "pinned_host")
+    if device > HEADROOM * device_memory:
+        return f"model state {device / 2**20:,.2f} MiB per device"
+    if host_checked and host * devices_per_host > HEADROOM * host_memory:
+        return f"model state {host * devices_per_host / 2**20:,.2f} MiB per host"
+    return None
+
+
+class Progress:
+    """One line per compiled layout as the search goes, with what is left at the mean compile
+    time so far: a sweep compiles for minutes, and says so while it does."""
+
+    def __init__(self, total: int, device_memory: int, out=None):
+        self.total, self.done, self.start, self.out = total, 0, time.monotonic(), out
+        self.unit, self.div = ("GiB", 2**30) if device_memory >= 2**30 else ("MiB", 2**20)
+
+    def __call__(self, c: Candidate, fits: bool, devices_per_host: int) -> None:
+        self.done += 1
+        self.total = max(self.total, self.done)
+        left = (time.monotonic() - self.start) / self.done * (self.total - self.done)
+        print(f"[{self.done}/{self.total}] {describe(c.layout)}: "
+              f"{'fits' if fits else 'does not fit'} (device {c.device / self.div:,.2f} "
+              f"{self.unit}, host {c.host_state * devices_per_host / self.div:,.2f} {self.unit} "
+              f"per host), ~{left:.0f} s left", file=self.out or sys.stdout, flush=True)
 
 
 def fits(c: Candidate, device_memory: int, host_memory: int, devices_per_host: int,

@@ -110,8 +110,7 @@ def stages_table(plan: Plan, tx: Any) -> list[dict]:
 
 
 def format_stages(rows: list[dict], n_params: int, devices: int) -> str:
-    big = rows[0]["total"] >= 1e9
-    unit, div = ("GB = 1e9 bytes", 1e9) if big else ("MiB", MiB)
+    unit, div = ("GiB", 1 << 30) if rows[0]["total"] >= 1 << 30 else ("MiB", MiB)
     lines = [f"  model states per device at each stage, Psi = {n_params:,}, N = {devices} "
              f"({unit}); offload: master and optimizer state in host memory (ZeRO-Offload):",
              f"  {'stage':<11}{'params':>9}{'grads':>9}{'master':>9}{'optimizer':>11}"
@@ -174,10 +173,7 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None,
         "compiled": {f"{k}_bytes": getattr(memory, f"{k}_size_in_bytes") for k in (
             "argument", "output", "temp", "alias", "host_argument", "host_output", "host_temp")},
         "collectives": sorted(groups.values(), key=lambda x: (x["kind"], x["in_loop"])),
-        # What the program asks for, before XLA's passes: the CPU backend, for one, runs bf16
-        # collectives in f32; GPUs and TPUs keep them.
-        "requested_dtypes": sorted({f"{x.kind} {x.dtype}" for x in
-                                    collectives(lowered.as_text(dialect="hlo"), mesh.size)}),
+        **as_requested(plan, lowered, found, block_input),
         "comm_bytes_per_step": sum(x.volume for x in found),
         # Several processes (hosts): what crosses between them, the figure that sets the pace.
         "processes": len({d.process_index for d in mesh.devices.flat}),
@@ -218,6 +214,7 @@ def layout(plan: Plan, state: PyTree, found: list, more: list[str] = ()) -> dict
     return {
         "replicated": [{"path": leaf.path, "shape": list(leaf.shape), "reason": leaf.reason}
                        for leaf in plan.replicated],
+        "n_leaves": len(jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "offload"))),
         "frozen": [leaf.path for leaf in plan.frozen],
         "blocks": plan.blocks,
         "gather": plan.gather,
@@ -292,17 +289,44 @@ def model_theory(plan: Plan, block_input: jax.ShapeDtypeStruct) -> tuple[int, st
             f"{per_block} all-reduces of b s d per layer + 2")
 
 
-def comm_theory(plan: Plan, block_input: jax.ShapeDtypeStruct | None = None
-                ) -> tuple[dict[str, int], str]:
+def as_requested(plan: Plan, lowered: Any, found: list,
+                 block_input: jax.ShapeDtypeStruct | None) -> dict:
+    """The collectives' dtypes the program asks for, before XLA's passes (the CPU backend, for
+    one, runs bf16 collectives in f32; GPUs and TPUs keep them), and where every 16-bit one
+    ran wider, that dtype and the theory in it."""
+    requested = collectives(lowered.as_text(dialect="hlo"), plan.mesh.size)
+    widened = widened_to(requested, found)
+    return {"requested_dtypes": sorted({f"{x.kind} {x.dtype}" for x in requested}),
+            "collectives_run_in": widened,
+            "comm_bytes_theory_as_run": sum(comm_theory(plan, block_input, widened)[0].values())
+            if widened else None}
+
+
+def widened_to(requested: list, found: list) -> str | None:
+    """The dtype the compiled program runs 16-bit collectives in, when the backend widened
+    them all (the CPU backend: f32), else None."""
+    sixteen = {"bf16", "f16"}
+    if {x.dtype for x in requested} & sixteen and not {x.dtype for x in found} & sixteen:
+        return "f32"
+    return None
+
+
+def comm_theory(plan: Plan, block_input: jax.ShapeDtypeStruct | None = None,
+                widened: str | None = None) -> tuple[dict[str, int], str]:
     """ZeRO's bytes per device per step by mesh axis, and the formula.
 
     Phase by phase, each in its dtype: a gradient reduce-scatter, then an all-gather (of
     gradients at stage 0, of updated parameters at 1-2, per layer at 3). With k microbatches
     stage 2 reduce-scatters, and stage 3 also gathers, once per microbatch. With tensor
     parallelism each rank's ZeRO moves its part, and ``model`` carries Megatron's all-reduces
-    (``model_theory``) when the caller gives a block input's shape."""
+    (``model_theory``) when the caller gives a block input's shape. ``widened``: every phase
+    in that dtype instead (``widened_to``)."""
     mesh, prec, k = plan.mesh, plan.precision, plan.accum_steps
     c, r = prec.compute.itemsize, prec.reduce.itemsize
+    if widened:
+        c = r = DTYPE_BYTES[widened]
+        if block_input is not None and jnp.dtype(block_input.dtype).itemsize < c:
+            block_input = jax.ShapeDtypeStruct(block_input.shape, jnp.float32)
     rank = round(per_rank(plan))
     theory = {0: rank * (r + r), 1: rank * (r + r), 2: rank * (r * k + c),
               3: rank * (c + c + r) * k}
@@ -464,11 +488,13 @@ def _states_lines(r: dict) -> list[str]:
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
     p = r["precision"]
     offloaded = sum(r["per_device_host_bytes"].values()) > 0
+    run_in = r.get("collectives_run_in")
     lines = [f"ZeRO stage {r['stage']} on {r['platform']} mesh {mesh}, {r['n_params']:,} "
              f"parameters; compute {p['param_dtype']}, gradient collectives {p['reduce_dtype']}"
+             + (f" (run in {run_in} by the {r['platform']} backend)" if run_in else "")
              + (f", {p['accum_steps']} microbatches per step" if p["accum_steps"] > 1 else "")
              + (", fp16 loss scaling" if p["loss_scale"] else ""),
-             f"  {r['rule']}", "",
+             *_whole_headline(r), f"  {r['rule']}", "",
              f"  {'per device':<12}{'actual MiB':>12}{'ZeRO formula':>14}"
              + (f"{'host MiB':>12}{'formula':>12}" if offloaded else "")]
     host, zero_host = r["per_device_host_bytes"], r["zero_formula_host_bytes"]
@@ -497,6 +523,23 @@ def _states_lines(r: dict) -> list[str]:
     return lines
 
 
+def _whole_headline(r: dict) -> list[str]:
+    """Most leaves kept whole (persistent, or with no dimension the devices divide): the stage
+    then holds them as a lower stage does, which the headline says first."""
+    whole, n = r["replicated"], r.get("n_leaves", 0)
+    if not r["stage"] or not n or 2 * len(whole) <= n:
+        return []
+    persistent = [x for x in whole if x["reason"].startswith("persistent")]
+    size = sum(math.prod(x["shape"]) for x in whole) / r["n_params"]
+    parts = ([f"{len(persistent)} persistent (parameters and gradients whole, optimizer state "
+              f"cut: stage {min(r['stage'], 1)} for them)"] if persistent else []) \
+        + ([f"{len(whole) - len(persistent)} whole everywhere (stage 0 for them: "
+            + ", ".join(sorted({x['reason'] for x in whole if x not in persistent})) + ")"]
+           if len(persistent) < len(whole) else [])
+    return [f"  {len(whole)} of {n} leaves stay whole ({size:.0%} of the parameters), so stage "
+            f"{r['stage']} cuts only the rest: {'; '.join(parts)}"]
+
+
 def _comm_lines(r: dict) -> list[str]:
     """The compiled step's memory and its collectives against ZeRO's theory."""
     c = r["compiled"]
@@ -510,8 +553,13 @@ def _comm_lines(r: dict) -> list[str]:
                      f"{g['bytes'] / MiB:>10.2f}")
     lines.append(f"  dtypes as requested, before XLA's passes: {', '.join(r['requested_dtypes'])}")
     measured, theory = r["comm_bytes_per_step"], r["comm_bytes_theory"]
+    formula, run_in = r["comm_theory_formula"], r.get("collectives_run_in")
+    if run_in:  # the theory in the dtype the program runs; as requested beside it
+        formula += (f", in {run_in} as the {r['platform']} backend runs the 16-bit collectives;"
+                    f" {theory / MiB:.2f} MiB in the dtypes requested")
+        theory = r["comm_bytes_theory_as_run"]
     lines += ["", f"  communication per step: {measured / MiB:.2f} MiB, ZeRO theory "
-              f"{theory / MiB:.2f} MiB ({r['comm_theory_formula']}), ratio "
+              f"{theory / MiB:.2f} MiB ({formula}), ratio "
               f"{measured / theory if theory else 1:.2f} "
               "(an all-reduce counted as reduce-scatter + all-gather)"]
     comm = r["comm"]
@@ -558,8 +606,11 @@ def _peak_lines(r: dict) -> list[str]:
     peak = r.get("peak")
     if not peak or not peak["peak_bytes"]:
         return []
-    return ["", f"  at the compiled step's peak ({peak['peak_bytes'] / MiB:.2f} MiB per device; "
-                f"XLA's temp allocation {r['compiled']['temp_bytes'] / MiB:.2f} MiB):",
+    temp = r["compiled"]["temp_bytes"]
+    why = (": more than is live at once, as XLA lays out buffers live at different times once, "
+           "with gaps between them" if temp > peak["peak_bytes"] else "")
+    return ["", f"  at the compiled step's peak ({peak['peak_bytes'] / MiB:,.2f} MiB per device, "
+                f"arguments included; XLA's temp allocation {temp / MiB:,.2f} MiB{why}):",
             *peak_split(peak)]
 
 
@@ -577,13 +628,20 @@ def peak_split(peak: dict, unit: str = "MiB", div: int = MiB) -> list[str]:
     return lines
 
 
+# Why a kind holds more than ZeRO's figure for it.
+WHY = {"gradients": "one block's weight gradient; the rest are gradients of activations, which "
+                    "ZeRO does not count: the logits' is batch x sequence x vocabulary"}
+
+
 def _kinds(by_kind: dict, expected: dict, unit: str, div: int) -> list[str]:
     lines = []
     for kind, size in by_kind.items():
         zero = expected.get(kind)
         if size or zero is not None:
             lines.append(f"    {kind:<24}{size / div:>8.2f} {unit}"
-                         + (f"   ZeRO: {zero / div:.2f} {unit}" if zero is not None else ""))
+                         + (f"   ZeRO: {zero / div:.2f} {unit}" if zero is not None else "")
+                         + (f" ({WHY[kind]})" if zero is not None and size > zero and kind in WHY
+                            else ""))
     return lines
 
 
@@ -596,10 +654,11 @@ def _layout_lines(r: dict) -> list[str]:
     if r["frozen"]:
         lines += ["", f"  frozen, no gradient and no optimizer state ({len(r['frozen'])} leaves): "
                   + ", ".join(r["frozen"])]
-    if r["blocks"]:
+    if r["blocks"] and r["stage"] == 3:  # below stage 3 nothing is gathered
         shown = ", ".join(r["blocks"][:4]) + (", ..." if len(r["blocks"]) > 4 else "")
         unit = "module by module within" if r.get("gather") == "module" else "block by block"
-        lines += ["", f"  gathered {unit} ({len(r['blocks'])} blocks): {shown}"]
+        count = f"{len(r['blocks'])} block{'s' * (len(r['blocks']) != 1)}"
+        lines += ["", f"  gathered {unit} ({count}): {shown}"]
     if r.get("tiled"):
         lines += ["", f"  tiled within {r['tile_bytes'] / MiB:.3g} MiB ({len(r['tiled'])} leaves, "
                   f"their layers gather one tile at a time; the step's largest all-gather "

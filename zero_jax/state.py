@@ -6,6 +6,7 @@ holds more than its part, not even while the state is created.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -116,8 +117,13 @@ def init_state(plan: Plan, init_params: Callable[[jax.Array], PyTree] | PyTree,
                              f"the plan's is {want.shape}")
     params = jax.device_put(init_params, plan.shardings(plan.opt_specs))
     cast = lambda p: jax.tree.map(lambda x, s: x.astype(s.dtype), p, plan.shapes)
-    return jax.jit(lambda p: _born(plan, _new_state(plan, cast(p), tx)),
-                   out_shardings=_born(plan, shardings), donate_argnums=0)(params)
+    with warnings.catch_warnings():
+        # Donated so that XLA may write the state over them; where no output has their layout
+        # (offloaded to host memory, or cut otherwise than the optimizer's), it cannot, and
+        # JAX warns: harmless, the state is the same, those buffers are only not reused.
+        warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        return jax.jit(lambda p: _born(plan, _new_state(plan, cast(p), tx)),
+                       out_shardings=_born(plan, shardings), donate_argnums=0)(params)
 
 
 def abstract_state(plan: Plan, tx: optax.GradientTransformation) -> TrainState:

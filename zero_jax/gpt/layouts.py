@@ -125,6 +125,12 @@ def untried(cfg: dict, sets: list[str], layouts: list[dict]) -> list[str]:
     return out
 
 
+def tp_asked(sets: list[str], tensor_parallel: int | None) -> bool:
+    """Whether the command line chose tensor parallelism's T (--tensor-parallel, or a --set of
+    mesh.tensor_parallel): else the planner tries T > 1 only when nothing fits without it."""
+    return tensor_parallel is not None or _fixed(sets, "mesh.tensor_parallel")
+
+
 def _offload_fixed(sets: list[str]) -> bool:
     """Whether the command line chose where the state lives (the NVMe tier's buffer sizes
     leave it open)."""
