@@ -7,6 +7,7 @@ otherwise), so every shard is its own buffer and every collective really runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
