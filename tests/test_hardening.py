@@ -47,10 +47,10 @@ def losses(path) -> dict[int, float]:
 
 
 def listing(directory: pathlib.Path) -> dict:
-    """Every file under ``directory`` with its size and modification time, and every empty
-    directory."""
+    """Every file under ``directory`` with its size and modification time, every empty
+    directory, and anything else (a FIFO)."""
     return {str(p.relative_to(directory)): p.is_file() and (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(directory.rglob("*")) if p.is_file() or not any(p.iterdir())}
+            for p in sorted(directory.rglob("*")) if not p.is_dir() or not any(p.iterdir())}
 
 
 @pytest.fixture(scope="module")
@@ -447,6 +447,120 @@ def test_refused_with_one_line_and_nothing_written(name, command, fault, phrase,
         and phrase.format(c=c, w=w) in errors[0], out.err
     assert not compiles  # refused before any model was compiled
     assert listing(tmp_path) == before
+
+
+def write(name: str, content: bytes | str):
+    """A fault that writes ``content`` as {w}/``name``."""
+    data = content.encode() if isinstance(content, str) else content
+    return lambda w: (w / name).write_bytes(data)
+
+
+NV = ["--set", "zero.offload_optimizer.device=nvme", "--set", "optimizer.clip_norm=0",
+      "--set", "zero.offload_optimizer.nvme_path={w}"]
+DS = ["--deepspeed-config", "{w}/ds.json"]
+BIG = 100000000000000000000  # 1e20, as an integer
+# (id, train.py arguments, fault on the work dir {w}, phrase): the inputs that once ended in
+# a traceback, a hang or a run on the wrong thing.
+INPUTS = [
+    ("ds micro batch 0", DS, write("ds.json", '{"train_batch_size": 32, '
+                                   '"train_micro_batch_size_per_gpu": 0}'),
+     "--deepspeed-config {w}/ds.json: train_micro_batch_size_per_gpu must be a whole number of "
+     "at least 1 (got 0)"),
+    ("ds accumulation 0", DS, write("ds.json", '{"train_batch_size": 32, '
+                                    '"gradient_accumulation_steps": 0}'),
+     "gradient_accumulation_steps must be a whole number of at least 1 (got 0)"),
+    ("ds batch 0", DS, write("ds.json", '{"train_batch_size": 0}'),
+     "--deepspeed-config {w}/ds.json: train_batch_size must be a whole number of at least 1"),
+    ("ds nested deep", DS, write("ds.json", "[" * 200_000 + "]" * 200_000),
+     "--deepspeed-config {w}/ds.json nests its values too deep to be a DeepSpeed config"),
+    ("ds warmup 1e20", DS, write("ds.json", '{"scheduler": {"type": "WarmupLR", "params": '
+                                 '{"warmup_num_steps": 1e20}}}'),
+     f"optimizer.warmup_steps must be at most 2147483647 (got {BIG}): the step counter is an "
+     "int32"),
+    ("warmup 1e20", ["--set", "optimizer.schedule=constant", "--set",
+                     f"optimizer.warmup_steps={BIG}"], None,
+     f"optimizer.warmup_steps must be at most 2147483647 (got {BIG})"),
+    ("warmup 2**31", ["--set", "optimizer.warmup_steps=2147483648"], None,
+     "optimizer.warmup_steps must be at most 2147483647 (got 2147483648)"),
+    ("steps 2**31", ["--steps", "2147483648"], None,
+     "train.steps must be at most 2147483647 (got 2147483648)"),
+    ("nvme buffer inf", [*NV, "--set", "zero.offload_optimizer.buffer_mb=.inf"], None,
+     "buffer_mb a finite number of at least 0.00390625 (4 KiB, a disk page"),
+    ("nvme buffer 1e-6", [*NV, "--set", "zero.offload_optimizer.buffer_mb=1e-6"], None,
+     "buffer_mb a finite number of at least 0.00390625 (4 KiB, a disk page: smaller bands are "
+     "many more reads of a page each) (got 4, 1e-06)"),
+    ("vocab 2**31", ["--set", "model.vocab_size=2147483648"], None,
+     "model.vocab_size must be at most 2147483647 (got 2147483648): token ids are int32"),
+    ("vocab 2**64", ["--set", f"model.vocab_size={2**64}"], None,
+     f"model.vocab_size must be at most 2147483647 (got {2**64})"),
+    ("data fifo", ["--data", "{w}/fifo"], lambda w: os.mkfifo(w / "fifo"),
+     "data file {w}/fifo is not a regular file or directory (a FIFO or a device"),
+    ("data device", ["--data", "/dev/zero"], None,
+     "data file /dev/zero is not a regular file or directory"),
+    ("ds zero_optimization 3", DS, write("ds.json", '{"zero_optimization": 3}'),
+     "--deepspeed-config {w}/ds.json: zero_optimization must be an object of its keys, e.g. "
+     '{{"stage": ...}} (got 3)'),
+    ("ds zero_optimization [3]", DS, write("ds.json", '{"zero_optimization": [3]}'),
+     "zero_optimization must be an object of its keys, e.g. {{\"stage\": ...}} (got [3])"),
+    ("ds zero_optimization str", DS, write("ds.json", '{"zero_optimization": "stage3"}'),
+     'zero_optimization must be an object of its keys, e.g. {{"stage": ...}} (got "stage3")'),
+    ("ds bf16 true", DS, write("ds.json", '{"bf16": true}'),
+     'bf16 must be an object of its keys, e.g. {{"enabled": ...}} (got true)'),
+    ("ds key twice", DS, write("ds.json", '{"zero_optimization": {"stage": 2, "stage": 3}}'),
+     '--deepspeed-config {w}/ds.json: key "stage" is given twice in one object (JSON would '
+     "keep the last): keep one"),
+    ("ds section twice", DS, write("ds.json", '{"bf16": {"enabled": true}, "bf16": {}}'),
+     'key "bf16" is given twice in one object'),
+    ("data .BIN ids", ["--data", "{w}/ids.BIN"],  # read as uint16 ids, as .bin is: 4999
+     lambda w: np.arange(5000, dtype=np.uint16).tofile(w / "ids.BIN"),
+     "ids.BIN has token id 4999 but model.vocab_size is 256"),
+    ("data empty .bin", ["--data", "{w}/ids.bin"], write("ids.bin", b""),
+     "data file {w}/ids.bin holds 0 bytes, not a whole number of uint16 token ids"),
+    ("data odd .bin", ["--data", "{w}/ids.bin"], write("ids.bin", b"\x01\x00\x02"),
+     "data file {w}/ids.bin holds 3 bytes, not a whole number of uint16 token ids (2 bytes "
+     "each)"),
+    ("ds not utf-8", DS, write("ds.json", b'{"bf16": {"enabled": true}, "x": "\xff"}'),
+     "--deepspeed-config {w}/ds.json is not UTF-8 text (byte 0xff at offset 34): save it as "
+     "UTF-8 JSON"),
+]
+
+
+class _Hung(Exception):
+    pass
+
+
+@pytest.mark.parametrize("name, args, fault, phrase", INPUTS, ids=[r[0] for r in INPUTS])
+def test_bad_input_is_refused_before_anything_runs(name, args, fault, phrase, tmp_path, capsys,
+                                                   monkeypatch):
+    """Each input that once ended in a traceback, a hang (a FIFO's open, bands of a byte) or a
+    run on the wrong thing: one ``error:`` line naming it (and its file), exit code 2, within
+    20 s, before anything is compiled, and nothing written: no checkpoint directory."""
+    w = tmp_path / "work"
+    w.mkdir()
+    if fault:
+        fault(w)
+    before = listing(tmp_path)
+    compiles = []
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda *a, **k: compiles.append(a))
+
+    def hung(signum, frame):
+        raise _Hung
+
+    argv = [*MODEL, "--steps", "1", *[a.format(w=w) for a in args], "--checkpoint-dir",
+            str(w / "ckpt")]
+    previous, tick = signal.signal(signal.SIGALRM, hung), time.monotonic()
+    signal.alarm(60)
+    try:
+        code = train.main(argv)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    took = time.monotonic() - tick
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") \
+        and phrase.format(w=w) in err[0], err
+    assert took < 20 and not compiles, (took, compiles)
+    assert listing(tmp_path) == before and not (w / "ckpt").exists()
 
 
 def test_export_of_a_missing_array_is_one_line_to_the_end(reference, tmp_path):

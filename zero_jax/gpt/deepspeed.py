@@ -38,19 +38,45 @@ DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", 
 
 
 def read(path: str) -> dict:
-    """The JSON object in ``path``, or one line saying why not."""
+    """The JSON object in ``path``, or one line saying why not. A key given twice in one
+    object is refused (json keeps the last, silently), as the YAML configs refuse it."""
     try:
-        ds = json.loads(pathlib.Path(path).read_text())
+        ds = json.loads(pathlib.Path(path).read_bytes().decode("utf-8-sig"),
+                        object_pairs_hook=_no_duplicates)
     except OSError as e:
         raise ConfigError(f"--deepspeed-config {path} cannot be read ({e.strerror}): pass "
                           "DeepSpeed's JSON config file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--deepspeed-config {path} is not UTF-8 text (byte "
+                          f"0x{e.object[e.start]:02x} at offset {e.start}): save it as UTF-8 "
+                          "JSON") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"--deepspeed-config {path} is not JSON ({e.msg}, line {e.lineno}, "
                           f"column {e.colno})") from None
+    except RecursionError:
+        raise ConfigError(f"--deepspeed-config {path} nests its values too deep to be a "
+                          "DeepSpeed config (they nest three levels at most): pass DeepSpeed's "
+                          "JSON config file") from None
+    except _Duplicate as e:
+        raise ConfigError(f"--deepspeed-config {path}: key {e} is given twice in one object "
+                          "(JSON would keep the last): keep one") from None
     if not isinstance(ds, dict):
         raise ConfigError(f"--deepspeed-config {path} must hold a JSON object of DeepSpeed's "
                           "keys (zero_optimization, bf16, ...)")
     return ds
+
+
+class _Duplicate(Exception):
+    """A JSON object holds a key twice (its text: the key, quoted)."""
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    seen: dict = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _Duplicate(json.dumps(key))
+        seen[key] = value
+    return seen
 
 
 class Mapping:
@@ -65,8 +91,13 @@ class Mapping:
     def get(self, key: str, default: Any = None, kind: type | tuple = object) -> Any:
         """The value at dotted ``key`` (marked as used), checked to be a ``kind``."""
         node: Any = self.ds
-        for part in key.split("."):
-            if not isinstance(node, dict) or part not in node:
+        parts = key.split(".")
+        for i, part in enumerate(parts):
+            if not isinstance(node, dict):  # {"zero_optimization": 3}: not its default
+                raise ConfigError(f"--deepspeed-config {self.source}: {'.'.join(parts[:i])} "
+                                  f"must be an object of its keys, e.g. {{\"{part}\": ...}} "
+                                  f"(got {json.dumps(node)})")
+            if part not in node:
                 return default
             node = node[part]
         self.used.add(key)
@@ -79,14 +110,14 @@ class Mapping:
                               f"{describe(kind)} (got {json.dumps(node)})")
         return node
 
-    def count(self, key: str, default: Any = None) -> int | None:
+    def count(self, key: str, default: Any = None, least: int = 0) -> int | None:
         """An integer, which DeepSpeed's configs often write as a float (``5e8``)."""
         value = self.get(key, default, (int, float))
         if value is None:
             return None
-        if not math.isfinite(value) or value != int(value) or value < 0:
+        if not math.isfinite(value) or value != int(value) or value < least:
             raise ConfigError(f"--deepspeed-config {self.source}: {key} must be a whole number "
-                              f"of at least 0 (got {json.dumps(value)})")
+                              f"of at least {least} (got {json.dumps(value)})")
         return int(value)
 
     def set(self, ds_key: str, key: str, value: Any, note: str = "") -> None:
@@ -210,9 +241,9 @@ def _precision(m: Mapping) -> None:
 
 def _batch(m: Mapping, n: int) -> None:
     """train_batch_size = micro x accumulation x data-parallel devices, as DeepSpeed checks."""
-    total = m.count("train_batch_size")
-    micro = m.count("train_micro_batch_size_per_gpu")
-    accum = m.count("gradient_accumulation_steps")
+    total = m.count("train_batch_size", least=1)
+    micro = m.count("train_micro_batch_size_per_gpu", least=1)
+    accum = m.count("gradient_accumulation_steps", least=1)
     if total is not None and micro is not None and accum is not None \
             and total != micro * accum * n:
         raise m.refuse("train_batch_size", f"{total} is not train_micro_batch_size_per_gpu "
