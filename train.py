@@ -20,7 +20,8 @@ import tempfile
 import threading
 import time
 
-SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal, as shells report
+# 128 + the signal, as shells report; SIGHUP: the terminal or ssh session closed
+SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 DIVERGED = 3  # the exit code of a run the divergence guard stopped (train.max_bad_steps)
 MAX_DEVICES = 4096  # --devices: more than any data axis here; XLA aborts on absurd CPU counts
 SEEDS = 2**32  # jax.random.key keeps a seed's low 32 bits (no x64): larger ones would collide
@@ -45,8 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "lost peer); 2 bad input, refused before anything is written; 3 training diverged: "
         "train.max_bad_steps steps in a row (default 5) had a non-finite loss or gradient, or "
         "one such step's update went in, and nothing was saved from the first of them on; with "
-        "0 the run goes on and saves, and exits 3 if it ends in such steps; 130 / 143 stopped "
-        "by Ctrl-C / SIGTERM"))
+        "0 the run goes on and saves, and exits 3 if it ends in such steps; 130 / 143 / 129 "
+        "stopped by Ctrl-C / SIGTERM / SIGHUP (saved as it stopped)"))
     p.add_argument("--stage", type=int, help="ZeRO stage 0-3 (default: the config's, 3)")
     p.add_argument("--config", default="tiny",
                    help="YAML file, or a name in configs/: tiny, gpt2-124m, gpt-1.3b, gpt-7.5b")
@@ -290,9 +291,10 @@ def unwritable(path: str) -> str | None:
 
 
 class Stop:
-    """SIGTERM (preemption) or Ctrl-C: finish the step, save, exit 143 or 130. A second Ctrl-C
-    exits at once; orbax renames a save only when complete, so the one in flight is dropped and
-    the last complete checkpoint stays."""
+    """SIGTERM (preemption), Ctrl-C or SIGHUP (the terminal closed): finish the step, save, exit
+    143, 130 or 129. A second Ctrl-C exits at once; orbax renames a save only when complete, so
+    the one in flight is dropped and the last complete checkpoint stays. SIGHUP ignored when
+    the run starts (nohup) stays ignored."""
 
     def __init__(self, enabled: bool = True):
         self.signum: int | None = None
@@ -300,10 +302,13 @@ class Stop:
         self.enabled = enabled
         self.compiling = False  # while XLA compiles, Python runs no handler until it returns
         self.wakeup: tuple[int, int] | None = None  # the C handler's pipe, and the old fd
+        self.terminal: list[int] = []  # stdout, stderr: those on a terminal
 
     def __enter__(self) -> Stop:
         if self.enabled and threading.current_thread() is threading.main_thread():
-            self.previous = {s: signal.signal(s, self.handle) for s in SIGNAL_EXIT}
+            self.previous = {s: signal.signal(s, self.handle) for s in SIGNAL_EXIT
+                             if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN}
+            self.terminal = [fd for fd in (1, 2) if os.isatty(fd)]
             # The C-level handler writes each signal to this pipe at once, even while the main
             # thread is inside a compile: a thread answers then, not after the compile.
             read, write = os.pipe()
@@ -334,6 +339,10 @@ class Stop:
             print("\nerror: interrupted again: stopped at once; a save in flight is dropped, the "
                   "last complete checkpoint is kept", file=sys.stderr, flush=True)
             os._exit(SIGNAL_EXIT[signal.SIGINT])
+        if signum == signal.SIGHUP:  # a terminal that hung up fails every write (EIO)
+            for fd in self.terminal:
+                if not os.isatty(fd):
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
         self.signum = self.signum or signum
 
 
@@ -863,9 +872,14 @@ class TensorBoard(Hook):
 class Profile(Hook):
     """A hook: a JAX profiler trace around --profile-steps, beside the step's compiled HLO."""
 
-    def __init__(self, directory: str, window: tuple[int, int], compiled, write=print):
+    def __init__(self, directory: str, window: tuple[int, int], compiled, write=print,
+                 first: int = 0):
         self.dir, self.window, self.write = pathlib.Path(directory), window, write
         self.tracing = False
+        if window[0] <= first:  # a resumed run: the window's first step is never reached
+            warn(f"--profile-steps {window[0]}:{window[1]} starts at step {window[0]}, but "
+                 f"this run resumes after step {first}: nothing is traced; pass --profile-steps "
+                 f"A:B with A above {first}")
         self.dir.mkdir(parents=True, exist_ok=True)
         # The trace's events are named by the program's instructions: the HLO says what each
         # one is (all_gather.3 -> an all-gather of which shapes, in which loop).
@@ -954,7 +968,7 @@ def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Stop,
     if args.tensorboard and jax_primary():
         hooks.append(TensorBoard(args.tensorboard, first, r))
     if args.profile and jax_primary():
-        hooks.append(Profile(args.profile, args.profile_steps, step, bar.write))
+        hooks.append(Profile(args.profile, args.profile_steps, step, bar.write, first))
     tick, done_steps = time.perf_counter(), first
     try:
         done_steps = loop(exp, step, state, start, t, bar, rows, hooks, guard, stop, watchdog)

@@ -870,11 +870,29 @@ def test_resume_is_bit_identical(tmp_path, reference):
     assert Checkpoints(tmp_path / "next", read_only=True).steps() == [24]
 
 
-def test_ctrl_c_saves_and_resumes_exactly(tmp_path, reference):
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGHUP, 129)],
+                         ids=["ctrl-c", "hangup"])
+def test_a_stop_signal_saves_and_resumes_exactly(sig, code, tmp_path, reference):
+    """Ctrl-C, or SIGHUP (the terminal or ssh session closed), as SIGTERM below: the step is
+    finished and saved, and the resumed run goes on as the uninterrupted one."""
     c, m = tmp_path / "ckpt", tmp_path / "m.jsonl"
     proc = start("--steps", 1000, "--checkpoint-dir", c, "--metrics", m)
     wait_for_lines(m, 2, proc)
-    stop_and_resume(proc, tmp_path, reference, signal.SIGINT, 130)
+    stop_and_resume(proc, tmp_path, reference, sig, code)
+
+
+def test_a_resumed_run_says_its_profile_window_is_behind_it(reference, tmp_path, capsys):
+    """--profile-steps before the step a run resumes from traces nothing: a warning says so,
+    and the run trains on (exit 0)."""
+    c, p = tmp_path / "ckpt", tmp_path / "prof"
+    shutil.copytree(reference[0], c)
+    code = train.main([*MODEL, "--steps", "41", "--checkpoint-dir", str(c), "--resume",
+                       "--profile", str(p), "--profile-steps", "2:4"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert ("warning: --profile-steps 2:4 starts at step 2, but this run resumes after step 40: "
+            "nothing is traced; pass --profile-steps A:B with A above 40") in err, err
+    assert not list(p.rglob("*.xplane.pb"))
 
 
 def test_second_ctrl_c_aborts_at_once_keeping_the_last_checkpoint(tmp_path):
