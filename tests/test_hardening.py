@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +114,15 @@ def flipped(c, w):
 def no_array_metadata(c, w):
     keep_only_40(c, w)
     (c / "40/params/_METADATA").unlink()
+
+
+def flipped_40(c, w):  # 32 and 24 kept
+    flip(c / "40/params")
+
+
+def flipped_40_32(c, w):
+    flip(c / "40/params")
+    flip(c / "32/params")
 
 
 def foreign(c, w):
@@ -398,6 +408,13 @@ ROWS = [
      'checkpoint step 40 in {c} cannot be read: params: FAILED_PRECONDITION: Error reading '
      '"params.'),
     ("export flipped", [*E], flipped, "checkpoint step 40 in {c} "),
+    ("export flipped hint", [*E], flipped_40,  # as --resume falls back
+     "; checkpoint 32 reads: export it with --step 32"),
+    ("export two flipped hint", [*E], flipped_40_32,
+     "; checkpoint 24 reads: export it with --step 24"),
+    ("export step flipped hint", [*E, "--step", "32"], flipped_40_32,
+     "; checkpoint 24 reads: export it with --step 24"),
+    ("export flipped no hint", [*E], flipped, "; no older checkpoint reads"),
     ("export no _METADATA", [*E], no_array_metadata, "40/params/_METADATA is missing"),
     ("export empty dir", [*E], empty_ckpt, "no complete checkpoint in {c}"),
     ("export exists", ["export", "{c}", "{w}"], None, "already exists"),
@@ -893,6 +910,29 @@ def test_a_resumed_run_says_its_profile_window_is_behind_it(reference, tmp_path,
     assert ("warning: --profile-steps 2:4 starts at step 2, but this run resumes after step 40: "
             "nothing is traced; pass --profile-steps A:B with A above 40") in err, err
     assert not list(p.rglob("*.xplane.pb"))
+
+
+def test_an_export_reads_a_step_without_orbax_step_metadata_quietly(reference, tmp_path,
+                                                                      caplog):
+    """A step without ``_CHECKPOINT_METADATA`` (a save killed as it finished) reads whole,
+    checked by its digests: orbax's warning that the file is missing is not passed on."""
+    c = tmp_path / "ckpt"
+    shutil.copytree(reference[0], c)
+    (c / "40" / "_CHECKPOINT_METADATA").unlink()
+    assert export.main([str(c), str(tmp_path / "out")]) == 0
+    assert not [r for r in caplog.records if "Metadata file does not exist" in r.getMessage()]
+
+
+def test_the_nvme_tier_beside_offloaded_parameters_starts_without_a_warning(tmp_path, capsys):
+    """With the NVMe tier and zero.offload_params every output of the parameters' shapes in
+    the state's init is in host memory, so the donated parameters are taken by none: JAX's
+    warning about it is not passed on (they are freed as the init returns)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        code = train.main([*MODEL, "--steps", "1", *[a.format(w=tmp_path) for a in NV],
+                           "--set", "zero.offload_params=cpu"])
+    assert code == 0, capsys.readouterr().err
+    assert not [w for w in seen if "donated buffers" in str(w.message)], seen
 
 
 def test_second_ctrl_c_aborts_at_once_keeping_the_last_checkpoint(tmp_path):

@@ -6,6 +6,7 @@ holds more than its part, not even while the state is created.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -116,8 +117,13 @@ def init_state(plan: Plan, init_params: Callable[[jax.Array], PyTree] | PyTree,
                              f"the plan's is {want.shape}")
     params = jax.device_put(init_params, plan.shardings(plan.opt_specs))
     cast = lambda p: jax.tree.map(lambda x, s: x.astype(s.dtype), p, plan.shapes)
-    return jax.jit(lambda p: _born(plan, _new_state(plan, cast(p), tx)),
-                   out_shardings=_born(plan, shardings), donate_argnums=0)(params)
+    with warnings.catch_warnings():
+        # The parameters are donated so that the state can be written into their buffers. With
+        # the NVMe tier and Offload.params every output of their shapes is in host memory, and
+        # JAX warns that nothing took them: they are freed as this returns all the same.
+        warnings.filterwarnings("ignore", "Some donated buffers were not usable", UserWarning)
+        return jax.jit(lambda p: _born(plan, _new_state(plan, cast(p), tx)),
+                       out_shardings=_born(plan, shardings), donate_argnums=0)(params)
 
 
 def abstract_state(plan: Plan, tx: optax.GradientTransformation) -> TrainState:
