@@ -6,6 +6,7 @@ and nothing on disk added, removed or changed. Real runs (subprocesses) share on
 checkpoint directory and its per-step losses as the reference.
 """
 
+import contextlib
 import json
 import os
 import pathlib
@@ -989,6 +990,48 @@ def test_overwrite_deletes_the_old_run(reference, tmp_path):
     assert "--overwrite: deleted checkpoints 24, 32, 40" in run.stdout
     ckpts = Checkpoints(c, read_only=True)
     assert ckpts.steps() == [2] and ckpts.meta(2)["step"] == 2
+
+
+def test_a_closed_terminal_stops_with_a_save(tmp_path, reference):
+    """A run in a terminal that closes (its pty's other end closed: the kernel hangs the
+    terminal up and sends SIGHUP): every write to it would fail, yet the step is finished and
+    saved (exit 129), and the resumed run goes on as the uninterrupted one."""
+    import pty
+    import select
+    import threading
+
+    c, m = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    master, terminal = pty.openpty()
+    # A session of its own, the pty its controlling terminal, then train.py in that process
+    controlling = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                   "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", controlling, "train.py", *MODEL, "--steps", "1000",
+         "--checkpoint-dir", str(c), "--metrics", str(m)], cwd=ROOT,
+        env={**ENV, "PYTHONUNBUFFERED": "1"}, stdin=terminal, stdout=terminal, stderr=terminal,
+        start_new_session=True)
+    os.close(terminal)
+
+    closing = threading.Event()
+
+    def drain():  # what it prints, read as a terminal would show it
+        while not closing.is_set():
+            if select.select([master], [], [], 0.1)[0]:
+                with contextlib.suppress(OSError):
+                    os.read(master, 1 << 16)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    wait_for_lines(m, 2, proc)
+    closing.set()
+    reader.join()
+    os.close(master)  # the terminal closes: no read of it is in flight to keep it open
+    assert proc.wait(timeout=60) == 129
+    n = max(losses(m))
+    assert Checkpoints(c, read_only=True).steps() == [n]
+    run = run_train("--steps", n + 2, "--checkpoint-dir", c, "--resume", "--metrics", m)
+    assert run.returncode == 0, run.stderr
+    assert losses(m) == {s: reference[1][s] for s in range(1, n + 3)}
 
 
 def test_sigterm_during_a_second_writer_and_exports(tmp_path, reference, capsys):
