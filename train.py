@@ -47,8 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "lost peer); 2 bad input, refused before anything is written; 3 training diverged: "
         "train.max_bad_steps steps in a row (default 5) had a non-finite loss or gradient, or "
         "one such step's update went in, and nothing was saved from the first of them on; with "
-        "0 the run goes on and saves, and exits 3 if it ends in such steps; 130 / 143 stopped "
-        "by Ctrl-C / SIGTERM"))
+        "0 the run goes on and saves, and exits 3 if it ends in such steps; 130 / 143 / 129 "
+        "stopped by Ctrl-C / SIGTERM / SIGHUP (saved as it stopped)"))
     p.add_argument("--stage", type=int, help="ZeRO stage 0-3 (default: the config's, 3)")
     p.add_argument("--config", default="tiny",
                    help="YAML file, or a name in configs/: tiny, gpt2-124m, gpt-1.3b, gpt-7.5b")
@@ -826,6 +826,10 @@ def outputs(args: argparse.Namespace, start: Start, r: dict, step, first: int, b
         else []
     if args.tensorboard:
         hooks.append(TensorBoard(args.tensorboard, first, headline(r)))
+    if args.profile and args.profile_steps[0] <= first:  # a resumed run: never reached
+        a, b = args.profile_steps
+        warn(f"--profile-steps {a}:{b} starts at step {a}, but this run resumes after step "
+             f"{first}: nothing is traced; pass --profile-steps A:B with A above {first}")
     if args.profile:
         hooks.append(Profile(args.profile, args.profile_steps, step, bar.write))
     return hooks

@@ -458,17 +458,17 @@ def test_planner_puts_the_optimizer_on_nvme_when_the_host_is_too_small(tmp_path)
                      "--set", "model.remat=full", "--set", "train.batch_size=8", *SMALL_SETS,
                      "--set", "zero.bucket_mb=0", "--set", "zero.prefetch=false",
                      "--set", "zero.gather=block",
-                     "--set", "zero.offload_optimizer.buffer_mb=0.001")
+                     "--set", "zero.offload_optimizer.buffer_mb=0.00390625")  # 4 KiB, the least
     rows = {c["offload"]: c for c in r["candidates"] if not c.get("tile_mb")}
     assert set(rows) == {"none", "optimizer", "params", "nvme", "nvme+params"}
     per_host, psi = r["devices_per_host"], GPTConfig(**SMALL).n_params
     # master and Adam moments (12 Psi/N per device) go from the host to the disk, the host
-    # keeps 4 buffers of 0.001 MiB (and the offloaded parameters); the devices and the traffic
+    # keeps 4 buffers of 4 KiB (and the offloaded parameters); the devices and the traffic
     # stay as they were
     for host, nvme in ((rows["optimizer"], rows["nvme"]), (rows["params"], rows["nvme+params"])):
         assert nvme["nvme_bytes_per_host"] == pytest.approx(12 * psi / 8 * per_host, abs=64 * 8)
         assert nvme["host_bytes_per_host"] == pytest.approx(
-            host["host_bytes_per_host"] - nvme["nvme_bytes_per_host"] + 4 * int(0.001 * 2**20),
+            host["host_bytes_per_host"] - nvme["nvme_bytes_per_host"] + 4 * 4096,
             abs=per_host)
         for key in ("device_bytes", "comm_bytes", "host_traffic_bytes"):
             assert nvme[key] == host[key]

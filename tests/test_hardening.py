@@ -6,6 +6,7 @@ and nothing on disk added, removed or changed. Real runs (subprocesses) share on
 checkpoint directory and its per-step losses as the reference.
 """
 
+import contextlib
 import json
 import os
 import pathlib
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -47,10 +49,10 @@ def losses(path) -> dict[int, float]:
 
 
 def listing(directory: pathlib.Path) -> dict:
-    """Every file under ``directory`` with its size and modification time, and every empty
-    directory."""
+    """Every file under ``directory`` with its size and modification time, every empty
+    directory, and anything else (a FIFO)."""
     return {str(p.relative_to(directory)): p.is_file() and (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(directory.rglob("*")) if p.is_file() or not any(p.iterdir())}
+            for p in sorted(directory.rglob("*")) if not p.is_dir() or not any(p.iterdir())}
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +115,15 @@ def flipped(c, w):
 def no_array_metadata(c, w):
     keep_only_40(c, w)
     (c / "40/params/_METADATA").unlink()
+
+
+def flipped_40(c, w):  # 32 and 24 kept
+    flip(c / "40/params")
+
+
+def flipped_40_32(c, w):
+    flip(c / "40/params")
+    flip(c / "32/params")
 
 
 def foreign(c, w):
@@ -399,6 +410,13 @@ ROWS = [
      'checkpoint step 40 in {c} cannot be read: params: FAILED_PRECONDITION: Error reading '
      '"params.'),
     ("export flipped", [*E], flipped, "checkpoint step 40 in {c} "),
+    ("export flipped hint", [*E], flipped_40,  # as --resume falls back
+     "; checkpoint 32 reads: export it with --step 32"),
+    ("export two flipped hint", [*E], flipped_40_32,
+     "; checkpoint 24 reads: export it with --step 24"),
+    ("export step flipped hint", [*E, "--step", "32"], flipped_40_32,
+     "; checkpoint 24 reads: export it with --step 24"),
+    ("export flipped no hint", [*E], flipped, "; no older checkpoint reads"),
     ("export no _METADATA", [*E], no_array_metadata, "40/params/_METADATA is missing"),
     ("export empty dir", [*E], empty_ckpt, "no complete checkpoint in {c}"),
     ("export exists", ["export", "{c}", "{w}"], None, "already exists"),
@@ -448,6 +466,120 @@ def test_refused_with_one_line_and_nothing_written(name, command, fault, phrase,
         and phrase.format(c=c, w=w) in errors[0], out.err
     assert not compiles  # refused before any model was compiled
     assert listing(tmp_path) == before
+
+
+def write(name: str, content: bytes | str):
+    """A fault that writes ``content`` as {w}/``name``."""
+    data = content.encode() if isinstance(content, str) else content
+    return lambda w: (w / name).write_bytes(data)
+
+
+NV = ["--set", "zero.offload_optimizer.device=nvme", "--set", "optimizer.clip_norm=0",
+      "--set", "zero.offload_optimizer.nvme_path={w}"]
+DS = ["--deepspeed-config", "{w}/ds.json"]
+BIG = 100000000000000000000  # 1e20, as an integer
+# (id, train.py arguments, fault on the work dir {w}, phrase): the inputs that once ended in
+# a traceback, a hang or a run on the wrong thing.
+INPUTS = [
+    ("ds micro batch 0", DS, write("ds.json", '{"train_batch_size": 32, '
+                                   '"train_micro_batch_size_per_gpu": 0}'),
+     "--deepspeed-config {w}/ds.json: train_micro_batch_size_per_gpu must be a whole number of "
+     "at least 1 (got 0)"),
+    ("ds accumulation 0", DS, write("ds.json", '{"train_batch_size": 32, '
+                                    '"gradient_accumulation_steps": 0}'),
+     "gradient_accumulation_steps must be a whole number of at least 1 (got 0)"),
+    ("ds batch 0", DS, write("ds.json", '{"train_batch_size": 0}'),
+     "--deepspeed-config {w}/ds.json: train_batch_size must be a whole number of at least 1"),
+    ("ds nested deep", DS, write("ds.json", "[" * 200_000 + "]" * 200_000),
+     "--deepspeed-config {w}/ds.json nests its values too deep to be a DeepSpeed config"),
+    ("ds warmup 1e20", DS, write("ds.json", '{"scheduler": {"type": "WarmupLR", "params": '
+                                 '{"warmup_num_steps": 1e20}}}'),
+     f"optimizer.warmup_steps must be at most 2147483647 (got {BIG}): the step counter is an "
+     "int32"),
+    ("warmup 1e20", ["--set", "optimizer.schedule=constant", "--set",
+                     f"optimizer.warmup_steps={BIG}"], None,
+     f"optimizer.warmup_steps must be at most 2147483647 (got {BIG})"),
+    ("warmup 2**31", ["--set", "optimizer.warmup_steps=2147483648"], None,
+     "optimizer.warmup_steps must be at most 2147483647 (got 2147483648)"),
+    ("steps 2**31", ["--steps", "2147483648"], None,
+     "train.steps must be at most 2147483647 (got 2147483648)"),
+    ("nvme buffer inf", [*NV, "--set", "zero.offload_optimizer.buffer_mb=.inf"], None,
+     "buffer_mb a finite number of at least 0.00390625 (4 KiB, a disk page"),
+    ("nvme buffer 1e-6", [*NV, "--set", "zero.offload_optimizer.buffer_mb=1e-6"], None,
+     "buffer_mb a finite number of at least 0.00390625 (4 KiB, a disk page: smaller bands are "
+     "many more reads of a page each) (got 4, 1e-06)"),
+    ("vocab 2**31", ["--set", "model.vocab_size=2147483648"], None,
+     "model.vocab_size must be at most 2147483647 (got 2147483648): token ids are int32"),
+    ("vocab 2**64", ["--set", f"model.vocab_size={2**64}"], None,
+     f"model.vocab_size must be at most 2147483647 (got {2**64})"),
+    ("data fifo", ["--data", "{w}/fifo"], lambda w: os.mkfifo(w / "fifo"),
+     "data file {w}/fifo is not a regular file or directory (a FIFO or a device"),
+    ("data device", ["--data", "/dev/zero"], None,
+     "data file /dev/zero is not a regular file or directory"),
+    ("ds zero_optimization 3", DS, write("ds.json", '{"zero_optimization": 3}'),
+     "--deepspeed-config {w}/ds.json: zero_optimization must be an object of its keys, e.g. "
+     '{{"stage": ...}} (got 3)'),
+    ("ds zero_optimization [3]", DS, write("ds.json", '{"zero_optimization": [3]}'),
+     "zero_optimization must be an object of its keys, e.g. {{\"stage\": ...}} (got [3])"),
+    ("ds zero_optimization str", DS, write("ds.json", '{"zero_optimization": "stage3"}'),
+     'zero_optimization must be an object of its keys, e.g. {{"stage": ...}} (got "stage3")'),
+    ("ds bf16 true", DS, write("ds.json", '{"bf16": true}'),
+     'bf16 must be an object of its keys, e.g. {{"enabled": ...}} (got true)'),
+    ("ds key twice", DS, write("ds.json", '{"zero_optimization": {"stage": 2, "stage": 3}}'),
+     '--deepspeed-config {w}/ds.json: key "stage" is given twice in one object (JSON would '
+     "keep the last): keep one"),
+    ("ds section twice", DS, write("ds.json", '{"bf16": {"enabled": true}, "bf16": {}}'),
+     'key "bf16" is given twice in one object'),
+    ("data .BIN ids", ["--data", "{w}/ids.BIN"],  # read as uint16 ids, as .bin is: 4999
+     lambda w: np.arange(5000, dtype=np.uint16).tofile(w / "ids.BIN"),
+     "ids.BIN has token id 4999 but model.vocab_size is 256"),
+    ("data empty .bin", ["--data", "{w}/ids.bin"], write("ids.bin", b""),
+     "data file {w}/ids.bin holds 0 bytes, not a whole number of uint16 token ids"),
+    ("data odd .bin", ["--data", "{w}/ids.bin"], write("ids.bin", b"\x01\x00\x02"),
+     "data file {w}/ids.bin holds 3 bytes, not a whole number of uint16 token ids (2 bytes "
+     "each)"),
+    ("ds not utf-8", DS, write("ds.json", b'{"bf16": {"enabled": true}, "x": "\xff"}'),
+     "--deepspeed-config {w}/ds.json is not UTF-8 text (byte 0xff at offset 34): save it as "
+     "UTF-8 JSON"),
+]
+
+
+class _Hung(Exception):
+    pass
+
+
+@pytest.mark.parametrize("name, args, fault, phrase", INPUTS, ids=[r[0] for r in INPUTS])
+def test_bad_input_is_refused_before_anything_runs(name, args, fault, phrase, tmp_path, capsys,
+                                                   monkeypatch):
+    """Each input that once ended in a traceback, a hang (a FIFO's open, bands of a byte) or a
+    run on the wrong thing: one ``error:`` line naming it (and its file), exit code 2, within
+    20 s, before anything is compiled, and nothing written: no checkpoint directory."""
+    w = tmp_path / "work"
+    w.mkdir()
+    if fault:
+        fault(w)
+    before = listing(tmp_path)
+    compiles = []
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda *a, **k: compiles.append(a))
+
+    def hung(signum, frame):
+        raise _Hung
+
+    argv = [*MODEL, "--steps", "1", *[a.format(w=w) for a in args], "--checkpoint-dir",
+            str(w / "ckpt")]
+    previous, tick = signal.signal(signal.SIGALRM, hung), time.monotonic()
+    signal.alarm(60)
+    try:
+        code = train.main(argv)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    took = time.monotonic() - tick
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") \
+        and phrase.format(w=w) in err[0], err
+    assert took < 20 and not compiles, (took, compiles)
+    assert listing(tmp_path) == before and not (w / "ckpt").exists()
 
 
 def test_export_of_a_missing_array_is_one_line_to_the_end(reference, tmp_path):
@@ -757,11 +889,52 @@ def test_resume_is_bit_identical(tmp_path, reference):
     assert Checkpoints(tmp_path / "next", read_only=True).steps() == [24]
 
 
-def test_ctrl_c_saves_and_resumes_exactly(tmp_path, reference):
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGHUP, 129)],
+                         ids=["ctrl-c", "hangup"])
+def test_a_stop_signal_saves_and_resumes_exactly(sig, code, tmp_path, reference):
+    """Ctrl-C, or SIGHUP (the terminal or ssh session closed), as SIGTERM below: the step is
+    finished and saved, and the resumed run goes on as the uninterrupted one."""
     c, m = tmp_path / "ckpt", tmp_path / "m.jsonl"
     proc = start("--steps", 1000, "--checkpoint-dir", c, "--metrics", m)
     wait_for_lines(m, 2, proc)
-    stop_and_resume(proc, tmp_path, reference, signal.SIGINT, 130)
+    stop_and_resume(proc, tmp_path, reference, sig, code)
+
+
+def test_a_resumed_run_says_its_profile_window_is_behind_it(reference, tmp_path, capsys):
+    """--profile-steps before the step a run resumes from traces nothing: a warning says so,
+    and the run trains on (exit 0)."""
+    c, p = tmp_path / "ckpt", tmp_path / "prof"
+    shutil.copytree(reference[0], c)
+    code = train.main([*MODEL, "--steps", "41", "--checkpoint-dir", str(c), "--resume",
+                       "--profile", str(p), "--profile-steps", "2:4"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert ("warning: --profile-steps 2:4 starts at step 2, but this run resumes after step 40: "
+            "nothing is traced; pass --profile-steps A:B with A above 40") in err, err
+    assert not list(p.rglob("*.xplane.pb"))
+
+
+def test_an_export_reads_a_step_without_orbax_step_metadata_quietly(reference, tmp_path,
+                                                                      caplog):
+    """A step without ``_CHECKPOINT_METADATA`` (a save killed as it finished) reads whole,
+    checked by its digests: orbax's warning that the file is missing is not passed on."""
+    c = tmp_path / "ckpt"
+    shutil.copytree(reference[0], c)
+    (c / "40" / "_CHECKPOINT_METADATA").unlink()
+    assert export.main([str(c), str(tmp_path / "out")]) == 0
+    assert not [r for r in caplog.records if "Metadata file does not exist" in r.getMessage()]
+
+
+def test_the_nvme_tier_beside_offloaded_parameters_starts_without_a_warning(tmp_path, capsys):
+    """With the NVMe tier and zero.offload_params every output of the parameters' shapes in
+    the state's init is in host memory, so the donated parameters are taken by none: JAX's
+    warning about it is not passed on (they are freed as the init returns)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        code = train.main([*MODEL, "--steps", "1", *[a.format(w=tmp_path) for a in NV],
+                           "--set", "zero.offload_params=cpu"])
+    assert code == 0, capsys.readouterr().err
+    assert not [w for w in seen if "donated buffers" in str(w.message)], seen
 
 
 def test_second_ctrl_c_aborts_at_once_keeping_the_last_checkpoint(tmp_path):
@@ -818,6 +991,48 @@ def test_overwrite_deletes_the_old_run(reference, tmp_path):
     assert "--overwrite: deleted checkpoints 24, 32, 40" in run.stdout
     ckpts = Checkpoints(c, read_only=True)
     assert ckpts.steps() == [2] and ckpts.meta(2)["step"] == 2
+
+
+def test_a_closed_terminal_stops_with_a_save(tmp_path, reference):
+    """A run in a terminal that closes (its pty's other end closed: the kernel hangs the
+    terminal up and sends SIGHUP): every write to it would fail, yet the step is finished and
+    saved (exit 129), and the resumed run goes on as the uninterrupted one."""
+    import pty
+    import select
+    import threading
+
+    c, m = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    master, terminal = pty.openpty()
+    # A session of its own, the pty its controlling terminal, then train.py in that process
+    controlling = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                   "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", controlling, "train.py", *MODEL, "--steps", "1000",
+         "--checkpoint-dir", str(c), "--metrics", str(m)], cwd=ROOT,
+        env={**ENV, "PYTHONUNBUFFERED": "1"}, stdin=terminal, stdout=terminal, stderr=terminal,
+        start_new_session=True)
+    os.close(terminal)
+
+    closing = threading.Event()
+
+    def drain():  # what it prints, read as a terminal would show it
+        while not closing.is_set():
+            if select.select([master], [], [], 0.1)[0]:
+                with contextlib.suppress(OSError):
+                    os.read(master, 1 << 16)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    wait_for_lines(m, 2, proc)
+    closing.set()
+    reader.join()
+    os.close(master)  # the terminal closes: no read of it is in flight to keep it open
+    assert proc.wait(timeout=60) == 129
+    n = max(losses(m))
+    assert Checkpoints(c, read_only=True).steps() == [n]
+    run = run_train("--steps", n + 2, "--checkpoint-dir", c, "--resume", "--metrics", m)
+    assert run.returncode == 0, run.stderr
+    assert losses(m) == {s: reference[1][s] for s in range(1, n + 3)}
 
 
 def test_sigterm_during_a_second_writer_and_exports(tmp_path, reference, capsys):

@@ -83,3 +83,20 @@ def test_no_program_is_refused(capsys):
     assert launch.main(["--"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "put the program after --" in err[0]
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["-h"], ["--processes", "2", "--help"]])
+def test_help_is_printed_with_exit_0(argv):
+    """As a user first runs it: without ``--`` or a program, help and exit code 0."""
+    run = launch_run(*argv)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    assert run.stdout.startswith("usage: python -m zero_jax.launch [options] -- PROGRAM")
+    words = " ".join(run.stdout.split())  # argparse wraps the example at the terminal's width
+    assert "--devices-per-process" in words and "4 -- train.py --stage 3" in words
+
+
+@pytest.mark.parametrize("argv", [["train.py", "--stage", "3"], ["--processes", "2"]])
+def test_a_program_without_dashes_is_refused(argv, capsys):
+    assert launch.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: put the program after --"), err

@@ -506,10 +506,23 @@ class _OrbaxErrors(logging.Filter):
             or any(orbax in frame.filename for frame in traceback.extract_tb(tb))))
 
 
+class _NoStepMetadata(logging.Filter):
+    """Orbax's warning that a step has no ``_CHECKPOINT_METADATA`` (a save killed as it
+    finished, say): the step reads without it, and its arrays are checked by their digests."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (str(record.msg).startswith("Metadata file does not exist") and
+                    str(record.args and record.args[0]).endswith(ORBAX_STEP_FILE))
+
+
 def _orbax():
     """orbax.checkpoint, imported when a checkpoint is first opened: a run that saves nothing
     never needs it, and its import is a sizeable part of a run's start (docs/testing.md)."""
     import orbax.checkpoint as ocp
+
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _NoStepMetadata) for f in absl.filters):
+        absl.addFilter(_NoStepMetadata())
     return ocp
 
 

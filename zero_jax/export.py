@@ -38,7 +38,7 @@ def export(checkpoint_dir: str, out: str, step: int | None = None, dtype: str = 
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
-    from zero_jax.checkpoint import CheckpointError, Checkpoints
+    from zero_jax.checkpoint import CheckpointError, Checkpoints, CorruptCheckpointError
 
     if dtype not in DTYPES:
         raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype})")
@@ -56,13 +56,16 @@ def export(checkpoint_dir: str, out: str, step: int | None = None, dtype: str = 
         for foreign in ckpts.foreign:
             print(f"warning: {ckpts.path / str(foreign)} holds no zero_jax checkpoint: skipped",
                   file=sys.stderr)
-        meta = ckpts.meta(step)
-        if safetensors is not None:
-            from zero_jax import safetensors_export
+        try:
+            meta = ckpts.meta(step)
+            if safetensors is not None:
+                from zero_jax import safetensors_export
 
-            safetensors_export.write(ckpts, meta, target, DTYPES[dtype], **safetensors)
-            return {"step": meta["step"], "dtype": DTYPES[dtype]}
-        params = ckpts.read_params(meta["step"])
+                safetensors_export.write(ckpts, meta, target, DTYPES[dtype], **safetensors)
+                return {"step": meta["step"], "dtype": DTYPES[dtype]}
+            params = ckpts.read_params(meta["step"])
+        except CorruptCheckpointError as e:
+            raise CheckpointError(f"{e}; {_older(ckpts, e.step)}") from None
     finally:
         ckpts.close()
     params = jax.tree.map(lambda x: x.astype(jnp.dtype(DTYPES[dtype])), params)
@@ -76,6 +79,20 @@ def export(checkpoint_dir: str, out: str, step: int | None = None, dtype: str = 
     except OSError as e:
         raise CheckpointError(f"writing {target} failed: {e.strerror}") from None
     return config
+
+
+def _older(ckpts, step: int) -> str:
+    """The newest checkpoint before ``step`` that reads whole, as ``train.py --resume`` would
+    fall back to it: named, not exported in its place."""
+    from zero_jax.checkpoint import CorruptCheckpointError
+
+    for older in reversed([s for s in ckpts.steps() if s < step]):
+        try:
+            ckpts.read_params(ckpts.meta(older)["step"])
+        except CorruptCheckpointError:
+            continue
+        return f"checkpoint {older} reads: export it with --step {older}"
+    return "no older checkpoint reads"
 
 
 def _checkpoint_dir_above(target: pathlib.Path, source: pathlib.Path) -> pathlib.Path | None:

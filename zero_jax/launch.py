@@ -175,20 +175,21 @@ def check(args: argparse.Namespace, command: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--" not in argv:
-        print("error: put the program after --, e.g. python -m zero_jax.launch --processes 2 "
-              "--devices-per-process 4 -- train.py --stage 3", file=sys.stderr)
-        return 2
-    cut = argv.index("--")
-    p = _Parser(prog="python -m zero_jax.launch", description=__doc__.splitlines()[0])
+    cut = argv.index("--") if "--" in argv else len(argv)
+    p = _Parser(prog="python -m zero_jax.launch", description=__doc__.splitlines()[0],
+                usage="%(prog)s [options] -- PROGRAM [ARGS ...]",
+                epilog="e.g. python -m zero_jax.launch --processes 2 --devices-per-process 4 "
+                       "-- train.py --stage 3")
     p.add_argument("--processes", type=int, default=2, help="processes (simulated hosts)")
     p.add_argument("--devices-per-process", type=int, default=4,
                    help="simulated CPU devices in each process")
     p.add_argument("--port", type=int, help="coordinator port, 1-65535 (default: a free one)")
     p.add_argument("--grace", type=float, default=60,
                    help="seconds the others get to stop after one fails, before being killed")
-    args = p.parse_args(argv[:cut])
+    args, unknown = p.parse_known_args(argv[:cut])  # --help prints and exits 0 here
     command = argv[cut + 1:]
+    if unknown and "--" in argv:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}")
     if problem := check(args, command):
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -204,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             if q.poll() is None:
                 q.send_signal(signum)
 
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, forward)
     code = wait(procs, args.grace)
     lines.join()
     return code

@@ -24,7 +24,8 @@ import jax
 if TYPE_CHECKING:
     from zero_jax.checkpoint import Checkpoints
 
-SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal, as shells report
+# 128 + the signal, as shells report; SIGHUP: the terminal or ssh session closed
+SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 
 
 class OutputError(Exception):
@@ -35,10 +36,11 @@ class OutputError(Exception):
 
 
 class Preemption:
-    """SIGTERM (preemption) or Ctrl-C, as a context manager: ``signum`` records it, the loop
-    finishes its step, ``Checkpointer`` saves it, and the program exits with
-    ``SIGNAL_EXIT[signum]`` (143, 130). A second Ctrl-C exits at once; orbax renames a save only
-    when complete, so the one in flight is dropped and the last complete checkpoint stays."""
+    """SIGTERM (preemption), Ctrl-C or SIGHUP (the terminal closed), as a context manager:
+    ``signum`` records it, the loop finishes its step, ``Checkpointer`` saves it, and the
+    program exits with ``SIGNAL_EXIT[signum]`` (143, 130, 129). A second Ctrl-C exits at once;
+    orbax renames a save only when complete, so the one in flight is dropped and the last
+    complete checkpoint stays. SIGHUP ignored when the run starts (nohup) stays ignored."""
 
     def __init__(self, enabled: bool = True):
         self.signum: int | None = None
@@ -46,10 +48,13 @@ class Preemption:
         self.enabled = enabled
         self.compiling = False  # while XLA compiles, Python runs no handler until it returns
         self.wakeup: tuple[int, int] | None = None  # the C handler's pipe, and the old fd
+        self.terminal: list[int] = []  # stdout, stderr: those on a terminal
 
     def __enter__(self) -> Preemption:
         if self.enabled and threading.current_thread() is threading.main_thread():
-            self.previous = {s: signal.signal(s, self.handle) for s in SIGNAL_EXIT}
+            self.previous = {s: signal.signal(s, self.handle) for s in SIGNAL_EXIT
+                             if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN}
+            self.terminal = [fd for fd in (1, 2) if os.isatty(fd)]
             # The C-level handler writes each signal to this pipe at once, even while the main
             # thread is inside a compile: a thread answers then, not after the compile.
             read, write = os.pipe()
@@ -80,6 +85,10 @@ class Preemption:
             print("\nerror: interrupted again: stopped at once; a save in flight is dropped, the "
                   "last complete checkpoint is kept", file=sys.stderr, flush=True)
             os._exit(SIGNAL_EXIT[signal.SIGINT])
+        if signum == signal.SIGHUP:  # a terminal that hung up fails every write (EIO)
+            for fd in self.terminal:
+                if not os.isatty(fd):
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
         self.signum = self.signum or signum
 
 

@@ -14,8 +14,9 @@ nothing on CPU but to a host-to-device annotation on GPU and TPU.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -191,13 +192,17 @@ class Nvme:
     path: str
     chunk_mb: float = 64.0
     buffers: int = 4
+    # A 4 KiB page: the disk reads and writes no less, and bands of a few bytes are a band
+    # (a Python loop's turn, a read, a write) per element of the state: hours per step.
+    MIN_CHUNK_MB: ClassVar[float] = 4 / 1024
 
     def __post_init__(self):
         if not self.path:
             raise ValueError("Nvme.path is empty: name a directory on a local disk")
-        if not self.chunk_mb > 0:
-            raise ValueError(f"Nvme.chunk_mb is the size of one band in MiB, above 0 "
-                             f"(got {self.chunk_mb})")
+        if not self.MIN_CHUNK_MB <= self.chunk_mb < math.inf:  # nan fails too
+            raise ValueError(f"Nvme.chunk_mb is the size of one band in MiB, a finite number "
+                             f"of at least {self.MIN_CHUNK_MB:g} (4 KiB, a disk page) (got "
+                             f"{self.chunk_mb})")
         if self.buffers < 3:
             raise ValueError(f"Nvme.buffers must be at least 3 (one band read ahead, one "
                              f"updated, one written back), got {self.buffers}")

@@ -121,7 +121,7 @@ def init_state(plan: Plan, init_params: Callable[[jax.Array], PyTree] | PyTree,
         # Donated so that XLA may write the state over them; where no output has their layout
         # (offloaded to host memory, or cut otherwise than the optimizer's), it cannot, and
         # JAX warns: harmless, the state is the same, those buffers are only not reused.
-        warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        warnings.filterwarnings("ignore", "Some donated buffers were not usable", UserWarning)
         return jax.jit(lambda p: _born(plan, _new_state(plan, cast(p), tx)),
                        out_shardings=_born(plan, shardings), donate_argnums=0)(params)
 

@@ -152,7 +152,8 @@ def run(command: list[str], process_id: int | None, checkpoints: str | None) -> 
         if child.poll() is None:
             child.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, forward)
+                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     rc = child.wait()
     for s, handler in previous.items():
         signal.signal(s, handler)

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from zero_jax.gather import GATHER, REMAT
+from zero_jax.offload import Nvme
 
 
 def _shipped() -> pathlib.Path:
@@ -96,6 +97,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                   "min_loss_scale": 1.0},
 }
 
+INT32_MAX = 2**31 - 1  # token ids and the step counter are int32 (JAX without x64)
 OPTIMIZERS = ("adamw", "adam", "sgd")
 ARCHS = ("gpt2", "llama")
 SCHEDULES = ("cosine", "constant", "linear", "deepspeed_cosine")
@@ -277,6 +279,9 @@ def validate(config: dict) -> None:
         raise ConfigError(f"model.norm_eps and model.rope_theta must be above 0 and "
                           f"model.n_kv_heads divide model.n_heads {m['n_heads']} (got "
                           f"{m['norm_eps']}, {m['rope_theta']}, {m['n_kv_heads']})")
+    if m["vocab_size"] > INT32_MAX:
+        raise ConfigError(f"model.vocab_size must be at most {INT32_MAX} (got "
+                          f"{m['vocab_size']}): token ids are int32")
     if m["d_model"] % m["n_heads"]:
         raise ConfigError(f"model.d_model {m['d_model']} is not divisible by model.n_heads "
                           f"{m['n_heads']}")
@@ -284,6 +289,11 @@ def validate(config: dict) -> None:
         _at_least(config, "train", key, 1)
     _at_least(config, "train", "seed", 0)
     _at_least(config, "train", "max_bad_steps", 0)
+    for key in ("train.steps", "optimizer.warmup_steps", "optimizer.decay_steps"):
+        section, name = key.split(".")
+        if config[section][name] > INT32_MAX:  # a warmup that long keeps the lr near its start
+            raise ConfigError(f"{key} must be at most {INT32_MAX} (got {config[section][name]}): "
+                              "the step counter is an int32, which never gets there")
     if config["train"]["seed"] >= 2**32:  # jax.random.key keeps the low 32 bits (no x64)
         raise ConfigError(f"train.seed must be 0 to {2**32 - 1} (got {config['train']['seed']}): "
                           "jax.random.key keeps 32 bits of it")
@@ -356,9 +366,11 @@ def _check_zero(config: dict) -> None:
         raise ConfigError("zero.offload_optimizer.device nvme updates the optimizer state band "
                           "by band, where a global-norm clip cannot be computed: set "
                           "optimizer.clip_norm=0")
-    if off["buffer_count"] < 3 or not off["buffer_mb"] > 0:
+    if off["buffer_count"] < 3 or not Nvme.MIN_CHUNK_MB <= off["buffer_mb"] < math.inf:
         raise ConfigError(f"zero.offload_optimizer.buffer_count must be at least 3 and "
-                          f"buffer_mb above 0 (got {off['buffer_count']}, {off['buffer_mb']})")
+                          f"buffer_mb a finite number of at least {Nvme.MIN_CHUNK_MB:g} (4 KiB, "
+                          f"a disk page: smaller bands are many more reads of a page each) (got "
+                          f"{off['buffer_count']}, {off['buffer_mb']:g})")
     if z["offload_params"] == "cpu" and (z["stage"] != 3 or off["device"] == "none"
                                          or off["ratio"] != 1):
         raise ConfigError("zero.offload_params cpu needs stage 3 and the whole optimizer "

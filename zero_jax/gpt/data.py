@@ -29,8 +29,10 @@ def stdlib_corpus(limit: int = DEFAULT_BYTES) -> np.ndarray:
 
 
 def load_tokens(path: str | None) -> np.ndarray:
-    """Token ids from ``path``: a ``.bin`` of uint16 ids (nanoGPT's format), a text file, or a
-    directory of text files (bytes as ids 0-255); the standard library when ``path`` is None."""
+    """Token ids from ``path``: a ``.bin`` of uint16 ids (nanoGPT's format; ``.BIN`` too), a
+    text file, or a directory of text files (bytes as ids 0-255); the standard library when
+    ``path`` is None. Anything else (a FIFO, a device) is refused before it is opened: reading
+    one blocks, or never ends."""
     if path is None:
         return stdlib_corpus()
     p = pathlib.Path(path)
@@ -40,9 +42,18 @@ def load_tokens(path: str | None) -> np.ndarray:
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file())
         return np.frombuffer(b"".join(f.read_bytes() for f in files), np.uint8)
-    if p.suffix == ".bin":
-        return np.memmap(p, dtype=np.uint16, mode="r")
-    return np.frombuffer(p.read_bytes(), np.uint8)
+    if not p.is_file():
+        raise ValueError(f"data file {path} is not a regular file or directory (a FIFO or a "
+                         "device, which would be read without end): pass a text file, a "
+                         "directory of text files, or a .bin of uint16 token ids")
+    if p.suffix.lower() != ".bin":
+        return np.frombuffer(p.read_bytes(), np.uint8)
+    size = p.stat().st_size
+    if size == 0 or size % 2:
+        raise ValueError(f"data file {path} holds {size} bytes, not a whole number of uint16 "
+                         f"token ids (2 bytes each{', and at least one' if not size else ''}): "
+                         "a .bin is nanoGPT's token ids; rewrite it, or rename a text file")
+    return np.memmap(p, dtype=np.uint16, mode="r")
 
 
 def check_tokens(tokens: np.ndarray, vocab_size: int, seq_len: int, source: str) -> None:

@@ -54,19 +54,45 @@ DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", 
 
 
 def read(path: str) -> dict:
-    """The JSON object in ``path``, or one line saying why not."""
+    """The JSON object in ``path``, or one line saying why not. A key given twice in one
+    object is refused (json keeps the last, silently), as the YAML configs refuse it."""
     try:
-        ds = json.loads(pathlib.Path(path).read_text())
+        ds = json.loads(pathlib.Path(path).read_bytes().decode("utf-8-sig"),
+                        object_pairs_hook=_no_duplicates)
     except OSError as e:
         raise ConfigError(f"--deepspeed-config {path} cannot be read ({e.strerror}): pass "
                           "DeepSpeed's JSON config file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--deepspeed-config {path} is not UTF-8 text (byte "
+                          f"0x{e.object[e.start]:02x} at offset {e.start}): save it as UTF-8 "
+                          "JSON") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"--deepspeed-config {path} is not JSON ({e.msg}, line {e.lineno}, "
                           f"column {e.colno})") from None
+    except RecursionError:
+        raise ConfigError(f"--deepspeed-config {path} nests its values too deep to be a "
+                          "DeepSpeed config (they nest three levels at most): pass DeepSpeed's "
+                          "JSON config file") from None
+    except _Duplicate as e:
+        raise ConfigError(f"--deepspeed-config {path}: key {e} is given twice in one object "
+                          "(JSON would keep the last): keep one") from None
     if not isinstance(ds, dict):
         raise ConfigError(f"--deepspeed-config {path} must hold a JSON object of DeepSpeed's "
                           "keys (zero_optimization, bf16, ...)")
     return ds
+
+
+class _Duplicate(Exception):
+    """A JSON object holds a key twice (its text: the key, quoted)."""
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    seen: dict = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _Duplicate(json.dumps(key))
+        seen[key] = value
+    return seen
 
 
 class Refused(Exception):
@@ -92,8 +118,13 @@ class Mapping:
         where Hugging Face's Trainer fills the key. A wrong value is refused and reads as
         ``default``, so that the rest of the file is still checked."""
         node: Any = self.ds
-        for part in key.split("."):
-            if not isinstance(node, dict) or part not in node:
+        parts = key.split(".")
+        for i, part in enumerate(parts):
+            if not isinstance(node, dict):  # {"zero_optimization": 3}: not its default
+                raise ConfigError(f"--deepspeed-config {self.source}: {'.'.join(parts[:i])} "
+                                  f"must be an object of its keys, e.g. {{\"{part}\": ...}} "
+                                  f"(got {json.dumps(node)})")
+            if part not in node:
                 return default
             node = node[part]
         self.used.add(key)
@@ -109,13 +140,14 @@ class Mapping:
             return default
         return node
 
-    def count(self, key: str, default: Any = None) -> int | None:
+    def count(self, key: str, default: Any = None, least: int = 0) -> int | None:
         """An integer, which DeepSpeed's configs often write as a float (``5e8``)."""
         value = self.get(key, default, (int, float))
         if value is None or value == AUTO:
             return value
-        if not math.isfinite(value) or value != int(value) or value < 0:
-            self.refuse(key, f"must be a whole number of at least 0 (got {json.dumps(value)})")
+        if not math.isfinite(value) or value != int(value) or value < least:
+            self.refuse(key, f"must be a whole number of at least {least} (got "
+                        f"{json.dumps(value)})")
             return default
         return int(value)
 
@@ -299,9 +331,9 @@ def _batch(m: Mapping, n: int) -> None:
     "auto" as Hugging Face's Trainer fills it from its arguments: the accumulation is the run's,
     the global batch micro x accumulation x devices (the run's, if the micro batch is "auto"
     too), the micro batch what that gives each device."""
-    total = m.count("train_batch_size")
-    micro = m.count("train_micro_batch_size_per_gpu")
-    accum = m.count("gradient_accumulation_steps")
+    total = m.count("train_batch_size", least=1)
+    micro = m.count("train_micro_batch_size_per_gpu", least=1)
+    accum = m.count("gradient_accumulation_steps", least=1)
     auto = {k for k, v in (("total", total), ("micro", micro), ("accum", accum)) if v == AUTO}
     if accum == AUTO:  # a number both others give is derived from them, as if left out
         accum = None if isinstance(total, int) and isinstance(micro, int) \
