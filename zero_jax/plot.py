@@ -238,9 +238,6 @@ def planner(plan: dict) -> tuple[Any, dict]:
                                                              "gather"))
     chosen = next((c for c in cands if best and same(c)), None)
     labels = planner_labels([c for c in cands if c["fits"] or c is chosen], xy)
-    for label in labels:
-        ax.annotate(label["text"], (label["x"], label["y"]), fontsize=6, rotation=35,
-                    xytext=(3, 3), textcoords="offset points", color="0.25")
     if chosen:
         ax.scatter(*[[v] for v in xy(chosen)], s=400, marker="*", facecolor="gold",
                    edgecolor="crimson", linewidth=1.5, zorder=10,
@@ -254,6 +251,13 @@ def planner(plan: dict) -> tuple[Any, dict]:
               borderaxespad=0)
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.1)
+    # Labels of nearby layouts stacked above each other, not written over each other.
+    frac = lambda a, b: (abs(a["x"] - b["x"]) / ax.get_xlim()[1],
+                         abs(a["y"] - b["y"]) / ax.get_ylim()[1])
+    for i, label in enumerate(labels):
+        level = sum(all(d < 0.06 for d in frac(label, other)) for other in labels[:i])
+        ax.annotate(label["text"], (label["x"], label["y"]), fontsize=6, rotation=35,
+                    xytext=(3, 3 + 8 * level), textcoords="offset points", color="0.25")
     ax.set_xlabel(f"device memory, {name} per device (model state + compiled temp)")
     ax.set_ylabel(f"host memory, {hname} per host")
     ax.set_title(f"Planner: {len(cands)} layouts on {plan['devices']} devices of "
@@ -277,8 +281,8 @@ def planner_labels(cands: list[dict], xy: Any) -> list[dict]:
     for c in cands:
         tp = f" tp{c['tp']}" if c.get("tp", 1) > 1 else ""
         spots.setdefault(xy(c), []).append(" ".join([c["remat"] + tp, *variants(c)]))
-    return [{"text": "/".join(dict.fromkeys(names)), "x": x, "y": y}
-            for (x, y), names in spots.items()]
+    return sorted(({"text": "/".join(dict.fromkeys(names)), "x": x, "y": y}
+                   for (x, y), names in spots.items()), key=lambda label: (label["y"], label["x"]))
 
 
 def curves(records: list[dict]) -> tuple[Any, dict]:
