@@ -208,6 +208,7 @@ def layout_name(c: dict) -> str:
             + "".join(f", {v}" for v in variants(c)))
 
 
+MAX_NAMED = 12  # the planner figure names the layouts that fit when there are at most these
 OFFLOAD_COLORS = {"none": "tab:blue", "optimizer": "tab:orange", "params": "tab:red",
                   "nvme": "tab:brown", "nvme+params": "tab:pink", "as set": "tab:purple"}
 
@@ -237,7 +238,9 @@ def planner(plan: dict) -> tuple[Any, dict]:
     same = lambda c: all(c.get(k) == best.get(k) for k in (*best, "tile_mb", "prefetch",
                                                              "gather"))
     chosen = next((c for c in cands if best and same(c)), None)
-    labels = planner_labels([c for c in cands if c["fits"] or c is chosen], xy)
+    named = [c for c in cands if c["fits"] or c is chosen]
+    named = named if len(named) <= MAX_NAMED else [chosen] if chosen else []
+    labels = planner_labels(named, xy)
     if chosen:
         ax.scatter(*[[v] for v in xy(chosen)], s=400, marker="*", facecolor="gold",
                    edgecolor="crimson", linewidth=1.5, zorder=10,
@@ -262,8 +265,10 @@ def planner(plan: dict) -> tuple[Any, dict]:
     ax.set_ylabel(f"host memory, {hname} per host")
     ax.set_title(f"Planner: {len(cands)} layouts on {plan['devices']} devices of "
                  f"{dev / div:.1f} {name}, hosts of {host / hdiv:.1f} {hname} "
-                 f"({plan['devices_per_host']} devices each)\nnamed by their remat policies: "
-                 f"the {sum(c['fits'] for c in cands)} that fit", fontsize=9)
+                 f"({plan['devices_per_host']} devices each)\n{sum(c['fits'] for c in cands)} "
+                 "fit, named by remat policy" + ("" if len(labels) > 1 or not chosen
+                                                  else ": too many, the chosen one only"),
+                 fontsize=9)
     data = {"figure": "planner", "device_unit": name, "device_unit_bytes": div,
             "host_unit": hname, "host_unit_bytes": hdiv, "headroom": HEADROOM,
             "device_memory": dev, "host_memory": host, "best": best, "labels": labels,
