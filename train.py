@@ -26,6 +26,9 @@ if TYPE_CHECKING:  # imported where they are used: jax loads after the arguments
 DIVERGED = 3  # the exit code of a run the divergence guard stopped (train.max_bad_steps)
 MAX_DEVICES = 4096  # --devices: more than any data axis here; XLA aborts on absurd CPU counts
 SEEDS = 2**32  # jax.random.key keeps a seed's low 32 bits (no x64): larger ones would collide
+# For steps compiled only to be measured: LLVM's optimizations act below the HLO, so the
+# buffers and collectives are the same without them (tests/flags.py).
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_parallel_codegen_split_count": 1}
 
 
 class Parser(argparse.ArgumentParser):
@@ -644,9 +647,41 @@ def dry_run(exp, args: argparse.Namespace) -> int:
     if plan.outer is None:
         r["stages"] = report.stages_table(plan, exp.tx)
         print("\n" + report.format_stages(r["stages"], r["n_params"], plan.dp_size))
+    if args.plot and plan.outer is None:
+        r["compiled_stages"] = compiled_stages(exp, r)
     write_json(args.report, r)
     draw(args, r)
     return 0
+
+
+def compiled_stages(exp, r: dict) -> list[dict]:
+    """For --plot's figures, every flat stage's step compiled with this run's other settings
+    (``layouts.at_stage``), so that the stages compare on equal terms: this run's stage from its
+    report ``r``, the others compiled here on abstract arrays, on the CPU with LLVM's
+    optimizations off (the same buffers and collectives, in about 0.6x the time)."""
+    from zero_jax import report
+    from zero_jax.gpt import layouts
+    from zero_jax.gpt.experiment import Experiment
+    from zero_jax.state import abstract_state
+
+    others = [s for s in range(4) if s != exp.plan.stage]
+    print(f"\ncompiling stages {', '.join(map(str, others))} for the figures", flush=True)
+    cpu = exp.mesh.devices.flat[0].platform == "cpu"
+    rows = {exp.plan.stage: report.stage_summary(r)}
+    for stage in others:
+        try:
+            e = Experiment.build(layouts.at_stage(exp.cfg, stage), exp.mesh)
+        except ValueError as err:  # a setting not built at that stage: the figures go without
+            print(f"  stage {stage} not compiled: {err}")
+            continue
+        state = abstract_state(e.plan, e.tx)
+        lowered = e.step.lower(state, e.batch_shape)
+        compiled = lowered.compile(FAST_COMPILE if cpu else None)
+        rows[stage] = report.stage_summary(report.build(e.plan, state, lowered, compiled,
+                                                        block_input=e.block_input))
+    rows = [rows[s] for s in sorted(rows)]
+    print(report.format_compiled(rows))
+    return rows
 
 
 def plan_layouts(exp, cfg: dict, args: argparse.Namespace) -> int:
@@ -733,23 +768,28 @@ class Tally:
         pass
 
 
-def compile_checked(exp, target, stop: Preemption):
+def compile_checked(exp, target, stop: Preemption, figures: bool = False):
     """``(report, compiled step)``, or the exit code: a signal during the compile (nothing
-    restored or initialized yet, nothing written), or a model that cannot fit."""
-    from zero_jax import fit
+    restored or initialized yet, nothing written), or a model that cannot fit. ``figures``:
+    the stages the figures compare too, in the report (``stages``, ``compiled_stages``)."""
+    from zero_jax import fit, report
     from zero_jax.loop import SIGNAL_EXIT
 
     stop.compiling = True  # before the line that says so: a signal after it is answered
     print("compiling the train step", flush=True)
     try:
         r, step = compile_report(exp, target)
+        problem = fit.check(step, list(exp.mesh.devices.flat))
+        if figures and not problem and exp.plan.outer is None:
+            r["stages"] = report.stages_table(exp.plan, exp.tx)
+            r["compiled_stages"] = compiled_stages(exp, r)
     finally:
         stop.compiling = False
     if stop.signum:
         print(f"stopped by {signal.Signals(stop.signum).name} during compilation: nothing "
               "trained, nothing saved", file=sys.stderr)
         return SIGNAL_EXIT[stop.signum]
-    if problem := fit.check(step, list(exp.mesh.devices.flat)):
+    if problem:
         return fail(f"{problem}: use {'a higher --stage, ' * (exp.plan.stage < 3)}"
                     "precision.param_dtype=bf16, zero.offload_grads, a smaller model or "
                     "train.batch_size, or --dry-run to see the report")
@@ -759,19 +799,17 @@ def compile_checked(exp, target, stop: Preemption):
 def train(exp, cfg: dict, args: argparse.Namespace, start: Start, stop: Preemption,
           watchdog=None) -> int:
     """Compile, check the fit, start (restore or initialize), then the loop and its hooks."""
-    from zero_jax import nvme, report
+    from zero_jax import nvme
     from zero_jax.checkpoint import CheckpointError
     from zero_jax.loop import Checkpointer, DivergenceGuard, OutputError
     from zero_jax.state import abstract_state
 
     t = cfg["train"]
     target = abstract_state(exp.plan, exp.tx)
-    compiled = compile_checked(exp, target, stop)
+    compiled = compile_checked(exp, target, stop, figures=bool(args.plot))
     if isinstance(compiled, int):
         return compiled
     r, step = compiled
-    if args.plot and exp.plan.outer is None:  # the memory figure's stages; the report's too
-        r["stages"] = report.stages_table(exp.plan, exp.tx)
     state = initial_state(start, target, cfg, args, exp)
     first = int(state.step)
     try:

@@ -271,6 +271,12 @@ def test_planner_figure_marks_each_layout_and_the_choice(offload_sweep):
     assert star.get_offsets().tolist() == [[best["device_bytes"] / side["device_unit_bytes"],
                                             best["host_bytes_per_host"]
                                             / side["host_unit_bytes"]]]
+    # Named: the two layouts that fit (the chosen one among them), not the one that does not.
+    at = lambda c: (c["device_bytes"] / side["device_unit_bytes"],
+                    c["host_bytes_per_host"] / side["host_unit_bytes"])
+    assert sorted(t.xy for t in ax.texts) == sorted(at(c) for c in plan["candidates"]
+                                                    if c["fits"])
+    assert len(ax.texts) == 2 and [t.get_text() for t in ax.texts] == ["full", "full"]
 
 
 def test_planner_offloads_beside_tensor_parallelism(tmp_path):

@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ONE_LAYER, SUBPROCESS_ENV, check_files
@@ -162,47 +163,108 @@ def bar_heights(fig) -> dict[str, list[float]]:
     return {c.get_label(): [p.get_height() for p in c] for c in ax.containers}
 
 
-def test_memory_by_stage_draws_the_reports_bytes(runs):
+@pytest.fixture(scope="module")
+def stage0(runs):
+    """The runs' config at stage 0 (``--stage 0`` after the DeepSpeed config), compiled here:
+    the reference for what --plot compiled for that stage."""
+    from zero_jax.state import abstract_state
+
+    d, _ = runs
+    args = train.parse_args(["--deepspeed-config", str(d / "ds.json"), *ONE_LAYER,
+                             "--steps", str(STEPS), "--stage", "0"])
+    exp = train.build(train.load_config(args), args)
+    return exp.step.lower(abstract_state(exp.plan, exp.tx), exp.batch_shape).compile()
+
+
+def test_memory_by_stage_compares_every_stage_compiled(runs, stage0):
+    """--plot compiles every stage's step with the run's settings: each bar is what a device
+    needs at that stage, its state in device memory (from the shardings) and its compiled temp
+    (where the gradients live), the same parts for every stage."""
     d, _ = runs
     r = json.loads((d / "r.json").read_text())
     side = check_files(d / "fig", "memory_by_stage")
-    assert len(r["stages"]) == 8 and len(side["bars"]) == 8
-    for bar, row in zip(side["bars"], r["stages"], strict=True):
-        assert [bar[k] for k in ("stage", "params", "grads", "master", "opt_state", "host")] == \
-            [row[k] for k in ("stage", "params", "grads", "master", "opt_state", "host")]
-        compiled = row["stage"] == r["stage"] and not row["offload"]
-        assert bar["temp"] == (r["compiled"]["temp_bytes"] if compiled else 0)
+    assert side["counts"] == "compiled" and side["parts"] == list(plot.COMPILED_PARTS)
+    bars = side["bars"]
+    assert [b["stage"] for b in bars] == [0, 1, 2, 3] and all(b["temp"] > 0 for b in bars)
+    # The run's own stage: its report's bytes; every stage's state: the stages table's row
+    # (no offload in this run), from the shardings alone.
+    mine = bars[r["stage"]]
+    assert mine["temp"] == r["compiled"]["temp_bytes"]
+    state = ("params", "master", "opt_state")
+    assert {k: mine[k] for k in state} == {k: r["per_device_bytes"][k] for k in state}
+    table = {row["stage"]: row for row in r["stages"] if not row["offload"]}
+    for b in bars:
+        assert {k: b[k] for k in state} == {k: table[b["stage"]][k] for k in state}
+        assert b["host"] == 0
+    # Stage 0's temp: the step compiled here from --stage 0.
+    assert bars[0]["temp"] == stage0.memory_analysis().temp_size_in_bytes
     fig, data = plot.memory_by_stage(r)
     assert data == side and data["unit"] == "MiB"
     heights = bar_heights(fig)
-    for key, label in plot.PART_LABELS.items():
-        if key in ("temp", "host"):
-            continue
-        assert heights[label] == pytest.approx([row[key] / MiB for row in r["stages"]],
-                                               rel=1e-12)
-    temp = next(v for k, v in heights.items() if k.startswith("compiled temp"))
-    assert temp == pytest.approx([b["temp"] / MiB for b in side["bars"]], rel=1e-12)
-    assert heights[plot.PART_LABELS["host"]] == pytest.approx(
-        [row["host"] / MiB for row in r["stages"]], rel=1e-12)
-    # The stage the run trained: its bars are the report's own per-device bytes.
-    mine = next(b for b in side["bars"] if b["stage"] == 2 and not b["offload"])
-    assert {k: mine[k] for k in r["per_device_bytes"]} == r["per_device_bytes"]
+    assert set(heights) == {plot.PART_LABELS[k] for k in plot.COMPILED_PARTS}  # no host bars
+    for key in plot.COMPILED_PARTS:
+        assert heights[plot.PART_LABELS[key]] == pytest.approx([b[key] / MiB for b in bars],
+                                                               rel=1e-12)
+    totals = [float(t.get_text()) for t in fig.axes[0].texts]
+    assert totals == [round(sum(b[k] for k in plot.COMPILED_PARTS) / MiB, 1) for b in bars]
+    legend = fig.axes[0].get_legend()
+    assert legend.get_bbox_to_anchor().x0 >= fig.axes[0].get_window_extent().x1  # outside
 
 
-def test_communication_draws_the_collectives_and_the_theory(runs):
+def test_memory_by_stage_without_the_compiled_stages_counts_no_temp(runs):
+    """A report that holds only its own stage's compiled step (written without --plot): every
+    stage's model states as ZeRO counts them, temp for none, the compiled stage's named."""
+    d, _ = runs
+    r = json.loads((d / "r.json").read_text())
+    del r["compiled_stages"]
+    fig, data = plot.memory_by_stage(r)
+    assert data["counts"] == "model states" and len(data["bars"]) == 8
+    assert all("temp" not in b for b in data["bars"])
+    assert f"only stage 2 was compiled ({r['compiled']['temp_bytes'] / MiB:.2f} MiB)" in \
+        fig.axes[0].get_title()
+
+
+def test_communication_puts_the_stages_side_by_side(runs, stage0):
+    """Each stage's compiled collectives by kind beside ZeRO's theory for that stage: 2 Psi at
+    stages 0-1 (gradients reduce-scattered and gathered in the reduce dtype), Psi in the reduce
+    dtype and Psi in the compute dtype at 2, and one more gather of the parameters at 3."""
+    from zero_jax.hlo import collectives
+
     d, _ = runs
     r = json.loads((d / "r.json").read_text())
     side = check_files(d / "fig", "communication")
+    groups = {g["stage"]: g for g in side["groups"]}
+    assert sorted(groups) == [0, 1, 2, 3] and {g["axes"] for g in groups.values()} == {"data"}
+    mine = groups[r["stage"]]["measured_bytes"]
+    assert mine == {k: sum(g["volume"] for g in r["collectives"] if g["kind"] == k)
+                    for k in {g["kind"] for g in r["collectives"]}}
+    want: dict = {}
+    for x in collectives(stage0.as_text(), 8):
+        want[x.kind] = want.get(x.kind, 0) + x.volume
+    assert groups[0]["measured_bytes"] == want
+    psi, p = r["n_params"], r["precision"]
+    c, red = (jnp.dtype(p[k]).itemsize for k in ("param_dtype", "reduce_dtype"))
+    assert {s: g["theory_bytes"] for s, g in groups.items()} == \
+        {0: 2 * psi * red, 1: 2 * psi * red, 2: psi * (red + c), 3: psi * (red + 2 * c)}
+    assert [groups[s]["theory_formula"] for s in range(4)] == ["2 Psi", "2 Psi", "2 Psi",
+                                                               "3 Psi"]
     fig, data = plot.communication(r)
-    assert data == side and side["axes"] == ["data"]
+    assert data == side
     heights = bar_heights(fig)
-    for kind in {g["kind"] for g in r["collectives"]}:
-        want = sum(g["volume"] for g in r["collectives"] if g["kind"] == kind)
-        assert heights[f"measured: {kind}"] == pytest.approx([want / MiB], rel=1e-12)
-    assert sum(side["measured_bytes"][k]["data"] for k in side["measured_bytes"]) == \
-        r["comm_bytes_per_step"] == r["comm_bytes_by_axes"]["data"]
-    assert heights[f"ZeRO theory ({r['comm_theory_formula']})"] == \
-        pytest.approx([r["comm_bytes_theory"] / MiB], rel=1e-12)
+    for kind in data["kinds"]:
+        label = f"{'_' * (kind in data['too_small_to_see'])}compiled: {kind}"
+        assert heights[label] == pytest.approx(
+            [groups[s]["measured_bytes"].get(kind, 0) / MiB for s in range(4)], rel=1e-12)
+    assert heights["ZeRO's theory (formula above)"] == \
+        pytest.approx([groups[s]["theory_bytes"] / MiB for s in range(4)], rel=1e-12)
+    # The legend: outside the bars, and only series that can be seen.
+    ax = fig.axes[0]
+    legend = ax.get_legend()
+    assert legend.get_bbox_to_anchor().x0 >= ax.get_window_extent().x1
+    top = ax.get_ylim()[1]
+    for text in legend.get_texts():
+        if text.get_text().startswith("compiled: "):
+            assert max(heights[text.get_text()]) > top / 100, text.get_text()
 
 
 def test_training_curves_are_the_metrics_file(runs):
@@ -330,11 +392,18 @@ def test_curves_draw_the_fp16_loss_scale_and_gaps(runs):
 
 
 def test_memory_figure_draws_the_capacity(runs):
+    """The device's capacity as a line among the bars; one that would flatten them (a GPU's
+    beside a small model) named in the title instead."""
     d, _ = runs
     r = json.loads((d / "r.json").read_text())
     fig, data = plot.memory_by_stage(r, capacity=16 * MiB)
-    line = next(ln for ln in fig.axes[0].lines if ln.get_label() == "device capacity")
+    line = next(ln for ln in fig.axes[0].lines if ln.get_label().startswith("device capacity"))
     assert list(line.get_ydata()) == [16, 16] and data["capacity_bytes"] == 16 * MiB
+    assert data["capacity_drawn"] and line.get_label() == "device capacity (16.0 MiB)"
+    fig, data = plot.memory_by_stage(r, capacity=80 * 2**30)
+    assert not fig.axes[0].lines and not data["capacity_drawn"]
+    assert data["capacity_bytes"] == 80 * 2**30 and data["unit"] == "MiB"
+    assert "device capacity 80.0 GiB: off the scale" in fig.axes[0].get_title()
 
 
 def test_planner_figure_stars_a_tiled_choice():
@@ -352,4 +421,24 @@ def test_planner_figure_stars_a_tiled_choice():
     star = next(c for c in ax.collections if c.get_label().startswith("chosen"))
     assert star.get_offsets().tolist() == [[7.0, 0.0]]
     assert star.get_label() == "chosen: stage 3, offload none, remat full, tiled within 0.25 MiB"
-    assert {t.get_text() for t in ax.texts} == {"full", "full tiled within 0.25 MiB"}
+    assert [t.get_text() for t in ax.texts] == ["full tiled within 0.25 MiB"]  # what fits
+
+
+def test_planner_figure_names_only_what_fits():
+    """A hundred layouts, four that fit: only those are named (a label per spot), and the
+    chosen star is drawn over everything else."""
+    row = {"offload": "none", "tp": 1, "host_bytes_per_host": 0}
+    cands = [{**row, "stage": i % 4, "remat": ("none", "dots", "full")[i % 3],
+              "device_bytes": (4 + i) << 20, "fits": i < 4} for i in range(100)]
+    best = {k: cands[2][k] for k in ("stage", "offload", "remat", "tp")}
+    plan = {"candidates": cands, "best": best, "device_memory": 8 << 20,
+            "host_memory": 1 << 30, "devices": 8, "devices_per_host": 8}
+    fig, data = plot.planner(plan)
+    ax = fig.axes[0]
+    named = sorted((t.xy, t.get_text()) for t in ax.texts)
+    assert named == sorted(((4.0 + i, 0.0), c["remat"]) for i, c in enumerate(cands[:4]))
+    assert data["labels"] == [{"text": c["remat"], "x": 4.0 + i, "y": 0.0}
+                              for i, c in enumerate(cands[:4])]
+    star = next(c for c in ax.collections if c.get_label().startswith("chosen"))
+    assert star.get_offsets().tolist() == [[6.0, 0.0]]
+    assert star.get_zorder() > max(a.get_zorder() for a in ax.get_children() if a is not star)

@@ -13,15 +13,19 @@ import json
 import math
 import pathlib
 import sys
+import textwrap
 from typing import Any
 
 from zero_jax.fit import HEADROOM, variants
+from zero_jax.report import stage_summary
 
 SIZE, DPI = (8.0, 4.5), 100  # 800 x 450 pixels: legible at README width
-PARTS = ("params", "grads", "master", "opt_state", "temp")
+ZERO_PARTS = ("params", "grads", "master", "opt_state")  # the model states, ZeRO's counting
+COMPILED_PARTS = ("params", "master", "opt_state", "temp")  # the compiled steps' (grads in temp)
 PART_LABELS = {"params": "parameters", "grads": "gradients", "master": "fp32 master",
                "opt_state": "optimizer state",
-               "host": "host memory (offloaded state)"}
+               "temp": "compiled temp: gradients,\nactivations, gathered layers",
+               "host": "host memory\n(offloaded state)"}
 CURVES = (("loss", "loss (nats per token)", False),
           ("grad_norm", "gradient norm (global L2)", False),
           ("lr", "learning rate (per step)", False),
@@ -55,92 +59,147 @@ def save(fig: Any, data: dict, out: str | pathlib.Path, name: str) -> list[pathl
     return paths
 
 
-def memory_bars(report: dict) -> list[dict]:
-    """One bar pair per stage row: device bytes by part, host bytes. Without the dry run's
-    per-stage table, the report's own stage. Compiled temp is known only for the compiled
-    stage (and offload setting): other stages' bars carry none."""
-    offloaded = bool(report["offload"]["optimizer_leaves"])
-    temp = report["compiled"]["temp_bytes"]
-    rows = report.get("stages") or [{
-        "stage": report["stage"], "offload": offloaded, **report["per_device_bytes"],
-        "host": sum(report["per_device_host_bytes"].values())}]
-    bars = []
-    for r in rows:
-        compiled = r["stage"] == report["stage"] and bool(r["offload"]) == offloaded
-        bars.append({"label": f"{r['stage']}" + (" off" if r["offload"] else ""),
-                     "stage": r["stage"], "offload": bool(r["offload"]),
-                     **{k: int(r[k]) for k in PARTS[:-1]},
-                     "temp": int(temp) if compiled else 0, "temp_compiled": compiled,
-                     "host": int(r["host"])})
-    return bars
+def memory_bars(report: dict) -> tuple[list[dict], tuple[str, ...]]:
+    """The memory figure's bars and the parts stacked in them, on equal terms for every stage.
+    With each stage compiled (``compiled_stages``): the state each keeps in device memory and
+    its compiled temp, which holds its gradients (what the device needs to run the step).
+    Without: the model states of each stage, and each with its optimizer offloaded, as ZeRO
+    counts them, temp for none (only the report's stage was compiled). Without either (a
+    hierarchical run), the report's own stage compiled."""
+    rows = report.get("compiled_stages")
+    if rows or not report.get("stages"):
+        rows = rows or [stage_summary(report)]
+        mine = lambda r: " (this run)" if r["stage"] == report["stage"] and len(rows) > 1 else ""
+        return [{"label": f"{r['stage']}{mine(r)}", "stage": r["stage"],
+                 **{k: int(r[k]) for k in ("params", "master", "opt_state", "temp", "host")}}
+                for r in rows], COMPILED_PARTS
+    return [{"label": f"{r['stage']}" + (" off" if r["offload"] else ""), "stage": r["stage"],
+             "offload": bool(r["offload"]), **{k: int(r[k]) for k in (*ZERO_PARTS, "host")}}
+            for r in report["stages"]], ZERO_PARTS
 
 
 def memory_by_stage(report: dict, capacity: int | None = None) -> tuple[Any, dict]:
-    """Stacked bars of what each device holds at each stage (ZeRO's Figure 1, measured): the
-    model states from the shardings, the compiled step's temp, the host memory beside it."""
+    """Stacked bars of what each device holds at each stage (ZeRO's Figure 1, measured), the
+    host memory beside them where any is used, the device's capacity as a line: which stage
+    needs least per device. Every bar counts the same parts (``memory_bars``)."""
     plt = _pyplot()
-    bars = memory_bars(report)
-    tallest = max([sum(b[k] for k in PARTS) for b in bars] + [b["host"] for b in bars]
-                  + [capacity or 0])
-    name, div = unit(tallest)
+    bars, parts = memory_bars(report)
+    host = any(b["host"] for b in bars)
+    totals = [sum(b[k] for k in parts) for b in bars]
+    tallest = max(totals + [b["host"] for b in bars])
+    shown = capacity if capacity and capacity <= 4 * tallest else None  # else off the scale
+    name, div = unit(max(tallest, shown or 0))
     fig, ax = plt.subplots(figsize=SIZE, layout="constrained")
-    xs = list(range(len(bars)))
+    xs, width = list(range(len(bars))), 0.38 if host else 0.6
+    left = [x - 0.2 for x in xs] if host else xs
     bottom = [0.0] * len(bars)
-    for part in PARTS:
+    for part in parts:
         heights = [b[part] / div for b in bars]
         if part == "master" and not any(heights):
             continue
-        label = PART_LABELS[part] if part != "temp" else \
-            f"compiled temp of stage {report['stage']}'s step (activations, gathered layers)"
-        ax.bar([x - 0.2 for x in xs], heights, 0.38, bottom=bottom, label=label)
+        ax.bar(left, heights, width, bottom=bottom, label=PART_LABELS[part])
         bottom = [a + h for a, h in zip(bottom, heights, strict=True)]
-    ax.bar([x + 0.2 for x in xs], [b["host"] / div for b in bars], 0.38, color="0.75",
-           hatch="//", edgecolor="0.4", label=PART_LABELS["host"])
-    if capacity:
-        ax.axhline(capacity / div, color="crimson", ls="--", label="device capacity")
+    for x, total in zip(left, totals, strict=True):
+        ax.annotate(f"{total / div:.1f}", (x, total / div), xytext=(0, 2), fontsize=8,
+                    textcoords="offset points", ha="center", va="bottom")
+    if host:
+        ax.bar([x + 0.2 for x in xs], [b["host"] / div for b in bars], width, color="0.75",
+               hatch="//", edgecolor="0.4", label=PART_LABELS["host"])
+    if shown:
+        ax.axhline(shown / div, color="crimson", ls="--",
+                   label=f"device capacity ({shown / div:.1f} {name})")
     ax.set_xticks(xs, [b["label"] for b in bars])
-    mesh = " x ".join(f"{k}={v}" for k, v in report["mesh"].items())
-    ax.set_xlabel("ZeRO stage (off: master and optimizer state offloaded); left bar device, "
-                  "right bar host")
+    ax.set_xlabel("ZeRO stage" + (" (off: master and optimizer state offloaded)"
+                                  if parts == ZERO_PARTS else "")
+                  + ("; left bar device, right bar host" if host else ""))
     ax.set_ylabel(f"{name} per device")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.05)  # room for the totals
+    mesh = " x ".join(f"{k}={v}" for k, v in report["mesh"].items())
     ax.set_title(f"Memory per device by stage: {report['n_params']:,} parameters, {mesh}, "
-                 f"{report['precision']['param_dtype']}", fontsize=10)
-    ax.set_ylim(0, ax.get_ylim()[1] * 1.3)  # room for the legend above the tallest bar
-    ax.legend(fontsize=8, loc="upper center", ncols=3)
-    data = {"figure": "memory_by_stage", "unit": name, "unit_bytes": div,
-            "capacity_bytes": capacity, "bars": bars}
+                 f"{report['precision']['param_dtype']}\n{counted(report, parts, capacity, shown)}",
+                 fontsize=9)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
+    data = {"figure": "memory_by_stage", "counts": "compiled" if parts == COMPILED_PARTS
+            else "model states", "parts": list(parts), "unit": name, "unit_bytes": div,
+            "capacity_bytes": capacity, "capacity_drawn": shown is not None,
+            "compiled_stage": report["stage"], "bars": bars}
     return fig, data
+
+
+def counted(report: dict, parts: tuple[str, ...], capacity: int | None,
+            shown: int | None) -> str:
+    """The memory figure's second title line: what its bars count (and a capacity too large
+    to draw beside them)."""
+    if parts == COMPILED_PARTS:
+        what = "each stage's step compiled: its state (from the shardings) + XLA's temp"
+    else:
+        what = (f"model states as ZeRO counts them; no temp: only stage {report['stage']} was "
+                f"compiled ({report['compiled']['temp_bytes'] / 2**20:.2f} MiB)")
+    if capacity and not shown:
+        name, div = unit(capacity)
+        what += f"\ndevice capacity {capacity / div:.1f} {name}: off the scale"
+    return what
 
 
 def communication(report: dict) -> tuple[Any, dict]:
-    """Bytes per device and step by collective kind and mesh axes (ZeRO's units: an all-reduce
-    counts twice), beside ZeRO's theory for each axis."""
+    """Bytes per device and step of each stage side by side (ZeRO's units: an all-reduce counts
+    twice): the compiled collectives stacked by kind, beside ZeRO's theory (2 Psi, 3 Psi, ...),
+    per mesh axes. Each stage compiled when the report holds ``compiled_stages``, else the
+    report's own."""
     plt = _pyplot()
-    axes = sorted(set(report["comm_bytes_by_axes"]) | set(report["comm_bytes_theory_by_axes"]))
-    kinds = sorted({g["kind"] for g in report["collectives"]})
-    measured = {k: {a: sum(g["volume"] for g in report["collectives"]
-                           if g["kind"] == k and g["axes"] == a) for a in axes} for k in kinds}
-    theory = {a: report["comm_bytes_theory_by_axes"].get(a, 0) for a in axes}
-    name, div = unit(max([sum(report["comm_bytes_by_axes"].values())] + list(theory.values())
-                         + [1]))
+    groups = comm_groups(report.get("compiled_stages") or [stage_summary(report)],
+                         report["stage"])
+    kinds = sorted({k for g in groups for k, v in g["measured_bytes"].items() if v})
+    name, div = unit(max([sum(g["measured_bytes"].values()) for g in groups]
+                         + [g["theory_bytes"] for g in groups] + [1]))
     fig, ax = plt.subplots(figsize=SIZE, layout="constrained")
-    xs = list(range(len(axes)))
-    bottom = [0.0] * len(axes)
+    xs = list(range(len(groups)))
+    bottom = [0.0] * len(groups)
+    tallest = max([g["measured_total"] for g in groups] + [g["theory_bytes"] for g in groups])
+    unseen = {}  # under 1% of the tallest bar everywhere (scalars: the loss, the norm)
     for k in kinds:
-        heights = [measured[k][a] / div for a in axes]
-        ax.bar([x - 0.2 for x in xs], heights, 0.38, bottom=bottom, label=f"measured: {k}")
+        heights = [g["measured_bytes"].get(k, 0) / div for g in groups]
+        if max(heights) * div < tallest / 100:
+            unseen[k] = max(g["measured_bytes"].get(k, 0) for g in groups)
+        ax.bar([x - 0.2 for x in xs], heights, 0.38, bottom=bottom,
+               label=f"{'_' * (k in unseen)}compiled: {k}")
         bottom = [a + h for a, h in zip(bottom, heights, strict=True)]
-    ax.bar([x + 0.2 for x in xs], [theory[a] / div for a in axes], 0.38, color="0.75",
-           edgecolor="0.3", label=f"ZeRO theory ({report['comm_theory_formula']})")
-    ax.set_xticks(xs, [f"mesh axes: {a}" for a in axes])
-    ax.set_xlim(-0.8, len(axes) - 0.2)
+    if unseen:
+        ax.set_xlabel("too small to see: " + ", ".join(
+            f"{k} ({b:,} bytes per step at most)" for k, b in unseen.items()), fontsize=8)
+    theory = ax.bar([x + 0.2 for x in xs], [g["theory_bytes"] / div for g in groups], 0.38,
+                    color="0.75", edgecolor="0.3", label="ZeRO's theory (formula above)")
+    ax.bar_label(theory, [textwrap.fill(g["theory_formula"], 16) for g in groups], fontsize=7,
+                 padding=2)
+    ax.set_xticks(xs, [g["label"] for g in groups])
+    ax.set_xlim(-0.6, len(groups) - 0.4)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.08)  # room for the formulas
     ax.set_ylabel(f"{name} per device per step")
-    ax.set_title(f"Communication per step, stage {report['stage']}: compiled collectives "
-                 "beside ZeRO's theory (all-reduce counted twice)", fontsize=10)
-    ax.legend(fontsize=8)
-    data = {"figure": "communication", "unit": name, "unit_bytes": div, "axes": axes,
-            "measured_bytes": measured, "theory_bytes": theory}
+    ax.set_title(f"Communication per step by stage, {report['n_params']:,} parameters: the "
+                 "compiled step's collectives\nbeside ZeRO's theory (an all-reduce counted "
+                 "twice, as a reduce-scatter and an all-gather)", fontsize=9)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
+    data = {"figure": "communication", "unit": name, "unit_bytes": div, "kinds": kinds,
+            "too_small_to_see": unseen, "compiled_stage": report["stage"], "groups": groups}
     return fig, data
+
+
+def comm_groups(rows: list[dict], mine: int) -> list[dict]:
+    """One bar pair per stage and mesh axes (one axes on a flat mesh: one pair per stage);
+    ``mine``: the report's own stage."""
+    groups = []
+    for r in rows:
+        axes = sorted(set(r["comm_bytes"]) | set(r["comm_bytes_theory"]))
+        for a in axes:
+            measured = r["comm_bytes"].get(a, {})
+            label = f"stage {r['stage']}" + (" (this run)" if r["stage"] == mine and len(rows) > 1
+                                             else "") + (f"\n{a}" if len(axes) > 1 else "")
+            groups.append({"label": label,
+                           "stage": r["stage"], "axes": a, "measured_bytes": measured,
+                           "measured_total": sum(measured.values()),
+                           "theory_bytes": r["comm_bytes_theory"].get(a, 0),
+                           "theory_formula": r["comm_theory_formula"]})
+    return groups
 
 
 def layout_name(c: dict) -> str:
@@ -149,14 +208,16 @@ def layout_name(c: dict) -> str:
             + "".join(f", {v}" for v in variants(c)))
 
 
+MAX_NAMED = 12  # the planner figure names the layouts that fit when there are at most these
 OFFLOAD_COLORS = {"none": "tab:blue", "optimizer": "tab:orange", "params": "tab:red",
                   "nvme": "tab:brown", "nvme+params": "tab:pink", "as set": "tab:purple"}
 
 
 def planner(plan: dict) -> tuple[Any, dict]:
     """Each compiled layout at (device bytes per device, host bytes per host): marker the
-    stage, colour the offload, text the remat policies that land there; the region that fits
-    (within the planner's headroom of both memories) shaded, the chosen layout starred."""
+    stage, colour the offload; the region that fits (within the planner's headroom of both
+    memories) shaded, the chosen layout starred on top. Only the layouts that fit (and the
+    chosen one) are named, by their remat policies: a sweep of a hundred named is unreadable."""
     plt = _pyplot()
     from matplotlib.lines import Line2D
 
@@ -173,41 +234,60 @@ def planner(plan: dict) -> tuple[Any, dict]:
         ax.scatter([xy(c)[0] for c in mine], [xy(c)[1] for c in mine], s=30,
                    marker="osD^"[stage], c=[OFFLOAD_COLORS[c["offload"]] for c in mine],
                    label=f"_stage {stage}")
-    spots: dict = {}
-    for c in cands:  # remat policies that land on the same spot share one label
-        tp = f" tp{c['tp']}" if c.get("tp", 1) > 1 else ""
-        spots.setdefault(xy(c), []).append(" ".join([c["remat"] + tp, *variants(c)]))
-    for (x, y), names in spots.items():
-        ax.annotate("/".join(dict.fromkeys(names)), (x, y), fontsize=5.5, rotation=35,
-                    xytext=(3, 3), textcoords="offset points", color="0.35")
     # The layout's own keys; only the planner's variants carry tile_mb, prefetch and gather.
     same = lambda c: all(c.get(k) == best.get(k) for k in (*best, "tile_mb", "prefetch",
                                                              "gather"))
     chosen = next((c for c in cands if best and same(c)), None)
+    named = [c for c in cands if c["fits"] or c is chosen]
+    named = named if len(named) <= MAX_NAMED else [chosen] if chosen else []
+    labels = planner_labels(named, xy)
     if chosen:
-        ax.scatter(*[[v] for v in xy(chosen)], s=300, marker="*", facecolor="none",
-                   edgecolor="crimson", linewidth=1.5, label=f"chosen: {layout_name(chosen)}")
+        ax.scatter(*[[v] for v in xy(chosen)], s=400, marker="*", facecolor="gold",
+                   edgecolor="crimson", linewidth=1.5, zorder=10,
+                   label=f"chosen: {layout_name(chosen)}")
     handles, _ = ax.get_legend_handles_labels()
     handles += [Line2D([], [], ls="", marker="osD^"[s], color="0.2", label=f"stage {s}")
                 for s in sorted({c["stage"] for c in cands})]
     handles += [Line2D([], [], ls="", marker="s", color=color, label=f"offload {k}")
                 for k, color in OFFLOAD_COLORS.items() if any(c["offload"] == k for c in cands)]
-    ax.legend(handles=handles, fontsize=7, loc="center right")
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1),
+              borderaxespad=0)
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.1)
+    # Labels of nearby layouts stacked above each other, not written over each other.
+    frac = lambda a, b: (abs(a["x"] - b["x"]) / ax.get_xlim()[1],
+                         abs(a["y"] - b["y"]) / ax.get_ylim()[1])
+    for i, label in enumerate(labels):
+        level = sum(all(d < 0.06 for d in frac(label, other)) for other in labels[:i])
+        ax.annotate(label["text"], (label["x"], label["y"]), fontsize=6, rotation=35,
+                    xytext=(3, 3 + 8 * level), textcoords="offset points", color="0.25")
     ax.set_xlabel(f"device memory, {name} per device (model state + compiled temp)")
     ax.set_ylabel(f"host memory, {hname} per host")
     ax.set_title(f"Planner: {len(cands)} layouts on {plan['devices']} devices of "
                  f"{dev / div:.1f} {name}, hosts of {host / hdiv:.1f} {hname} "
-                 f"({plan['devices_per_host']} devices each)", fontsize=10)
+                 f"({plan['devices_per_host']} devices each)\n{sum(c['fits'] for c in cands)} "
+                 "fit, named by remat policy" + ("" if len(labels) > 1 or not chosen
+                                                  else ": too many, the chosen one only"),
+                 fontsize=9)
     data = {"figure": "planner", "device_unit": name, "device_unit_bytes": div,
             "host_unit": hname, "host_unit_bytes": hdiv, "headroom": HEADROOM,
-            "device_memory": dev, "host_memory": host, "best": best,
+            "device_memory": dev, "host_memory": host, "best": best, "labels": labels,
             "points": [{"layout": layout_name(c), "stage": c["stage"],
                         "device_bytes": c["device_bytes"],
                         "host_bytes_per_host": c["host_bytes_per_host"], "fits": c["fits"]}
                        for c in sorted(cands, key=lambda c: c["stage"])]}
     return fig, data
+
+
+def planner_labels(cands: list[dict], xy: Any) -> list[dict]:
+    """The planner figure's texts at ``xy(c)`` of each of ``cands``: remat policies (and tensor
+    parallelism, variants) that land on the same spot share one label."""
+    spots: dict = {}
+    for c in cands:
+        tp = f" tp{c['tp']}" if c.get("tp", 1) > 1 else ""
+        spots.setdefault(xy(c), []).append(" ".join([c["remat"] + tp, *variants(c)]))
+    return sorted(({"text": "/".join(dict.fromkeys(names)), "x": x, "y": y}
+                   for (x, y), names in spots.items()), key=lambda label: (label["y"], label["x"]))
 
 
 def curves(records: list[dict]) -> tuple[Any, dict]:

@@ -124,6 +124,40 @@ def format_stages(rows: list[dict], n_params: int, devices: int) -> str:
     return "\n".join(lines)
 
 
+def stage_summary(r: dict) -> dict:
+    """One stage's compiled step as the figures compare the stages (``r`` its report): the
+    state it keeps in device memory (parameters, master, optimizer state, from the shardings),
+    its compiled temp (where its gradients, activations and gathered layers live: ZeRO's
+    gradient bytes are inside it, so they are not added again), its host memory, and per mesh
+    axes its collectives by kind (an all-reduce counted twice) beside ZeRO's theory."""
+    measured: dict[str, dict[str, int]] = {}
+    for g in r["collectives"]:
+        kinds = measured.setdefault(g["axes"], {})
+        kinds[g["kind"]] = kinds.get(g["kind"], 0) + g["volume"]
+    state = {k: r["per_device_bytes"][k] for k in ("params", "master", "opt_state")}
+    return {"stage": r["stage"], **state, "temp": r["compiled"]["temp_bytes"],
+            "device": sum(state.values()) + r["compiled"]["temp_bytes"],
+            "host": sum(r["per_device_host_bytes"].values()),
+            "comm_bytes": measured, "comm_bytes_theory": r["comm_bytes_theory_by_axes"],
+            "comm_theory_formula": r["comm_theory_formula"]}
+
+
+def format_compiled(rows: list[dict]) -> str:
+    """``stage_summary``'s rows as a table: the stages compiled on equal terms."""
+    lines = ["  each stage's step compiled with this run's settings, per device (MiB): state "
+             "(parameters, master, optimizer) + compiled temp (gradients, activations, gathered "
+             "layers):",
+             f"  {'stage':<7}{'state':>9}{'temp':>9}{'device':>9}{'host':>9}{'comm/step':>11}"
+             f"{'ZeRO theory':>13}"]
+    for r in rows:
+        comm = sum(v for kinds in r["comm_bytes"].values() for v in kinds.values())
+        lines.append(f"  {r['stage']:<7}{(r['device'] - r['temp']) / MiB:>9.2f}"
+                     f"{r['temp'] / MiB:>9.2f}{r['device'] / MiB:>9.2f}{r['host'] / MiB:>9.2f}"
+                     f"{comm / MiB:>11.2f}{sum(r['comm_bytes_theory'].values()) / MiB:>13.2f}"
+                     f" ({r['comm_theory_formula']})")
+    return "\n".join(lines)
+
+
 def mesh_axes(group: tuple[int, ...], mesh: Any) -> str:
     """The mesh axes a replica group spans ("data", "replica", "replica+data"): a collective's
     partition ids are positions in the mesh's device order."""

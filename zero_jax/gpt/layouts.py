@@ -84,6 +84,20 @@ def lower_stage(layout: dict, cfg: dict, stage: int | None) -> tuple[dict, dict]
     return {**layout, "stage": layout["stage"] - 1}, c
 
 
+def at_stage(cfg: dict, stage: int) -> dict:
+    """``cfg`` at another flat stage, for the figures that compare the stages: what only stage 3
+    builds (tiling, gathering by module, offloaded parameters, int8 weights) is dropped below
+    it, and int8 gradients below stage 2; the rest is the run's."""
+    c = copy.deepcopy(cfg)
+    z = c["zero"]
+    z["stage"] = stage
+    if stage < 3:
+        z.update(tile_mb=0.0, gather="block", offload_params="none", quantize_weights="none")
+    if stage < 2:
+        z["quantize_grads"] = "none"
+    return c
+
+
 def without_prefetch(layout: dict, cfg: dict, sets: list[str]) -> tuple[dict, dict] | None:
     """The layout again without prefetch, which holds one gathered layer more: for a layout
     whose device memory does not fit with it. None where prefetch does not run, or the command
