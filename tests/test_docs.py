@@ -105,3 +105,12 @@ def test_readme_is_a_first_page():
     commands = first.group(1)
     assert re.search(r"pip install -e \. .*train\.py --stage 3", commands), commands
     assert re.search(r"pip install -e '\.\[test\]' .*pytest -n 2 tests", commands), commands
+
+
+def test_getting_started_runs_the_virtualenvs_python():
+    """Right after README's commands (a .venv, nothing activated), a bare ``python`` is the
+    system's, without jax: the first run names the virtualenv's."""
+    page = (ROOT / "docs" / "getting-started.md").read_text()
+    first_run = page.split("## The first run", 1)[1]
+    command = re.search(r"```bash\n(.*?)\n", first_run).group(1)
+    assert command.startswith(".venv/bin/python train.py"), command
