@@ -507,8 +507,9 @@ class _OrbaxErrors(logging.Filter):
 
 
 class _NoStepMetadata(logging.Filter):
-    """Orbax's warning that a step has no ``_CHECKPOINT_METADATA`` (a save killed as it
-    finished, say): the step reads without it, and its arrays are checked by their digests."""
+    """Orbax's warning that a step has no step metadata file (``ORBAX_STEP_FILE``: a save
+    killed as it finished, say): the step reads without it, and its arrays are checked by their
+    digests."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (str(record.msg).startswith("Metadata file does not exist") and

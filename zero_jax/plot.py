@@ -254,13 +254,7 @@ def planner(plan: dict) -> tuple[Any, dict]:
               borderaxespad=0)
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.1)
-    # Labels of nearby layouts stacked above each other, not written over each other.
-    frac = lambda a, b: (abs(a["x"] - b["x"]) / ax.get_xlim()[1],
-                         abs(a["y"] - b["y"]) / ax.get_ylim()[1])
-    for i, label in enumerate(labels):
-        level = sum(all(d < 0.06 for d in frac(label, other)) for other in labels[:i])
-        ax.annotate(label["text"], (label["x"], label["y"]), fontsize=6, rotation=35,
-                    xytext=(3, 3 + 8 * level), textcoords="offset points", color="0.25")
+    annotate(ax, labels)
     ax.set_xlabel(f"device memory, {name} per device (model state + compiled temp)")
     ax.set_ylabel(f"host memory, {hname} per host")
     ax.set_title(f"Planner: {len(cands)} layouts on {plan['devices']} devices of "
@@ -277,6 +271,16 @@ def planner(plan: dict) -> tuple[Any, dict]:
                         "host_bytes_per_host": c["host_bytes_per_host"], "fits": c["fits"]}
                        for c in sorted(cands, key=lambda c: c["stage"])]}
     return fig, data
+
+
+def annotate(ax: Any, labels: list[dict]) -> None:
+    """Labels of nearby layouts stacked above each other, not written over each other."""
+    frac = lambda a, b: (abs(a["x"] - b["x"]) / ax.get_xlim()[1],
+                         abs(a["y"] - b["y"]) / ax.get_ylim()[1])
+    for i, label in enumerate(labels):
+        level = sum(all(d < 0.06 for d in frac(label, other)) for other in labels[:i])
+        ax.annotate(label["text"], (label["x"], label["y"]), fontsize=6, rotation=35,
+                    xytext=(3, 3 + 8 * level), textcoords="offset points", color="0.25")
 
 
 def planner_labels(cands: list[dict], xy: Any) -> list[dict]:
