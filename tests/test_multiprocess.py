@@ -49,7 +49,12 @@ def test_two_processes_train_like_one(runs, layout):
     _, _, one, two = runs
     a, b = np.array(two["losses"][layout]), np.array(one["losses"][layout])
     assert len(a) == harness.STEPS >= 5
-    assert np.max(np.abs(a - b) / np.abs(b)) <= 1e-6, (a, b)
+    # Two processes reduce in another order than one. AdamW's update divides by the root of the
+    # second moment, so that rounding grows faster than under SGD: with the demo's layer-norm
+    # epsilon at GPT-2's 1e-5, hier-adamw parts by 1.27e-6 at step 5 (1e-6 with epsilon 1e-6).
+    # SGD, which shows a gradient of the wrong scale, keeps the tighter bound.
+    bound = 2e-6 if "adamw" in layout else 1e-6
+    assert np.max(np.abs(a - b) / np.abs(b)) <= bound, (a, b)
     assert b[-1] < b[0]  # it trains
 
 
