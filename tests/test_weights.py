@@ -511,3 +511,18 @@ def test_a_corrupted_checkpoint_exports_nothing(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "is corrupted: params/w1 does not match" in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_checkpoint_from_before_norm_eps_resumes_only_with_its_epsilon():
+    """The demo took GPT-2's layer-norm epsilon (1e-5); a checkpoint written before the key
+    existed trained with flax's 1e-6, and resuming it with another is refused."""
+    from zero_jax.checkpoint import CheckpointError
+    from zero_jax.gpt import config as configs
+    from zero_jax.gpt.experiment import check_compatible
+
+    old = configs.load("tiny")
+    del old["model"]["norm_eps"]
+    with pytest.raises(CheckpointError, match=r"written for model.norm_eps=1e-06 but the config "
+                                              r"says 1e-05"):
+        check_compatible({"config": old}, configs.load("tiny"))
+    check_compatible({"config": old}, configs.load("tiny", ["model.norm_eps=1e-6"]))

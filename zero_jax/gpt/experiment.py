@@ -35,6 +35,10 @@ from zero_jax.precision import LossScaleConfig, Precision, default_param_dtype
 from zero_jax.rules import Plan, Rule, make_plan, modules_pattern, path_str, prefetchable
 from zero_jax.step import make_train_step
 
+# Model keys added after checkpoints were written without them, with the value those were
+# trained with: flax's layer-norm epsilon before the demo took GPT-2's.
+BEFORE_KEYS = {"norm_eps": 1e-6}
+
 
 @dataclasses.dataclass
 class Experiment:
@@ -213,7 +217,8 @@ def check_compatible(meta: dict, config: dict, platform: str | None = None) -> N
     (a stage of the optimizer chain) decide which arrays the state holds."""
     saved = meta["config"]
     for key, value in config["model"].items():
-        was = saved["model"].get(key, DEFAULTS["model"][key])  # keys added since: defaults
+        # A key added since: what the model was before it (a default now may differ).
+        was = saved["model"].get(key, BEFORE_KEYS.get(key, DEFAULTS["model"][key]))
         if key != "remat" and was != value:  # remat changes no state
             raise CheckpointError(
                 f"the checkpoint was written for model.{key}={was} but the "
