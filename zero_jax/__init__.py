@@ -24,13 +24,13 @@ from zero_jax.partitioning import tensor_parallel_rules
 from zero_jax.precision import Precision
 from zero_jax.rules import STAGES, Plan, Rule, make_plan, modules_pattern
 from zero_jax.state import TrainState, abstract_state, init_state, state_shardings, state_specs
-from zero_jax.step import make_train_step
+from zero_jax.step import TrainStep, make_train_step
 from zero_jax.weights import load_params
 
 keep_remat_barriers()  # before jax starts its backend, if it has not yet
 
 __all__ = ["STAGES", "Checkpoints", "Comm", "Layers", "Nvme", "Offload", "Plan", "Precision",
-           "Rule", "TrainState", "Weighted", "abstract_state", "device_key", "init_state",
-           "load_params", "make_grad_fn", "make_mesh", "make_plan", "make_train_step",
-           "modules_pattern", "nnx_merge", "remat_policy", "simulate_cpu_devices",
-           "state_shardings", "state_specs", "tensor_parallel_rules"]
+           "Rule", "TrainState", "TrainStep", "Weighted", "abstract_state", "device_key",
+           "init_state", "load_params", "make_grad_fn", "make_mesh", "make_plan",
+           "make_train_step", "modules_pattern", "nnx_merge", "remat_policy",
+           "simulate_cpu_devices", "state_shardings", "state_specs", "tensor_parallel_rules"]

@@ -229,7 +229,7 @@ class Checkpoints:
         if state.opt_state is None:
             raise CheckpointError(
                 "this state's master and optimizer state live in the NVMe tier's files: save "
-                "step.tier.give(state, state_shardings(plan, tx)) instead")
+                "step.whole(state) instead")
         if self.read_only:
             raise CheckpointError(f"{self.path} was opened read-only")
         if (latest := self.latest_step()) is not None and step <= latest:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -135,8 +135,10 @@ def to_params(plan: Plan, compute: PyTree) -> PyTree:
 def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
                     batch_spec: PyTree = None,
                     lr_schedule: Callable[[jax.Array], jax.Array] | None = None,
-                    has_aux: bool = False):
-    """``step(state, batch, *, key=None) -> (state, metrics)``, jitted with donated state.
+                    has_aux: bool = False) -> TrainStep:
+    """``step(state, batch, *, key=None) -> (state, metrics)``, with donated state: a
+    ``JitStep``, or with the NVMe tier (``Offload.nvme``) an ``NvmeStep``; both keep the
+    ``TrainStep`` contract.
 
     ``loss_fn``, ``batch_spec`` and ``has_aux`` as for ``make_grad_fn``; the global batch holds
     ``plan.accum_steps`` microbatches. Given a ``key``, ``loss_fn`` gets
@@ -187,15 +189,54 @@ def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformat
 
     # No in_shardings (jit refuses them beside a keyword argument): the state arrives in its
     # layout, and shard_map cuts the batch by ``batch_spec``; put it there to avoid a copy.
-    return jax.jit(step, out_shardings=(state_shardings(plan, tx), replicated),
-                   donate_argnums=(0,))
+    return JitStep(jax.jit(step, out_shardings=(state_shardings(plan, tx), replicated),
+                           donate_argnums=(0,)))
+
+
+class TrainStep(Protocol):
+    """What ``make_train_step`` returns, whichever kind: a loop, a checkpoint and the report
+    use these four and never ask which kind it is."""
+
+    def __call__(self, state: TrainState, batch: PyTree, *,
+                 key: jax.Array | None = None) -> tuple[TrainState, dict]:
+        """One optimizer step: the new state and the step's metrics."""
+
+    def lower(self, state: TrainState, batch: PyTree, *, key: jax.Array | None = None) -> Any:
+        """Ahead of time: ``lower(state, batch).compile()`` is a step with the same call."""
+
+    def whole(self, state: TrainState) -> TrainState:
+        """``state`` as a checkpoint saves it: all of it on the devices or the host."""
+
+    def close(self) -> None:
+        """Release what the step holds outside the process (the NVMe tier's directory)."""
+
+
+class JitStep:
+    """The step as one jitted program (stages 0-3, host offload): every state it returns is
+    whole, and it holds nothing to release."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn  # the jitted step, for what jax.jit offers beyond the contract
+
+    def __call__(self, state: TrainState, batch: PyTree, *, key: jax.Array | None = None):
+        return self.fn(state, batch) if key is None else self.fn(state, batch, key=key)
+
+    def lower(self, state: TrainState, batch: PyTree, *, key: jax.Array | None = None):
+        return self.fn.lower(state, batch) if key is None else \
+            self.fn.lower(state, batch, key=key)
+
+    def whole(self, state: TrainState) -> TrainState:
+        return state
+
+    def close(self) -> None:
+        pass
 
 
 class NvmeStep:
     """The step with ZeRO-Infinity's NVMe tier: a compiled gradient half, the update through
     the files (``zero_jax.nvme.Tier``), a compiled gather of the new compute copy. The state's
     master and optimizer state live in the files: the first call moves them there, and
-    ``step.tier.give(state, state_shardings(plan, tx))`` reads them back.
+    ``step.whole(state)`` reads them back.
 
     Like a jitted step it can be lowered and compiled ahead of time (``step.lower(state,
     batch).compile()``): what is lowered is the gradient half, the one program that runs on
@@ -220,6 +261,12 @@ class NvmeStep:
         flat = [kept[i] if c is None else c for i, c in enumerate(compute)]  # frozen: kept
         return to_params(self.plan, jax.tree.unflatten(jax.tree.structure(self.plan.shapes),
                                                        flat))
+
+    def whole(self, state: TrainState) -> TrainState:
+        return self.tier.give(state, state_shardings(self.plan, self.tx))
+
+    def close(self) -> None:
+        self.tier.close()
 
     def lower(self, state: TrainState, batch: PyTree, *, key: jax.Array | None = None):
         lowered = self.grads_program.lower(state._replace(master=None, opt_state=None), batch,

@@ -1,0 +1,264 @@
+"""Train a GPT with ZeRO stage 0-3 on every device there is: the demo's composition of the
+library (plan, step, checkpoints, loop services) and its own parts (``cli``, ``resume``,
+``reports``, ``summary``). ``train.py`` and the ``zero-jax-train`` command run ``main``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+import warnings
+
+from zero_jax.gpt.cli import (
+    build,
+    check_args,
+    check_observability,
+    fail,
+    load_config,
+    parse_args,
+    profile_window,
+    warn,
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if problem := check_args(args) or check_observability(args):
+        return fail(problem)
+    from zero_jax.mesh import simulate_cpu_devices
+
+    simulate_cpu_devices(args.devices or 8)
+    from zero_jax import distributed, supervise  # jax is imported from here on
+
+    # make_plan's warning for a loop of one's own: the report below says it for this one.
+    warnings.filterwarnings("ignore", "stage 3 gathers .* once per step", UserWarning)
+    try:
+        spec = distributed.settings(args.coordinator, args.num_processes, args.process_id,
+                                    auto=args.distributed)
+        if spec is not None and not supervise.attach():  # the worker runs as our child
+            return supervise.run([sys.executable, "-m", "zero_jax.gpt.run",
+                                  *(sys.argv[1:] if argv is None else argv)],
+                                 spec.get("process_id"), args.checkpoint_dir)
+        if spec is not None:
+            group = distributed.initialize(spec, args.peer_timeout)
+    except distributed.StartupError as e:
+        return fail(str(e))
+    return run_main(args) if spec is None else one_of_several(args, group)
+
+
+def one_of_several(args: argparse.Namespace, group) -> int:
+    """One process of several: a watchdog over its peers, and any failure stops them all."""
+    import traceback
+
+    import jax
+
+    from zero_jax import distributed, supervise
+
+    if jax.process_index():
+        sys.stdout = open(os.devnull, "w")  # one progress bar, one report: process 0's
+    watchdog = distributed.Watchdog(args.peer_timeout).start()
+    watchdog.checkpoints = args.checkpoint_dir  # named when a peer is lost
+    supervise.track(lambda: (group.process_id, watchdog.reached, group.coordinator or "-"))
+    try:
+        code = run_main(args, watchdog)
+    except Exception as e:  # reach the user with the process id, and stop the peers at once
+        watchdog.settle(e)  # a lost peer is named by the watchdog, not by gloo's socket error
+        traceback.print_exc()
+        fail(f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e) else ''}")
+        code = 1
+    if code:
+        watchdog.failed(f"exit code {code}, see its error above")
+        watchdog.linger()
+        sys.stderr.flush()
+        os._exit(code)  # not JAX's shutdown barrier: the peers will not reach it
+    watchdog.stop()
+    return 0
+
+
+def run_main(args: argparse.Namespace, watchdog=None) -> int:
+    from zero_jax.loop import OutputError, Preemption
+
+    with Preemption(enabled=not args.dry_run) as stop:  # a dry run has nothing to save
+        from zero_jax import distributed
+        from zero_jax.checkpoint import CheckpointError, quiet_background_errors
+        from zero_jax.gpt import config as configs
+        from zero_jax.gpt import reports, resume
+
+        quiet_background_errors()  # a failed save is its one CheckpointError line below
+        try:
+            cfg = load_config(args)
+            if problem := profile_window(args, cfg["train"]["steps"]):
+                return fail(problem)
+            local = {"coordinator", "num_processes", "process_id", "distributed"}
+            distributed.agree("configuration", {"config": cfg, "arguments": {
+                k: v for k, v in vars(args).items() if k not in local}}, args.peer_timeout)
+            exp = build(cfg, args)  # with the NVMe tier, its directory locked
+            with contextlib.closing(exp.step):  # the NVMe tier's directory released
+                if args.dry_run:
+                    return reports.plan_layouts(exp, cfg, args) if args.device_memory else \
+                        reports.dry_run(exp, args)
+                with resume.find_start(exp, cfg, args) as start:
+                    return train(exp, cfg, args, start, stop, watchdog)
+        except (configs.ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
+            return fail(str(e))
+        except OutputError as e:  # --report of a dry run
+            return fail(str(e), 1)
+
+
+def compile_checked(exp, target, stop, args: argparse.Namespace):
+    """``(report, compiled step)``, or the exit code: a signal during the compile (nothing
+    restored or initialized yet, nothing written), or a model that cannot fit. The peak's
+    breakdown and the stages for the figures only when a report file or figures ask."""
+    import signal
+
+    from zero_jax import fit, report
+    from zero_jax.gpt import reports
+    from zero_jax.loop import SIGNAL_EXIT
+
+    stop.compiling = True  # before the line that says so: a signal after it is answered
+    print("compiling the train step", flush=True)
+    try:
+        r, step = reports.compile_report(exp, target, peak=bool(args.report or args.plot))
+        problem = fit.check(step, list(exp.mesh.devices.flat))
+        if args.plot and not problem and exp.plan.outer is None:
+            r["stages"] = report.stages_table(exp.plan, exp.tx)
+            r["compiled_stages"] = reports.compiled_stages(exp, r)
+    finally:
+        stop.compiling = False
+    if stop.signum:
+        print(f"stopped by {signal.Signals(stop.signum).name} during compilation: nothing "
+              "trained, nothing saved", file=sys.stderr)
+        return SIGNAL_EXIT[stop.signum]
+    if problem:
+        return fail(f"{problem}: use {'a higher --stage, ' * (exp.plan.stage < 3)}"
+                    "precision.param_dtype=bf16, zero.offload_grads, a smaller model or "
+                    "train.batch_size, or --dry-run to see the report")
+    return r, step
+
+
+def train(exp, cfg: dict, args: argparse.Namespace, start, stop, watchdog=None) -> int:
+    """Compile, check the fit, start (restore or initialize), then the loop and its hooks."""
+    from zero_jax import nvme
+    from zero_jax.checkpoint import CheckpointError
+    from zero_jax.gpt import reports, resume, summary
+    from zero_jax.loop import Checkpointer, DivergenceGuard, OutputError
+    from zero_jax.state import abstract_state
+
+    t = cfg["train"]
+    target = abstract_state(exp.plan, exp.tx)
+    compiled = compile_checked(exp, target, stop, args)
+    if isinstance(compiled, int):
+        return compiled
+    r, step = compiled
+    state = resume.initial_state(start, target, cfg, args, exp)
+    first = int(state.step)
+    try:
+        reports.write_json(args.report, r)
+    except OutputError as e:
+        return fail(f"{e}; stopped before training (at step {first})", 1)
+    if first >= t["steps"]:
+        print(f"nothing to do: the checkpoint is at step {first} and --steps is {t['steps']}")
+        return 0
+    guard = DivergenceGuard(t["max_bad_steps"], cfg["precision"]["min_loss_scale"], warn)
+    bar, rows = progress(exp, t["steps"], first)
+    tally, saver = summary.Tally(bar, exp.tokens_per_step, keep_records=bool(args.plot)), None
+    if start.ckpts:  # before the outputs: a step whose record cannot be written is saved
+        saver = Checkpointer(start.ckpts, args.save_every, t["steps"], stop, guard,
+                             lambda n: resume.checkpoint_meta(exp, cfg, args, start.seed, n),
+                             exp.step.whole, bar.write)
+    hooks = [tally, *([saver] if saver else []), *outputs(args, start, r, step, first, bar)]
+    tick, done_steps = time.perf_counter(), first
+    try:
+        done_steps = loop(exp, step, state, start, bar, rows, hooks, guard, stop, watchdog)
+        if saver:
+            saver.finish()
+    except (CheckpointError, nvme.NvmeError) as e:
+        if watchdog:  # a save's collective that failed: a lost peer is named by the watchdog
+            watchdog.settle(e)
+        return fail(summary.tier_failed(e, saver) if isinstance(e, nvme.NvmeError)
+                    else str(e), 1)
+    except OutputError as e:
+        return summary.output_failed(e, saver, first + len(tally.losses))
+    finally:
+        bar.close()
+        for hook in hooks:
+            hook.close()
+    reports.draw(args, r, tally.records)
+    return summary.ending(t, first, tally, time.perf_counter() - tick, stop, guard,
+                          done_steps, saver, start.ckpts)
+
+
+def outputs(args: argparse.Namespace, start, r: dict, step, first: int, bar) -> list:
+    """The hooks that write the run's files (process 0's): --metrics, --tensorboard,
+    --profile."""
+    from zero_jax.gpt import reports, resume
+    from zero_jax.loop import MetricsFile, Profile, TensorBoard
+
+    if not resume.jax_primary():
+        return []
+    hooks = [MetricsFile(args.metrics, first, start.records, "--metrics")] if args.metrics \
+        else []
+    if args.tensorboard:
+        hooks.append(TensorBoard(args.tensorboard, first, reports.headline(r)))
+    if args.profile and args.profile_steps[0] <= first:  # a resumed run: never reached
+        a, b = args.profile_steps
+        warn(f"--profile-steps {a}:{b} starts at step {a}, but this run resumes after step "
+             f"{first}: nothing is traced; pass --profile-steps A:B with A above {first}")
+    if args.profile:
+        hooks.append(Profile(args.profile, args.profile_steps, step, bar.write))
+    return hooks
+
+
+def loop(exp, step, state, start, bar, rows, hooks: list, guard, stop, watchdog) -> int:
+    """Train until the last step, a stop signal or the divergence guard; each step's results
+    go to every hook. Returns the last step trained."""
+    from zero_jax import distributed
+    from zero_jax.gpt import data
+
+    done_steps, batch_size = int(state.step), exp.cfg["train"]["batch_size"]
+    for i in bar:
+        if stop.signum:
+            break
+        batch = distributed.global_array(exp.batch_sharding, exp.batch_shape.shape, data.batch(
+            start.tokens, i, batch_size, exp.model.seq_len, start.seed, rows))
+        if watchdog:
+            watchdog.reach(i + 1)
+        for hook in hooks:
+            hook.before(i + 1)
+        state, m, record = timed(exp, step, state, batch, i + 1)
+        done_steps = i + 1
+        stop_now = guard.update(m, i + 1)
+        for hook in hooks:
+            hook(i + 1, state, m, record)
+        if stop_now:
+            break
+    return done_steps
+
+
+def progress(exp, steps: int, first: int):
+    """The progress bar over the steps left, and this process's rows of each batch."""
+    from tqdm import tqdm
+
+    from zero_jax import distributed
+    from zero_jax.gpt.resume import jax_primary
+
+    bar = tqdm(range(first, steps), desc=f"stage {exp.plan.stage}", unit="step",
+               mininterval=0.5, initial=first, total=steps,
+               disable=not (jax_primary() and sys.stderr.isatty()))
+    return bar, distributed.local_rows(exp.batch_sharding, exp.batch_shape.shape)
+
+
+def timed(exp, step, state, batch, n: int):
+    """Step ``n``, waited for: the new state, its metrics as numbers, the metrics record."""
+    tick = time.perf_counter()
+    state, m = step(state, batch)
+    m = {k: float(v) for k, v in m.items()}  # waits for the step
+    m["skipped"] = int(m["skipped"])
+    tps = exp.tokens_per_step / (time.perf_counter() - tick)
+    return state, m, {"step": n, **m, "tokens_per_s": tps}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
