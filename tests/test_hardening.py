@@ -423,7 +423,7 @@ ROWS = [
     ("export no dir", ["export", "{w}/none", "{w}/out"], None,
      "checkpoint directory {w}/none does not exist"),
     ("export unwritable", ["export", "{c}", "/proc/out"], None, "cannot export into /proc/out"),
-    ("export dtype", [*E, "--dtype", "int8"], None, "--dtype must be one of"),
+    ("export dtype", [*E, "--dtype", "int8"], None, "dtype must be one of"),
     ("export into ckpt", ["export", "{c}", "{c}/99"], None,
      "cannot export into {c}/99: it is inside the checkpoint directory {c}, where a run would "
      "take it for a checkpoint"),

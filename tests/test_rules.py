@@ -74,13 +74,13 @@ def test_a_leaf_cut_over_model_alone_subdivides_that_dimension_over_data():
     optimizer state from stage 1, the gradient from 2, the parameter at 3; under the
     persistence threshold the optimizer state only. Hierarchical ZeRO likewise. The data
     axes' shard_map takes it split in two, a free reshape: each device keeps its bytes."""
-    bias = leaf_rule("b", (2, 96), 4, True, 0, model_dim=-1, t=2)
+    bias = leaf_rule("b", (2, 96), 4, True, 0, model=(-1, 2))
     assert (bias.axis, bias.model_dim, bias.persistent) == (1, 1, False)
-    assert leaf_rule("b", (2, 96), 4, True, 0, model_dim=-1, t=2, subdivide=False).axis is None
-    small = leaf_rule("b", (2, 96), 4, True, 49, model_dim=-1, t=2)  # 48 per rank
+    assert leaf_rule("b", (2, 96), 4, True, 0, model=(-1, 2), subdivide=False).axis is None
+    small = leaf_rule("b", (2, 96), 4, True, 49, model=(-1, 2))  # 48 per rank
     assert (small.axis, small.persistent) == (1, True)
-    assert leaf_rule("b", (2, 100), 4, True, 0, model_dim=-1, t=2).axis is None  # 100 % 8
-    assert leaf_rule("k", (2, 64, 96), 4, True, 0, model_dim=-1, t=2).axis == 1  # another one
+    assert leaf_rule("b", (2, 100), 4, True, 0, model=(-1, 2)).axis is None  # 100 % 8
+    assert leaf_rule("k", (2, 64, 96), 4, True, 0, model=(-1, 2)).axis == 1  # another one
     shapes = {"fc1": {"kernel": jax.ShapeDtypeStruct((2, 64, 96), F32),
                       "bias": jax.ShapeDtypeStruct((2, 96), F32)}}
     mesh = zj.make_mesh(8, axes={"data": 4, "model": 2})

@@ -175,7 +175,7 @@ class Checkpoints:
         if path.exists() and not os.access(path, os.R_OK | os.X_OK):
             raise CheckpointError(f"checkpoint directory {path} is not readable")
         if keep < 1:
-            raise CheckpointError(f"--keep must be at least 1 (got {keep})")
+            raise CheckpointError(f"keep must be at least 1 (got {keep})")
         self.path, self.read_only, self.lock = path, read_only, None
         self.created = create and not path.exists()  # removed by close() if left empty
         if not read_only:
@@ -202,7 +202,7 @@ class Checkpoints:
             self.close()
             raise CheckpointError(f"checkpoint directory {path} holds {names}, which "
                                   f"{'is' if len(self.foreign) == 1 else 'are'} not a zero_jax "
-                                  "checkpoint: move it out, or pass another --checkpoint-dir")
+                                  "checkpoint: move it out, or use another directory")
 
     def _ours(self, step: int) -> bool:
         d = self.path / str(step)

@@ -331,12 +331,12 @@ def newest_checkpoint(directory: str | None) -> str:
     """The newest complete checkpoint, in words: orbax names a step's directory by its number
     only once every process has written it."""
     if not directory:
-        return "nothing was saved (no --checkpoint-dir)"
+        return "nothing was saved (no checkpoint directory)"
     try:
         steps = [int(p.name) for p in os.scandir(directory) if p.name.isdigit() and p.is_dir()]
     except OSError:
         steps = []
-    return (f"newest complete checkpoint: {max(steps)} in {directory}; resume with --resume"
+    return (f"newest complete checkpoint: {max(steps)} in {directory}; resume from it"
             if steps else f"no complete checkpoint in {directory}")
 
 

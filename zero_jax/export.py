@@ -41,7 +41,7 @@ def export(checkpoint_dir: str, out: str, step: int | None = None, dtype: str = 
     from zero_jax.checkpoint import CheckpointError, Checkpoints, CorruptCheckpointError
 
     if dtype not in DTYPES:
-        raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype})")
+        raise CheckpointError(f"dtype must be one of {', '.join(DTYPES)} (got {dtype})")
     target = pathlib.Path(out).absolute()
     if target.exists():
         raise CheckpointError(f"{target} already exists: pass a new directory to export into")

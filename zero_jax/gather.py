@@ -9,7 +9,6 @@ gathers again.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 from collections.abc import Iterable
@@ -142,9 +141,6 @@ class _Active(NamedTuple):
     previous: Any  # _Previous
 
 
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("zero_jax_blocks", default=None)
-
-
 def partitioned(x: Any, cut: bool) -> Any:
     """ZeRO-R's partitioned activation checkpoints (Pa): a block input (batch, sequence, ...)
     laid out cut over ``model`` along its sequence when ``cut``, whole again when not. Saved
@@ -228,25 +224,36 @@ def _checkpointed_inputs(args: tuple, kwargs: dict, partition: bool):
     return inside
 
 
-def _rematerialized(module: nn.Module, method: str, args: tuple, kwargs: dict, whole: Any,
-                    policy: Any, partition: bool, inside: set[str], previous: _Previous) -> Any:
-    """A linen block's ``method`` under ``nn.remat`` with ``policy``, its parameters made whole
-    by ``whole`` inside; with Pa its inputs reach the checkpoint cut (what it saves, or
-    offloads) and are made whole inside it. Its path is ``inside`` meanwhile, so that the
-    interceptor lets the transforms' own call of the block through."""
-    inputs = _checkpointed_inputs(args, kwargs, partition)
+@dataclasses.dataclass(frozen=True)
+class _Remat:
+    """How a linen block runs under ``nn.remat``: with ``policy``, its inputs cut over
+    ``model`` at the checkpoint where ``partition`` (Pa), its path in ``inside`` meanwhile (so
+    that the interceptor lets the transforms' own call of the block through), and
+    ``previous`` told its inputs (gathering by module with prefetch)."""
 
-    def named(mdl):  # inside the checkpoint, where the policy sees the names
-        a, k = inputs()
-        previous.ran(a, k)  # gathering by module with prefetch: the first module waits for these
-        return getattr(mdl, method)(*a, **k)
-    run = nn.map_variables(named, "params", trans_in_fn=whole)
-    path = "/".join(module.path)
-    inside.add(path)
-    try:
-        return nn.remat(run, prevent_cse=True, policy=policy)(module)
-    finally:
-        inside.discard(path)
+    policy: Any
+    partition: bool
+    inside: set[str]
+    previous: _Previous
+
+    def __call__(self, module: nn.Module, method: str, args: tuple, kwargs: dict,
+                 whole: Any) -> Any:
+        """The block's ``method``, its parameters made whole by ``whole`` inside the
+        checkpoint; with Pa its inputs reach the checkpoint cut (what it saves, or offloads)
+        and are made whole inside it."""
+        inputs = _checkpointed_inputs(args, kwargs, self.partition)
+
+        def named(mdl):  # inside the checkpoint, where the policy sees the names
+            a, k = inputs()
+            self.previous.ran(a, k)  # by module with prefetch: the first module waits for these
+            return getattr(mdl, method)(*a, **k)
+        run = nn.map_variables(named, "params", trans_in_fn=whole)
+        path = "/".join(module.path)
+        self.inside.add(path)
+        try:
+            return nn.remat(run, prevent_cse=True, policy=self.policy)(module)
+        finally:
+            self.inside.discard(path)
 
 
 def _own(params: PyTree) -> dict:
@@ -420,15 +427,14 @@ def per_block(blocks: Iterable[str], remat: str = "full", partition: bool = Fals
                               plain)
         return plain()
 
-    rematerialize = functools.partial(_rematerialized, policy=policy, partition=partition,
-                                      inside=inside, previous=previous)
-    token = _ACTIVE.set(_Active(names, seen, policy, chain, partition, remat_all, by_module,
-                                previous))
+    rematerialize = _Remat(policy, partition, inside, previous)
+    token = internals.BLOCKS.set(_Active(names, seen, policy, chain, partition, remat_all,
+                                         by_module, previous))
     try:
         with nn.intercept_methods(intercept):
             yield seen
     finally:
-        _ACTIVE.reset(token)
+        internals.BLOCKS.reset(token)
 
 
 def nnx_merge(graphdef: Any, *states: Any) -> Any:
@@ -437,7 +443,7 @@ def nnx_merge(graphdef: Any, *states: Any) -> Any:
     from flax import nnx
 
     model = nnx.merge(graphdef, *states, copy=True)  # variables of this trace, not the caller's
-    active = _ACTIVE.get()
+    active = internals.BLOCKS.get()
     if active is None:
         return model
     names, seen, chain = active.names, active.seen, active.chain
@@ -492,7 +498,7 @@ def _per_module_class(cls: type) -> type:
     from flax import nnx
 
     def __call__(self, *args, **kwargs):
-        own, active = _own_vars(self), _ACTIVE.get()
+        own, active = _own_vars(self), internals.BLOCKS.get()
         if active is None or not own:
             return cls.__call__(self, *args, **kwargs)
         runs = lambda whole, a, k: lambda m: _run_whole(cls.__call__, m, _own_vars(m), a, k,
@@ -513,13 +519,13 @@ def _per_block_class(cls: type) -> type:
 
     def run(module, args, kwargs, whole):
         # By module: the block's own leaves; each child makes its own whole (_per_module_class).
-        active = _ACTIVE.get()
+        active = internals.BLOCKS.get()
         active.previous.ran(args, kwargs)
         variables = _own_vars(module) if active.by_module else _shard_vars(module)
         return _run_whole(cls.__call__, module, variables, args, kwargs, whole)
 
     def __call__(self, *args, **kwargs):
-        active = _ACTIVE.get()
+        active = internals.BLOCKS.get()
         shards = [v.get_raw_value() for v in _shard_vars(self)]
         if any(s.tile for s in shards):
             raise ValueError(f"Layers(tile_mb=...) tiles linen nn.Dense layers; the NNX block "

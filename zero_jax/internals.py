@@ -8,11 +8,17 @@ breaks one. Nothing else in the library reaches into these packages' internals.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 CHECKED = {"jax": "0.10.2", "flax": "0.12.8", "orbax-checkpoint": "0.12.8"}
+
+# The stage-3 block runtime of the loss being traced (``zero_jax.gather.blocks``): read inside
+# the NNX modules' ``__call__``, which Flax calls with no way to hand it in. The library's one
+# piece of process-wide state, set and reset around one trace.
+BLOCKS: contextvars.ContextVar = contextvars.ContextVar("zero_jax_blocks", default=None)
 
 # XLA's pass that turns remat's optimization barriers into plain ops on the CPU backend, where
 # CSE would then merge a block's backward re-gather into its forward gather (stage 3 would hold

@@ -28,7 +28,7 @@ class WriterLock:
     """``what`` names the directory in the refusal, ``fix`` says what to do instead."""
 
     def __init__(self, directory: pathlib.Path, what: str = "checkpoint directory",
-                 fix: str = "wait for it to finish, or pass another --checkpoint-dir"):
+                 fix: str = "wait for it to finish, or use another directory"):
         self.path = pathlib.Path(directory) / NAME
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)

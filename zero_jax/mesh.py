@@ -77,12 +77,12 @@ def make_mesh(devices: int | None = None, axes: dict[str, int] | None = None) ->
     available = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     n = len(available) if devices is None else devices
     if jax.process_count() > 1 and n != len(available):
-        raise ValueError(f"--devices {n}: a mesh across {jax.process_count()} processes spans "
-                         f"all {len(available)} devices; drop --devices (set each process's "
-                         "simulated devices with the launcher's --devices-per-process)")
+        raise ValueError(f"a mesh of {n} devices: across {jax.process_count()} processes a mesh "
+                         f"spans all {len(available)} devices; leave devices out (each "
+                         "process's simulated devices are set where it starts)")
     if not 1 <= n <= len(available):
         raise ValueError(f"cannot build a mesh of {n} devices: {len(available)} "
-                         f"{available[0].platform} device(s) available; pass --devices between "
+                         f"{available[0].platform} device(s) available; pass devices between "
                          f"1 and {len(available)}")
     axes = dict(axes or {DATA: -1})
     fixed = int(np.prod([s for s in axes.values() if s != -1]))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -93,13 +93,23 @@ def _jaxpr_deps(jaxpr, in_deps: Sequence[set[int]]) -> list[set[int]]:
     return [get(v) for v in jaxpr.outvars]
 
 
+class Owners(NamedTuple):
+    """Which leaves the host's part of a split update owns (bools, by tree): of the optimizer
+    state, those both parts read (shared counters), of the master, and of the compute copy
+    that stays in host memory."""
+
+    state_host: PyTree
+    state_shared: PyTree
+    master_host: PyTree
+    compute_host: PyTree
+
+
 def split_update(update: Callable, raw: Callable, grads: PyTree, opt_state: PyTree,
-                 master: PyTree, state_host: PyTree, state_shared: PyTree, master_host: PyTree,
-                 compute_host: PyTree) -> Callable:
+                 master: PyTree, owners: Owners) -> Callable:
     """``update(grads, opt_state, master, finite) -> (master, opt_state, compute)`` run in two
     parts: the leaves marked host by the host, the rest by the device. ``raw(grads, opt_state,
     master) -> (master, opt_state)`` is the optimizer alone, whose jaxpr is checked. The new
-    compute copy of a leaf stays in host memory where ``compute_host`` says so.
+    compute copy of a leaf stays in host memory where ``owners.compute_host`` says so.
 
     Each part runs the whole ``update`` on every gradient, its own leaves of the state and
     master, the shared counters and zeros for the other part's leaves, and keeps only its own
@@ -108,8 +118,7 @@ def split_update(update: Callable, raw: Callable, grads: PyTree, opt_state: PyTr
     """
     (s_tree, s_shapes), (m_tree, m_shapes) = (
         (jax.tree.structure(t), jax.tree.leaves(t)) for t in (opt_state, master))
-    s_host, s_shared = jax.tree.leaves(state_host), jax.tree.leaves(state_shared)
-    m_host, c_host = jax.tree.leaves(master_host), jax.tree.leaves(compute_host)
+    s_host, s_shared, m_host, c_host = map(jax.tree.leaves, owners)
     if len(set(s_host + m_host)) > 1:  # both parts own something: check the split is exact
         _check_separable(raw, grads, opt_state, master, s_host, s_shared, m_host)
 

@@ -327,11 +327,11 @@ def read_records(path: str | pathlib.Path) -> list[dict]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: line {n} is not JSON ({e.msg}): pass the file "
-                             "train.py --metrics wrote") from None
+            raise ValueError(f"{path}: line {n} is not JSON ({e.msg}): pass a metrics file "
+                             "(JSON Lines, one record per step)") from None
         if not isinstance(record, dict) or "step" not in record:
-            raise ValueError(f"{path}: line {n} is not a step's record: pass the file "
-                             "train.py --metrics wrote")
+            raise ValueError(f"{path}: line {n} is not a step's record: pass a metrics file "
+                             "(JSON Lines, one record per step)")
         out.append(record)
     return out
 

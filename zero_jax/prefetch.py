@@ -167,10 +167,6 @@ def _layer_keys(scope, split_rngs: dict, n: int) -> dict:
     return keys
 
 
-_SCAN_ARGS = ("variable_axes", "variable_broadcast", "variable_carry", "in_axes", "out_axes",
-              "reverse")
-
-
 def _stacked_args(in_axes: Any, n: int) -> tuple[bool, ...] | None:
     """Which of a linen scan's ``n`` arguments are scanned over (axis 0) and which broadcast
     (``nn.broadcast``, for one or for all); ``None``: another ``in_axes``."""
@@ -182,17 +178,18 @@ def _stacked_args(in_axes: Any, n: int) -> tuple[bool, ...] | None:
     return tuple(a is not flax.core.broadcast for a in axes)
 
 
-def _refusal(scopes, carry, xs, variable_axes, variable_broadcast, variable_carry, in_axes,
-             out_axes, reverse) -> str | None:
-    """Why this ``nn.scan`` cannot run as a prefetching loop (``None``: it can)."""
+def _refusal(scopes, carry, xs, how: dict) -> str | None:
+    """Why this ``nn.scan`` cannot run as a prefetching loop (``None``: it can); ``how``: the
+    scan's own arguments, by name."""
     scope = scopes[0] if isinstance(scopes, (list, tuple)) and len(scopes) == 1 else None
     if scope is None:
         return "it takes modules as arguments"
     if set(scope.variables()) != {"params"}:
         return "it uses collections besides params"
-    if (dict(variable_axes) not in ({"params": 0}, {True: 0}) or variable_broadcast
-            or variable_carry or _stacked_args(in_axes, len(xs)) is None or out_axes != 0
-            or reverse):
+    if (dict(how["variable_axes"]) not in ({"params": 0}, {True: 0})
+            or how["variable_broadcast"] or how["variable_carry"]
+            or _stacked_args(how["in_axes"], len(xs)) is None or how["out_axes"] != 0
+            or how["reverse"]):
         return ("prefetch runs scans with variable_axes={'params': 0}, in axes 0 or "
                 "nn.broadcast, out axes 0, forward")
     if not all(jnp.issubdtype(x.dtype, jnp.inexact) for x in jax.tree.leaves(carry)):
@@ -230,7 +227,7 @@ def stacks(names: frozenset[str], seen: set[str], saved: Saved):
                 name = "/".join(scope.path)
                 if name not in names or scope.is_mutable_collection("params"):  # or initializing
                     return plain(scopes, carry, *xs)
-                why = _refusal(scopes, carry, xs, **{k: how[k] for k in _SCAN_ARGS})
+                why = _refusal(scopes, carry, xs, how)
                 if why:
                     raise ValueError(f"prefetch cannot run the layer stack {name!r}: {why}; turn "
                                      f"prefetch off (zero.prefetch: false)")

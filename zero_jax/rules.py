@@ -83,8 +83,8 @@ class Leaf:
 
 
 def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
-              min_shard_elems: int, cut_one: bool = False, model_dim: int | None = None,
-              t: int = 1, *, subdivide: bool = True) -> Leaf:
+              min_shard_elems: int, cut_one: bool = False,
+              model: tuple[int, int] | None = None, *, subdivide: bool = True) -> Leaf:
     """Cut the first dimension (after the layer index) that ``n`` divides.
 
     A leaf with no such dimension stays whole everywhere, optimizer state included. A leaf
@@ -93,7 +93,8 @@ def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
     saves, so its parameter and gradient stay whole while its optimizer state is still cut.
     On one device nothing is cut, unless ``cut_one`` (into one shard: see make_plan).
 
-    With tensor parallelism, ``model_dim`` is cut over the ``model`` axis's ``t`` devices and
+    With tensor parallelism, ``model = (model_dim, t)``: ``model_dim`` is cut over the
+    ``model`` axis's ``t`` devices and
     the data cut takes another dimension: each tensor-parallel rank holds 1/n of its slice.
     A leaf with no other dimension to cut (a bias cut over ``model``) has its ``model`` one
     cut into ``n x t`` pieces where ``subdivide`` (where the stage cuts anything),
@@ -101,6 +102,7 @@ def leaf_rule(path: str, shape: tuple[int, ...], n: int, stacked: bool,
     on ``data`` alone (``Plan.split_model``).
     """
     first = 1 if stacked else 0
+    model_dim, t = model or (None, 1)
     if model_dim is not None:
         model_dim %= len(shape)
         if model_dim < first or shape[model_dim] % t:
@@ -543,13 +545,13 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *,
     def rule(path, x):
         name, f = path_str(path), fields[path_str(path)]
         in_stack = name in blocks and stacked[blocks[name]]
-        model_dim = f["model_dim"] if MODEL in mesh.axis_names else None
+        model = (f["model_dim"], t) if MODEL in mesh.axis_names else None
         if not f["shard"]:
-            leaf = leaf_rule(name, tuple(x.shape), 1, in_stack, 0, False, model_dim, t)
+            leaf = leaf_rule(name, tuple(x.shape), 1, in_stack, 0, False, model)
             leaf = dataclasses.replace(leaf, reason="ignored_modules")
         else:
             leaf = leaf_rule(name, tuple(x.shape), n, in_stack, f["min_shard_elems"], cut_one,
-                             model_dim, t, subdivide=stage > 0)
+                             model, subdivide=stage > 0)
         return dataclasses.replace(leaf, frozen=f["frozen"], block=blocks.get(name))
 
     leaves = jax.tree_util.tree_map_with_path(rule, params_shape)

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from zero_jax import buckets
 from zero_jax.grads import make_grad_fn, put
 from zero_jax.nvme import Tier
-from zero_jax.offload import in_host_memory, on_host_leaves, split_update
+from zero_jax.offload import Owners, in_host_memory, on_host_leaves, split_update
 from zero_jax.precision import update_loss_scale
 from zero_jax.rules import Leaf, Plan
 from zero_jax.state import TrainState, abstract_state, params_in_host_memory, state_shardings
@@ -92,11 +92,10 @@ def make_update(plan: Plan, tx: optax.GradientTransformation) -> Callable:
     if not plan.offloads_optimizer:
         return update
     f32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), plan.shapes)
-    return split_update(
-        update, optimize, f32, abstract_state(plan, tx).opt_state, f32,
+    return split_update(update, optimize, f32, abstract_state(plan, tx).opt_state, f32, Owners(
         plan.opt_state_offload(tx), plan.map_opt_state(tx, lambda *_: False, plan.shapes, True),
         jax.tree.map(lambda leaf: leaf.offload, plan.leaves, is_leaf=_is_leaf),
-        params_in_host_memory(plan))
+        params_in_host_memory(plan)))
 
 
 def to_params(plan: Plan, compute: PyTree) -> PyTree:

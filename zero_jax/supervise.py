@@ -33,32 +33,34 @@ NATIVE = re.compile(rb"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]")
 FATAL = re.compile(rb"F\d{4} ")
 
 
-_progress: list[Callable[[], str]] = [lambda: "- 0 -"]
+class Worker:
+    """A supervised worker's side channel: every ``period_s``, this process's id, the step it
+    reached and the coordinator's address (``track``); exit at once when the supervisor is
+    gone (a killed process 0 takes its coordination service along)."""
+
+    def __init__(self, fd: int, period_s: float):
+        self._progress: Callable[[], str] = lambda: "- 0 -"
+
+        def tell() -> None:
+            while True:
+                try:
+                    os.write(fd, f"{self._progress()}\n".encode())
+                except OSError:  # the supervisor died: its end of the pipe is closed
+                    os._exit(1)
+                time.sleep(period_s)
+
+        threading.Thread(target=tell, name="zero_jax-supervised", daemon=True).start()
+
+    def track(self, progress: Callable[[], tuple[int, int, str]]) -> None:
+        """What the channel reports from now on: (process id, step reached, coordinator)."""
+        self._progress = lambda: " ".join(str(x) for x in progress())
 
 
-def attach(period_s: float = 0.25) -> bool:
-    """Whether this is a supervised worker. If so, tell the supervisor, every ``period_s``,
-    this process's id, the step it reached and the coordinator's address (``track``); exit at
-    once when the supervisor is gone (a killed process 0 takes its coordination service along)."""
+def attach(period_s: float = 0.25) -> Worker | None:
+    """This process's side channel if it is a supervised worker (``run`` started it)."""
     if WORKER not in os.environ:
-        return False
-    fd = int(os.environ.pop(WORKER))
-
-    def tell() -> None:
-        while True:
-            try:
-                os.write(fd, f"{_progress[0]()}\n".encode())
-            except OSError:  # the supervisor died: its end of the pipe is closed
-                os._exit(1)
-            time.sleep(period_s)
-
-    threading.Thread(target=tell, name="zero_jax-supervised", daemon=True).start()
-    return True
-
-
-def track(progress: Callable[[], tuple[int, int, str]]) -> None:
-    """What ``attach`` reports: (process id, step reached, coordinator address)."""
-    _progress[0] = lambda: " ".join(str(x) for x in progress())
+        return None
+    return Worker(int(os.environ.pop(WORKER)), period_s)
 
 
 class _Relay:

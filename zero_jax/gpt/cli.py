@@ -1,5 +1,5 @@
-"""train.py's flags: parsed, and checked before jax is imported (a refused run costs no jax
-start-up), then turned into the config."""
+"""train.py's flags: parsed, and checked before anything is built or written, then turned
+into the config."""
 
 from __future__ import annotations
 

@@ -7,10 +7,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import time
+import traceback
 import warnings
 
+import jax
+from tqdm import tqdm
+
+from zero_jax import distributed, fit, nvme, report, supervise
+from zero_jax.checkpoint import CheckpointError, quiet_background_errors
+from zero_jax.gpt import config as configs
+from zero_jax.gpt import data, reports, resume, summary
 from zero_jax.gpt.cli import (
     build,
     check_args,
@@ -21,23 +30,35 @@ from zero_jax.gpt.cli import (
     profile_window,
     warn,
 )
+from zero_jax.loop import (
+    SIGNAL_EXIT,
+    Checkpointer,
+    DivergenceGuard,
+    Hook,
+    MetricsFile,
+    OutputError,
+    Preemption,
+    Profile,
+    TensorBoard,
+)
+from zero_jax.mesh import simulate_cpu_devices
+from zero_jax.state import abstract_state
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if problem := check_args(args) or check_observability(args):
         return fail(problem)
-    from zero_jax.mesh import simulate_cpu_devices
 
     simulate_cpu_devices(args.devices or 8)
-    from zero_jax import distributed, supervise  # jax is imported from here on
 
     # make_plan's warning for a loop of one's own: the report below says it for this one.
     warnings.filterwarnings("ignore", "stage 3 gathers .* once per step", UserWarning)
     try:
         spec = distributed.settings(args.coordinator, args.num_processes, args.process_id,
                                     auto=args.distributed)
-        if spec is not None and not supervise.attach():  # the worker runs as our child
+        worker = supervise.attach() if spec is not None else None
+        if spec is not None and worker is None:  # the worker runs as our child
             return supervise.run([sys.executable, "-m", "zero_jax.gpt.run",
                                   *(sys.argv[1:] if argv is None else argv)],
                                  spec.get("process_id"), args.checkpoint_dir)
@@ -45,22 +66,16 @@ def main(argv: list[str] | None = None) -> int:
             group = distributed.initialize(spec, args.peer_timeout)
     except distributed.StartupError as e:
         return fail(str(e))
-    return run_main(args) if spec is None else one_of_several(args, group)
+    return run_main(args) if spec is None else one_of_several(args, group, worker)
 
 
-def one_of_several(args: argparse.Namespace, group) -> int:
+def one_of_several(args: argparse.Namespace, group, worker) -> int:
     """One process of several: a watchdog over its peers, and any failure stops them all."""
-    import traceback
-
-    import jax
-
-    from zero_jax import distributed, supervise
-
     if jax.process_index():
         sys.stdout = open(os.devnull, "w")  # one progress bar, one report: process 0's
     watchdog = distributed.Watchdog(args.peer_timeout).start()
     watchdog.checkpoints = args.checkpoint_dir  # named when a peer is lost
-    supervise.track(lambda: (group.process_id, watchdog.reached, group.coordinator or "-"))
+    worker.track(lambda: (group.process_id, watchdog.reached, group.coordinator or "-"))
     try:
         code = run_main(args, watchdog)
     except Exception as e:  # reach the user with the process id, and stop the peers at once
@@ -78,13 +93,7 @@ def one_of_several(args: argparse.Namespace, group) -> int:
 
 
 def run_main(args: argparse.Namespace, watchdog=None) -> int:
-    from zero_jax.loop import OutputError, Preemption
-
     with Preemption(enabled=not args.dry_run) as stop:  # a dry run has nothing to save
-        from zero_jax import distributed
-        from zero_jax.checkpoint import CheckpointError, quiet_background_errors
-        from zero_jax.gpt import config as configs
-        from zero_jax.gpt import reports, resume
 
         quiet_background_errors()  # a failed save is its one CheckpointError line below
         try:
@@ -111,12 +120,6 @@ def compile_checked(exp, target, stop, args: argparse.Namespace):
     """``(report, compiled step)``, or the exit code: a signal during the compile (nothing
     restored or initialized yet, nothing written), or a model that cannot fit. The peak's
     breakdown and the stages for the figures only when a report file or figures ask."""
-    import signal
-
-    from zero_jax import fit, report
-    from zero_jax.gpt import reports
-    from zero_jax.loop import SIGNAL_EXIT
-
     stop.compiling = True  # before the line that says so: a signal after it is answered
     print("compiling the train step", flush=True)
     try:
@@ -140,12 +143,6 @@ def compile_checked(exp, target, stop, args: argparse.Namespace):
 
 def train(exp, cfg: dict, args: argparse.Namespace, start, stop, watchdog=None) -> int:
     """Compile, check the fit, start (restore or initialize), then the loop and its hooks."""
-    from zero_jax import nvme
-    from zero_jax.checkpoint import CheckpointError
-    from zero_jax.gpt import reports, resume, summary
-    from zero_jax.loop import Checkpointer, DivergenceGuard, OutputError
-    from zero_jax.state import abstract_state
-
     t = cfg["train"]
     target = abstract_state(exp.plan, exp.tx)
     compiled = compile_checked(exp, target, stop, args)
@@ -162,16 +159,17 @@ def train(exp, cfg: dict, args: argparse.Namespace, start, stop, watchdog=None) 
         print(f"nothing to do: the checkpoint is at step {first} and --steps is {t['steps']}")
         return 0
     guard = DivergenceGuard(t["max_bad_steps"], cfg["precision"]["min_loss_scale"], warn)
-    bar, rows = progress(exp, t["steps"], first)
+    bar = progress(exp.plan.stage, t["steps"], first)
     tally, saver = summary.Tally(bar, exp.tokens_per_step, keep_records=bool(args.plot)), None
     if start.ckpts:  # before the outputs: a step whose record cannot be written is saved
         saver = Checkpointer(start.ckpts, args.save_every, t["steps"], stop, guard,
                              lambda n: resume.checkpoint_meta(exp, cfg, args, start.seed, n),
                              exp.step.whole, bar.write)
-    hooks = [tally, *([saver] if saver else []), *outputs(args, start, r, step, first, bar)]
+    hooks = [*([Reached(watchdog)] if watchdog else []), tally, *([saver] if saver else []),
+             *outputs(args, start, r, step, first, bar)]
     tick, done_steps = time.perf_counter(), first
     try:
-        done_steps = loop(exp, step, state, start, bar, rows, hooks, guard, stop, watchdog)
+        done_steps = loop(exp, step, state, start, bar, hooks, guard, stop)
         if saver:
             saver.finish()
     except (CheckpointError, nvme.NvmeError) as e:
@@ -187,15 +185,12 @@ def train(exp, cfg: dict, args: argparse.Namespace, start, stop, watchdog=None) 
             hook.close()
     reports.draw(args, r, tally.records)
     return summary.ending(t, first, tally, time.perf_counter() - tick, stop, guard,
-                          done_steps, saver, start.ckpts)
+                          done_steps, saver)
 
 
 def outputs(args: argparse.Namespace, start, r: dict, step, first: int, bar) -> list:
     """The hooks that write the run's files (process 0's): --metrics, --tensorboard,
     --profile."""
-    from zero_jax.gpt import reports, resume
-    from zero_jax.loop import MetricsFile, Profile, TensorBoard
-
     if not resume.jax_primary():
         return []
     hooks = [MetricsFile(args.metrics, first, start.records, "--metrics")] if args.metrics \
@@ -211,20 +206,16 @@ def outputs(args: argparse.Namespace, start, r: dict, step, first: int, bar) -> 
     return hooks
 
 
-def loop(exp, step, state, start, bar, rows, hooks: list, guard, stop, watchdog) -> int:
+def loop(exp, step, state, start, bar, hooks: list, guard, stop) -> int:
     """Train until the last step, a stop signal or the divergence guard; each step's results
     go to every hook. Returns the last step trained."""
-    from zero_jax import distributed
-    from zero_jax.gpt import data
-
     done_steps, batch_size = int(state.step), exp.cfg["train"]["batch_size"]
+    rows = distributed.local_rows(exp.batch_sharding, exp.batch_shape.shape)  # this process's
     for i in bar:
         if stop.signum:
             break
         batch = distributed.global_array(exp.batch_sharding, exp.batch_shape.shape, data.batch(
             start.tokens, i, batch_size, exp.model.seq_len, start.seed, rows))
-        if watchdog:
-            watchdog.reach(i + 1)
         for hook in hooks:
             hook.before(i + 1)
         state, m, record = timed(exp, step, state, batch, i + 1)
@@ -237,17 +228,22 @@ def loop(exp, step, state, start, bar, rows, hooks: list, guard, stop, watchdog)
     return done_steps
 
 
-def progress(exp, steps: int, first: int):
-    """The progress bar over the steps left, and this process's rows of each batch."""
-    from tqdm import tqdm
+def progress(stage: int, steps: int, first: int):
+    """The progress bar over the steps left (process 0's, on a terminal)."""
+    shown = resume.jax_primary() and sys.stderr.isatty()
+    return tqdm(range(first, steps), desc=f"stage {stage}", unit="step", mininterval=0.5,
+                initial=first, total=steps, disable=not shown)
 
-    from zero_jax import distributed
-    from zero_jax.gpt.resume import jax_primary
 
-    bar = tqdm(range(first, steps), desc=f"stage {exp.plan.stage}", unit="step",
-               mininterval=0.5, initial=first, total=steps,
-               disable=not (jax_primary() and sys.stderr.isatty()))
-    return bar, distributed.local_rows(exp.batch_sharding, exp.batch_shape.shape)
+class Reached(Hook):
+    """A hook: the watchdog told each step this process reaches, before it runs (a peer that
+    falls behind is named by it)."""
+
+    def __init__(self, watchdog):
+        self.watchdog = watchdog
+
+    def before(self, n: int) -> None:
+        self.watchdog.reach(n)
 
 
 def timed(exp, step, state, batch, n: int):

@@ -51,9 +51,9 @@ class Tally(Hook):
 
 
 def ending(t: dict, first: int, tally: Tally, elapsed: float, stop: Preemption,
-           guard: DivergenceGuard, step: int, saver: Checkpointer | None, ckpts) -> int:
+           guard: DivergenceGuard, step: int, saver: Checkpointer | None) -> int:
     """The run's last line and exit code: stopped by a signal, diverged, or done."""
-    saved = saver.saved if saver else None
+    saved, ckpts = (saver.saved, saver.ckpts) if saver else (None, None)
     if stop.signum:
         return stopped(stop, step, saved, ckpts, guard.bad_from)
     if guard.streak_from is not None:  # max_bad_steps in a row, or the run ended in a streak
