@@ -150,3 +150,10 @@ def test_the_site_builds_without_a_warning(tmp_path):
     missing = [n for n in zero_jax.__all__
                if f'id="zero_jax.{n}"' not in api and f"`zero_jax.{n}`" not in page]
     assert not missing, f"the API reference lacks {missing}"
+
+
+def test_design_md_maps_every_module():
+    page = (ROOT / "docs" / "design.md").read_text()
+    missing = [p.name for p in sorted((ROOT / "zero_jax").glob("*.py"))
+               if f"`{p.name}`" not in page]
+    assert not missing, f"docs/design.md's module map lacks {missing}"
