@@ -114,3 +114,46 @@ def test_getting_started_runs_the_virtualenvs_python():
     first_run = page.split("## The first run", 1)[1]
     command = re.search(r"```bash\n(.*?)\n", first_run).group(1)
     assert command.startswith(".venv/bin/python train.py"), command
+
+
+def test_every_page_is_short_enough_to_read():
+    """A page is read, not searched: every page under docs/ at most 25 KB, testing.md 10 KB
+    (run logs and dated before/after figures live in docs/benchmarks/history/)."""
+    sizes = {p.relative_to(ROOT): p.stat().st_size for p in (ROOT / "docs").rglob("*.md")}
+    over = {str(p): n for p, n in sizes.items() if n > 25_000}
+    assert not over, f"pages over 25 KB: {over}"
+    assert sizes[pathlib.Path("docs/testing.md")] <= 10_000, sizes[pathlib.Path("docs/testing.md")]
+
+
+def test_testing_md_says_what_every_test_file_proves():
+    page = (ROOT / "docs" / "testing.md").read_text()
+    missing = [p.name for p in sorted((ROOT / "tests").glob("test_*.py"))
+               if f"`{p.name}`" not in page]
+    assert not missing, f"docs/testing.md does not name {missing}"
+
+
+def test_the_site_builds_without_a_warning(tmp_path):
+    """mkdocs --strict over mkdocs.yml: a broken link or anchor between pages, a page left out
+    of the nav, or a docstring the API reference cannot render fails the build."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q",
+                          "-f", str(ROOT / "mkdocs.yml"), "-d", str(tmp_path / "site")],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert (tmp_path / "site" / "reference" / "api" / "index.html").exists()
+    api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
+    import zero_jax
+
+    page = (ROOT / "docs" / "reference" / "api.md").read_text()
+    missing = [n for n in zero_jax.__all__
+               if f'id="zero_jax.{n}"' not in api and f"`zero_jax.{n}`" not in page]
+    assert not missing, f"the API reference lacks {missing}"
+
+
+def test_design_md_maps_every_module():
+    page = (ROOT / "docs" / "design.md").read_text()
+    missing = [p.name for p in sorted((ROOT / "zero_jax").glob("*.py"))
+               if f"`{p.name}`" not in page]
+    assert not missing, f"docs/design.md's module map lacks {missing}"
