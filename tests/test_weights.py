@@ -181,6 +181,91 @@ def test_train_py_init_from_and_export_round_trip(gpt2, tmp_path):
         np.testing.assert_array_equal(back[p.replace("/", ".")], np.asarray(v))
 
 
+def _reference_set(params, mapping, out: pathlib.Path) -> None:
+    """The offline writer's files of ``params`` gathered (``write_set`` of ``export_arrays``,
+    the tensor-by-tensor stream), with save_safetensors' metadata."""
+    from zero_jax.tensorfiles import write_set
+    from zero_jax.weights import export_arrays, export_specs
+
+    flat = {zj.rules.path_str(p): np.asarray(v)
+            for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    specs = export_specs(mapping, {p: v.shape for p, v in flat.items()}, np.float32)
+    out.mkdir()
+    write_set(out, [s for s, *_ in specs], export_arrays(mapping, specs, flat.__getitem__),
+              metadata={"format": "pt", "step": "3"})
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_in_run_save_writes_the_exports_bytes_from_the_shards(gpt2, tmp_path, tp):
+    """Stage 3 (x tensor parallel 2) on 8 devices, the state's parameters saved by the loop
+    hook straight from their shards as a Hugging Face directory: the file is byte for byte
+    what the offline writer makes of the gathered parameters (and, at stage 3, what
+    ``python -m zero_jax.gpt.hf`` exports from a checkpoint of the same state), every byte
+    written once, and transformers loads it with zero_jax's logits."""
+    from zero_jax.safetensors_writer import SafetensorsSaver
+
+    section = hf.read_config(gpt2["one"])
+    plan = plan_for(gpt2["model"], 3, tp)
+    state = zj.init_state(plan, load_params(plan, *hf.weights_source(gpt2["one"])),
+                          optax.sgd(0.1))
+    mapping = hf.mapping(section)
+    out = tmp_path / "hf"
+    saver = SafetensorsSaver(out, every=0, last=3, mapping=mapping,
+                             extra=lambda d: hf.write_config(d, section, "float32"))
+    saver(2, state, {}, {})
+    assert not out.exists()
+    saver(3, state, {}, {})
+    _reference_set(state.params, mapping, tmp_path / "ref")
+    ours = (out / "model.safetensors").read_bytes()
+    assert ours == (tmp_path / "ref" / "model.safetensors").read_bytes()
+    if tp == 1:
+        ckpts = zj.Checkpoints(tmp_path / "ckpt")
+        ckpts.save(state._replace(step=jax.numpy.asarray(3)), {"config": {"model": section}})
+        ckpts.finish()
+        ckpts.close()
+        assert hf.main([str(tmp_path / "ckpt"), str(tmp_path / "exported")]) == 0
+        assert ours == (tmp_path / "exported" / "model.safetensors").read_bytes()
+    logits = np.asarray(gpt2["model"].apply({"params": state.params}, TOKENS[:, :-1]))
+    assert rel(torch_logits(out), logits) < 1e-5
+
+
+def test_in_run_save_in_shards_and_bf16_replaces_the_last_save(gpt2, tmp_path):
+    """With max_shard_bytes and bf16, from arrays cut along inner axes (stage 3 x tensor
+    parallel 2): the shards and index the offline writer makes, read back by the safetensors
+    client; a second save replaces the first whole."""
+    from zero_jax.tensorfiles import write_set
+    from zero_jax.weights import export_arrays, export_specs
+
+    plan = plan_for(gpt2["model"], 3, 2)
+    params = load_params(plan, *hf.weights_source(gpt2["one"]))
+    mapping = hf.mapping(hf.read_config(gpt2["one"]))
+    zj.save_safetensors(jax.tree.map(lambda x: x * 0, params), tmp_path / "out", mapping)
+    saved = zj.save_safetensors(params, tmp_path / "out", mapping, "bfloat16", 20_000)
+    assert saved.bytes_written == sum(s.nbytes for s in saved_specs(params, mapping, "bfloat16"))
+    flat = {zj.rules.path_str(p): np.asarray(v)
+            for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    specs = export_specs(mapping, {p: v.shape for p, v in flat.items()}, "bfloat16")
+    (tmp_path / "ref").mkdir()
+    files = write_set(tmp_path / "ref", [s for s, *_ in specs], export_arrays(
+        mapping, specs, flat.__getitem__), 20_000)
+    assert len(files) >= 4 and sorted(f.name for f in saved.files) == sorted(
+        f.name for f in files)
+    for f in files:
+        assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
+    back = TensorFiles(tmp_path / "out")
+    np.testing.assert_array_equal(back.view("transformer.wte.weight"),
+                                  flat["wte"].astype(jax.numpy.bfloat16))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "ref"]
+
+
+def saved_specs(params, mapping, dtype) -> list:
+    from zero_jax.weights import export_specs
+
+    shapes = {zj.rules.path_str(p): v.shape
+              for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    return [s for s, *_ in export_specs(mapping, shapes, dtype)]
+
+
 # Bad input -------------------------------------------------------------------------------------
 
 

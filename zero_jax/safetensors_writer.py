@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from zero_jax.loop import Hook
 from zero_jax.rules import path_str
 from zero_jax.tensorfiles import INDEX, Spec, WeightsError, header, index, plan_files, shard_names
 from zero_jax.weights import Mapping, Tensor, by_path, export_specs
@@ -215,3 +216,33 @@ def _barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(f"zero_jax save_safetensors {name}")
+
+
+def _trained(state) -> PyTree:
+    """The parameters to hand on: the fp32 master when the run keeps one."""
+    return state.master if state.master is not None else state.params
+
+
+class SafetensorsSaver(Hook):
+    """A hook: the parameters as safetensors in ``directory`` every ``every`` steps, at step
+    ``last`` and on a stop signal (``stop``, a ``Preemption``), not while the divergence
+    guard (``guard``) is in a streak of bad steps; each save replaces the one before once it
+    is complete. ``params(state)`` picks what to write (default: the fp32 master if kept, else
+    the parameters; with the NVMe tier, the state read back); ``options`` are
+    ``save_safetensors``'s (``mapping``, ``dtype``, ``max_shard_bytes``, ``extra``).
+    Synchronous: every process writes its own shards, then training goes on."""
+
+    def __init__(self, directory: str | os.PathLike, every: int, last: int, stop: Any = None,
+                 guard: Any = None, params: Callable[[Any], PyTree] = _trained, **options):
+        self.directory, self.every, self.last, self.stop = directory, every, last, stop
+        self.guard, self.params, self.options = guard, params, options
+        self.saved: int | None = None  # the step in ``directory``
+
+    def __call__(self, n: int, state, m: dict, record: dict) -> None:
+        due = (self.every and n % self.every == 0) or n == self.last or (
+            self.stop is not None and self.stop.signum)
+        if due and self.saved != n and (self.guard is None or self.guard.bad_from is None):
+            metadata = {"format": "pt", "step": str(n)}
+            save_safetensors(self.params(state), self.directory, metadata=metadata,
+                             **self.options)
+            self.saved = n
