@@ -580,9 +580,11 @@ def test_train_py_fine_tunes_a_llama_and_exports_it(llama_dir, gpt2, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_each_read_half_the_file_at_stage_3(gpt2, tmp_path):
+def test_two_processes_each_read_and_write_half_the_file_at_stage_3(gpt2, tmp_path):
     """2 processes x 4 devices (zero_jax.launch) read the directory at stage 3: each reads
-    exactly half of the tensors' bytes, and every shard it holds is its slice of the file."""
+    exactly half of the tensors' bytes, and every shard it holds is its slice of the file;
+    saved back (save_safetensors), each writes exactly half, and the file is byte for byte the
+    one a single process of 8 devices saves."""
     from conftest import SUBPROCESS_ENV
 
     from zero_jax.launch import spawn, wait
@@ -596,6 +598,13 @@ def test_two_processes_each_read_half_the_file_at_stage_3(gpt2, tmp_path):
     for run in runs:
         assert run["local_devices"] == 4 and run["equal"], run
         assert run["bytes_read"] == run["tensor_bytes"] // 2, run
+        assert run["bytes_written"] == run["tensor_bytes"] // 2, run
+    plan = plan_for(gpt2["model"], 3)
+    files, mapping = hf.weights_source(gpt2["one"])
+    one = zj.save_safetensors(load_params(plan, files, mapping), tmp_path / "one", mapping)
+    assert one.bytes_written == runs[0]["tensor_bytes"]
+    assert (tmp_path / "saved" / "model.safetensors").read_bytes() == \
+        (tmp_path / "one" / "model.safetensors").read_bytes()
 
 
 def test_a_corrupted_checkpoint_exports_nothing(tmp_path, capsys):
