@@ -513,6 +513,35 @@ def llama_dir(tmp_path_factory) -> pathlib.Path:
     return path
 
 
+LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does not compute
+    "rope_scaling": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    "rope_parameters.rope_type": {"rope_parameters": {"rope_type": "llama3", "factor": 8.0,
+                                                      "rope_theta": 10000.0}},
+    "tie_word_embeddings": {"tie_word_embeddings": True},
+    "attention_bias": {"attention_bias": True},
+}
+
+
+@pytest.mark.parametrize("key", LLAMA_NOT_COMPUTED)
+def test_a_llama_asking_for_what_the_model_lacks_is_refused_naming_the_key(
+        llama_dir, gpt2, tmp_path, key, capsys):
+    """train.py --init-from a Llama whose config.json asks for rope scaling, a tied head or
+    attention biases: one line naming the key, exit code 2, nothing written."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(llama_dir, bad)
+    _config(bad, **LLAMA_NOT_COMPUTED[key])
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    code = train_py.main(["--init-from", str(bad), "--steps", "1", "--data",
+                          str(gpt2["tokens"]), "--checkpoint-dir", str(ckpt), "--metrics",
+                          str(metrics)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert f"has {key} " in err[0] and ": pass a model" in err[0], err
+    assert not ckpt.exists() and not metrics.exists()
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(llama_dir, tmp_path, tp):
     """Read at stage 3 (x tensor parallel 2) through the Llama mapping (transposes, head
