@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from zero_jax.loop import Hook
+from zero_jax.loop import Hook, OutputError
 from zero_jax.rules import path_str
 from zero_jax.tensorfiles import INDEX, Spec, WeightsError, header, index, plan_files, shard_names
 from zero_jax.weights import Mapping, Tensor, by_path, export_specs
@@ -230,7 +230,8 @@ class SafetensorsSaver(Hook):
     is complete. ``params(state)`` picks what to write (default: the fp32 master if kept, else
     the parameters; with the NVMe tier, the state read back); ``options`` are
     ``save_safetensors``'s (``mapping``, ``dtype``, ``max_shard_bytes``, ``extra``).
-    Synchronous: every process writes its own shards, then training goes on."""
+    Called by every process (the save has barriers), synchronous; a write that fails raises
+    ``OutputError``."""
 
     def __init__(self, directory: str | os.PathLike, every: int, last: int, stop: Any = None,
                  guard: Any = None, params: Callable[[Any], PyTree] = _trained, **options):
@@ -243,6 +244,9 @@ class SafetensorsSaver(Hook):
             self.stop is not None and self.stop.signum)
         if due and self.saved != n and (self.guard is None or self.guard.bad_from is None):
             metadata = {"format": "pt", "step": str(n)}
-            save_safetensors(self.params(state), self.directory, metadata=metadata,
-                             **self.options)
+            try:
+                save_safetensors(self.params(state), self.directory, metadata=metadata,
+                                 **self.options)
+            except OSError as e:  # a full disk, say: the loop's outputs fail this way
+                raise OutputError("safetensors directory", str(self.directory), e) from None
             self.saved = n
