@@ -1,10 +1,11 @@
-"""One process of 2 x 4 devices reading a GPT-2 directory at stage 3, run under
-``zero_jax.launch`` by tests/test_weights.py:
+"""One process of 2 x 4 devices reading a GPT-2 directory at stage 3 and saving it back,
+run under ``zero_jax.launch`` by tests/test_weights.py:
 
     python tests/weights_process.py GPT2_DIR OUT_DIR
 
 Writes ``OUT_DIR/process-<i>.json``: the bytes this process read of the files, their tensors'
-bytes, and whether every shard it holds equals that slice read on its own.
+bytes, whether every shard it holds equals that slice read on its own, and the bytes it wrote
+of ``OUT_DIR/saved`` (``save_safetensors`` of the loaded parameters, every process its own).
 """
 
 import json
@@ -36,6 +37,8 @@ equal = all(
         own, shard.index, x.dtype))
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
     for shard in x.addressable_shards)
+saved = zj.save_safetensors(params, out / "saved", mapping)
 (out / f"process-{jax.process_index()}.json").write_text(json.dumps({
     "bytes_read": files.bytes_read, "tensor_bytes": sum(i.nbytes for i in files.tensors.values()),
-    "local_devices": jax.local_device_count(), "equal": equal}))
+    "local_devices": jax.local_device_count(), "equal": equal,
+    "bytes_written": saved.bytes_written}))

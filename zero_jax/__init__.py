@@ -9,6 +9,7 @@ The public API, in the order a training loop uses it::
     state = init_state(plan, init_params, tx, key)   # born sharded
     # or from pretrained safetensors, read into the shards: init_state(plan, params, tx)
     params = load_params(plan, "model.safetensors", mapping)
+    save_safetensors(state.params, "out", mapping)   # each process writes its own shards
     step = make_train_step(plan, loss_fn, tx)        # jitted, state donated
     state, metrics = step(state, batch)
     ckpts = Checkpoints(directory); ckpts.save(state, meta); ckpts.restore(abstract_state(...))
@@ -23,6 +24,7 @@ from zero_jax.offload import Nvme, Offload
 from zero_jax.partitioning import tensor_parallel_rules
 from zero_jax.precision import Precision
 from zero_jax.rules import STAGES, Plan, Rule, make_plan, modules_pattern
+from zero_jax.safetensors_writer import save_safetensors
 from zero_jax.state import TrainState, abstract_state, init_state, state_shardings, state_specs
 from zero_jax.step import TrainStep, make_train_step
 from zero_jax.weights import load_params
@@ -32,5 +34,5 @@ keep_remat_barriers()  # before jax starts its backend, if it has not yet
 __all__ = ["STAGES", "Checkpoints", "Comm", "Layers", "Nvme", "Offload", "Plan", "Precision",
            "Rule", "TrainState", "TrainStep", "Weighted", "abstract_state", "device_key",
            "init_state", "load_params", "make_grad_fn", "make_mesh", "make_plan",
-           "make_train_step", "modules_pattern", "nnx_merge", "remat_policy",
+           "make_train_step", "modules_pattern", "nnx_merge", "remat_policy", "save_safetensors",
            "simulate_cpu_devices", "state_shardings", "state_specs", "tensor_parallel_rules"]

@@ -11,7 +11,7 @@ and the shapes are read from the checkpoint itself. Reading it needs orbax, not 
     params = orbax.checkpoint.StandardCheckpointer().restore(f"{OUT}/params")  # OUT absolute
 
 ``--format safetensors`` writes ``OUT/model.safetensors`` (or shards and their index), one
-tensor per parameter named by its path (``blocks.qkv.kernel``), streamed one parameter at a
+tensor per parameter named by its path (``blocks.qkv.kernel``), streamed one stored chunk at a
 time (``zero_jax/safetensors_export.py``); ``python -m zero_jax.gpt.hf`` writes the demo's
 models as a Hugging Face directory.
 """
@@ -33,7 +33,7 @@ def export(checkpoint_dir: str, out: str, step: int | None = None, dtype: str = 
            safetensors: dict | None = None) -> dict:
     """Write the consolidated parameters of ``step`` (default: latest); returns config.json.
     With ``safetensors`` (``zero_jax.safetensors_export.write``'s keyword arguments, ``{}``
-    for names by path), safetensors files instead, streamed one parameter at a time."""
+    for names by path), safetensors files instead, streamed one stored chunk at a time."""
     import jax
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
@@ -142,7 +142,7 @@ def _size(text: str) -> int:
 
 
 def _return_freed_memory() -> None:
-    """A streamed export frees each parameter before reading the next. glibc raises its mmap
+    """A streamed export frees each block before reading the next. glibc raises its mmap
     threshold to the largest block freed (up to 32 MiB), after which such blocks come from the
     heap, which a stream of them fragments (8 parameters of 16 MiB: 309 MB peak, 264 MB with
     the threshold fixed at 1 MiB): fixed, each buffer goes back to the system when dropped."""

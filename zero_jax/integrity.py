@@ -56,15 +56,25 @@ def digest(x: Any) -> tuple[str, bool]:
     return f"{x.dtype}:{total % 2**64:016x}", finite
 
 
-def host_digest(x: np.ndarray, chunk: int = 1 << 20) -> str:
-    """``digest`` of a whole numpy array in one process, ``chunk`` elements at a time: what it
-    allocates stays a few times the chunk, not a few times the array (uint64 per element)."""
-    rows = max(1, chunk // max(1, math.prod(x.shape[1:]))) if x.ndim else 1
+def block_sum(data: np.ndarray, index: tuple[slice, ...], shape: tuple[int, ...],
+              chunk: int = 1 << 16) -> int:
+    """Block ``index`` of an array of ``shape``'s part of its digest (mod 2**64): the parts of
+    blocks that tile the array add up to its digest, so a reader checks an array it reads one
+    block at a time. At most ``chunk`` elements at a time, cut along the outermost axes: what
+    it allocates stays a few times the chunk, not a few times the block (uint64 per element)."""
+    index = tuple(slice(*cut.indices(n)[:2]) for cut, n in zip(index, shape, strict=True))
+    if data.size <= chunk:
+        return _shard_sum(data, index, shape)
+    axis = next(a for a, n in enumerate(data.shape) if n > 1)
+    rows = max(1, chunk // math.prod(data.shape[axis + 1:]))
     total = 0
-    for start in range(0, x.shape[0] if x.ndim else 1, rows):
-        index = (slice(start, start + rows),) + (slice(None),) * (x.ndim - 1) if x.ndim else ()
-        total += _shard_sum(x[index], index, x.shape)
-    return f"{x.dtype}:{total % 2**64:016x}"
+    for start in range(0, data.shape[axis], rows):
+        stop = min(start + rows, data.shape[axis])
+        first = index[axis].start
+        cut = (*index[:axis], slice(first + start, first + stop), *index[axis + 1:])
+        total += block_sum(data[(slice(None),) * axis + (slice(start, stop),)], cut, shape,
+                           chunk)
+    return total % 2**64
 
 
 def _local(x: Any) -> tuple[int, bool]:

@@ -187,21 +187,27 @@ def plan_files(specs: list[Spec], max_shard_bytes: int | None) -> list[list[Spec
     return groups
 
 
+def header(specs: list[Spec], metadata: dict[str, str] | None = None) -> bytes:
+    """A file's header for ``specs``' tensors in order (its 8-byte length included): computed
+    from the shapes alone, so every process of a run computes the same one."""
+    entries, offset = {}, 0
+    if metadata:
+        entries["__metadata__"] = metadata
+    for s in specs:
+        entries[s.name] = {"dtype": NAMES[np.dtype(s.dtype)], "shape": list(s.shape),
+                           "data_offsets": [offset, offset + s.nbytes]}
+        offset += s.nbytes
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data 8-byte aligned, as the reference writer pads
+    return struct.pack("<Q", len(raw)) + raw
+
+
 def write_file(file: pathlib.Path, specs: list[Spec], arrays: Iterable[np.ndarray],
                metadata: dict[str, str] | None = None) -> None:
     """Write ``specs``' tensors, one array at a time from ``arrays`` (in the same order), so
     that only one tensor is in memory while the file is written."""
-    header, offset = {}, 0
-    if metadata:
-        header["__metadata__"] = metadata
-    for s in specs:
-        header[s.name] = {"dtype": NAMES[np.dtype(s.dtype)], "shape": list(s.shape),
-                          "data_offsets": [offset, offset + s.nbytes]}
-        offset += s.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data 8-byte aligned, as the reference writer pads
     with open(file, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.write(header(specs, metadata))
         for s, x in zip(specs, arrays, strict=True):
             x = np.ascontiguousarray(x, dtype=s.dtype)
             if x.shape != tuple(s.shape):
@@ -210,19 +216,30 @@ def write_file(file: pathlib.Path, specs: list[Spec], arrays: Iterable[np.ndarra
             x = None  # not held while the next is made
 
 
+def shard_names(count: int) -> list[str]:
+    """The files of a set of ``count``, as Hugging Face names them."""
+    if count == 1:
+        return [SINGLE]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def index(names: list[str], groups: list[list[Spec]]) -> str:
+    """``model.safetensors.index.json`` of a set of several files."""
+    return json.dumps({"metadata": {"total_size": sum(s.nbytes for g in groups for s in g)},
+                       "weight_map": {s.name: n for n, g in zip(names, groups, strict=True)
+                                      for s in g}}, indent=2)
+
+
 def write_set(out: pathlib.Path, specs: list[Spec], arrays: Iterator[np.ndarray],
               max_shard_bytes: int | None = None, metadata: dict[str, str] | None = None
               ) -> list[pathlib.Path]:
     """``out/model.safetensors``, or with ``max_shard_bytes`` as many files as that takes
     (``model-00001-of-00003.safetensors``, ...) and their index. Returns the files."""
     groups = plan_files(specs, max_shard_bytes)
-    if len(groups) == 1:
-        write_file(out / SINGLE, specs, arrays, metadata)
-        return [out / SINGLE]
-    names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    names = shard_names(len(groups))
     for name, group in zip(names, groups, strict=True):
         write_file(out / name, group, (next(arrays) for _ in group), metadata)
-    index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
-             "weight_map": {s.name: n for n, g in zip(names, groups, strict=True) for s in g}}
-    (out / INDEX).write_text(json.dumps(index, indent=2))
+    if len(groups) == 1:
+        return [out / SINGLE]
+    (out / INDEX).write_text(index(names, groups))
     return [out / n for n in names] + [out / INDEX]

@@ -125,10 +125,15 @@ def read_config(directory: str | os.PathLike) -> dict:
                            "Llama directory") from None
     for key, want in HF_FIXED.items():
         if hf.get(key, want) != want:
-            raise WeightsError(f"{path} has {key} {hf[key]!r}; this model computes {want!r}")
+            raise WeightsError(f"{path} has {key} {hf[key]!r}; this demo's Llama computes "
+                               f"{want!r} only: pass a model with {key} {want!r}")
     rope_params = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0)}
-    if rope_params.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
-        raise WeightsError(f"{path} scales its rotary positions; this model does not")
+    scaled = [f"rope_parameters.rope_type {rope_params['rope_type']!r}"] if rope_params.get(
+        "rope_type", "default") != "default" else []
+    scaled += [f"rope_scaling {hf['rope_scaling']!r}"] if hf.get("rope_scaling") else []
+    if scaled:
+        raise WeightsError(f"{path} has {scaled[0]}; this demo's Llama computes unscaled "
+                           "rotary positions only: pass a model without rope scaling")
     try:
         model = {ours: hf[theirs] for theirs, ours in HF_KEYS.items()}
     except KeyError as e:
