@@ -481,6 +481,8 @@ BIG = 100000000000000000000  # 1e20, as an integer
 # (id, train.py arguments, fault on the work dir {w}, phrase): the inputs that once ended in
 # a traceback, a hang or a run on the wrong thing.
 INPUTS = [
+    ("safetensors in checkpoints", ["--save-safetensors", "{w}/ckpt/hf"], None,
+     "--save-safetensors {w}/ckpt/hf is inside --checkpoint-dir"),
     ("ds micro batch 0", DS, write("ds.json", '{"train_batch_size": 32, '
                                    '"train_micro_batch_size_per_gpu": 0}'),
      "--deepspeed-config {w}/ds.json: train_micro_batch_size_per_gpu must be a whole number of "

@@ -145,12 +145,14 @@ def test_fine_tuning_loaded_weights_equals_one_device_optax(gpt2, name):
 def test_train_py_init_from_and_export_round_trip(gpt2, tmp_path):
     """train.py --init-from the directory: its first loss is transformers' on that batch; two
     SGD steps; the export (sharded, with an index) loads in transformers with zero_jax's
-    logits of the trained checkpoint; and the plain safetensors export reads back in the
+    logits of the trained checkpoint, and so does the run's own --save-safetensors directory,
+    tensor for tensor the export's; and the plain safetensors export reads back in the
     safetensors client as the checkpoint's parameters."""
-    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    ckpt, metrics, live = tmp_path / "ckpt", tmp_path / "metrics.jsonl", tmp_path / "live"
     run = subprocess.run([sys.executable, "train.py", "--init-from", str(gpt2["sharded"]),
                           "--steps", "2", "--data", str(gpt2["tokens"]), "--checkpoint-dir",
                           str(ckpt), "--save-every", "2", "--metrics", str(metrics),
+                          "--save-safetensors", str(live),
                           "--set", "optimizer.name=sgd", "--set", "train.batch_size=8"],
                          cwd=ROOT, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
@@ -170,6 +172,13 @@ def test_train_py_init_from_and_export_round_trip(gpt2, tmp_path):
     ours = np.asarray(gpt2["model"].apply({"params": trained}, TOKENS[:, :-1]))
     theirs = torch_logits(out)
     assert rel(theirs, ours) < 1e-5 and rel(ours, gpt2["logits"]) > 1e-3
+    exported = {k: v for f in out.glob("model-*.safetensors")
+                for k, v in safetensors.numpy.load_file(f).items()}
+    saved = safetensors.numpy.load_file(live / "model.safetensors")
+    assert saved.keys() == exported.keys()
+    for k, v in saved.items():
+        np.testing.assert_array_equal(v, exported[k])
+    assert rel(torch_logits(live), ours) < 1e-5
 
     from zero_jax import export
 

@@ -102,6 +102,10 @@ def add_checkpoints(p: argparse.ArgumentParser) -> None:
     ckpt.add_argument("--save-every", type=int, metavar="N",
                       help="also save every N steps (default: only at the end)")
     ckpt.add_argument("--keep", type=int, metavar="K", help="keep the last K (default 3)")
+    ckpt.add_argument("--save-safetensors", metavar="DIR", help="at each --save-every and at "
+                      "the end, DIR holds the latest parameters as a Hugging Face directory "
+                      "(config.json, model.safetensors), each process writing its own shards "
+                      "(docs/guides/weights.md)")
     ckpt.add_argument("--resume", action="store_true", help="continue from the latest "
                       "complete checkpoint in --checkpoint-dir, on any stage and device "
                       "count; --steps is the total to reach")
@@ -249,6 +253,16 @@ def check_args(args: argparse.Namespace) -> str | None:
     for flag, path in [("--metrics", args.metrics), ("--report", args.report)]:
         if path and (problem := unwritable(path)):
             return f"{flag} {path} {problem}"
+    if (out := args.save_safetensors) is not None:
+        if not out.strip():
+            return f"--save-safetensors {out!r} names nothing: pass a directory"
+        if problem := unwritable_dir(out):
+            return f"--save-safetensors {out} {problem}"
+        ckpt = args.checkpoint_dir and os.path.realpath(args.checkpoint_dir)
+        if ckpt and (os.path.realpath(out) == ckpt or ckpt in map(
+                str, pathlib.Path(os.path.realpath(out)).parents)):
+            return (f"--save-safetensors {out} is inside --checkpoint-dir "
+                    f"{args.checkpoint_dir}: pass a directory outside it")
     args.save_every = 0 if args.save_every is None else args.save_every
     args.keep = 3 if args.keep is None else args.keep
     return None

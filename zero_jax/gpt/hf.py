@@ -125,6 +125,22 @@ def write_config(directory: pathlib.Path, model: dict, dtype: str) -> None:
     (directory / CONFIG).write_text(json.dumps(hf, indent=2))
 
 
+def saver(directory: str, step, model: dict, every: int, last: int, stop, guard):
+    """The in-run save (``train.py --save-safetensors``): ``directory`` holds the latest
+    trained parameters (the fp32 master where there is one) as a Hugging Face directory, each
+    process writing its own shards' bytes (``zero_jax.save_safetensors``); ``step`` (a
+    ``TrainStep``) gives the whole state, read back from the NVMe tier's files if need be."""
+    from zero_jax.safetensors_writer import SafetensorsSaver
+
+    def trained(state):
+        whole = step.whole(state)
+        return whole.params if whole.master is None else whole.master
+
+    return SafetensorsSaver(directory, every, last, stop, guard, params=trained,
+                            mapping=mapping(model),
+                            extra=lambda d: write_config(pathlib.Path(d), model, "float32"))
+
+
 def export(checkpoint_dir: str, out: str, step: int | None = None, dtype: str = "fp32",
            max_shard_bytes: int | None = None) -> dict:
     """A demo checkpoint as a Hugging Face GPT-2 or Llama directory: config.json (from the

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from zero_jax import distributed, fit, nvme, report, supervise
 from zero_jax.checkpoint import CheckpointError, quiet_background_errors
 from zero_jax.gpt import config as configs
-from zero_jax.gpt import data, reports, resume, summary
+from zero_jax.gpt import data, hf, reports, resume, summary
 from zero_jax.gpt.cli import (
     build,
     check_args,
@@ -165,7 +165,11 @@ def train(exp, cfg: dict, args: argparse.Namespace, start, stop, watchdog=None) 
         saver = Checkpointer(start.ckpts, args.save_every, t["steps"], stop, guard,
                              lambda n: resume.checkpoint_meta(exp, cfg, args, start.seed, n),
                              exp.step.whole, bar.write)
+    if args.save_safetensors:  # every process writes its shards: not one of outputs()
+        saver_st = hf.saver(args.save_safetensors, exp.step, cfg["model"], args.save_every,
+                            t["steps"], stop, guard)
     hooks = [*([Reached(watchdog)] if watchdog else []), tally, *([saver] if saver else []),
+             *([saver_st] if args.save_safetensors else []),
              *outputs(args, start, r, step, first, bar)]
     tick, done_steps = time.perf_counter(), first
     try:
