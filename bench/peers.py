@@ -224,7 +224,7 @@ def fsdp_param_specs(shapes: PyTree, mesh: Mesh) -> PyTree:
     """FSDP's cut on the data axes; with a ``model`` axis, also Megatron's (the demo's
     ``TENSOR_PARALLEL`` table), the data cut then on another dimension."""
     from zero_jax.gpt.model import LAYER_STACKS, TENSOR_PARALLEL
-    from zero_jax.rules import match_rules, path_str
+    from zero_jax.plan import match_rules, path_str
 
     t = mesh.shape.get("model", 1)
     n = mesh.size // t
@@ -247,7 +247,7 @@ def fsdp_param_specs(shapes: PyTree, mesh: Mesh) -> PyTree:
 def opt_state_specs(tx: optax.GradientTransformation, params: PyTree, specs: PyTree) -> PyTree:
     """Each optimizer-state leaf laid out as the parameter its path ends in (Adam's moments);
     anything else (step counts) whole."""
-    from zero_jax.rules import path_str
+    from zero_jax.plan import path_str
 
     by_path = {path_str(p): s for p, s in
                jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]}

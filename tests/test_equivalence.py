@@ -23,7 +23,7 @@ from zero_jax import (
     modules_pattern,
 )
 from zero_jax.hlo import collectives
-from zero_jax.rules import path_str
+from zero_jax.plan import path_str
 
 pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
 

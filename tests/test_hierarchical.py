@@ -16,8 +16,8 @@ import zero_jax as zj
 from zero_jax import report
 from zero_jax.checkpoint import Checkpoints
 from zero_jax.hlo import collectives
+from zero_jax.plan import modules_pattern, path_str
 from zero_jax.precision import Precision
-from zero_jax.rules import modules_pattern, path_str
 
 pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
 
@@ -89,7 +89,7 @@ def test_layouts_collectives_and_report(adamw, small):
     assert {c.kind for c in across} == {"reduce-scatter", "all-gather"}
     assert all(not c.in_loop and c.count == 1 for c in across)
     cut = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(
-        plan.leaves, is_leaf=lambda x: isinstance(x, zj.rules.Leaf)) if leaf.axis is not None)
+        plan.leaves, is_leaf=lambda x: isinstance(x, zj.plan.Leaf)) if leaf.axis is not None)
     assert r["comm_bytes_by_axes"]["replica"] == cut // 4 * (4 + 4)
     assert r["comm_bytes_theory_by_axes"]["replica"] == r["n_params"] // 4 * (4 + 4)
 

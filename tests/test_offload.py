@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from lm import LAYERS
 
 from zero_jax import Offload, make_plan, make_train_step
-from zero_jax.rules import path_str
+from zero_jax.plan import path_str
 from zero_jax.state import abstract_state, init_state
 
 pytestmark = pytest.mark.slow  # the tiers: docs/testing.md

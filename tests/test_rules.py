@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import zero_jax as zj
 from zero_jax.grads import GradStep, Route, normalize, reduce, routes
 from zero_jax.hlo import collectives
-from zero_jax.rules import find_blocks, leaf_rule, match_rules
+from zero_jax.plan import find_blocks, leaf_rule, match_rules
 
 F32 = jnp.float32
 # A scanned stack of 4 layers beside unrolled-looking and odd-shaped leaves.
@@ -147,7 +147,7 @@ def test_make_plan_applies_the_table(mesh):
                         rules=[zj.Rule("^wpe/", shard=False), zj.Rule("^wte/", frozen=True),
                                zj.Rule("", min_shard_elems=300)])
     leaves = {leaf.path: leaf for leaf in jax.tree.leaves(
-        plan.leaves, is_leaf=lambda x: isinstance(x, zj.rules.Leaf))}
+        plan.leaves, is_leaf=lambda x: isinstance(x, zj.plan.Leaf))}
     assert leaves["wpe/embedding"].axis is None and leaves["wpe/embedding"].reason == \
         "ignored_modules"
     assert leaves["wte/embedding"].frozen and leaves["wte/embedding"].axis == 0

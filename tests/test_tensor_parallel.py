@@ -28,7 +28,7 @@ from zero_jax.gpt.model import GPT, LAYERS, TENSOR_PARALLEL, Block, GPTConfig, i
 from zero_jax.hlo import collectives, copied_bytes, gathered_ahead, reduced_behind
 from zero_jax.mesh import MODEL
 from zero_jax.nvme import Nvme
-from zero_jax.rules import Leaf, path_str
+from zero_jax.plan import Leaf, path_str
 
 STEPS = 5
 # The GPT demo's own tensor-parallel rules (``TENSOR_PARALLEL``), on a small GPT whose

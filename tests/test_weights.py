@@ -103,7 +103,7 @@ def test_each_process_reads_about_half_the_file_at_stage_3(gpt2):
     flat = jax.tree_util.tree_flatten_with_path(plan.shapes)[0]
     shardings = jax.tree.leaves(plan.shardings(plan.opt_specs))
     for (path, want), sharding in zip(flat, shardings, strict=True):
-        src = sources[zj.rules.path_str(path)]
+        src = sources[zj.plan.path_str(path)]
         seen = set()
         for device, index in sharding.devices_indices_map(want.shape).items():
             key = tuple((s.start, s.stop) for s in index)
@@ -184,7 +184,7 @@ def test_train_py_init_from_and_export_round_trip(gpt2, tmp_path):
 
     assert export.main([str(ckpt), str(tmp_path / "st"), "--format", "safetensors"]) == 0
     back = safetensors.numpy.load_file(tmp_path / "st" / "model.safetensors")
-    flat = {zj.rules.path_str(p): v for p, v in jax.tree_util.tree_flatten_with_path(trained)[0]}
+    flat = {zj.plan.path_str(p): v for p, v in jax.tree_util.tree_flatten_with_path(trained)[0]}
     assert set(back) == {p.replace("/", ".") for p in flat}
     for p, v in flat.items():
         np.testing.assert_array_equal(back[p.replace("/", ".")], np.asarray(v))
@@ -196,7 +196,7 @@ def _reference_set(params, mapping, out: pathlib.Path) -> None:
     from zero_jax.tensorfiles import write_set
     from zero_jax.weights import export_arrays, export_specs
 
-    flat = {zj.rules.path_str(p): np.asarray(v)
+    flat = {zj.plan.path_str(p): np.asarray(v)
             for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
     specs = export_specs(mapping, {p: v.shape for p, v in flat.items()}, np.float32)
     out.mkdir()
@@ -251,7 +251,7 @@ def test_in_run_save_in_shards_and_bf16_replaces_the_last_save(gpt2, tmp_path):
     zj.save_safetensors(jax.tree.map(lambda x: x * 0, params), tmp_path / "out", mapping)
     saved = zj.save_safetensors(params, tmp_path / "out", mapping, "bfloat16", 20_000)
     assert saved.bytes_written == sum(s.nbytes for s in saved_specs(params, mapping, "bfloat16"))
-    flat = {zj.rules.path_str(p): np.asarray(v)
+    flat = {zj.plan.path_str(p): np.asarray(v)
             for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
     specs = export_specs(mapping, {p: v.shape for p, v in flat.items()}, "bfloat16")
     (tmp_path / "ref").mkdir()
@@ -270,7 +270,7 @@ def test_in_run_save_in_shards_and_bf16_replaces_the_last_save(gpt2, tmp_path):
 def saved_specs(params, mapping, dtype) -> list:
     from zero_jax.weights import export_specs
 
-    shapes = {zj.rules.path_str(p): v.shape
+    shapes = {zj.plan.path_str(p): v.shape
               for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
     return [s for s, *_ in export_specs(mapping, shapes, dtype)]
 
@@ -411,7 +411,7 @@ def test_the_guide_maps_fused_transposed_heads_and_back(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     ns: dict = {}
     exec(compile(example("docs/guides/weights.md", "weights-example"), "weights.md", "exec"), ns)
-    flat = {zj.rules.path_str(p): np.asarray(v)
+    flat = {zj.plan.path_str(p): np.asarray(v)
             for p, v in jax.tree_util.tree_flatten_with_path(ns["params"])[0]}
     specs = export_specs(ns["mapping"], {p: v.shape for p, v in flat.items()}, np.float32)
     back = {s.name: x for (s, *_), x in zip(specs, export_arrays(ns["mapping"], specs,
@@ -572,7 +572,7 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(llama_dir, tmp_p
     ours = np.asarray(model.apply({"params": params}, TOKENS[:, :-1]))
     assert rel(ours, theirs) < 1e-5, rel(ours, theirs)
 
-    flat = {zj.rules.path_str(p): np.asarray(v)
+    flat = {zj.plan.path_str(p): np.asarray(v)
             for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
     specs = export_specs(llama.mapping(cfg), {p: v.shape for p, v in flat.items()}, np.float32)
     out = tmp_path / "out"

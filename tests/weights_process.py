@@ -33,7 +33,7 @@ files, mapping = hf.weights_source(directory)
 params = zj.load_params(plan, files, mapping)
 own, sources = check(plan, *hf.weights_source(directory))  # a second reader, for the values
 equal = all(
-    np.array_equal(np.asarray(shard.data), sources[zj.rules.path_str(path)].read(
+    np.array_equal(np.asarray(shard.data), sources[zj.plan.path_str(path)].read(
         own, shard.index, x.dtype))
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
     for shard in x.addressable_shards)

@@ -22,8 +22,8 @@ from zero_jax.grads import Weighted, device_key, make_grad_fn
 from zero_jax.mesh import keep_remat_barriers, make_mesh, simulate_cpu_devices
 from zero_jax.offload import Nvme, Offload
 from zero_jax.partitioning import tensor_parallel_rules
+from zero_jax.plan import STAGES, Plan, Rule, make_plan, modules_pattern
 from zero_jax.precision import Precision
-from zero_jax.rules import STAGES, Plan, Rule, make_plan, modules_pattern
 from zero_jax.safetensors_writer import save_safetensors
 from zero_jax.state import TrainState, abstract_state, init_state, state_shardings, state_specs
 from zero_jax.step import TrainStep, make_train_step

@@ -26,7 +26,7 @@ from zero_jax import buckets, handoff, internals, prefetch
 from zero_jax.buckets import Comm
 from zero_jax.gather import Saved, per_block
 from zero_jax.offload import in_host_memory, on_host_leaves
-from zero_jax.rules import Leaf, Plan
+from zero_jax.plan import Leaf, Plan
 from zero_jax.shards import Shard, materialize_tree, per_model_rank
 from zero_jax.state import grads_in_host_memory, params_in_host_memory
 

@@ -45,7 +45,7 @@ from jax.extend import core as jex_core
 
 from zero_jax.lock import LockedError, WriterLock
 from zero_jax.offload import Nvme  # noqa: F401 (the policy, re-exported)
-from zero_jax.rules import Leaf, Plan
+from zero_jax.plan import Leaf, Plan
 
 PyTree = Any
 

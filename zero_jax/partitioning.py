@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax
 
 from zero_jax.mesh import MODEL
-from zero_jax.rules import Rule, path_str
+from zero_jax.plan import Rule, path_str
 
 
 def tensor_parallel_rules(boxed: Any, logical_rules: Sequence[tuple[str, Any]] | None = None

@@ -19,7 +19,7 @@ from zero_jax.distributed import processes_spanned
 from zero_jax.hlo import DTYPE_BYTES, collectives
 from zero_jax.mesh import MODEL
 from zero_jax.peak import compile_with_peak
-from zero_jax.rules import Plan, held_once, path_str
+from zero_jax.plan import Plan, held_once, path_str
 from zero_jax.state import abstract_state, grads_in_host_memory
 
 PyTree = Any

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from zero_jax.loop import Hook, OutputError
-from zero_jax.rules import path_str
+from zero_jax.plan import path_str
 from zero_jax.tensorfiles import INDEX, Spec, WeightsError, header, index, plan_files, shard_names
 from zero_jax.weights import Mapping, Tensor, by_path, export_specs
 

@@ -16,8 +16,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zero_jax.plan import Leaf, Plan, path_str
 from zero_jax.precision import LossScale
-from zero_jax.rules import Leaf, Plan, path_str
 
 PyTree = Any
 

@@ -23,8 +23,8 @@ from zero_jax import buckets
 from zero_jax.grads import make_grad_fn, put
 from zero_jax.nvme import Tier
 from zero_jax.offload import Owners, in_host_memory, on_host_leaves, split_update
+from zero_jax.plan import Leaf, Plan
 from zero_jax.precision import update_loss_scale
-from zero_jax.rules import Leaf, Plan
 from zero_jax.state import TrainState, abstract_state, params_in_host_memory, state_shardings
 
 PyTree = Any

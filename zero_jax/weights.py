@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from zero_jax.rules import Plan, path_str
+from zero_jax.plan import Plan, path_str
 from zero_jax.tensorfiles import Spec, TensorFiles, WeightsError
 
 PyTree = Any

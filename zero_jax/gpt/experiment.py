@@ -31,8 +31,8 @@ from zero_jax.gpt.model import build as build_model
 from zero_jax.gpt.optim import make_optimizer
 from zero_jax.mesh import make_mesh
 from zero_jax.offload import Nvme, Offload
+from zero_jax.plan import Plan, Rule, make_plan, modules_pattern, path_str, prefetchable
 from zero_jax.precision import LossScaleConfig, Precision, default_param_dtype
-from zero_jax.rules import Plan, Rule, make_plan, modules_pattern, path_str, prefetchable
 from zero_jax.step import make_train_step
 
 # Model keys added after checkpoints were written without them, with the value those were

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from zero_jax.gather import remat_policy
 from zero_jax.gpt.model import GPTConfig
-from zero_jax.rules import Rule
+from zero_jax.plan import Rule
 from zero_jax.tensorfiles import WeightsError
 from zero_jax.weights import Mapping, Tensor
 

@@ -16,7 +16,7 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 
 from zero_jax.gather import BLOCK_INPUT, remat_policy
-from zero_jax.rules import Rule, modules_pattern
+from zero_jax.plan import Rule, modules_pattern
 
 LN_EPS = 1e-5  # GPT-2's layer-norm epsilon (and nn.gelu's tanh approximation is its GELU)
 LAYER_STACKS = ("blocks",)  # this model's modules under nn.scan

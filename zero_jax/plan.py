@@ -308,11 +308,29 @@ class Plan:
     # within a group only; gradients and optimizer state over both axes.
     outer: str | None = None
     offload: Offload = Offload()  # what lives in host memory (zero_jax.offload)
-    remat: str = "full"  # the policy of the blocks stage 3 rematerializes (gather.remat_policy)
     comm: Comm = Comm()  # buckets and int8 collectives (zero_jax.buckets)
-    partition_activations: bool = False  # ZeRO-R's Pa: blocks' saved inputs cut over model
-    tile_bytes: int = 0  # memory-centric tiling's bound on what a block gathers; 0: none
-    gather: str = "block"  # what stage 3 gathers together: each block, or each module in it
+    layers: Layers | None = None  # the blocks and how they run (zero_jax.gather), as given
+
+    # What the blocks' policy says, read where it is held (none named: its defaults).
+    @property
+    def remat(self) -> str:
+        """The policy of the blocks stage 3 rematerializes (``gather.remat_policy``)."""
+        return self.layers.remat if self.layers else "full"
+
+    @property
+    def partition_activations(self) -> bool:
+        """ZeRO-R's Pa: the blocks' saved inputs cut over ``model``."""
+        return bool(self.layers and self.layers.partition)
+
+    @property
+    def tile_bytes(self) -> int:
+        """Memory-centric tiling's bound on what a block gathers whole; 0: none."""
+        return self.layers.tile_bytes if self.layers else 0
+
+    @property
+    def gather(self) -> str:
+        """What stage 3 gathers together: each ``block``, or each ``module`` in it."""
+        return self.layers.gather if self.layers else "block"
 
     @property
     def data_axes(self) -> tuple[str, ...]:
@@ -561,10 +579,8 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *,
         leaf, offload=leaf.path in host), bound, precision.compute.itemsize), leaves,
         is_leaf=_is_leaf)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_shape)
-    return _warned(Plan(stage, mesh, axis, leaves, shapes, precision, outer, offload,
-                        layers.remat if layers else "full", comm,
-                        bool(layers and layers.partition), bound,
-                        layers.gather if layers else "block"))
+    return _warned(Plan(stage, mesh, axis, leaves, shapes, precision, outer, offload, comm,
+                        layers))
 
 
 def held_once(plan: Plan) -> list[str]:
