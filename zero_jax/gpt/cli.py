@@ -247,24 +247,32 @@ def check_args(args: argparse.Namespace) -> str | None:
                     "--checkpoint-dir DIR: without it nothing is saved or read")
     if args.resume and args.overwrite:
         return "--resume continues the checkpoints that --overwrite would delete: pass one"
+    if problem := check_outputs(args):
+        return problem
+    args.save_every = 0 if args.save_every is None else args.save_every
+    args.keep = 3 if args.keep is None else args.keep
+    return None
+
+
+def check_outputs(args: argparse.Namespace) -> str | None:
+    """--metrics, --report and --save-safetensors: writable, and not over each other."""
     if args.metrics and args.report and same_file(args.metrics, args.report):
         return (f"--metrics and --report both name {args.metrics}: each would overwrite the "
                 "other; pass two files")
     for flag, path in [("--metrics", args.metrics), ("--report", args.report)]:
         if path and (problem := unwritable(path)):
             return f"{flag} {path} {problem}"
-    if (out := args.save_safetensors) is not None:
-        if not out.strip():
-            return f"--save-safetensors {out!r} names nothing: pass a directory"
-        if problem := unwritable_dir(out):
-            return f"--save-safetensors {out} {problem}"
-        ckpt = args.checkpoint_dir and os.path.realpath(args.checkpoint_dir)
-        if ckpt and (os.path.realpath(out) == ckpt or ckpt in map(
-                str, pathlib.Path(os.path.realpath(out)).parents)):
-            return (f"--save-safetensors {out} is inside --checkpoint-dir "
-                    f"{args.checkpoint_dir}: pass a directory outside it")
-    args.save_every = 0 if args.save_every is None else args.save_every
-    args.keep = 3 if args.keep is None else args.keep
+    if (out := args.save_safetensors) is None:
+        return None
+    if not out.strip():
+        return f"--save-safetensors {out!r} names nothing: pass a directory"
+    if problem := unwritable_dir(out):
+        return f"--save-safetensors {out} {problem}"
+    ckpt = args.checkpoint_dir and os.path.realpath(args.checkpoint_dir)
+    if ckpt and (os.path.realpath(out) == ckpt or ckpt in map(
+            str, pathlib.Path(os.path.realpath(out)).parents)):
+        return (f"--save-safetensors {out} is inside --checkpoint-dir {args.checkpoint_dir}: "
+                "pass a directory outside it")
     return None
 
 
