@@ -1,5 +1,6 @@
 """A built wheel holds the library, the GPT demo and its configs: installed without the clone
-(not editable), ``train.py`` trains from another directory."""
+(not editable), its ``zero-jax-train`` command trains from another directory, and
+``train.py`` there is the same command line."""
 
 import pathlib
 import shutil
@@ -46,10 +47,14 @@ def test_a_built_wheel_trains_outside_the_clone(tmp_path):
     assert where.returncode == 0, where.stderr
     module, config = where.stdout.split()
     assert module.startswith(str(site)) and config.startswith(str(site))
-    run = subprocess.run([sys.executable, "train.py", "--stage", "3", "--steps", "5"],
+    # The installed command (``[project.scripts]``) trains; the script is the same CLI.
+    run = subprocess.run([str(site / "bin" / "zero-jax-train"), "--stage", "3", "--steps", "5"],
                          cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "done: steps 1-5" in run.stdout and "(mean of last 5)" in run.stdout
+    script = subprocess.run([sys.executable, "train.py", "--help"], cwd=elsewhere, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert script.returncode == 0 and "--save-safetensors" in script.stdout, script.stderr
 
 
 def test_orbax_is_imported_when_a_checkpoint_opens(tmp_path):
