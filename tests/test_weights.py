@@ -57,8 +57,8 @@ def gpt2(tmp_path_factory) -> dict:
     tokens = root / "tokens.bin"
     np.random.default_rng(1).integers(0, 64, 4096).astype(np.uint16).tofile(tokens)
     return {"one": root / "one", "sharded": root / "sharded", "tokens": tokens,
-            "logits": torch_logits(root / "one"), "model": GPT(GPTConfig(
-                **hf.read_config(root / "one"), remat="none"))}
+            "logits": torch_logits(root / "one"), "model": GPT(GPTConfig(  # 64 padded to 128
+                **hf.read_config(root / "one"), remat="none", vocab_multiple=128))}
 
 
 def plan_for(model: GPT, stage: int, tp: int = 1) -> zj.Plan:
@@ -421,7 +421,7 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(llama_dir, tmp_p
 
     theirs = torch_logits_of(transformers.LlamaForCausalLM, llama_dir)
     section = llama.read_config(llama_dir)
-    cfg = GPTConfig(**section, remat="none")
+    cfg = GPTConfig(**section, remat="none", vocab_multiple=128)  # 64 padded to 128
     model = llama.Llama(cfg)
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), TOKENS[:1, :-1])["params"])
     mesh = zj.make_mesh(axes={"data": 8 // tp, **({"model": tp} if tp > 1 else {})})
@@ -470,7 +470,8 @@ def test_train_py_fine_tunes_a_llama_and_exports_it(llama_dir, gpt2, tmp_path):
     ckpts = zj.Checkpoints(ckpt, read_only=True)
     trained = ckpts.read_params()
     ckpts.close()
-    model = llama.Llama(GPTConfig(**llama.read_config(llama_dir), remat="none"))
+    model = llama.Llama(GPTConfig(**llama.read_config(llama_dir), remat="none",
+                                  vocab_multiple=128))
     ours = np.asarray(model.apply({"params": trained}, TOKENS[:, :-1]))
     theirs = torch_logits_of(transformers.LlamaForCausalLM, out)
     assert rel(theirs, ours) < 1e-5
