@@ -149,6 +149,7 @@ class _Source:
 
     row: Tensor
     names: list[list[str]]  # per layer, per fused part (prefixed)
+    shape: tuple[int, ...] = ()  # the parameter's, per layer
 
     def read(self, files: TensorFiles, index: tuple[slice, ...], dtype) -> np.ndarray:
         layers = range(len(self.names))[index[0]] if self.row.stacked else [0]
@@ -159,7 +160,7 @@ class _Source:
 
     def _layer(self, files: TensorFiles, names: list[str], index: tuple) -> np.ndarray:
         if self.row.pad:
-            return _read_padded(files, self.row, names[0], index)
+            return _read_padded(files, self.row, names[0], index, self.shape)
         if not self.row.fused:
             return files.read(self.row.view(files.view(names[0]))[index])
         ax = self.row.fuse_axis
@@ -168,14 +169,17 @@ class _Source:
                          for k in range(len(names))[index[ax]]], axis=ax)
 
 
-def _read_padded(files: TensorFiles, row: Tensor, name: str, index: tuple) -> np.ndarray:
-    """A shard of a padded parameter: the tensor's part of it, zeros past its end."""
+def _read_padded(files: TensorFiles, row: Tensor, name: str, index: tuple,
+                 shape: tuple[int, ...]) -> np.ndarray:
+    """A shard of a padded parameter (``shape`` per layer): the tensor's part of it, zeros
+    past its end."""
     axis, n = row.pad
-    want = index[axis]
-    inside = slice(min(want.start, n), min(want.stop, n))
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    start, stop, _ = index[axis].indices(shape[axis])
+    inside = slice(min(start, n), min(stop, n))
     out = files.read(row.view(files.view(name))[index[:axis] + (inside,) + index[axis + 1:]])
     width = [(0, 0)] * out.ndim
-    width[axis] = (0, want.stop - want.start - out.shape[axis])
+    width[axis] = (0, stop - start - out.shape[axis])
     return np.pad(out, width)
 
 
@@ -218,7 +222,7 @@ def _sources(files: TensorFiles, mapping: Mapping, shapes: PyTree) -> dict[str, 
                                    f"{path} is {np.dtype(want.dtype)}: pass floating-point "
                                    "weights")
             used.add(name)
-        out[path] = _Source(row, names)
+        out[path] = _Source(row, names, tuple(per))
     ignore = [re.compile(p) for p in mapping.ignore]
     for name, info in files.tensors.items():
         if name not in used and not any(p.search(name) for p in ignore):
