@@ -6,10 +6,11 @@ and the compiled step), so the costs here come from the scheduled HLO text itsel
 1. ``op_cost``: each instruction of the entry computation and of the loop bodies it runs, in
    schedule order, costs max(FLOPs / peak, bytes / HBM bandwidth). FLOPs: 2 x the result's
    elements x the contracted size of every dot (in fusions too: Triton GEMMs) and cuBLAS GEMM
-   custom call, and cuDNN's flash attention (``_attention_flops``); convolutions and elementwise work are not counted. Bytes: the operands and
-   result of each fusion, custom call or unfused op (a fusion's operand read only through
-   slices counts the slices; a buffer updated in place by a dynamic-update-slice counts the
-   update). No launch gaps, no caches.
+   custom call, and cuDNN's flash attention (``_attention_flops``); convolutions and
+   elementwise work are not counted. Bytes: the operands and result of each fusion, custom
+   call or unfused op (a fusion's operand read only through slices counts the slices; a
+   buffer updated in place by a dynamic-update-slice counts the update). No launch gaps, no
+   caches.
 2. ``comm_time``: a collective over a group of n devices moves its full-size payload (as
    ``zero_jax.hlo`` counts it) x (n-1)/n (all-reduce twice that; a permute all of it) over the
    link: NVLink when every device of the group is on one node, else the network per GPU.

@@ -18,6 +18,7 @@ from zero_jax.buckets import Comm
 from zero_jax.checkpoint import Checkpoints
 from zero_jax.gather import Layers, nnx_merge, remat_policy
 from zero_jax.grads import Weighted, device_key, make_grad_fn
+from zero_jax.losses import cross_entropy
 from zero_jax.mesh import keep_remat_barriers, make_mesh, simulate_cpu_devices
 from zero_jax.offload import Nvme, Offload
 from zero_jax.partitioning import tensor_parallel_rules
@@ -30,7 +31,8 @@ from zero_jax.weights import load_params
 keep_remat_barriers()  # before jax starts its backend, if it has not yet
 
 __all__ = ["STAGES", "Checkpoints", "Comm", "Layers", "Nvme", "Offload", "Plan", "Precision",
-           "Rule", "TrainState", "Weighted", "abstract_state", "device_key", "init_state",
+           "Rule", "TrainState", "Weighted", "abstract_state", "cross_entropy", "device_key",
+           "init_state",
            "load_params", "make_grad_fn", "make_mesh", "make_plan", "make_train_step",
            "modules_pattern", "nnx_merge", "remat_policy", "simulate_cpu_devices",
            "state_shardings", "state_specs", "tensor_parallel_rules"]
