@@ -63,12 +63,13 @@ def _forward(x: jax.Array, head: jax.Array, y: jax.Array, valid: int
     """Per chunk: each token's loss and log-sum-exp (all the backward keeps)."""
     def body(_, xs):
         xc, yc = xs
-        lse = jax.nn.logsumexp(_logits(xc, head, valid), axis=-1)
-        # the label's logit from its column of the head: the logits are not read again
-        # (rounded as the GEMM rounds it)
-        picked = jnp.einsum("cd,dc->c", xc, jnp.take(head, yc, axis=1),
-                            preferred_element_type=jnp.float32).astype(xc.dtype)
-        picked = picked.astype(jnp.float32)
+        logits = _logits(xc, head, valid)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        # the label's logit as a masked sum, a reduction over the vocabulary like the max
+        # beside it (one read of the logits; over a vocabulary cut by tensor parallelism a
+        # sum of scalars, where gathering the label's column of the head would move d each)
+        column = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+        picked = jnp.sum(jnp.where(column == yc[:, None], logits, 0.0), axis=-1)
         return None, (lse - picked, lse)
     _, (loss, lse) = jax.lax.scan(body, None, (x, y))
     return loss, lse
