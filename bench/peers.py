@@ -268,16 +268,17 @@ def opt_state_specs(tx: optax.GradientTransformation, params: PyTree, specs: PyT
 
 
 def activation_constraints(mesh: Mesh) -> Callable:
-    """A flax method interceptor pinning each block's input and output, and the logits, to
-    ``P(data, None, None)``: batch-sharded, as MaxText constrains its activations. The scanned
-    stack's ``Block`` and the unrolled ``HFBlock`` alike (the latter takes and returns x)."""
+    """A flax method interceptor pinning each block's input and output, and the last hidden
+    states (the loss's input) or the logits, to ``P(data, None, None)``: batch-sharded, as
+    MaxText constrains its activations. The scanned stack's ``Block`` and the unrolled
+    ``HFBlock`` alike (the latter takes and returns x)."""
     from zero_jax.gpt.model import GPT, Block
 
     batch_sharded = NamedSharding(mesh, P(_axes(mesh), None, None))
     pin = lambda x: jax.lax.with_sharding_constraint(x, batch_sharded)
 
     def interceptor(next_fun, args, kwargs, context):
-        if context.method_name != "__call__":
+        if context.method_name not in ("__call__", "features"):
             return next_fun(*args, **kwargs)
         if type(context.module) is Block:  # inside the scan (and remat) wrappers
             x, carry = args
@@ -286,7 +287,10 @@ def activation_constraints(mesh: Mesh) -> Callable:
         if type(context.module) is HFBlock:  # inside its remat wrapper, if any
             return pin(next_fun(pin(args[0]), *args[1:], **kwargs))
         if type(context.module) in (GPT, UnrolledGPT):
-            return pin(next_fun(*args, **kwargs))
+            out = next_fun(*args, **kwargs)
+            if context.method_name == "features":  # (hidden states, the head)
+                return pin(out[0]), out[1]
+            return pin(out)
         return next_fun(*args, **kwargs)
     return interceptor
 

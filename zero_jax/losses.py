@@ -41,10 +41,14 @@ def cross_entropy(hidden: jax.Array, head: jax.Array, labels: jax.Array, *,
         raise ValueError(f"cross_entropy: chunk must be at least 1 token (got {chunk})")
     n = labels.size
     size = min(chunk, n)
-    pad = -n % size  # the last chunk filled with token 0 of label 0, its loss dropped
-    x = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0))).reshape(-1, size, d)
-    y = jnp.pad(labels.reshape(n).astype(jnp.int32), (0, pad)).reshape(-1, size)
-    return _chunked(x, head, y, valid).reshape(-1)[:n].reshape(labels.shape)
+    count = -(-n // size)
+    pad = count * size - n  # the last tokens' place filled with token 0 of label 0, dropped
+    # Chunk c holds tokens c, c + count, c + 2 count, ...: a batch cut over devices (plain
+    # jit, GSPMD) stays cut within every chunk, so no chunk lives on one device alone.
+    x = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0))).reshape(size, count, d)
+    y = jnp.pad(labels.reshape(n).astype(jnp.int32), (0, pad)).reshape(size, count)
+    loss = _chunked(x.swapaxes(0, 1), head, y.swapaxes(0, 1), valid)
+    return loss.swapaxes(0, 1).reshape(-1)[:n].reshape(labels.shape)
 
 
 def _logits(x: jax.Array, head: jax.Array, valid: int) -> jax.Array:
