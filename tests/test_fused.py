@@ -2,7 +2,6 @@
 gradients too; the vocabulary's padding is never predicted; and the saved H100 program of
 ``gpt2-124m`` (tests/data) holds neither the attention scores nor the full logits."""
 
-import dataclasses
 import gzip
 import math
 import pathlib
@@ -170,8 +169,8 @@ def test_the_saved_h100_program_holds_no_scores_and_no_full_logits():
     text = gzip.open(DATA / "gpt2-124m-stage-0-h100.hlo.gz", "rt").read()
     fmha = re.findall(r'custom_call_target="__cudnn\$(fmha\w*)"', text)
     assert sorted(fmha) == ["fmhaSoftmax", "fmhaSoftmax", "fmhaSoftmaxBackward"]
-    model = dataclasses.replace(GPTConfig(vocab_size=50257, vocab_multiple=128, d_model=768,
-                                          n_layers=12, n_heads=12, d_ff=3072, seq_len=1024))
+    model = GPTConfig(vocab_size=50257, vocab_multiple=128, d_model=768, n_layers=12,
+                      n_heads=12, d_ff=3072, seq_len=1024)  # configs/gpt2-124m.yaml
     b, t, v = 32, model.seq_len, model.padded_vocab
     shapes = {tuple(int(d) for d in dims.split(",")) for dims in
               re.findall(r"(?:bf16|f32|f16)\[([\d,]+)\]", text)}
