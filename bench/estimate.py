@@ -6,10 +6,11 @@ and the compiled step), so the costs here come from the scheduled HLO text itsel
 1. ``op_cost``: each instruction of the entry computation and of the loop bodies it runs, in
    schedule order, costs max(FLOPs / peak, bytes / HBM bandwidth). FLOPs: 2 x the result's
    elements x the contracted size of every dot (in fusions too: Triton GEMMs) and cuBLAS GEMM
-   custom call; convolutions and elementwise work are not counted. Bytes: the operands and
-   result of each fusion, custom call or unfused op (a fusion's operand read only through
-   slices counts the slices; a buffer updated in place by a dynamic-update-slice counts the
-   update). No launch gaps, no caches.
+   custom call, and cuDNN's flash attention (``_attention_flops``); convolutions and
+   elementwise work are not counted. Bytes: the operands and result of each fusion, custom
+   call or unfused op (a fusion's operand read only through slices counts the slices; a
+   buffer updated in place by a dynamic-update-slice counts the update). No launch gaps, no
+   caches.
 2. ``comm_time``: a collective over a group of n devices moves its full-size payload (as
    ``zero_jax.hlo`` counts it) x (n-1)/n (all-reduce twice that; a permute all of it) over the
    link: NVLink when every device of the group is on one node, else the network per GPU.
@@ -72,6 +73,9 @@ _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"(?:branch_computations=\{([^}]*)\}|(?:true_computation|false_computation"
                        r"|to_apply)=%?([\w.\-]+))")
 _GEMM = re.compile(r'custom_call_target="__cublas\$(lt\$matmul|gemm)')
+_FMHA = re.compile(r'custom_call_target="__cudnn\$fmha\w*?(Backward)?"')
+_SCORES = re.compile(r'"intermediate_tensor_shape":\s*\{"element_type":\s*"\w+",\s*'
+                     r'"dimensions":\s*\[([^\]]*)\]')
 _DIMS = re.compile(r"\[([\d,]*)\]")
 
 
@@ -131,6 +135,8 @@ class Program:
 
 def dot_flops(shapes: dict[str, str], shape: str, op: str, rest: str) -> float:
     """2 x result elements x contracted size, for a dot or a cuBLAS GEMM custom call."""
+    if op == "custom-call" and (fmha := _FMHA.search(rest)):
+        return _attention_flops(shape, rest, backward=bool(fmha.group(1)))
     if op == "dot":
         m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
     elif _GEMM.search(rest):
@@ -141,6 +147,19 @@ def dot_flops(shapes: dict[str, str], shape: str, op: str, rest: str) -> float:
     lhs = _dims(shapes.get(operands(rest)[0], ""))
     contracted = [int(d.strip('"')) for d in m.group(1).split(",") if d.strip('"')] if m else []
     return 2.0 * math.prod(_dims(shape)) * math.prod(lhs[d] for d in contracted if d < len(lhs))
+
+
+def _attention_flops(shape: str, rest: str, backward: bool) -> float:
+    """cuDNN's flash attention: the scores' (batch, heads, t, s) x head dim, times 2 matmuls
+    of 2 FLOPs forward (QK^T, PV) and 5 backward (the scores again, dV, dP, dQ, dK); a causal
+    mask skips about half of them."""
+    m = _SCORES.search(rest)
+    if not m:
+        return 0.0
+    scores = math.prod(int(d.strip('" ')) for d in m.group(1).split(",") if d.strip('" '))
+    head_dim = _dims(top_level(shape)[0])[-1]
+    causal = 0.5 if re.search(r'"mask_type":\s*"(PADDING_)?CAUSAL"', rest) else 1.0
+    return (10.0 if backward else 4.0) * scores * head_dim * causal
 
 
 def fusion_bytes(prog: Program, comp: str, shape: str, rest: str) -> float:

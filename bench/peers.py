@@ -159,8 +159,12 @@ class UnrolledGPT(nn.Module):
 
     cfg: Any
 
-    @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
+        x, head = self.features(tokens)
+        return (x @ head)[..., :self.cfg.vocab_size]
+
+    @nn.compact
+    def features(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         from zero_jax.gather import remat_policy
         from zero_jax.gpt.model import embed
 
@@ -171,7 +175,7 @@ class UnrolledGPT(nn.Module):
             block = nn.remat(block, policy=remat_policy(c.remat))  # CSE kept off: no scan
         for i in range(c.n_layers):
             x = block(c, name=f"h_{i}")(x)
-        return nn.LayerNorm(c.norm_eps, name="ln_f")(x) @ wte.T
+        return nn.LayerNorm(c.norm_eps, name="ln_f")(x), wte.T
 
 
 def _model(kind: str, model_cfg):
@@ -197,7 +201,7 @@ def _setup(cfg: dict, mesh: Mesh, mixed: bool = False, kind: str = "scanned"):
         raise ValueError("the baselines compute in fp32: pass --set precision.param_dtype=fp32 "
                          "(peers.py does, unless told otherwise)")
     model = _model(kind, exp.model)
-    loss = lm_loss(model, fp32_logits=exp.plan.precision.autocast_output)
+    loss = lm_loss(model)
     if compute == np.float32:
         return exp, model, loss
     cast = lambda p: jax.tree.map(lambda x: x.astype(compute), p)
@@ -264,16 +268,17 @@ def opt_state_specs(tx: optax.GradientTransformation, params: PyTree, specs: PyT
 
 
 def activation_constraints(mesh: Mesh) -> Callable:
-    """A flax method interceptor pinning each block's input and output, and the logits, to
-    ``P(data, None, None)``: batch-sharded, as MaxText constrains its activations. The scanned
-    stack's ``Block`` and the unrolled ``HFBlock`` alike (the latter takes and returns x)."""
+    """A flax method interceptor pinning each block's input and output, and the last hidden
+    states (the loss's input) or the logits, to ``P(data, None, None)``: batch-sharded, as
+    MaxText constrains its activations. The scanned stack's ``Block`` and the unrolled
+    ``HFBlock`` alike (the latter takes and returns x)."""
     from zero_jax.gpt.model import GPT, Block
 
     batch_sharded = NamedSharding(mesh, P(_axes(mesh), None, None))
     pin = lambda x: jax.lax.with_sharding_constraint(x, batch_sharded)
 
     def interceptor(next_fun, args, kwargs, context):
-        if context.method_name != "__call__":
+        if context.method_name not in ("__call__", "features"):
             return next_fun(*args, **kwargs)
         if type(context.module) is Block:  # inside the scan (and remat) wrappers
             x, carry = args
@@ -282,7 +287,10 @@ def activation_constraints(mesh: Mesh) -> Callable:
         if type(context.module) is HFBlock:  # inside its remat wrapper, if any
             return pin(next_fun(pin(args[0]), *args[1:], **kwargs))
         if type(context.module) in (GPT, UnrolledGPT):
-            return pin(next_fun(*args, **kwargs))
+            out = next_fun(*args, **kwargs)
+            if context.method_name == "features":  # (hidden states, the head)
+                return pin(out[0]), out[1]
+            return pin(out)
         return next_fun(*args, **kwargs)
     return interceptor
 
@@ -374,21 +382,21 @@ def unrolled_zero(cfg: dict, mesh: Mesh, stage: int, prefetch: bool = False):
     ``Experiment``: the optimizer and dtypes from the config. At stage 3 the step remats each
     block itself (the config's policy), so the model's own remat is off there, as the demo's."""
     import zero_jax as zj
-    from zero_jax.gpt.experiment import precision_from
+    from zero_jax.gpt.experiment import precision_from, resolved_model
     from zero_jax.gpt.model import GPTConfig, init_fn, lm_loss
     from zero_jax.gpt.optim import make_optimizer
 
-    remat = cfg["model"]["remat"]
-    model = UnrolledGPT(GPTConfig(**{**cfg["model"], "remat": "none" if stage == 3 else remat}))
+    platform = mesh.devices.flat[0].platform
+    precision = precision_from(cfg["precision"], platform, cfg["train"]["accum_steps"])
+    m = resolved_model(cfg["model"], platform, precision.compute)
+    remat = m["remat"]
+    model = UnrolledGPT(GPTConfig(**{**m, "remat": "none" if stage == 3 else remat}))
     init = init_fn(model)
-    precision = precision_from(cfg["precision"], mesh.devices.flat[0].platform,
-                               cfg["train"]["accum_steps"])
     tx, schedule = make_optimizer(cfg["optimizer"], cfg["train"]["steps"])
     plan = zj.make_plan(jax.eval_shape(init, jax.random.key(SEED_KEY)), mesh, stage,
                         layers=zj.Layers(UNROLLED_BLOCKS, remat), precision=precision,
                         comm=zj.Comm(prefetch=prefetch))
-    step = zj.make_train_step(plan, lm_loss(model, fp32_logits=precision.autocast_output), tx,
-                              lr_schedule=schedule)
+    step = zj.make_train_step(plan, lm_loss(model), tx, lr_schedule=schedule)
     return plan, tx, init, step
 
 

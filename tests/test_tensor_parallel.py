@@ -521,14 +521,18 @@ class UnrolledGPT(nn.Module):
     hands each block the next one's weights (``zero_jax.handoff``) instead of running a scan."""
     cfg: GPTConfig
 
-    @nn.compact
     def __call__(self, tokens):
+        x, head = self.features(tokens)
+        return x @ head
+
+    @nn.compact
+    def features(self, tokens):  # what lm_loss takes: the last hidden states and the head
         wte = self.param("wte", nn.initializers.normal(0.02), (self.cfg.vocab_size,
                                                                 self.cfg.d_model))
         x = wte[tokens]
         for i in range(self.cfg.n_layers):
             x, _ = Block(self.cfg, name=f"h_{i}")(x, None)
-        return x @ wte.T
+        return x, wte.T
 
 
 def test_partitioned_activations_with_prefetch_on_unrolled_blocks():

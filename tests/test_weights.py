@@ -4,6 +4,7 @@ reads it into its shards at several layouts, computes the same logits, fine-tune
 device's optax does, and exports files that ``transformers`` loads with the same logits.
 """
 
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -57,8 +58,8 @@ def gpt2(tmp_path_factory) -> dict:
     tokens = root / "tokens.bin"
     np.random.default_rng(1).integers(0, 64, 4096).astype(np.uint16).tofile(tokens)
     return {"one": root / "one", "sharded": root / "sharded", "tokens": tokens,
-            "logits": torch_logits(root / "one"), "model": GPT(GPTConfig(
-                **hf.read_config(root / "one"), remat="none"))}
+            "logits": torch_logits(root / "one"), "model": GPT(GPTConfig(  # 64 padded to 128
+                **hf.read_config(root / "one"), remat="none", vocab_multiple=128))}
 
 
 def plan_for(model: GPT, stage: int, tp: int = 1) -> zj.Plan:
@@ -95,8 +96,9 @@ def test_loaded_into_shards_gives_transformers_logits(gpt2, stage, tp, source):
 def test_each_process_reads_about_half_the_file_at_stage_3(gpt2):
     """Stage 3 on 8 devices, as 2 processes of 4 devices hold it: the reads of the first 4
     devices' shards (what process 0 runs) come to half the tensors' bytes, each read from
-    its own byte ranges of the memory map."""
-    plan = plan_for(gpt2["model"], 3)
+    its own byte ranges of the memory map (the vocabulary unpadded: padded, the first half
+    of its rows holds every real one)."""
+    plan = plan_for(GPT(dataclasses.replace(gpt2["model"].cfg, vocab_multiple=1)), 3)
     files, mapping = hf.weights_source(gpt2["one"])
     _, sources = check(plan, files, mapping)
     first = set(plan.mesh.devices.flat[:4])
@@ -565,7 +567,7 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(llama_dir, tmp_p
 
     theirs = torch_logits_of(transformers.LlamaForCausalLM, llama_dir)
     section = llama.read_config(llama_dir)
-    cfg = GPTConfig(**section, remat="none")
+    cfg = GPTConfig(**section, remat="none", vocab_multiple=128)  # 64 padded to 128
     model = llama.Llama(cfg)
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), TOKENS[:1, :-1])["params"])
     mesh = zj.make_mesh(axes={"data": 8 // tp, **({"model": tp} if tp > 1 else {})})
@@ -614,7 +616,8 @@ def test_train_py_fine_tunes_a_llama_and_exports_it(llama_dir, gpt2, tmp_path):
     ckpts = zj.Checkpoints(ckpt, read_only=True)
     trained = ckpts.read_params()
     ckpts.close()
-    model = llama.Llama(GPTConfig(**llama.read_config(llama_dir), remat="none"))
+    model = llama.Llama(GPTConfig(**llama.read_config(llama_dir), remat="none",
+                                  vocab_multiple=128))
     ours = np.asarray(model.apply({"params": trained}, TOKENS[:, :-1]))
     theirs = torch_logits_of(transformers.LlamaForCausalLM, out)
     assert rel(theirs, ours) < 1e-5

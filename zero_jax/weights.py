@@ -38,7 +38,10 @@ class Tensor:
     projections into one ``(d, 3, heads, head_dim)`` kernel. Each tensor is first transposed
     by ``transpose`` (PyTorch's ``(out, in)`` Linear weight is ``(1, 0)`` of a Flax kernel),
     then its axis ``split[0]`` is split into the sizes ``split[1]`` (one may be -1), e.g.
-    ``(1, (heads, -1))`` for a Flax ``DenseGeneral``'s heads.
+    ``(1, (heads, -1))`` for a Flax ``DenseGeneral``'s heads. ``pad`` ``(axis, n)``: the
+    tensor fills the first n entries of that axis (after the transpose); the parameter may be
+    longer there, its rest read as zeros and left out on export (a vocabulary padded to a
+    multiple of 128 for its GEMMs).
     """
 
     name: str | tuple[str, ...]
@@ -46,6 +49,7 @@ class Tensor:
     transpose: tuple[int, ...] | None = None
     split: tuple[int, tuple[int, ...]] | None = None
     fuse_axis: int = 0
+    pad: tuple[int, int] | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -145,6 +149,7 @@ class _Source:
 
     row: Tensor
     names: list[list[str]]  # per layer, per fused part (prefixed)
+    shape: tuple[int, ...] = ()  # the parameter's, per layer
 
     def read(self, files: TensorFiles, index: tuple[slice, ...], dtype) -> np.ndarray:
         layers = range(len(self.names))[index[0]] if self.row.stacked else [0]
@@ -154,12 +159,39 @@ class _Source:
         return out.astype(dtype, copy=False)
 
     def _layer(self, files: TensorFiles, names: list[str], index: tuple) -> np.ndarray:
+        if self.row.pad:
+            return _read_padded(files, self.row, names[0], index, self.shape)
         if not self.row.fused:
             return files.read(self.row.view(files.view(names[0]))[index])
         ax = self.row.fuse_axis
         part = index[:ax] + index[ax + 1:]
         return np.stack([files.read(self.row.view(files.view(names[k]))[part])
                          for k in range(len(names))[index[ax]]], axis=ax)
+
+
+def _read_padded(files: TensorFiles, row: Tensor, name: str, index: tuple,
+                 shape: tuple[int, ...]) -> np.ndarray:
+    """A shard of a padded parameter (``shape`` per layer): the tensor's part of it, zeros
+    past its end."""
+    axis, n = row.pad
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    start, stop, _ = index[axis].indices(shape[axis])
+    inside = slice(min(start, n), min(stop, n))
+    out = files.read(row.view(files.view(name))[index[:axis] + (inside,) + index[axis + 1:]])
+    width = [(0, 0)] * out.ndim
+    width[axis] = (0, stop - start - out.shape[axis])
+    return np.pad(out, width)
+
+
+def _unpadded(row: Tensor, want: tuple[int, ...], got: tuple[int, ...]) -> tuple[int, ...]:
+    """The parameter's shape ``want`` as the tensor of shape ``got`` (after the transpose)
+    fills it: ``want`` itself where the padding makes up the difference, else ``got``."""
+    if row.pad is None:
+        return got
+    axis, n = row.pad
+    if len(got) == len(want) and got[axis] == n <= want[axis]:
+        return got[:axis] + (want[axis],) + got[axis + 1:]
+    return got
 
 
 def _sources(files: TensorFiles, mapping: Mapping, shapes: PyTree) -> dict[str, _Source]:
@@ -177,7 +209,7 @@ def _sources(files: TensorFiles, mapping: Mapping, shapes: PyTree) -> dict[str, 
                 raise WeightsError(f"tensor {name} (for parameter {path}) is missing from "
                                    f"{files.source}: pass the model's own weights, or fix the "
                                    "mapping")
-            got = row.forward_shape(info.shape)
+            got = _unpadded(row, tuple(per), row.forward_shape(info.shape))
             got = got[:row.fuse_axis] + (len(names[0]),) + got[row.fuse_axis:] \
                 if row.fused else got
             if got != tuple(per):
@@ -190,7 +222,7 @@ def _sources(files: TensorFiles, mapping: Mapping, shapes: PyTree) -> dict[str, 
                                    f"{path} is {np.dtype(want.dtype)}: pass floating-point "
                                    "weights")
             used.add(name)
-        out[path] = _Source(row, names)
+        out[path] = _Source(row, names, tuple(per))
     ignore = [re.compile(p) for p in mapping.ignore]
     for name, info in files.tensors.items():
         if name not in used and not any(p.search(name) for p in ignore):
@@ -258,6 +290,8 @@ def export_specs(mapping: Mapping, shapes: dict[str, tuple[int, ...]], dtype
             axis %= len(per) - len(sizes) + 1
             per = per[:axis] + (math.prod(per[axis:axis + len(sizes)]),) + \
                 per[axis + len(sizes):]
+        if row.pad is not None:
+            per = per[:row.pad[0]] + (row.pad[1],) + per[row.pad[0] + 1:]
         if row.transpose is not None:
             per = tuple(per[a] for a in np.argsort(row.transpose))
         for layer, names in enumerate(row.tensor_names(shape[0] if row.stacked else 0)):
@@ -279,4 +313,6 @@ def export_arrays(mapping: Mapping, specs: list, leaf: Any) -> Iterator[np.ndarr
         x = value if layer is None else value[layer]
         if part is not None:
             x = np.take(x, part, axis=rows[path].fuse_axis)
+        if rows[path].pad is not None:
+            x = np.take(x, range(rows[path].pad[1]), axis=rows[path].pad[0])
         yield rows[path].backward(x, spec.shape).astype(spec.dtype, copy=False)

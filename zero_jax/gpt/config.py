@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from zero_jax.gather import GATHER, REMAT
+from zero_jax.gpt.attention import IMPLEMENTATIONS
 from zero_jax.offload import Nvme
 
 
@@ -35,8 +36,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # arch gpt2 (GPT-2's layer norms, learned positions, tied head) or llama (RMSNorm, rotary
     # positions of base rope_theta, SwiGLU, n_kv_heads key/value heads, 0: n_heads; untied).
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512,
-              "seq_len": 64, "remat": "full", "arch": "gpt2", "norm_eps": 1e-5,
-              "n_kv_heads": 0, "rope_theta": 10000.0},
+              "seq_len": 64, "remat": "auto", "arch": "gpt2", "norm_eps": 1e-5,
+              "n_kv_heads": 0, "rope_theta": 10000.0, "attention": "auto",
+              "vocab_multiple": 128},
     # frozen_modules: not trained (no gradient, no optimizer state), e.g. ["wpe"].
     # schedule cosine: warmup, then cosine decay to 10% at decay_steps; constant: warmup, then
     # lr (DeepSpeed's WarmupLR, whose default warmup_type is log: min + (lr - min) * log(t + 1)
@@ -263,8 +265,9 @@ def merge(name: str = "tiny", overrides: list[str] = ()) -> dict:
 def validate(config: dict) -> None:
     """Every value checked once, section by section, before anything is built."""
     m, o, z = config["model"], config["optimizer"], config["zero"]
-    if m["remat"] not in REMAT:
-        raise ConfigError(f"model.remat must be one of {', '.join(REMAT)} (got {m['remat']!r}): "
+    if m["remat"] not in ("auto", *REMAT):
+        raise ConfigError(f"model.remat must be one of auto, {', '.join(REMAT)} (got "
+                          f"{m['remat']!r}): "
                           f"what each block saves for its backward")
     if o["name"] not in OPTIMIZERS:
         raise ConfigError(f"optimizer.name {o['name']!r} is not one of {', '.join(OPTIMIZERS)}")
@@ -272,6 +275,10 @@ def validate(config: dict) -> None:
         raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3 (got {z['stage']})")
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len"):
         _at_least(config, "model", key, 1)
+    if m["attention"] not in IMPLEMENTATIONS:
+        raise ConfigError(f"model.attention must be one of {', '.join(IMPLEMENTATIONS)} (got "
+                          f"{m['attention']!r})")
+    _at_least(config, "model", "vocab_multiple", 1)
     if m["arch"] not in ARCHS:
         raise ConfigError(f"model.arch must be one of {', '.join(ARCHS)} (got {m['arch']!r})")
     if not m["norm_eps"] > 0 or not m["rope_theta"] > 0 or m["n_kv_heads"] < 0 or \
@@ -409,7 +416,13 @@ def _check_tensor_parallel(config: dict) -> None:
         raise ConfigError("zero.partition_activations cuts each block's saved input over the "
                           "tensor-parallel ranks: it needs --tensor-parallel 2 or more and "
                           "the blocks named in zero.transformer_layers")
-    for key in ("n_heads", "d_ff", "vocab_size") + (("n_kv_heads",) if m["n_kv_heads"] else ()):
+    padded = -(-m["vocab_size"] // m["vocab_multiple"]) * m["vocab_multiple"]
+    if padded % t:
+        raise ConfigError(f"mesh.tensor_parallel {t} does not divide model.vocab_size "
+                          f"{m['vocab_size']} padded to a multiple of model.vocab_multiple "
+                          f"{m['vocab_multiple']} ({padded}): tensor parallelism cuts it into "
+                          f"{t} pieces; pick a divisor or a vocab_multiple it divides")
+    for key in ("n_heads", "d_ff") + (("n_kv_heads",) if m["n_kv_heads"] else ()):
         if m[key] % t:
             raise ConfigError(f"mesh.tensor_parallel {t} does not divide model.{key} {m[key]}: "
                               f"tensor parallelism cuts it into {t} pieces; pick a divisor")

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from zero_jax.buckets import Comm
 from zero_jax.checkpoint import CheckpointError
 from zero_jax.gather import Layers
+from zero_jax.gpt import attention
 from zero_jax.gpt.config import DEFAULTS
 from zero_jax.gpt.model import (
     LAYER_STACKS,
@@ -36,8 +37,10 @@ from zero_jax.precision import LossScaleConfig, Precision, default_param_dtype
 from zero_jax.step import make_train_step
 
 # Model keys added after checkpoints were written without them, with the value those were
-# trained with: flax's layer-norm epsilon before the demo took GPT-2's.
-BEFORE_KEYS = {"norm_eps": 1e-6}
+# trained with: flax's layer-norm epsilon before the demo took GPT-2's; a vocabulary unpadded.
+BEFORE_KEYS = {"norm_eps": 1e-6, "vocab_multiple": 1}
+# Model keys that change what is computed, not what is stored: any value resumes a checkpoint.
+STATELESS_KEYS = ("remat", "attention")
 
 
 @dataclasses.dataclass
@@ -69,6 +72,8 @@ class Experiment:
         # under the plan's policy (to gather it again in the backward, or to save its input
         # cut); the model's own remat would add nothing (the block is recomputed once either
         # way: equal compiled FLOPs, tests/test_blocks.py).
+        cfg = {**cfg, "model": resolved_model(cfg["model"], mesh.devices.flat[0].platform,
+                                              precision.compute)}
         own_remat = "none" if z["transformer_layers"] and (
             z["stage"] == 3 or z["partition_activations"]) else cfg["model"]["remat"]
         model_cfg = GPTConfig(**{**cfg["model"], "remat": own_remat})
@@ -85,7 +90,7 @@ class Experiment:
                          rules=[*rules_from(cfg), *tensor_parallel(model_cfg)],
                          precision=precision, offload=offload_from(z),
                          comm=comm_from(z))
-        loss = lm_loss(model, fp32_logits=precision.autocast_output)
+        loss = lm_loss(model)
         step = make_train_step(plan, loss, tx, lr_schedule=schedule)
         return cls(cfg, mesh, model_cfg, init, tx, plan, step)
 
@@ -108,6 +113,22 @@ class Experiment:
     @property
     def tokens_per_step(self) -> int:
         return self.cfg["train"]["batch_size"] * self.model.seq_len
+
+
+def resolved_model(model: dict, platform: str, compute) -> dict:
+    """The model section for these devices: ``attention`` "auto" is cuDNN's flash attention
+    where it runs (a CUDA GPU, bf16/fp16), else XLA's; ``remat`` "auto" then saves the
+    matmuls' outputs (``dots``: with the attention fused, every remaining matmul is a
+    projection without batch dimensions) and recomputes the rest, else saves nothing (``full``,
+    the CPU mesh's default). cuDNN asked for where it cannot run is refused here."""
+    dh = model["d_model"] // model["n_heads"]
+    impl = attention.resolve(model["attention"], platform, compute, dh)
+    if impl == "cudnn" and (why := attention.cudnn_fits(platform, compute, dh)):
+        raise ValueError(f"model.attention=cudnn cannot run here: {why}; use auto or xla")
+    remat = model["remat"]
+    if remat == "auto":
+        remat = "dots" if impl == "cudnn" else "full"
+    return {**model, "attention": impl, "remat": remat}
 
 
 def _check_modules(cfg: dict, params_shape: Any) -> None:
@@ -211,6 +232,10 @@ def precision_from(cfg: dict, platform: str, accum_steps: int = 1) -> Precision:
                      accum_steps=accum_steps)
 
 
+def _padded(vocab_size: int, multiple: int) -> int:
+    return GPTConfig(vocab_size=vocab_size, vocab_multiple=multiple).padded_vocab
+
+
 def check_compatible(meta: dict, config: dict, platform: str | None = None) -> None:
     """A checkpoint resumes a run only with the same model, the same kind of optimizer and
     the same state layout: the precision policy (a master copy, a loss scale) and clipping
@@ -219,7 +244,12 @@ def check_compatible(meta: dict, config: dict, platform: str | None = None) -> N
     for key, value in config["model"].items():
         # A key added since: what the model was before it (a default now may differ).
         was = saved["model"].get(key, BEFORE_KEYS.get(key, DEFAULTS["model"][key]))
-        if key != "remat" and was != value:  # remat changes no state
+        if key == "vocab_multiple":  # the state holds the padded vocabulary: compare that
+            differs = _padded(saved["model"]["vocab_size"], was) != \
+                _padded(config["model"]["vocab_size"], value)
+        else:
+            differs = key not in STATELESS_KEYS and was != value
+        if differs:
             raise CheckpointError(
                 f"the checkpoint was written for model.{key}={was} but the "
                 f"config says {value}: use the checkpoint's config or another --checkpoint-dir")

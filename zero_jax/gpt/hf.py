@@ -30,7 +30,7 @@ def gpt2_mapping(model: dict, prefix: str = "transformer.") -> Mapping:
     """GPT-2's tensors (``GPT2LMHeadModel``'s names; ``GPT2Model``'s with ``prefix=""``)."""
     h = "h.{layer}."
     qkv = (1, (3, model["n_heads"], -1))
-    rows = [Tensor("wte.weight", "wte"), Tensor("wpe.weight", "wpe"),
+    rows = [Tensor("wte.weight", "wte", pad=(0, model["vocab_size"])), Tensor("wpe.weight", "wpe"),
             Tensor("ln_f.weight", "ln_f/scale"), Tensor("ln_f.bias", "ln_f/bias"),
             Tensor(h + "attn.c_attn.weight", "blocks/qkv/kernel", split=qkv),
             Tensor(h + "attn.c_attn.bias", "blocks/qkv/bias", split=(0, qkv[1]))]

@@ -8,7 +8,6 @@ q and k projections are read as they are stored, with no permutation of their ro
 from __future__ import annotations
 
 import json
-import math
 import os
 import pathlib
 
@@ -17,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from zero_jax.gather import remat_policy
+from zero_jax.gpt import attention
 from zero_jax.gpt.model import GPTConfig
 from zero_jax.plan import Rule
 from zero_jax.tensorfiles import WeightsError
@@ -64,15 +64,22 @@ class LlamaBlock(nn.Module):
         q = rope(dense((c.n_heads, dh), "q")(h), c.rope_theta)
         k = rope(dense((c.kv_heads, dh), "k")(h), c.rope_theta)
         v = dense((c.kv_heads, dh), "v")(h)
-        rep = c.n_heads // c.kv_heads  # query head i reads key/value head i // rep
-        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-        scores = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(dh)
-        scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, jnp.finfo(scores.dtype).min)
-        att = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), v)
+        att = attention.causal(q, k, v, c.attention)  # query head i reads kv head i // rep
         x = x + dense(d, "o", axis=(-2, -1))(att)
         h = nn.RMSNorm(epsilon=c.norm_eps, name="ln2")(x)
         return x + dense(d, "down")(nn.silu(dense(c.d_ff, "gate")(h)) * dense(c.d_ff, "up")(h)), \
             None
+
+
+class Head(nn.Module):
+    """The output head's kernel ``(d_model, padded_vocab)``, as ``nn.Dense`` names and
+    initializes it; its matmul is the loss's (``zero_jax.losses.cross_entropy``)."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, d: int) -> jax.Array:
+        return self.param("kernel", nn.initializers.lecun_normal(), (d, self.features))
 
 
 class Llama(nn.Module):
@@ -80,10 +87,16 @@ class Llama(nn.Module):
 
     cfg: GPTConfig
 
-    @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
+        """The logits over the vocabulary (its padding left out)."""
+        x, head = self.features(tokens)
+        return (x @ head)[..., :self.cfg.vocab_size]
+
+    @nn.compact
+    def features(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The last hidden states and the head's kernel (``GPT.features``)."""
         c = self.cfg
-        wte = self.param("wte", nn.initializers.normal(0.02), (c.vocab_size, c.d_model))
+        wte = self.param("wte", nn.initializers.normal(0.02), (c.padded_vocab, c.d_model))
         block = LlamaBlock
         if c.remat != "none":
             block = nn.remat(block, prevent_cse=False, policy=remat_policy(c.remat))
@@ -91,15 +104,16 @@ class Llama(nn.Module):
                         length=c.n_layers)
         x, _ = stack(c, name="blocks")(wte[tokens], None)
         x = nn.RMSNorm(epsilon=c.norm_eps, name="ln_f")(x)
-        return nn.Dense(c.vocab_size, use_bias=False, name="head")(x)
+        return x, Head(c.padded_vocab, name="head")(c.d_model)
 
 
 def mapping(c: GPTConfig) -> Mapping:
     """Hugging Face's ``LlamaForCausalLM`` tensors: PyTorch Linear weights ``(out, in)``,
     transposed into Flax kernels, the attention's output axis split into heads."""
     h = "model.layers.{layer}."
-    rows = [Tensor("model.embed_tokens.weight", "wte"), Tensor("model.norm.weight", "ln_f/scale"),
-            Tensor("lm_head.weight", "head/kernel", transpose=(1, 0)),
+    rows = [Tensor("model.embed_tokens.weight", "wte", pad=(0, c.vocab_size)),
+            Tensor("model.norm.weight", "ln_f/scale"),
+            Tensor("lm_head.weight", "head/kernel", transpose=(1, 0), pad=(1, c.vocab_size)),
             Tensor(h + "input_layernorm.weight", "blocks/ln1/scale"),
             Tensor(h + "post_attention_layernorm.weight", "blocks/ln2/scale"),
             Tensor(h + "self_attn.o_proj.weight", "blocks/o/kernel", transpose=(1, 0),

@@ -12,10 +12,11 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 from jax.ad_checkpoint import checkpoint_name
 
 from zero_jax.gather import BLOCK_INPUT, remat_policy
+from zero_jax.gpt import attention
+from zero_jax.losses import cross_entropy
 from zero_jax.plan import Rule, modules_pattern
 
 LN_EPS = 1e-5  # GPT-2's layer-norm epsilon (and nn.gelu's tanh approximation is its GELU)
@@ -46,19 +47,28 @@ class GPTConfig:
     norm_eps: float = LN_EPS
     n_kv_heads: int = 0  # llama: key/value heads (grouped-query attention); 0: n_heads
     rope_theta: float = 10000.0  # llama: the rotary positions' base
+    attention: str = "auto"  # zero_jax.gpt.attention.IMPLEMENTATIONS
+    vocab_multiple: int = 1  # the embedding (and head) padded to a multiple of this
 
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
     @property
+    def padded_vocab(self) -> int:
+        """The embedding's rows: ``vocab_size`` rounded up to ``vocab_multiple`` (GEMMs whose
+        vocabulary dimension is a multiple of 128 run at full speed; the padding is never
+        predicted, ``lm_loss``)."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+    @property
     def n_params(self) -> int:
-        d, f, L = self.d_model, self.d_ff, self.n_layers
+        d, f, L, V = self.d_model, self.d_ff, self.n_layers, self.padded_vocab
         if self.arch == "llama":  # untied head, no position table, no biases
             kv = d // self.n_heads * self.kv_heads
-            return 2 * self.vocab_size * d + d + L * (2 * d + 2 * d * d + 2 * d * kv + 3 * d * f)
+            return 2 * V * d + d + L * (2 * d + 2 * d * d + 2 * d * kv + 3 * d * f)
         per_layer = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
-        return self.vocab_size * d + self.seq_len * d + L * per_layer + 2 * d
+        return V * d + self.seq_len * d + L * per_layer + 2 * d
 
 
 class Block(nn.Module):
@@ -77,10 +87,7 @@ class Block(nn.Module):
         # (3, heads, head size) outputs: tensor parallelism cuts whole heads (TENSOR_PARALLEL).
         qkv = nn.DenseGeneral((3, c.n_heads, dh), kernel_init=init, name="qkv")(h)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        scores = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(dh)
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-        att = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), v).reshape(b, t, d)
+        att = attention.causal(q, k, v, c.attention).reshape(b, t, d)
         x = x + nn.Dense(d, kernel_init=out_init, name="proj")(att)
 
         h = nn.LayerNorm(epsilon=c.norm_eps, name="ln2")(x)
@@ -93,7 +100,7 @@ def embed(module: nn.Module, c: GPTConfig, tokens: jax.Array) -> tuple[jax.Array
     """GPT-2's token and position embeddings of ``tokens`` (``module``'s parameters ``wte``
     and ``wpe``), and the token table, which the output head shares."""
     init = nn.initializers.normal(0.02)
-    wte = module.param("wte", init, (c.vocab_size, c.d_model))
+    wte = module.param("wte", init, (c.padded_vocab, c.d_model))
     wpe = module.param("wpe", init, (c.seq_len, c.d_model))
     return wte[tokens] + wpe[: tokens.shape[1]], wte
 
@@ -101,8 +108,15 @@ def embed(module: nn.Module, c: GPTConfig, tokens: jax.Array) -> tuple[jax.Array
 class GPT(nn.Module):
     cfg: GPTConfig
 
-    @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
+        """The logits over the vocabulary (its padding left out)."""
+        x, head = self.features(tokens)
+        return (x @ head)[..., :self.cfg.vocab_size]
+
+    @nn.compact
+    def features(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The last hidden states and the output head ``(d_model, padded_vocab)``: the loss
+        takes the head's matmul inside (``zero_jax.losses.cross_entropy``)."""
         c = self.cfg
         x, wte = embed(self, c, tokens)
         block = Block
@@ -112,7 +126,7 @@ class GPT(nn.Module):
                         length=c.n_layers)
         x, _ = stack(c, name="blocks")(x, None)
         x = nn.LayerNorm(epsilon=c.norm_eps, name="ln_f")(x)
-        return x @ wte.T  # output head tied to the embedding, as GPT-2
+        return x, wte.T  # output head tied to the embedding, as GPT-2
 
 
 def build(cfg: GPTConfig) -> nn.Module:
@@ -132,14 +146,13 @@ def tensor_parallel(cfg: GPTConfig) -> tuple[Rule, ...]:
     return TENSOR_PARALLEL
 
 
-def lm_loss(model: GPT, fp32_logits: bool = True):
-    """Mean next-token cross-entropy of a ``(batch, seq_len + 1)`` block of token ids; with
-    ``fp32_logits`` the softmax runs in fp32 whatever the compute dtype."""
+def lm_loss(model: GPT):
+    """Mean next-token cross-entropy of a ``(batch, seq_len + 1)`` block of token ids, the
+    logits never whole (``zero_jax.losses.cross_entropy``: chunks, fp32 log-sum-exp), the
+    vocabulary's padding out of the softmax."""
     def loss_fn(params, tokens: jax.Array) -> jax.Array:
-        logits = model.apply({"params": params}, tokens[:, :-1])
-        if fp32_logits:
-            logits = logits.astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        x, head = model.apply({"params": params}, tokens[:, :-1], method="features")
+        return cross_entropy(x, head, tokens[:, 1:], valid=model.cfg.vocab_size).mean()
     return loss_fn
 
 

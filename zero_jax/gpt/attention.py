@@ -1,0 +1,45 @@
+"""Causal self-attention of the demo's models: ``jax.nn.dot_product_attention``.
+
+On GPUs cuDNN's flash attention never writes the ``(batch, heads, t, t)`` scores to HBM, in
+the forward or the backward, and skips the masked half; XLA's implementation (the CPU mesh,
+fp32) is the plain einsum and softmax, with the scores and the softmax in fp32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+IMPLEMENTATIONS = ("auto", "xla", "cudnn")  # model.attention
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def cudnn_fits(platform: str, dtype, head_dim: int) -> str | None:
+    """Why cuDNN's flash attention cannot run here (None: it can): a CUDA GPU, bf16 or fp16,
+    a head dimension of at most 128 and a multiple of 8 (what jax checks before Hopper)."""
+    if platform not in ("gpu", "cuda"):
+        return f"it runs on CUDA GPUs only (these devices are {platform})"
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in CUDNN_DTYPES]:
+        return f"it computes in bf16 or fp16 (this model computes in {jnp.dtype(dtype).name})"
+    if head_dim > 128 or head_dim % 8:
+        return f"its head dimension must be at most 128 and a multiple of 8 (got {head_dim})"
+    return None
+
+
+def resolve(choice: str, platform: str, dtype, head_dim: int) -> str:
+    """``model.attention`` for these devices: "auto" is cuDNN where it fits, else XLA."""
+    if choice not in IMPLEMENTATIONS:
+        raise ValueError(f"attention must be one of {', '.join(IMPLEMENTATIONS)} (got "
+                         f"{choice!r})")
+    if choice == "auto":
+        return "xla" if cudnn_fits(platform, dtype, head_dim) else "cudnn"
+    return choice
+
+
+def causal(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str) -> jax.Array:
+    """Causal attention of ``(batch, t, heads, head_dim)`` queries over keys and values with
+    ``heads`` or fewer heads (grouped-query: query head i reads key head i // (heads / kv))."""
+    impl = resolve(implementation, jax.default_backend(), q.dtype, q.shape[-1])
+    if impl == "cudnn" and jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in CUDNN_DTYPES]:
+        impl = "xla"  # the fp32 trace of init, shapes only (a bf16 step was checked to fit)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
