@@ -1090,7 +1090,8 @@ def test_a_signal_during_the_save_poll_still_saves_its_step(tmp_path, monkeypatc
 @pytest.mark.parametrize("flag", ["--metrics", "--report"])
 def test_an_output_that_fails_mid_run_stops_in_one_line(flag, tmp_path, capsys):
     """A write to --metrics or --report that fails (a full disk: /dev/full) is one line and
-    exit 1, not a traceback; a failed --metrics line saves the step it was for."""
+    exit 1, not a traceback; a failed --metrics line saves the newest step trained: the one
+    after it, which the loop queued before reading the step before (``run_steps``)."""
     c = tmp_path / "ckpt"
     code = train.main([*MODEL, "--steps", "3", "--checkpoint-dir", str(c), flag, "/dev/full"])
     err = capsys.readouterr().err
@@ -1098,8 +1099,8 @@ def test_an_output_that_fails_mid_run_stops_in_one_line(flag, tmp_path, capsys):
     assert code == 1 and "Traceback" not in err, err
     if flag == "--metrics":
         assert errors == [f"error: --metrics /dev/full: No space left on device; stopped after "
-                          f"step 1; checkpoint 1 saved in {c}"], err
-        assert Checkpoints(c, read_only=True).steps() == [1]
+                          f"step 2; checkpoint 2 saved in {c}"], err
+        assert Checkpoints(c, read_only=True).steps() == [2]
     else:
         assert errors == ["error: --report /dev/full: No space left on device; stopped before "
                           "training (at step 0)"], err

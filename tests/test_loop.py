@@ -90,3 +90,61 @@ def test_divergence_guard_stops_a_streak_and_saves_none_of_it(setup, tmp_path):
     assert diverged["n"] == 8 and guard.diverged and guard.streak_from == 4
     assert guard.last_finite == 3 and diverged["m"]["skipped"] == 1
     assert zj.Checkpoints(tmp_path, read_only=True).steps() == [2]  # step 8 was the last
+
+
+class _Read:
+    """A metric that records when the host reads it (``float``): the host waited for it."""
+
+    def __init__(self, n: int, log: list, value: float = 1.0):
+        self.n, self.log, self.value = n, log, value
+
+    def __float__(self) -> float:
+        self.log.append(("read", self.n))
+        return float(self.value)
+
+
+class _Saves(zj.loop.Hook):
+    """A hook that wants the state of every 3rd step, and records what it was given."""
+
+    def __init__(self):
+        self.seen = []
+
+    def wants_state(self, n: int) -> bool:
+        return n % 3 == 0
+
+    def __call__(self, n, state, m, record):
+        self.seen.append((n, state))
+
+
+@pytest.mark.parametrize("bad_from", [None, 5])
+def test_run_steps_queues_the_next_step_before_reading_one(bad_from):
+    """``run_steps``: step n's metrics are read only once step n+1 is queued, except where a
+    hook wants step n's state (then before it, the next step taking the state); the hooks see
+    every step, with its state where it is still there; the divergence guard stops at the same
+    step as a loop that waits (max_bad_steps 1: step 5's non-finite loss), the step queued
+    after it never reported."""
+    log = []
+
+    def step(state, batch):
+        log.append(("queue", batch))
+        loss = float("nan") if batch == bad_from else 1.0
+        return state + 1, {"loss": _Read(batch, log, loss), "grad_norm": _Read(batch, [], loss),
+                           "skipped": _Read(batch, [], 0)}
+
+    saves, guard = _Saves(), zj.loop.DivergenceGuard(max_bad=1)
+    with zj.loop.Preemption(enabled=False) as stop:
+        last = zj.loop.run_steps(step, 0, ((n, n) for n in range(1, 8)), [saves], guard, stop)
+    want = []
+    for n in range(1, 8):
+        if n > 1 and (n - 1) % 3 == 0:
+            want.append(("read", n - 1))
+        want.append(("queue", n))
+        if n > 1 and (n - 1) % 3:
+            want.append(("read", n - 1))
+    want.append(("read", 7))
+    if bad_from:
+        want = want[:want.index(("read", bad_from)) + 1]
+    assert log == want
+    assert last == (bad_from or 7) and [n for n, _ in saves.seen] == list(range(1, last + 1))
+    assert [(n, s) for n, s in saves.seen if s is not None] == \
+        [(n, n) for n in (3, 6, 7) if n <= last]

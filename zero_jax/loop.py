@@ -16,7 +16,8 @@ import pathlib
 import signal
 import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -99,11 +100,74 @@ class Hook:
     def before(self, n: int) -> None:
         pass
 
+    def wants_state(self, n: int) -> bool:
+        """Whether this hook needs step ``n``'s state (to save it): ``run_steps`` then reads
+        that step's results before queuing the next, which takes the state (donated)."""
+        return False
+
+    def trained(self, n: int, state) -> None:
+        """Step ``n`` was trained (``state``), but its results will not be reported: a hook
+        failed on the step before. A saver may still save it."""
+
     def __call__(self, n: int, state, m: dict, record: dict) -> None:
         pass
 
     def close(self) -> None:
         pass
+
+
+def run_steps(step: Callable, state: Any, batches: Iterable[tuple[int, Any]],
+              hooks: list[Hook], guard: DivergenceGuard, stop: Preemption,
+              tokens_per_step: int = 0) -> int | None:
+    """Train on ``batches`` (``(n, batch)``, step ``n``'s) until they end, a stop signal or
+    the divergence guard, each step's results to every hook; the last step the hooks saw.
+
+    The host never waits for the device between steps: step ``n``'s metrics are read once step
+    ``n + 1`` is queued, so the device always has the next step. Where a hook wants step
+    ``n``'s state (``Hook.wants_state``: a save) or the run stops after it, they are read
+    first: the next step takes the state (donated). A hook told of a step whose state is gone
+    gets ``state=None``. The guard stops at the step it stops at today; the step queued after
+    it is dropped, its results never reported."""
+    pending: tuple[int, dict] | None = None
+    last, clock = None, [time.perf_counter()]
+
+    def report(n: int, m: dict, state_n: Any) -> bool:
+        m = {k: float(v) for k, v in m.items()}  # waits for step n
+        m["skipped"] = int(m["skipped"])
+        now = time.perf_counter()  # since the step before was read: this step's time
+        record = {"step": n, **m, "tokens_per_s": tokens_per_step / max(now - clock[0], 1e-9)}
+        clock[0] = now
+        stop_now = guard.update(m, n)
+        for hook in hooks:
+            hook(n, state_n, m, record)
+        return stop_now
+
+    for n, batch in batches:
+        if stop.signum:
+            break
+        for hook in hooks:
+            hook.before(n)
+        if pending and any(hook.wants_state(pending[0]) for hook in hooks):
+            (last, m), pending = pending, None
+            if report(last, m, state):
+                return last
+        state, m = step(state, batch)
+        if pending:
+            (last, m_before), pending = pending, (n, m)
+            try:
+                halt = report(last, m_before, None)
+            except BaseException:
+                for hook in hooks:  # a failed output: the newest state can still be saved
+                    hook.trained(n, state)
+                raise
+            if halt:
+                return last
+        else:
+            pending = (n, m)
+    if pending:
+        last = pending[0]
+        report(last, pending[1], state)
+    return last
 
 
 class MetricsFile(Hook):
@@ -152,10 +216,18 @@ class Checkpointer(Hook):
         self.saved: int | None = None  # the newest step saved
         self.n, self.state = None, None  # the newest step trained, for a stop signal's save
 
-    def __call__(self, n: int, state, m: dict, record: dict) -> None:
+    def wants_state(self, n: int) -> bool:
+        return bool(self.every and n % self.every == 0) or n == self.last \
+            or bool(self.stop.signum)
+
+    def trained(self, n: int, state) -> None:
         self.n, self.state = n, state
-        if (self.every and n % self.every == 0) or n == self.last or self.stop.signum:
-            self.save()
+
+    def __call__(self, n: int, state, m: dict, record: dict) -> None:
+        if state is not None:  # else the step's state is gone: a later one is saved
+            self.n, self.state = n, state
+            if self.wants_state(n):
+                self.save()
         if done := self.ckpts.poll():
             self.write(str(done))
 

@@ -239,9 +239,12 @@ class SafetensorsSaver(Hook):
         self.guard, self.params, self.options = guard, params, options
         self.saved: int | None = None  # the step in ``directory``
 
-    def __call__(self, n: int, state, m: dict, record: dict) -> None:
-        due = (self.every and n % self.every == 0) or n == self.last or (
+    def wants_state(self, n: int) -> bool:
+        return bool(self.every and n % self.every == 0) or n == self.last or bool(
             self.stop is not None and self.stop.signum)
+
+    def __call__(self, n: int, state, m: dict, record: dict) -> None:
+        due = state is not None and self.wants_state(n)
         if due and self.saved != n and (self.guard is None or self.guard.bad_from is None):
             metadata = {"format": "pt", "step": str(n)}
             try:

@@ -40,6 +40,7 @@ from zero_jax.loop import (
     Preemption,
     Profile,
     TensorBoard,
+    run_steps,
 )
 from zero_jax.mesh import simulate_cpu_devices
 from zero_jax.state import abstract_state
@@ -182,7 +183,8 @@ def train(exp, cfg: dict, args: argparse.Namespace, start, stop, watchdog=None) 
         return fail(summary.tier_failed(e, saver) if isinstance(e, nvme.NvmeError)
                     else str(e), 1)
     except OutputError as e:
-        return summary.output_failed(e, saver, first + len(tally.losses))
+        trained = max(first + len(tally.losses), (saver.n or 0) if saver else 0)
+        return summary.output_failed(e, saver, trained)
     finally:
         bar.close()
         for hook in hooks:
@@ -211,25 +213,20 @@ def outputs(args: argparse.Namespace, start, r: dict, step, first: int, bar) -> 
 
 
 def loop(exp, step, state, start, bar, hooks: list, guard, stop) -> int:
-    """Train until the last step, a stop signal or the divergence guard; each step's results
-    go to every hook. Returns the last step trained."""
-    done_steps, batch_size = int(state.step), exp.cfg["train"]["batch_size"]
+    """Train until the last step, a stop signal or the divergence guard (``run_steps``: the
+    host queues each step before reading the one before); each step's results go to every
+    hook. Returns the last step trained."""
+    first, batch_size = int(state.step), exp.cfg["train"]["batch_size"]
     rows = distributed.local_rows(exp.batch_sharding, exp.batch_shape.shape)  # this process's
-    for i in bar:
-        if stop.signum:
-            break
-        batch = distributed.global_array(exp.batch_sharding, exp.batch_shape.shape, data.batch(
-            start.tokens, i, batch_size, exp.model.seq_len, start.seed, rows))
-        for hook in hooks:
-            hook.before(i + 1)
-        state, m, record = timed(exp, step, state, batch, i + 1)
-        done_steps = i + 1
-        stop_now = guard.update(m, i + 1)
-        for hook in hooks:
-            hook(i + 1, state, m, record)
-        if stop_now:
-            break
-    return done_steps
+
+    def batches():
+        for i in bar:
+            yield i + 1, distributed.global_array(
+                exp.batch_sharding, exp.batch_shape.shape,
+                data.batch(start.tokens, i, batch_size, exp.model.seq_len, start.seed, rows))
+
+    last = run_steps(step, state, batches(), hooks, guard, stop, exp.tokens_per_step)
+    return first if last is None else last
 
 
 def progress(stage: int, steps: int, first: int):
@@ -248,16 +245,6 @@ class Reached(Hook):
 
     def before(self, n: int) -> None:
         self.watchdog.reach(n)
-
-
-def timed(exp, step, state, batch, n: int):
-    """Step ``n``, waited for: the new state, its metrics as numbers, the metrics record."""
-    tick = time.perf_counter()
-    state, m = step(state, batch)
-    m = {k: float(v) for k, v in m.items()}  # waits for the step
-    m["skipped"] = int(m["skipped"])
-    tps = exp.tokens_per_step / (time.perf_counter() - tick)
-    return state, m, {"step": n, **m, "tokens_per_s": tps}
 
 
 if __name__ == "__main__":
