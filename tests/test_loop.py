@@ -109,7 +109,7 @@ class _Saves(zj.loop.Hook):
     def __init__(self):
         self.seen = []
 
-    def wants_state(self, n: int) -> bool:
+    def sync(self, n: int) -> bool:
         return n % 3 == 0
 
     def __call__(self, n, state, m, record):

@@ -161,8 +161,8 @@ def test_a_killed_peer_stops_the_other_and_checkpoints_survive(tmp_path, killed)
     lost = "lost process 1: no heartbeat for 10 s (it died or is stopped); stopping" if killed \
         else "lost process 0 (the coordinator)"
     said = re.fullmatch(rf"error: \[process {survivor}\] {re.escape(lost)} at step (\d+); newest "
-                        rf"complete checkpoint: (\d+) in {re.escape(str(ckpt))}; resume with "
-                        "--resume", lines[0])
+                        rf"complete checkpoint: (\d+) in {re.escape(str(ckpt))}; resume from "
+                        "it", lines[0])
     assert said and int(said[2]) <= int(said[1]), lines[0]
     # one writer of the metrics (whole lines: it may have been killed), and the last complete
     # checkpoint restores

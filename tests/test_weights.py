@@ -264,8 +264,8 @@ def test_in_run_save_in_shards_and_bf16_replaces_the_last_save(gpt2, tmp_path):
     for f in files:
         assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
     back = TensorFiles(tmp_path / "out")
-    np.testing.assert_array_equal(back.view("transformer.wte.weight"),
-                                  flat["wte"].astype(jax.numpy.bfloat16))
+    np.testing.assert_array_equal(back.view("transformer.wte.weight"),  # its padding left out
+                                  flat["wte"][:HF["vocab_size"]].astype(jax.numpy.bfloat16))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "ref"]
 
 

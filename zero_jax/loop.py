@@ -100,9 +100,10 @@ class Hook:
     def before(self, n: int) -> None:
         pass
 
-    def wants_state(self, n: int) -> bool:
-        """Whether this hook needs step ``n``'s state (to save it): ``run_steps`` then reads
-        that step's results before queuing the next, which takes the state (donated)."""
+    def sync(self, n: int) -> bool:
+        """Whether this hook must see step ``n`` before the next step is queued: to save its
+        state (the next step takes it, donated), or to start or end a trace between steps.
+        ``run_steps`` then waits for step ``n`` and reports it first."""
         return False
 
     def trained(self, n: int, state) -> None:
@@ -123,10 +124,10 @@ def run_steps(step: Callable, state: Any, batches: Iterable[tuple[int, Any]],
     the divergence guard, each step's results to every hook; the last step the hooks saw.
 
     The host never waits for the device between steps: step ``n``'s metrics are read once step
-    ``n + 1`` is queued, so the device always has the next step. Where a hook wants step
-    ``n``'s state (``Hook.wants_state``: a save) or the run stops after it, they are read
-    first: the next step takes the state (donated). A hook told of a step whose state is gone
-    gets ``state=None``. The guard stops at the step it stops at today; the step queued after
+    ``n + 1`` is queued, so the device always has the next step. Where a hook asks for step
+    ``n`` alone (``Hook.sync``: a save, a profile's edge) or the run stops after it, they are
+    read first: the next step takes the state (donated). A hook told of a step whose state is
+    gone gets ``state=None``. The guard stops at the step it stops at today; the step queued after
     it is dropped, its results never reported."""
     pending: tuple[int, dict] | None = None
     last, clock = None, [time.perf_counter()]
@@ -145,12 +146,12 @@ def run_steps(step: Callable, state: Any, batches: Iterable[tuple[int, Any]],
     for n, batch in batches:
         if stop.signum:
             break
-        for hook in hooks:
-            hook.before(n)
-        if pending and any(hook.wants_state(pending[0]) for hook in hooks):
+        if pending and any(hook.sync(pending[0]) for hook in hooks):
             (last, m), pending = pending, None
             if report(last, m, state):
                 return last
+        for hook in hooks:
+            hook.before(n)
         state, m = step(state, batch)
         if pending:
             (last, m_before), pending = pending, (n, m)
@@ -216,7 +217,7 @@ class Checkpointer(Hook):
         self.saved: int | None = None  # the newest step saved
         self.n, self.state = None, None  # the newest step trained, for a stop signal's save
 
-    def wants_state(self, n: int) -> bool:
+    def sync(self, n: int) -> bool:
         return bool(self.every and n % self.every == 0) or n == self.last \
             or bool(self.stop.signum)
 
@@ -226,7 +227,7 @@ class Checkpointer(Hook):
     def __call__(self, n: int, state, m: dict, record: dict) -> None:
         if state is not None:  # else the step's state is gone: a later one is saved
             self.n, self.state = n, state
-            if self.wants_state(n):
+            if self.sync(n):
                 self.save()
         if done := self.ckpts.poll():
             self.write(str(done))
@@ -281,6 +282,9 @@ class Profile(Hook):
         # The trace's events are named by the program's instructions: the HLO says what each
         # one is (all_gather.3 -> an all-gather of which shapes, in which loop).
         (self.dir / "train_step.hlo.txt").write_text(compiled.as_text())
+
+    def sync(self, n: int) -> bool:  # the traced steps alone: none queued across an edge
+        return n in (self.window[0] - 1, self.window[1] - 1)
 
     def before(self, n: int) -> None:
         if n == self.window[0]:

@@ -86,6 +86,13 @@ class Layout:
         written = 0
         for layer, x, rest in pieces:
             for part, y, cut in _parts(row, x, rest):
+                if row.pad is not None:  # a padded vocabulary: its padding is not written
+                    axis, n = row.pad
+                    kept = range(cut[axis].start, min(cut[axis].stop, n))
+                    if not kept:
+                        continue
+                    y, cut = np.take(y, range(len(kept)), axis=axis), [*cut[:axis], kept,
+                                                                        *cut[axis + 1:]]
                 place = self.where[path, layer, part]
                 written += _write_box(fds[place.file], place, cut, y)
         return written
@@ -239,12 +246,12 @@ class SafetensorsSaver(Hook):
         self.guard, self.params, self.options = guard, params, options
         self.saved: int | None = None  # the step in ``directory``
 
-    def wants_state(self, n: int) -> bool:
+    def sync(self, n: int) -> bool:
         return bool(self.every and n % self.every == 0) or n == self.last or bool(
             self.stop is not None and self.stop.signum)
 
     def __call__(self, n: int, state, m: dict, record: dict) -> None:
-        due = state is not None and self.wants_state(n)
+        due = state is not None and self.sync(n)
         if due and self.saved != n and (self.guard is None or self.guard.bad_from is None):
             metadata = {"format": "pt", "step": str(n)}
             try:

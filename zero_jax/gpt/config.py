@@ -416,16 +416,16 @@ def _check_tensor_parallel(config: dict) -> None:
         raise ConfigError("zero.partition_activations cuts each block's saved input over the "
                           "tensor-parallel ranks: it needs --tensor-parallel 2 or more and "
                           "the blocks named in zero.transformer_layers")
+    for key in ("n_heads", "d_ff") + (("n_kv_heads",) if m["n_kv_heads"] else ()):
+        if m[key] % t:
+            raise ConfigError(f"mesh.tensor_parallel {t} does not divide model.{key} {m[key]}: "
+                              f"tensor parallelism cuts it into {t} pieces; pick a divisor")
     padded = -(-m["vocab_size"] // m["vocab_multiple"]) * m["vocab_multiple"]
     if padded % t:
         raise ConfigError(f"mesh.tensor_parallel {t} does not divide model.vocab_size "
                           f"{m['vocab_size']} padded to a multiple of model.vocab_multiple "
                           f"{m['vocab_multiple']} ({padded}): tensor parallelism cuts it into "
                           f"{t} pieces; pick a divisor or a vocab_multiple it divides")
-    for key in ("n_heads", "d_ff") + (("n_kv_heads",) if m["n_kv_heads"] else ()):
-        if m[key] % t:
-            raise ConfigError(f"mesh.tensor_parallel {t} does not divide model.{key} {m[key]}: "
-                              f"tensor parallelism cuts it into {t} pieces; pick a divisor")
 
 
 def _at_least(config: dict, section: str, key: str, low: int) -> None:
