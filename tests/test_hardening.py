@@ -842,8 +842,16 @@ def test_digest_is_the_same_in_any_layout_and_sees_one_bit(mesh):
     assert integrity.digest(jnp.asarray(z))[0] != next(iter(got))[0]
 
 
+# train.py keeps SIGHUP ignored when it starts so (nohup): the runs signalled here start with
+# SIGHUP's default, as from a terminal, whatever the suite itself was started under (under
+# nohup a hang-up was ignored, and its tests waited out their 60 s timeouts and failed).
+HUP_DEFAULT = ("import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+               "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
 def start(*args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "train.py", *MODEL, *map(str, args)], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-c", HUP_DEFAULT, "train.py", *MODEL,
+                             *map(str, args)], cwd=ROOT,
                             env={**ENV, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -1014,8 +1022,7 @@ def test_a_closed_terminal_stops_with_a_save(tmp_path, reference):
     c, m = tmp_path / "ckpt", tmp_path / "m.jsonl"
     master, terminal = pty.openpty()
     # A session of its own, the pty its controlling terminal, then train.py in that process
-    controlling = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
-                   "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+    controlling = "import fcntl, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); " + HUP_DEFAULT
     proc = subprocess.Popen(
         [sys.executable, "-c", controlling, "train.py", *MODEL, "--steps", "1000",
          "--checkpoint-dir", str(c), "--metrics", str(m)], cwd=ROOT,
