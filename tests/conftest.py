@@ -182,3 +182,17 @@ def equations(jaxpr, skip: str | None = None, loop=None, scans=None):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
                     yield from equations(inner, skip, here, scans)
+
+
+# The files that take the most CPU (seconds of a run alone, -n 0, 2 cores), started first:
+# with two workers taking whole files, a heavy file started last leaves the other idle at the
+# end. xdist would otherwise start the files with the most tests first.
+HEAVIEST = ["test_tensor_parallel.py", "test_hardening.py", "test_checkpoint.py",
+            "test_blocks.py", "test_cli.py", "test_multiprocess.py", "test_weights.py",
+            "test_precision.py", "test_prefetch.py", "test_nvme.py"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(HEAVIEST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
+
