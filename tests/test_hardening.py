@@ -1078,7 +1078,8 @@ def test_sigterm_during_a_second_writer_and_exports(tmp_path, reference, capsys)
 
 def test_a_signal_during_the_save_poll_still_saves_its_step(tmp_path, monkeypatch, capsys):
     """SIGTERM landing inside the checkpoint manager's poll, after the step's save check: the
-    run stops before another step and still saves this one (exit 143), not "nothing new"."""
+    run stops before another step and still saves the newest (exit 143), not "nothing new":
+    step 3, which the loop queued before reading step 2 (``run_steps``)."""
     c, calls, poll = tmp_path / "ckpt", [], Checkpoints.poll
 
     def poll_then_signal(self):
@@ -1091,8 +1092,8 @@ def test_a_signal_during_the_save_poll_still_saves_its_step(tmp_path, monkeypatc
     code = train.main([*MODEL, "--steps", "6", "--checkpoint-dir", str(c)])
     err = capsys.readouterr().err
     assert code == 143, err
-    assert f"stopped by SIGTERM after step 2: checkpoint 2 saved in {c}" in err, err
-    assert Checkpoints(c, read_only=True).steps() == [2]
+    assert f"stopped by SIGTERM after step 3: checkpoint 3 saved in {c}" in err, err
+    assert Checkpoints(c, read_only=True).steps() == [3]
 
 
 @pytest.mark.parametrize("flag", ["--metrics", "--report"])
