@@ -140,7 +140,7 @@ def test_accumulation_offload_ignored_and_frozen(grid, small):
     # On the CPU backend host and device memory are one; the program lowered for GPUs asks for it.
     (carry,) = host_carried_scans(jax.make_jaxpr(step)(state, batches[0]).jaxpr)
     assert [a.memory_space for a in carry[2:]] == [jax.memory.Space.Host] * (len(carry) - 2)
-    for_gpu = jax.export.export(step, platforms=["cuda"])(state, batches[0]).mlir_module()
+    for_gpu = jax.export.export(step.fn, platforms=["cuda"])(state, batches[0]).mlir_module()
     assert '_xla_buffer_placement = "pinned_host"' in for_gpu
     compiled = step.lower(state, batches[0]).compile()
     across = [c for c in collectives(compiled.as_text(), 8)

@@ -99,7 +99,7 @@ def test_gpu_program_keeps_the_host_placements(offloaded):
     memory (the state as the step's pinned_host arguments, the gradients streamed or annotated
     to move there), and nothing inside it moves data back to the device."""
     plan, step, state, batch = offloaded
-    text = export.export(step, platforms=["cuda"])(state, batch).mlir_module()
+    text = export.export(step.fn, platforms=["cuda"])(state, batch).mlir_module()
     name, operands = update_call(text, state)
     main = text[text.index("func.func public @main("):]
     signature = main[:main.index(") -> (")]
@@ -200,7 +200,7 @@ def test_parameter_offload_moves_each_layer_inside_both_loops(mesh, small):
     assert puts[1, "Host"] == in_blocks
     assert puts[None, "Device"] == len(cut) - in_blocks  # the rest, once per step
     # The same program for CUDA carries each of those moves as a placement annotation.
-    text = export.export(step, platforms=["cuda"])(state, batch).mlir_module()
+    text = export.export(step.fn, platforms=["cuda"])(state, batch).mlir_module()
     to_device = re.findall(r'_xla_buffer_placement = "device"', text)
     assert len(to_device) >= puts[0, "Device"] + puts[1, "Device"] + puts[None, "Device"]
     with pytest.raises(ValueError, match=r"Offload\(optimizer=1.0\)"):

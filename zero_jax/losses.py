@@ -100,12 +100,20 @@ def _chunked_bwd(valid, res, g):
         p = jnp.exp(_logits(xc, head, valid) - lc[:, None])
         p = p - jax.nn.one_hot(yc, head.shape[1], dtype=p.dtype)
         dlogits = (p * gc[:, None]).astype(x.dtype)
-        dx = jnp.dot(dlogits, head.T, preferred_element_type=jnp.float32).astype(x.dtype)
-        dhead = dhead + jnp.dot(xc.T, dlogits, preferred_element_type=jnp.float32)
+        dx = _dot32(dlogits, head.T).astype(x.dtype)
+        dhead = dhead + _dot32(xc.T, dlogits)
         return dhead, dx
     dhead, dx = jax.lax.scan(body, _varying(jnp.zeros(head.shape, jnp.float32), x, head, g),
                              (x, y, lse, g))
     return dx, dhead.astype(head.dtype), None
+
+
+def _dot32(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a @ b`` accumulated and returned in fp32. The CPU backend has no fp16 x fp16 -> fp32
+    dot: fp16 operands are upcast first there (bf16 and fp32 ask the GEMM for fp32)."""
+    if a.dtype == jnp.float16 and jax.default_backend() == "cpu":
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
 def _varying(zeros: jax.Array, *like: jax.Array) -> jax.Array:

@@ -178,6 +178,12 @@ def _stacked_args(in_axes: Any, n: int) -> tuple[bool, ...] | None:
     return tuple(a is not flax.core.broadcast for a in axes)
 
 
+# The scan arguments ``_refusal`` reads from flax's own call (tests/test_internals.py checks
+# flax.core.lift.scan still takes them).
+_SCAN_ARGS = ("variable_axes", "variable_broadcast", "variable_carry", "in_axes", "out_axes",
+              "reverse")
+
+
 def _refusal(scopes, carry, xs, how: dict) -> str | None:
     """Why this ``nn.scan`` cannot run as a prefetching loop (``None``: it can); ``how``: the
     scan's own arguments, by name."""

@@ -42,4 +42,9 @@ def causal(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str) -> jax
     impl = resolve(implementation, jax.default_backend(), q.dtype, q.shape[-1])
     if impl == "cudnn" and jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in CUDNN_DTYPES]:
         impl = "xla"  # the fp32 trace of init, shapes only (a bf16 step was checked to fit)
+    if impl == "xla" and q.dtype == jnp.float16 and jax.default_backend() == "cpu":
+        # XLA's form asks for fp32 scores, which the CPU backend has no fp16 dot for
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        return jax.nn.dot_product_attention(*f32, is_causal=True,
+                                            implementation=impl).astype(q.dtype)
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)

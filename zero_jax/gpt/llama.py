@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from zero_jax.gather import remat_policy
 from zero_jax.gpt import attention
-from zero_jax.gpt.model import GPTConfig
+from zero_jax.gpt.model import GPTConfig, block_remat
 from zero_jax.plan import Rule
 from zero_jax.tensorfiles import WeightsError
 from zero_jax.weights import Mapping, Tensor
@@ -99,7 +99,8 @@ class Llama(nn.Module):
         wte = self.param("wte", nn.initializers.normal(0.02), (c.padded_vocab, c.d_model))
         block = LlamaBlock
         if c.remat != "none":
-            block = nn.remat(block, prevent_cse=False, policy=remat_policy(c.remat))
+            policy = remat_policy(block_remat(c, wte.dtype))
+            block = nn.remat(block, prevent_cse=False, policy=policy)
         stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                         length=c.n_layers)
         x, _ = stack(c, name="blocks")(wte[tokens], None)

@@ -121,12 +121,23 @@ class GPT(nn.Module):
         x, wte = embed(self, c, tokens)
         block = Block
         if c.remat != "none":
-            block = nn.remat(block, prevent_cse=False, policy=remat_policy(c.remat))
+            block = nn.remat(block, prevent_cse=False, policy=remat_policy(block_remat(c, x.dtype)))
         stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                         length=c.n_layers)
         x, _ = stack(c, name="blocks")(x, None)
         x = nn.LayerNorm(epsilon=c.norm_eps, name="ln_f")(x)
         return x, wte.T  # output head tied to the embedding, as GPT-2
+
+
+def block_remat(c: GPTConfig, dtype) -> str:
+    """``c.remat``, with "auto" resolved as the experiment resolves it, for a config used
+    outside one (read back from an export): ``dots`` where attention is cuDNN's, else
+    ``full``."""
+    if c.remat != "auto":
+        return c.remat
+    fused = attention.resolve(c.attention, jax.default_backend(), dtype,
+                              c.d_model // c.n_heads) == "cudnn"
+    return "dots" if fused else "full"
 
 
 def build(cfg: GPTConfig) -> nn.Module:
