@@ -130,14 +130,15 @@ def run_steps(step: Callable, state: Any, batches: Iterable[tuple[int, Any]],
     gone gets ``state=None``. The guard stops at the step it stops at today; the step queued after
     it is dropped, its results never reported."""
     pending: tuple[int, dict] | None = None
-    last, clock = None, [time.perf_counter()]
+    last, read_at = None, time.perf_counter()  # when the step before was read
 
     def report(n: int, m: dict, state_n: Any) -> bool:
+        nonlocal read_at
         m = {k: float(v) for k, v in m.items()}  # waits for step n
         m["skipped"] = int(m["skipped"])
         now = time.perf_counter()  # since the step before was read: this step's time
-        record = {"step": n, **m, "tokens_per_s": tokens_per_step / max(now - clock[0], 1e-9)}
-        clock[0] = now
+        record = {"step": n, **m, "tokens_per_s": tokens_per_step / max(now - read_at, 1e-9)}
+        read_at = now
         stop_now = guard.update(m, n)
         for hook in hooks:
             hook(n, state_n, m, record)

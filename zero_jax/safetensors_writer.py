@@ -225,7 +225,7 @@ def _barrier(name: str) -> None:
         multihost_utils.sync_global_devices(f"zero_jax save_safetensors {name}")
 
 
-def _trained(state) -> PyTree:
+def trained_params(state) -> PyTree:
     """The parameters to hand on: the fp32 master when the run keeps one."""
     return state.master if state.master is not None else state.params
 
@@ -241,7 +241,7 @@ class SafetensorsSaver(Hook):
     ``OutputError``."""
 
     def __init__(self, directory: str | os.PathLike, every: int, last: int, stop: Any = None,
-                 guard: Any = None, params: Callable[[Any], PyTree] = _trained, **options):
+                 guard: Any = None, params: Callable[[Any], PyTree] = trained_params, **options):
         self.directory, self.every, self.last, self.stop = directory, every, last, stop
         self.guard, self.params, self.options = guard, params, options
         self.saved: int | None = None  # the step in ``directory``

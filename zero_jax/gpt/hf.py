@@ -130,13 +130,10 @@ def saver(directory: str, step, model: dict, every: int, last: int, stop, guard)
     trained parameters (the fp32 master where there is one) as a Hugging Face directory, each
     process writing its own shards' bytes (``zero_jax.save_safetensors``); ``step`` (a
     ``TrainStep``) gives the whole state, read back from the NVMe tier's files if need be."""
-    from zero_jax.safetensors_writer import SafetensorsSaver
+    from zero_jax.safetensors_writer import SafetensorsSaver, trained_params
 
-    def trained(state):
-        whole = step.whole(state)
-        return whole.params if whole.master is None else whole.master
-
-    return SafetensorsSaver(directory, every, last, stop, guard, params=trained,
+    return SafetensorsSaver(directory, every, last, stop, guard,
+                            params=lambda state: trained_params(step.whole(state)),
                             mapping=mapping(model),
                             extra=lambda d: write_config(pathlib.Path(d), model, "float32"))
 
