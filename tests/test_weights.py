@@ -449,9 +449,9 @@ def test_a_bf16_checkpoint_into_a_bf16_run_with_a_frozen_embedding(gpt2, tmp_pat
     assert not np.array_equal(after["blocks"]["qkv"]["kernel"], want["blocks"]["qkv"]["kernel"])
 
 
-def _checkpoint_of(directory: pathlib.Path, shapes: dict, devices: int = 8) -> None:
-    """A checkpoint of random fp32 parameters of ``shapes`` at stage 3 on ``devices``."""
-    plan = zj.make_plan(shapes, zj.make_mesh(devices), stage=3)
+def _checkpoint_of(directory: pathlib.Path, shapes: dict) -> None:
+    """A checkpoint of random fp32 parameters of ``shapes`` at stage 3 on 8 devices."""
+    plan = zj.make_plan(shapes, zj.make_mesh(), stage=3)
     init = lambda key: {k: jax.random.normal(jax.random.fold_in(key, i), v.shape)
                         for i, (k, v) in enumerate(shapes.items())}
     ckpts = zj.Checkpoints(directory)
@@ -480,20 +480,17 @@ print([line.split()[1] for line in open("/proc/self/status") if line.startswith(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices", [8, 1])
-def test_export_peak_memory_follows_the_largest_tensor_not_the_stack(tmp_path, devices):
+def test_export_peak_memory_follows_the_largest_tensor_not_the_stack(tmp_path):
     """The export in a process of its own, its peak resident memory (VmHWM), for a model of
     two scanned stacks of 8 layers (2 x 32 MiB) and an embedding, written one tensor per layer
     (4 MiB each, the largest): 17 times its largest tensor, yet it peaks within the largest
     tensor + 16 MiB of a tiny model's export (what the process costs by itself). Each stored
-    chunk (the 4 MiB shard one of 8 devices saved; at most ``STORED_CHUNK_BYTES``, 4 MiB, of
-    one device's whole stack) is read once and its layers' parts written where they lie;
-    nothing holds a stack. Measured (2 cores, 8 devices): tiny 202 MiB, model 214 MiB; reading
-    each parameter whole, as the export did before, peaked at 298 MiB (tiny 204); one device's
-    save stored as one chunk per stack, 93 MiB above the tiny model's."""
+    chunk (the 4 MiB shard one device saved) is read once and its layers' parts written where
+    they lie; nothing holds a stack. Measured (2 cores): tiny 202 MiB, model 214 MiB; reading
+    each parameter whole, as the export did before, peaked at 298 MiB (tiny 204)."""
     peaks, layer = {}, 4 << 20
     for name, rows in [("tiny", 8), ("model", 1024)]:
-        _checkpoint_of(tmp_path / name, _stacked(8, rows), devices)
+        _checkpoint_of(tmp_path / name, _stacked(8, rows))
         run = subprocess.run([sys.executable, "-c", PEAK, str(tmp_path / name),
                               str(tmp_path / f"{name}-out")], cwd=ROOT, env=TRAIN_ENV,
                              capture_output=True, text=True, timeout=300)

@@ -100,13 +100,6 @@ def _unflat(target: PyTree, flat: dict[str, Any]) -> PyTree:
     return jax.tree.unflatten(jax.tree.structure(target), leaves)
 
 
-# Each array is stored in chunks of at most this many bytes (within each process's shards), so
-# that a reader of one chunk at a time (the export) holds that much whatever the run's layout:
-# one device's save of a scanned stack would otherwise be one chunk of every layer (its export
-# measured 93 MiB above a tiny model's for 2 x 32 MiB stacks, within 16 MiB with 4 MiB chunks).
-STORED_CHUNK_BYTES = 4 << 20
-
-
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used as asked; the message says why and what to do."""
 
@@ -255,9 +248,7 @@ class Checkpoints:
             saved = self.manager.save(step, args=ocp.args.Composite(
                 meta=ocp.args.JsonSave({"format": FORMAT, "step": step, **meta,
                                         "digests": sums}),
-                **{k: ocp.args.StandardSave(v, save_args=jax.tree.map(
-                    lambda _: ocp.SaveArgs(chunk_byte_size=STORED_CHUNK_BYTES), v))
-                   for k, v in items.items()}))
+                **{k: ocp.args.StandardSave(v) for k, v in items.items()}))
         except Exception as e:  # a write that fails before going to the background
             raise self._failed(step, e) from e
         if not saved:
