@@ -179,7 +179,7 @@ def run_loss(g: GradStep, tree: PyTree, micro: PyTree, key: jax.Array | None):
         raise ValueError(f"prefetch runs linen and NNX scanned stacks, unrolled linen blocks "
                          f"and NNX blocks in a list; {missing[0]!r} did not run as one (its "
                          f"nnx.scan bound before the step, or applied at import): turn "
-                         f"prefetch off")
+                         f"prefetch off (Layers(prefetch=False))")
     if missing := [b for b in blocks if b not in seen and b not in prefetched]:
         raise ValueError(f"layers= names {missing[0]!r}, which never ran as a Flax linen module "
                          f"during the loss; name modules that are called (their paths: "
@@ -211,7 +211,7 @@ def _traced(g: GradStep, args: tuple, chain: handoff.Chain | None):
     remat_all = plan.partition_activations and not plan.rule.shard_params
     by_module = plan.gather == "module"
     with per_block(blocks, plan.remat, plan.partition_activations, chain, remat_all, by_module,
-                   ahead=by_module and plan.comm.prefetch) as seen, \
+                   ahead=by_module and plan.prefetch) as seen, \
             fetch:
         try:
             out = g.loss_fn(*args)
