@@ -14,6 +14,7 @@ from conftest import ONE_LAYER, SUBPROCESS_ENV, TRAIN_ENV, check_files
 
 from zero_jax import planner, plot
 from zero_jax.gpt import layouts
+from zero_jax.gpt.cli import in_flags
 from zero_jax.gpt.model import GPTConfig
 
 pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
@@ -136,6 +137,10 @@ def test_dry_run_of_1_3b_compiles_without_allocating(tmp_path):
     (["--set", "zero.transformer_layers=[ln_f]"], "'ln_f' is not a layer stack of this model"),
     (["--set", "train.ckpt_load_path=/no/such/dir"],
      "train.ckpt_load_path: checkpoint directory /no/such/dir does not exist"),
+    # The library's refusal, in its terms, with the config keys that set what it names
+    (["--set", "zero.tile_mb=0.000001", "--set", "zero.prefetch=false"],
+     "raise tile_mb, or leave its module out of layers= (train.py: zero.tile_mb, "
+     "zero.transformer_layers)"),
 ])
 def test_bad_input_gives_one_line_and_exit_2(args, message, capsys):
     """``train.main`` in this process (train.py's own start-up is run by the tests above)."""
@@ -148,6 +153,14 @@ def test_bad_input_gives_one_line_and_exit_2(args, message, capsys):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
     assert "Traceback" not in err
+
+
+def test_library_refusals_name_the_flags_that_set_what_they_name():
+    assert in_flags("pass keep=None or at least 1") == \
+        "pass keep=None or at least 1 (train.py: --keep)"
+    # Named already (a demo message), or nothing of the library's: as it was
+    said = "zero.prefetch: prefetch runs at stage 3"
+    assert in_flags(said) == said and in_flags("no such file") == "no such file"
 
 
 def test_bad_input_from_the_command_line():

@@ -33,6 +33,22 @@ def fail(message: str, code: int = 2) -> int:
     return code
 
 
+# The library's arguments its refusals name, as a train.py user sets them: a refusal naming the
+# first gets the second beside it (the library speaks of its own API, never of these flags).
+AS_SET = (("tile_mb", "zero.tile_mb"), ("layers=", "zero.transformer_layers"),
+          ("accum_steps", "train.accum_steps"), ("bucket_bytes", "zero.bucket_mb"),
+          ("min_shard_elems", "zero.min_shard_elems"), ("prefetch", "zero.prefetch"),
+          ("partition=True", "zero.partition_activations"), ("gather=", "zero.gather"),
+          ("Offload(", "zero.offload_optimizer"), ("pass devices", "--devices"),
+          ("keep=", "--keep"))
+
+
+def in_flags(message: str) -> str:
+    """A library refusal with the config keys and flags that set what it names."""
+    named = [key for phrase, key in AS_SET if phrase in message and key not in message]
+    return f"{message} (train.py: {', '.join(named)})" if named else message
+
+
 def warn(message: str) -> None:
     print(f"warning: {process()}{message}", file=sys.stderr)
 

@@ -25,6 +25,7 @@ from zero_jax.gpt.cli import (
     check_args,
     check_observability,
     fail,
+    in_flags,
     load_config,
     parse_args,
     profile_window,
@@ -111,8 +112,10 @@ def run_main(args: argparse.Namespace, watchdog=None) -> int:
                         reports.dry_run(exp, args)
                 with resume.find_start(exp, cfg, args) as start:
                     return train(exp, cfg, args, start, stop, watchdog)
-        except (configs.ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
+        except (configs.ConfigError, FileNotFoundError) as e:
             return fail(str(e))
+        except ValueError as e:  # the library's refusals (CheckpointError too), in its terms
+            return fail(in_flags(str(e)))
         except OutputError as e:  # --report of a dry run
             return fail(str(e), 1)
 
