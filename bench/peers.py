@@ -22,7 +22,7 @@ A wider model (``d_ff`` does not follow ``d_model`` by itself: keep GPT's 4x by 
 ``--model unrolled``: the same comparison on a GPT-2 whose blocks are built in a Python loop
 and named ``h_0 .. h_{n-1}`` (``UnrolledGPT``, as every HF Flax model is written), at the
 config's widths: zero_jax through its library API alone (``zj.make_plan`` with
-``layers=UNROLLED_BLOCKS``, ``comm=zj.Comm(prefetch=...)``) at stage 0, stage 3 and stage 3
+``layers=zj.Layers(UNROLLED_BLOCKS, prefetch=...)``) at stage 0, stage 3 and stage 3
 with prefetch (``zero_jax.handoff``), beside DDP and the GSPMD FSDP baselines compiled for the
 same model; every row's first loss checked against stage 0's (the zero_jax rows' too):
 
@@ -395,8 +395,8 @@ def unrolled_zero(cfg: dict, mesh: Mesh, stage: int, prefetch: bool = False):
     init = init_fn(model)
     tx, schedule = make_optimizer(cfg["optimizer"], cfg["train"]["steps"])
     plan = zj.make_plan(jax.eval_shape(init, jax.random.key(SEED_KEY)), mesh, stage,
-                        layers=zj.Layers(UNROLLED_BLOCKS, remat), precision=precision,
-                        comm=zj.Comm(prefetch=prefetch))
+                        layers=zj.Layers(UNROLLED_BLOCKS, remat, prefetch=prefetch),
+                        precision=precision)
     step = zj.make_train_step(plan, lm_loss(model), tx, lr_schedule=schedule)
     return plan, tx, init, step
 

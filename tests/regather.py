@@ -123,9 +123,9 @@ def save_h100(directory: str) -> None:
     mesh = Mesh(np.array(topology.devices), ("data",), axis_types=(AxisType.Auto,))
     init, loss, layers = dict(problems())["unrolled"]
     tx = optax.adamw(1e-3)
-    for name, comm in [("", zj.Comm()), ("-prefetch", zj.Comm(prefetch=True))]:
-        plan = zj.make_plan(jax.eval_shape(init, jax.random.key(0)), mesh, 3, layers=layers,
-                            comm=comm)
+    for name, prefetch in [("", False), ("-prefetch", True)]:
+        plan = zj.make_plan(jax.eval_shape(init, jax.random.key(0)), mesh, 3,
+                            layers=zj.Layers(layers, prefetch=prefetch))
         step = zj.make_train_step(plan, loss, tx)
         text = step.lower(zj.abstract_state(plan, tx), BATCH).compile().as_text()
         with gzip.open(os.path.join(directory, f"unrolled-stage-3{name}-h100.hlo.gz"),

@@ -126,8 +126,7 @@ def test_training_equals_one_device(stage, opt, gather, mesh, four, one_device):
     loss_fn = lambda params, toks: ce(model, params, toks).mean()
     tx = TXS[opt]()
     plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage,
-                        layers=zj.Layers(BLOCKS, gather=gather),
-                        comm=zj.Comm(prefetch=gather == "module"))
+                        layers=zj.Layers(BLOCKS, gather=gather, prefetch=gather == "module"))
     state = zj.init_state(plan, init, tx, KEY)
     step = zj.make_train_step(plan, loss_fn, tx)
     ref = one_device[opt]
@@ -246,16 +245,16 @@ def test_stage3_on_one_device_remats_its_blocks_as_on_many(prefetch):
     loss_fn = lambda params, toks: ce(model, params, toks).mean()
     mesh, tx, toks = zj.make_mesh(1), optax.sgd(0.3), tokens(0)
 
-    def run(stage, comm=None):
-        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=BLOCKS,
-                            comm=comm or zj.Comm())
+    def run(stage, prefetch=False):
+        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage,
+                            layers=zj.Layers(BLOCKS, prefetch=prefetch))
         step = zj.make_train_step(plan, loss_fn, tx)
         cost = step.lower(zj.abstract_state(plan, tx), toks).compile().cost_analysis()
         state, m = step(zj.init_state(plan, init, tx, KEY), toks)
         return (cost[0] if isinstance(cost, list) else cost)["flops"], m["loss"], state.params
 
     flops0, loss0, params0 = run(0)
-    flops3, loss3, params3 = run(3, zj.Comm(prefetch=prefetch))
+    flops3, loss3, params3 = run(3, prefetch)
     assert flops3 > 1.15 * flops0, (flops3, flops0)  # the forward again, block by block
     assert rel(loss3, loss0) < 1e-6 and max_rel(params3, params0) < 1e-5
 
@@ -270,8 +269,8 @@ def test_prefetch_passes_over_a_block_with_nothing_to_gather(mesh):
     rules = [zj.Rule("^h_1/", min_shard_elems=10**9)]
 
     def run(prefetch):
-        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=BLOCKS, rules=rules,
-                            comm=zj.Comm(prefetch=prefetch))
+        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, rules=rules,
+                            layers=zj.Layers(BLOCKS, prefetch=prefetch))
         assert all(leaf.persistent or leaf.axis is None
                    for leaf in jax.tree.leaves(plan.leaves["h_1"], is_leaf=lambda x: hasattr(
                        x, "persistent")))
@@ -430,7 +429,7 @@ def test_declared_block_that_never_runs(mesh, net):
 
 
 def test_gathering_by_module_waits_one_module_back_within_one_trace():
-    """Prefetch by module (``gather._Previous``): a module's gather waits for the inputs of
+    """Prefetch by module (``blocks.modules.Previous``): a module's gather waits for the inputs of
     what ran before it in the same trace (the block, for its first module), else (no
     prefetch, or an inner transform's trace) for its own. Each mutation of the rule fails."""
     from zero_jax.blocks.modules import Previous as _Previous
@@ -473,8 +472,7 @@ def test_gathering_by_module_order_in_the_compiled_program(prefetch, mesh):
 
     model, init = setup(n_blocks=3)
     plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,
-                        layers=zj.Layers(BLOCKS, gather="module"),
-                        comm=zj.Comm(prefetch=prefetch))
+                        layers=zj.Layers(BLOCKS, gather="module", prefetch=prefetch))
     tx = optax.sgd(0.1)
     loss_fn = lambda params, toks: ce(model, params, toks).mean()
     text = zj.make_train_step(plan, loss_fn, tx).lower(

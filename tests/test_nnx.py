@@ -160,8 +160,8 @@ def test_dropout_streams_reseeded_per_step_and_device(prefetch, mesh):
         return jnp.mean((model(x) - y) ** 2)
 
     tx = optax.sgd(0.1)
-    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=r"^blocks/\d+$",
-                        comm=zj.Comm(prefetch=prefetch))
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,
+                        layers=zj.Layers(r"^blocks/\d+$", prefetch=prefetch))
     state = zj.init_state(plan, init, tx, KEY)
     step = zj.make_train_step(plan, loss_fn, tx)
     params, key = init(KEY), jax.random.key(5)
@@ -215,8 +215,8 @@ def test_batch_statistics_carried_through_the_batch(prefetch, mesh):
         return loss, {"stats": nnx.state(model, nnx.BatchStat)}
 
     tx = optax.sgd(0.05)
-    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=r"^blocks/\d+$",
-                        comm=zj.Comm(prefetch=prefetch))
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,
+                        layers=zj.Layers(r"^blocks/\d+$", prefetch=prefetch))
     state = zj.init_state(plan, init, tx, KEY)
     spec = {"x": P("data"), "y": P("data"), "stats": P()}
     step = zj.make_train_step(plan, loss_fn, tx, batch_spec=spec, has_aux=True)

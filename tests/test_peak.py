@@ -150,11 +150,12 @@ def scanned():
     return shapes, lm_loss(model), regather.BATCH, layer
 
 
-def peak_of(mesh, scanned, stage, comm=None, gather="block"):
+def peak_of(mesh, scanned, stage, comm=None, gather="block", prefetch=False):
     """The report's ``compiled`` figures and ``peak`` (the report compiles the step itself)."""
     shapes, loss_fn, batch, _ = scanned
     tx = optax.adamw(1e-3)
-    plan = zj.make_plan(shapes, mesh, stage, layers=zj.Layers("blocks", gather=gather),
+    plan = zj.make_plan(shapes, mesh, stage,
+                        layers=zj.Layers("blocks", gather=gather, prefetch=prefetch),
                         comm=comm or zj.Comm())
     state = zj.abstract_state(plan, tx)
     r = report.build(plan, state, zj.make_train_step(plan, loss_fn, tx).lower(state, batch))
@@ -165,7 +166,7 @@ def peak_of(mesh, scanned, stage, comm=None, gather="block"):
         assert re.search(r"\n +gathered weights +[\d.]+ MiB +ZeRO: [\d.]+ MiB\n", fills)
         assert re.search(r"\n +between buffers +[\d.]+ MiB", fills)
         assert r["peak"]["expected"]["gathered weights"] == \
-            (1 + plan.comm.prefetch) * scanned[3]
+            (1 + plan.prefetch) * scanned[3]
     return r["compiled"], r["peak"]
 
 
@@ -207,7 +208,7 @@ def test_stage3_holds_one_gathered_layer_more_with_prefetch(prefetch, bucket_byt
     most two, in buckets too (a bucket live beside the leaves cut from it would add a third):
     read from the live ranges. (Without prefetch, buckets still hold 1.3 layers.)"""
     layer = scanned[3]
-    _, peak = peak_of(mesh, scanned, 3, zj.Comm(bucket_bytes=bucket_bytes, prefetch=prefetch))
+    _, peak = peak_of(mesh, scanned, 3, zj.Comm(bucket_bytes=bucket_bytes), prefetch=prefetch)
     assert 0 < peak["by_kind"]["gathered weights"] <= (1 + prefetch) * layer
     # And when the temp allocation is fullest.
     assert 0 < peak["temp"]["by_kind"]["gathered weights"] <= (1 + prefetch) * layer
@@ -235,7 +236,7 @@ def test_gathering_by_module_holds_one_module_at_a_time(prefetch, mesh, scanned)
     gathered weights (an MLP matrix, less than half of a layer), not a layer's; with prefetch
     (the next module's gather issued one module ahead) at most two."""
     layer = scanned[3]
-    _, peak = peak_of(mesh, scanned, 3, zj.Comm(prefetch=prefetch), gather="module")
+    _, peak = peak_of(mesh, scanned, 3, gather="module", prefetch=prefetch)
     expected = peak["expected"]["gathered weights"]
     assert expected / (1 + prefetch) < layer / 2
     assert 0 < peak["by_kind"]["gathered weights"] <= expected, (peak["by_kind"], expected)

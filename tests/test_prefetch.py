@@ -69,8 +69,9 @@ def test_prefetch_trains_bit_identically_and_gathers_a_layer_ahead(layout, probl
     mesh = zj.make_mesh(8, axes={"replica": 2, "data": 4} if outer else None)
     tx = OPTIMIZERS[opt]()
 
-    def train(comm):
-        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=LAYERS,
+    def train(prefetch):
+        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,
+                            layers=zj.Layers(LAYERS, prefetch=prefetch),
                             rules=[zj.Rule("", min_shard_elems=64)], comm=comm,
                             precision=zj.Precision(accum_steps=accum), offload=offload)
         state = zj.init_state(plan, init, tx, KEY)
@@ -84,7 +85,7 @@ def test_prefetch_trains_bit_identically_and_gathers_a_layer_ahead(layout, probl
         return losses, jax.device_get(state.params), compiled, report.build(
             plan, state, lowered, compiled)
 
-    plain, ahead = train(comm), train(dataclasses.replace(comm, prefetch=True))
+    plain, ahead = train(False), train(True)
     assert plain[0] == ahead[0]
     for a, b in zip(jax.tree.leaves(plain[1]), jax.tree.leaves(ahead[1]), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -132,7 +133,7 @@ def test_remat_offload_keeps_the_saved_layer_inputs_in_host_memory(mesh, problem
     host = {}
     for remat in ("full", "offload"):
         plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,
-                            layers=zj.Layers(LAYERS, remat), comm=zj.Comm(prefetch=True))
+                            layers=zj.Layers(LAYERS, remat, prefetch=True))
         step = zj.make_train_step(plan, loss_fn, tx)
         jaxpr = jax.make_jaxpr(step)(zj.abstract_state(plan, tx), batch).jaxpr
         host[remat] = scan_outputs_in_host_memory(jaxpr)
@@ -265,8 +266,8 @@ def test_stacks_with_broadcast_arguments_prefetch(kind, mesh):
     ref = jax.grad(loss)(init(KEY), batch)
     grads = {}
     for on in (False, True):
-        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers="^blocks$",
-                            comm=zj.Comm(prefetch=on))
+        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,
+                            layers=zj.Layers("^blocks$", prefetch=on))
         params = zj.init_state(plan, init, optax.sgd(0.1), KEY).params
         fn = jax.jit(zj.make_grad_fn(plan, loss))
         put = jax.device_put(batch, NamedSharding(mesh, P("data")))
@@ -330,8 +331,8 @@ def test_transforms_made_at_import_prefetch(cls, layers, mesh):
     ref = jax.grad(loss)(init(KEY), x)
     batch, grads = jax.device_put(x, NamedSharding(mesh, P("data"))), {}
     for on in (False, True):
-        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=layers,
-                            comm=zj.Comm(prefetch=on))
+        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,
+                            layers=zj.Layers(layers, prefetch=on))
         params = zj.init_state(plan, init, optax.sgd(0.1), KEY).params
         fn = jax.jit(zj.make_grad_fn(plan, loss))
         grads[on] = jax.device_get(fn(params, batch)[1])
@@ -351,15 +352,15 @@ def test_transforms_made_at_import_prefetch(cls, layers, mesh):
 
 def test_prefetch_refused_where_it_cannot_run(mesh):
     shapes = jax.eval_shape(init_fn(MODEL), KEY)
-    on = zj.Comm(prefetch=True)
+    on = lambda pattern: zj.Layers(pattern, prefetch=True)
     for stage in (0, 1, 2):  # nothing is gathered per layer
-        with pytest.raises(ValueError, match="prefetch overlaps stage 3's per-layer gathers"):
-            zj.make_plan(shapes, mesh, stage, layers=LAYERS, comm=on)
+        with pytest.raises(ValueError, match="prefetch=True\\) overlaps stage 3's per-layer"):
+            zj.make_plan(shapes, mesh, stage, layers=on(LAYERS))
     # Blocks under the model's own nn.vmap: nothing may leave that transform.
     model = Vmapped()
     x = jax.ShapeDtypeStruct((16, 64), jnp.float32)
     init = lambda key: model.init(key, jnp.zeros(x.shape))["params"]
-    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=r"h_\d+", comm=on)
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=on(r"h_\d+"))
     with pytest.raises(ValueError, match="inside a Flax transform of the model's own"):
         jax.eval_shape(zj.make_grad_fn(plan, lambda p, b: model.apply({"params": p}, b)),
                        zj.abstract_state(plan, optax.sgd(0.1)).params, x)
@@ -369,7 +370,7 @@ def test_prefetch_refused_where_it_cannot_run(mesh):
     for cls, why in ((Reversed, "prefetch runs scans with"),
                      (ModuleBeside, "an argument besides the stack holds NNX modules")):
         init, loss = nnx_problem(cls)
-        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers="^blocks$", comm=on)
+        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=on("^blocks$"))
         with pytest.raises(ValueError, match=f"NNX stack 'blocks': {why}"):
             jax.eval_shape(zj.make_grad_fn(plan, loss), zj.abstract_state(plan, optax.sgd(0.1))
                            .params, batch)
@@ -411,8 +412,8 @@ def test_a_block_called_twice_prefetches_as_it_runs_plainly(kind, mesh):
     init, loss, x, layers, names = twice_problem(kind)
     batch, tx, runs = jax.device_put(x, NamedSharding(mesh, P("data"))), optax.sgd(0.1), {}
     for on in (False, True):
-        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=layers,
-                            comm=zj.Comm(prefetch=on))
+        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,
+                            layers=zj.Layers(layers, prefetch=on))
         state = zj.init_state(plan, init, tx, KEY)
         step = zj.make_train_step(plan, loss, tx).lower(state, batch).compile()
         # With prefetch block 1's gather is issued by block 0's call: it waits for none of
@@ -473,8 +474,8 @@ def test_unrolled_and_nnx_blocks_hand_the_next_block_its_weights(kind, mesh):
     for opt, bucket_bytes in (("sgd", 25 << 20), ("adamw", 0)):
         tx, runs = OPTIMIZERS[opt](), {}
         for on in (False, True):
-            plan = zj.make_plan(shapes, mesh, 3, layers=layers, rules=PERSISTENT,
-                                comm=zj.Comm(bucket_bytes, prefetch=on))
+            plan = zj.make_plan(shapes, mesh, 3, layers=zj.Layers(layers, prefetch=on),
+                                rules=PERSISTENT, comm=zj.Comm(bucket_bytes))
             runs[on] = exact_steps(plan, init, loss, tx, batches, split=True)
         assert runs[False][0] == runs[True][0]
         for a, b in zip(jax.tree.leaves(runs[False][1]), jax.tree.leaves(runs[True][1]),
@@ -517,8 +518,8 @@ def test_nnx_stack_prefetches_and_draws_as_nnx_scan(cls, mesh):
 
     tx, runs = optax.sgd(0.05), {}
     for on in (False, True):
-        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers="^blocks$",
-                            comm=zj.Comm(prefetch=on))
+        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,
+                            layers=zj.Layers("^blocks$", prefetch=on))
         batches = [jax.device_put(nnx_data(i), NamedSharding(mesh, P("data")))
                    for i in range(3)]
         runs[on] = exact_steps(plan, init, loss_fn, tx, batches, has_aux=True,
@@ -539,7 +540,7 @@ def test_blocks_under_the_models_own_remat_prefetch_and_recompute_once(mesh):
     init, loss, layers = dict(regather.problems("full"))["unrolled"]
     shapes, tx, runs = jax.eval_shape(init, KEY), optax.sgd(0.1), {}
     for on in (False, True):
-        plan = zj.make_plan(shapes, mesh, 3, layers=layers, comm=zj.Comm(prefetch=on))
+        plan = zj.make_plan(shapes, mesh, 3, layers=zj.Layers(layers, prefetch=on))
         runs[on] = exact_steps(plan, init, loss, tx, token_batches(mesh))
     assert runs[False][0] == runs[True][0]
     assert max_rel(runs[False][1], runs[True][1]) == 0
@@ -573,8 +574,8 @@ def test_prefetch_keeps_what_the_remat_policy_saves(kind, remat, mesh):
     batches = [put(b) for b in lm_batches(lm.cfg, 3)] if kind == "scanned" else \
         token_batches(mesh)
     tx, runs = optax.sgd(0.1), {}
-    plan = lambda on, remat: zj.make_plan(shapes, mesh, 3, layers=zj.Layers(layers, remat),
-                                          comm=zj.Comm(prefetch=on))
+    plan = lambda on, remat: zj.make_plan(shapes, mesh, 3,
+                                          layers=zj.Layers(layers, remat, prefetch=on))
     for on in (False, True):
         metrics, params, compiled = exact_steps(plan(on, remat), init, loss, tx, batches)
         runs[on] = ([m["loss"] for m in metrics], params, compiled.cost_analysis()["flops"],
@@ -603,8 +604,8 @@ def test_prefetch_runs_a_stack_that_draws_dropout(mesh):
     x = jax.random.normal(jax.random.key(3), (16, 64))
     init = lambda key: model.init({"params": key, "dropout": key}, x)["params"]
     loss = lambda p, batch, key: model.apply({"params": p}, batch, rngs={"dropout": key})
-    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers="^blocks$",
-                        comm=zj.Comm(prefetch=True))
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,
+                        layers=zj.Layers("^blocks$", prefetch=True))
     params = zj.init_state(plan, init, optax.sgd(0.1), KEY).params
     batch = jax.device_put(x, NamedSharding(mesh, P("data")))
     grad = jax.jit(lambda p, key: zj.make_grad_fn(plan, loss)(p, batch, key=key))
@@ -637,8 +638,8 @@ def test_the_loss_is_traced_once_for_shapes_and_once_for_the_program(prefetch, a
         calls.append(1)
         return loss(params, batch)
     tx = optax.sgd(0.1)
-    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=layers,
-                        comm=zj.Comm(prefetch=prefetch),
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,
+                        layers=zj.Layers(layers, prefetch=prefetch),
                         precision=zj.Precision(accum_steps=accum))
     zj.make_train_step(plan, counted, tx).lower(zj.abstract_state(plan, tx), regather.BATCH)
     assert len(calls) == traces

@@ -187,6 +187,10 @@ def test_policies_check_themselves():
         zj.Layers("^blocks$", "some")
     with pytest.raises(ValueError, match="regular expression over module paths"):
         zj.Layers("")
+    with pytest.raises(ValueError, match=r"^Layers: prefetch must be True or False \(got 'yes'\)$"):
+        zj.Layers("^blocks$", prefetch="yes")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'prefetch'"):
+        zj.Comm(prefetch=True)  # prefetch is the blocks' (Layers), not how leaves travel
     assert zj.Offload().any is False and zj.Offload(0.3).any
 
 
@@ -197,8 +201,8 @@ def test_policies_check_themselves():
      "not built for accumul"),
     (2, {"comm": zj.Comm(quantize_weights=True)}, "quantize_weights makes stage 3"),
     (1, {"comm": zj.Comm(quantize_grads=True)}, "use stage 2 or 3"),
-    (3, {"comm": zj.Comm(prefetch=True), "layers": None}, "prefetch overlaps"),
-    (2, {"comm": zj.Comm(prefetch=True), "layers": r"^h/\d+$"}, "prefetch overlaps"),
+    (2, {"layers": zj.Layers(r"^h/\d+$", prefetch=True)},
+     r"Layers\(prefetch=True\) overlaps .* stage 2 gathers none: use stage 3"),
 ])
 def test_make_plan_refuses_combinations(mesh, stage, options, message):
     options = {"layers": "^blocks$", **options}

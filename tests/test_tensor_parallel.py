@@ -313,9 +313,9 @@ def test_prefetch_gathers_a_layer_ahead_within_each_tensor_parallel_rank():
     mesh = zj.make_mesh(8, axes=MESHES["4x2"])
     tx = OPTIMIZERS["adamw"]()
 
-    def run(comm):
-        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=LAYERS,
-                            rules=TENSOR_PARALLEL, comm=comm)
+    def run(prefetch):
+        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,
+                            layers=zj.Layers(LAYERS, prefetch=prefetch), rules=TENSOR_PARALLEL)
         state = zj.init_state(plan, init, tx, KEY)
         put = lambda b: jax.device_put(b, NamedSharding(mesh, P(plan.data_axes)))
         lowered = zj.make_train_step(plan, loss_fn, tx).lower(state, put(batches[0]))
@@ -327,7 +327,7 @@ def test_prefetch_gathers_a_layer_ahead_within_each_tensor_parallel_rank():
         return (plan, losses, jax.device_get(state.params), compiled.as_text(),
                 report.build(plan, state, lowered, compiled))
 
-    plain, ahead = run(zj.Comm()), run(zj.Comm(prefetch=True))
+    plain, ahead = run(False), run(True)
     assert ahead[1] == plain[1]
     for a, b in zip(jax.tree.leaves(ahead[2]), jax.tree.leaves(plain[2]), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -388,8 +388,8 @@ def test_unrolled_model_placed_by_the_rule_table(stage, opt):
 
     rules = [zj.Rule(r"_up/(kernel|bias)$", model_dim=-1), zj.Rule(r"_down/kernel$", model_dim=-2)]
     mesh = zj.make_mesh(8, axes=MESHES["4x2"])
-    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=r"^h_\d+_(up|down)$",
-                        rules=rules, comm=zj.Comm(prefetch=stage == 3))
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, rules=rules,
+                        layers=zj.Layers(r"^h_\d+_(up|down)$", prefetch=stage == 3))
     state = trains_like_one_device(plan, init, loss_fn, (x, y), opt)
     assert state.params["h_0_up"]["kernel"].sharding.spec == P("data" if stage == 3 else None,
                                                                 "model")
@@ -425,8 +425,8 @@ def test_annotated_linen_model_needs_no_table(stage, opt):
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
 
     mesh = zj.make_mesh(8, axes=MESHES["2x4"])
-    plan = zj.make_plan(nn.unbox(boxed), mesh, stage, layers=r"^h_\d+_(up|down)$",
-                        rules=rules, comm=zj.Comm(prefetch=stage == 3))
+    plan = zj.make_plan(nn.unbox(boxed), mesh, stage, rules=rules,
+                        layers=zj.Layers(r"^h_\d+_(up|down)$", prefetch=stage == 3))
     state = trains_like_one_device(plan, init, loss_fn, (x, y), opt, gathers_on_model=True)
     assert state.params["h_1_down"]["kernel"].sharding.spec == (
         P("model", "data") if stage == 3 else P("model", None))
@@ -445,13 +445,12 @@ def test_partitioned_activations_keep_a_tp_slice_of_the_saved_inputs():
     mesh = zj.make_mesh(8, axes=MESHES["2x4"])
     tx = OPTIMIZERS["sgd"]()
     runs, host = {}, {}
-    for layers, comm in ((zj.Layers(LAYERS), zj.Comm()),
-                         (zj.Layers(LAYERS, partition=True), zj.Comm()),
-                         (zj.Layers(LAYERS, "offload", partition=True), zj.Comm()),
-                         (zj.Layers(LAYERS, partition=True), zj.Comm(prefetch=True))):
+    for layers in (zj.Layers(LAYERS), zj.Layers(LAYERS, partition=True),
+                   zj.Layers(LAYERS, "offload", partition=True),
+                   zj.Layers(LAYERS, partition=True, prefetch=True)):
         plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=layers,
-                            rules=TENSOR_PARALLEL, comm=comm)
-        runs[layers, comm] = train(plan, init, loss_fn, batches, tx)
+                            rules=TENSOR_PARALLEL)
+        runs[layers] = train(plan, init, loss_fn, batches, tx)
         if layers.remat == "offload":
             state, step = zj.init_state(plan, init, tx, KEY), zj.make_train_step(plan, loss_fn, tx)
             put = jax.device_put(batches[0], NamedSharding(mesh, P(plan.data_axes)))
@@ -546,8 +545,7 @@ def test_partitioned_activations_with_prefetch_on_unrolled_blocks():
              for r in TENSOR_PARALLEL]
     mesh = zj.make_mesh(8, axes=MESHES["2x4"])
     runs = [train(zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, rules=rules,
-                               layers=zj.Layers(r"^h_\d+$", partition=pa),
-                               comm=zj.Comm(prefetch=True)),
+                               layers=zj.Layers(r"^h_\d+$", partition=pa, prefetch=True)),
                   init, loss_fn, batches, OPTIMIZERS["sgd"]())
              for pa in (False, True)]
     saved = lambda seq: f"f32[4,{seq},{cfg.d_model}]"  # batch 8 / data 2
@@ -724,8 +722,8 @@ def test_annotated_nnx_model_needs_no_table(stage, opt):
         r"^blocks/0/up/kernel$": -1, r"^blocks/0/down/kernel$": -2,
         r"^blocks/1/up/kernel$": -1, r"^blocks/1/down/kernel$": -2}
     mesh = zj.make_mesh(8, axes=MESHES["2x4"])
-    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, layers=r"^blocks/\d+$",
-                        rules=rules, comm=zj.Comm(prefetch=stage == 3))
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, rules=rules,
+                        layers=zj.Layers(r"^blocks/\d+$", prefetch=stage == 3))
     state = trains_like_one_device(plan, init, loss_fn, (x, y), opt, gathers_on_model=True)
     assert state.params["blocks"][1]["down"]["kernel"].sharding.spec == (
         P("model", "data") if stage == 3 else P("model", None))

@@ -158,7 +158,7 @@ def test_nothing_above_the_bound_is_gathered_and_temp_drops():
 
 @pytest.mark.parametrize(("kwargs", "phrase"), [
     (dict(stage=2), "not built with stage 2"),
-    (dict(comm=zj.Comm(prefetch=True)), "not built with prefetch"),
+    (dict(prefetch=True), "not built with prefetch"),
     (dict(offload=zj.Offload(optimizer=1.0)), "not built with offload"),
     (dict(axes={"data": 4, "model": 2}), "not built with tensor parallelism"),
     (dict(tile=F * 4 / 2), r"h_0/down/kernel \(0.28 MB per layer, shape \(2048, 36\), cut "
@@ -168,10 +168,10 @@ def test_nothing_above_the_bound_is_gathered_and_temp_drops():
 def test_refused_when_planned(kwargs, phrase):
     init, _, pattern = problem(False)
     mesh = zj.make_mesh(8, axes=kwargs.pop("axes", None))
-    tile = kwargs.pop("tile", BOUND) / 2**20
+    tile, prefetch = kwargs.pop("tile", BOUND) / 2**20, kwargs.pop("prefetch", False)
     with pytest.raises(ValueError, match=phrase):
         zj.make_plan(jax.eval_shape(init, KEY), mesh, kwargs.pop("stage", 3),
-                     layers=zj.Layers(pattern, tile_mb=tile), **kwargs)
+                     layers=zj.Layers(pattern, tile_mb=tile, prefetch=prefetch), **kwargs)
 
 
 class Raw(nn.Module):

@@ -32,7 +32,6 @@ class Comm:
     quantize_weights: bool = False  # stage 3's parameter all-gathers in int8
     quantize_grads: bool = False  # gradient reduce-scatters in int8 (all-to-all, fp32 sum)
     quantize_block: int = 64  # elements per int8 scale
-    prefetch: bool = False  # stage 3: layer i+1 gathered while layer i computes (prefetch.py)
 
     def __post_init__(self):
         if self.quantize_block < 1 or self.bucket_bytes < 0:

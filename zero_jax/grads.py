@@ -191,7 +191,7 @@ def runtime(plan: Plan) -> Runtime:
     """The plan's block runtime. Pa at stages 0-2: the blocks' saved inputs are cut if
     zero_jax's remat saves them."""
     return Runtime(tuple(plan.blocks), Saved(plan.remat, plan.partition_activations),
-                   plan.gather, plan.comm.prefetch,
+                   plan.gather, plan.prefetch,
                    plan.partition_activations and not plan.rule.shard_params)
 
 

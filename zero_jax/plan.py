@@ -333,6 +333,11 @@ class Plan:
         return self.layers.gather if self.layers else "block"
 
     @property
+    def prefetch(self) -> bool:
+        """Stage 3 gathers the next block (or module) while this one computes."""
+        return bool(self.layers and self.layers.prefetch)
+
+    @property
     def data_axes(self) -> tuple[str, ...]:
         """Every data-parallel axis: the batch is cut over all of them."""
         return (self.axis,) if self.outer is None else (self.outer, self.axis)
@@ -346,7 +351,7 @@ class Plan:
     def block_prefetch(self) -> bool:
         """Prefetch a whole block ahead (``zero_jax.blocks.scan``, ``zero_jax.blocks.chain``);
         gathering by module, prefetch runs one module ahead inside the blocks instead."""
-        return self.comm.prefetch and self.gather == "block"
+        return self.prefetch and self.gather == "block"
 
     @property
     def tp_size(self) -> int:
@@ -626,9 +631,9 @@ def _check_combination(stage: int, layers: Layers | None, offload: Offload, comm
     if layers and layers.partition and not tensor_parallel:
         raise ValueError("Layers(partition=True) cuts the blocks' saved inputs over the 'model' "
                          "axis: it needs tensor parallelism (a mesh with a 'model' axis)")
-    if layers and layers.tile_bytes and (stage != 3 or comm.prefetch or offload.any
+    if layers and layers.tile_bytes and (stage != 3 or layers.prefetch or offload.any
                                          or tensor_parallel):
-        what = next(w for w, on in ((f"stage {stage}", stage != 3), ("prefetch", comm.prefetch),
+        what = next(w for w, on in ((f"stage {stage}", stage != 3), ("prefetch", layers.prefetch),
                                     ("offload", offload.any),
                                     ("tensor parallelism", tensor_parallel)) if on)
         raise ValueError(f"Layers(tile_mb=...) gathers stage 3's large parameters tile by tile; "
@@ -653,10 +658,9 @@ def _check_combination(stage: int, layers: Layers | None, offload: Offload, comm
     if comm.quantize_grads and stage < 2:
         raise ValueError(f"quantize_grads makes the gradient reduce-scatters of stages 2-3 int8; "
                          f"stage {stage} all-reduces: use stage 2 or 3")
-    if comm.prefetch and not prefetchable(stage, bool(layers)):
-        raise ValueError("prefetch overlaps stage 3's per-layer gathers with the layer before: "
-                         f"it needs stage 3 and layers= (got stage {stage}, "
-                         f"layers={layers and layers.pattern!r})")
+    if layers and layers.prefetch and not prefetchable(stage, True):
+        raise ValueError(f"Layers(prefetch=True) overlaps stage 3's per-layer gathers with the "
+                         f"layer before; stage {stage} gathers none: use stage 3")
 
 
 def prefetchable(stage: int, has_layers: bool) -> bool:

@@ -4,7 +4,8 @@ DeepSpeed's estimator is formulas; this reads the compiled programs. A candidate
 device, the model state it keeps in device memory (from the shardings) plus the step's
 temporaries (XLA's ``memory_analysis``: activations, gradients, gathered layers); per host, the
 state its devices keep in host memory. It communicates what its collectives carry (from the
-compiled HLO) and, with offload, what crosses between host and device.
+compiled HLO) and, with offload, what crosses between host and device; it computes what XLA's
+cost analysis counts (the remat policies trade recompute for memory).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Candidate:
     peak: dict | None = None  # what is live at the step's peak, by kind (``zero_jax.peak``)
     host_optimizer: int = 0  # of ``host_state``: master and optimizer state, per device
     nvme_state: int = 0  # in files on the host's disk (the NVMe tier), per device
+    flops: int = 0  # the step's floating-point operations, per device (0: not reported)
     fits: bool = False
 
     @property
@@ -55,7 +57,18 @@ def measure(layout: dict, plan: Any, state: Any, compiled: Any,
                      shard_bytes(state, "pinned_host"), comm, offload_traffic(plan, state),
                      sum(model_states(plan, state)[0].values()),
                      peak and {**peak, "expected": peak_expected(plan)},
-                     shard_bytes((state.master, state.opt_state), "pinned_host"))
+                     shard_bytes((state.master, state.opt_state), "pinned_host"),
+                     flops=step_flops(compiled))
+
+
+def step_flops(compiled: Any) -> int:
+    """XLA's count of the compiled step's floating-point operations, per device (its program is
+    one device's): what remat recomputes shows here. ``cost_analysis`` is a dict, a list of one
+    dict in older jax, or None where the backend has none: then 0, and the policies tie."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list | tuple):
+        cost = cost[0] if cost else None
+    return int((cost or {}).get("flops", 0))
 
 
 def on_nvme(c: Candidate, buffer_bytes: int, devices_per_host: int) -> Candidate:
@@ -149,13 +162,15 @@ def fits(c: Candidate, device_memory: int, host_memory: int, devices_per_host: i
 def choose(candidates: list[Candidate], device_memory: int, host_memory: int,
            devices_per_host: int, nvme_memory: int = 0) -> Candidate | None:
     """Mark which fit and return the one that communicates least (then: crosses least between
-    host and device, then keeps least on the disk, then holds least on the device); None when
-    none fits."""
+    host and device, then keeps least on the disk, then computes least, then holds least on the
+    device); None when none fits. Remat policies that communicate alike tie until the FLOPs:
+    the one that recomputes least wins where it fits (``dots`` or ``none``, the matmuls' outputs
+    kept), ``full`` only where they do not."""
     for c in candidates:
         c.fits = fits(c, device_memory, host_memory, devices_per_host, nvme_memory)
     fitting = [c for c in candidates if c.fits]
-    return min(fitting, key=lambda c: (c.comm, c.host_traffic, c.nvme_state, c.device),
-               default=None)
+    return min(fitting, default=None,
+               key=lambda c: (c.comm, c.host_traffic, c.nvme_state, c.flops, c.device))
 
 
 def format_table(candidates: list[Candidate], best: Candidate | None, device_memory: int,
@@ -208,5 +223,6 @@ def as_json(candidates: list[Candidate], best: Candidate | None, device_memory: 
                             "host_bytes_per_host": c.host_state * devices_per_host,
                             "nvme_bytes_per_host": c.nvme_state * devices_per_host,
                             "fits": c.fits, "comm_bytes": c.comm,
-                            "host_traffic_bytes": c.host_traffic, "peak": c.peak}
+                            "host_traffic_bytes": c.host_traffic, "flops": c.flops,
+                            "peak": c.peak}
                            for c in candidates]}

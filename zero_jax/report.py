@@ -252,13 +252,14 @@ def layout(plan: Plan, state: PyTree, found: list, more: list[str] = ()) -> dict
         "frozen": [leaf.path for leaf in plan.frozen],
         "blocks": plan.blocks,
         "gather": plan.gather,
+        "prefetch": plan.prefetch,
         "comm": dataclasses.asdict(plan.comm),
         # What prefetch holds more: the largest layer (or unrolled block) gathered, and its
         # whole gradient waiting a layer to be reduced, both in the compute dtype; gathering by
         # module, the largest module gathered.
         "prefetch_bytes": (1 if plan.gather == "module" else 2) * c * max(
             block_elements(plan, plan.gather == "module").values(), default=0)
-        if plan.comm.prefetch else 0,
+        if plan.prefetch else 0,
         "opt_state_whole": whole_opt_state(plan, state),
         **tiled(plan, found),
         "warnings": [*held_once(plan), *one_big_block(plan), *gathered_once(plan, found), *more],
@@ -392,7 +393,7 @@ def peak_expected(plan: Plan) -> dict[str, int]:
     grads = {"gradients": largest * jnp.dtype(plan.grad_dtype).itemsize}
     if not plan.rule.shard_params:
         return grads
-    return {"gathered weights": (1 + plan.comm.prefetch) * largest
+    return {"gathered weights": (1 + plan.prefetch) * largest
             * plan.precision.compute.itemsize, **grads}
 
 
@@ -607,11 +608,11 @@ def _comm_lines(r: dict) -> list[str]:
         how += f"; int8 {' and '.join(int8)} (one f32 scale per {comm['quantize_block']} elements)"
     lines.append(f"  buckets: {how}")
     prefetch = "off"
-    if comm["prefetch"] and r.get("gather") == "module":
+    if r["prefetch"] and r.get("gather") == "module":
         prefetch = (f"module i+1 gathered while module i computes (in the forward and the "
                     f"blocks' recompute): one more gathered module, "
                     f"{r['prefetch_bytes'] / MiB:.2f} MiB")
-    elif comm["prefetch"]:
+    elif r["prefetch"]:
         prefetch = (f"layer i+1 gathered while layer i computes (i-1 in the backward, while "
                     f"layer i+1's gradient is reduce-scattered): one more gathered layer and "
                     f"one more whole layer gradient, {r['prefetch_bytes'] / MiB:.2f} MiB")

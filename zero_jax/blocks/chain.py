@@ -34,7 +34,7 @@ from zero_jax.blocks.remat import Saved
 from zero_jax.shards import after_inputs, is_shard, materialize_tree, reduce_tree
 
 PyTree = Any
-_OFF = "turn prefetch off (Comm(prefetch=False))"
+_OFF = "turn prefetch off (Layers(prefetch=False))"
 
 
 def _inexact(x) -> bool:

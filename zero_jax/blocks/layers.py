@@ -21,13 +21,17 @@ class Layers:
     gathers together (``GATHER``): the whole ``block`` as it runs and again for its backward
     (FSDP2's unit), or each ``module`` in it with parameters of its own, as that module runs
     (DeepSpeed ZeRO-3's hooks, the partitioner's FSDP): at most one module's weights whole at
-    a time, for up to a third more gathering (``zero_jax.blocks.modules``)."""
+    a time, for up to a third more gathering (``zero_jax.blocks.modules``); ``prefetch``
+    (stage 3), the next block's weights gathered while this one computes (by module, the next
+    module's), so that the gather hides behind compute, for one more block (or module) held
+    whole (``zero_jax.blocks.runtime``)."""
 
     pattern: str
     remat: str = "full"
     partition: bool = False
     tile_mb: float | None = None
     gather: str = "block"
+    prefetch: bool = False
 
     def __post_init__(self):
         if not isinstance(self.pattern, str) or not self.pattern:
@@ -42,6 +46,8 @@ class Layers:
                 self.tile_mb, int | float) or self.tile_mb <= 0):
             raise ValueError(f"Layers: tile_mb must be a positive number of MB, or None "
                              f"(got {self.tile_mb!r})")
+        if not isinstance(self.prefetch, bool):
+            raise ValueError(f"Layers: prefetch must be True or False (got {self.prefetch!r})")
 
     @property
     def tile_bytes(self) -> int:

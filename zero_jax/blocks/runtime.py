@@ -120,7 +120,7 @@ class Trace:
             raise ValueError(f"prefetch runs linen and NNX scanned stacks, unrolled linen "
                              f"blocks and NNX blocks in a list; {missing[0]!r} did not run as "
                              f"one (its nnx.scan bound before the step, or applied at import): "
-                             f"turn prefetch off")
+                             f"turn prefetch off (Layers(prefetch=False))")
         if missing := [b for b in rt.names if b not in self.seen and b not in self.prefetched]:
             raise ValueError(f"layers= names {missing[0]!r}, which never ran as a Flax linen "
                              f"module during the loss; name modules that are called (their "

@@ -236,7 +236,7 @@ def stacks(names: frozenset[str], seen: set[str], saved: Saved):
                 why = _refusal(scopes, carry, xs, how)
                 if why:
                     raise ValueError(f"prefetch cannot run the layer stack {name!r}: {why}; turn "
-                                     f"prefetch off (Comm(prefetch=False))")
+                                     f"prefetch off (Layers(prefetch=False))")
                 seen.add(name)
                 n = jax.tree.leaves(scope.variables()["params"])[0].shape[0]
                 stacked = _stacked_args(how["in_axes"], len(xs))
@@ -294,7 +294,7 @@ def _run_nnx_stack(name: str, f: Callable, kwargs: dict, saved: Saved, args: tup
     why = _nnx_refusal(args, kwargs, at, jax.tree.leaves(values)[0].shape[0], state)
     if why:
         raise ValueError(f"prefetch cannot run the NNX stack {name!r}: {why}; turn prefetch "
-                         f"off (Comm(prefetch=False))")
+                         f"off (Layers(prefetch=False))")
     ys_too = kwargs["out_axes"] != nnx.Carry
     axes = kwargs["in_axes"]
     carry_at = axes.index(nnx.Carry)

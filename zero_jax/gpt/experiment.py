@@ -86,7 +86,8 @@ class Experiment:
         plan = make_plan(shapes, mesh, z["stage"],
                          layers=layers and Layers(layers, cfg["model"]["remat"],
                                                   z["partition_activations"],
-                                                  z["tile_mb"] or None, z["gather"]),
+                                                  z["tile_mb"] or None, z["gather"],
+                                                  prefetch_from(z)),
                          rules=[*rules_from(cfg), *tensor_parallel(model_cfg)],
                          precision=precision, offload=offload_from(z),
                          comm=comm_from(z))
@@ -182,12 +183,16 @@ def mesh_for(cfg: dict, devices: int | None) -> Mesh:
 
 
 def comm_from(z: dict) -> Comm:
-    """The ``zero`` section's buckets, int8 collectives and prefetch; prefetch where it applies
-    (as DeepSpeed reads its prefetch settings at stage 3 only; not with tiling)."""
-    prefetch = z["prefetch"] and prefetchable(z["stage"], bool(z["transformer_layers"])) \
-        and not z["tile_mb"]
+    """The ``zero`` section's buckets and int8 collectives."""
     return Comm(int(z["bucket_mb"] * 2 ** 20), z["quantize_weights"] == "int8",
-                z["quantize_grads"] == "int8", z["quantize_block"], prefetch)
+                z["quantize_grads"] == "int8", z["quantize_block"])
+
+
+def prefetch_from(z: dict) -> bool:
+    """``zero.prefetch`` where it applies, as the blocks' ``Layers.prefetch`` (as DeepSpeed
+    reads its prefetch settings at stage 3 only; not with tiling)."""
+    return z["prefetch"] and prefetchable(z["stage"], bool(z["transformer_layers"])) \
+        and not z["tile_mb"]
 
 
 def rules_from(cfg: dict) -> list[Rule]:

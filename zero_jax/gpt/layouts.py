@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Iterator
 
 from zero_jax.blocks import REMAT
-from zero_jax.gpt.experiment import comm_from
+from zero_jax.gpt.experiment import prefetch_from
 
 
 def candidates(cfg: dict, sets: list[str], stage: int | None, tensor_parallel: int | None,
@@ -103,7 +103,7 @@ def without_prefetch(layout: dict, cfg: dict, sets: list[str]) -> tuple[dict, di
     whose device memory does not fit with it. None where prefetch does not run, or the command
     line set it."""
     z = cfg["zero"]
-    if _fixed(sets, "zero.prefetch") or not comm_from(z).prefetch:
+    if _fixed(sets, "zero.prefetch") or not prefetch_from(z):
         return None
     c = copy.deepcopy(cfg)
     c["zero"]["prefetch"] = False
