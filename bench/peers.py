@@ -166,6 +166,7 @@ class UnrolledGPT(nn.Module):
     @nn.compact
     def features(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         from zero_jax.gather import remat_policy
+
         from zero_jax.gpt.model import embed
 
         c = self.cfg

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
-from zero_jax.gather import BLOCK_INPUT, remat_policy
+from zero_jax.blocks import BLOCK_INPUT, remat_policy
 from zero_jax.plan import modules_pattern
 
 LAYERS = modules_pattern(["blocks"])  # the plan's ``layers``: the scanned stack, layer by layer

@@ -429,10 +429,10 @@ def test_declared_block_that_never_runs(mesh, net):
 
 
 def test_gathering_by_module_waits_one_module_back_within_one_trace():
-    """Prefetch by module (``gather._Previous``): a module's gather waits for the inputs of
+    """Prefetch by module (``blocks.modules.Previous``): a module's gather waits for the inputs of
     what ran before it in the same trace (the block, for its first module), else (no
     prefetch, or an inner transform's trace) for its own. Each mutation of the rule fails."""
-    from zero_jax.gather import _Previous
+    from zero_jax.blocks.modules import Previous as _Previous
 
     seen = {}
 

@@ -121,7 +121,7 @@ def test_exact_residuals_takes_out_only_the_wide_roundings():
 def test_flax_lift_scan_and_checkpoint_are_what_nn_scan_and_nn_remat_call():
     original = flax.core.lift.scan
     args = set(inspect.signature(original).parameters)
-    from zero_jax.prefetch import _SCAN_ARGS
+    from zero_jax.blocks.scan import _SCAN_ARGS
 
     assert set(_SCAN_ARGS) <= args, broke("flax.core.lift.scan's arguments")
     called = []

@@ -230,7 +230,7 @@ def test_unrolled_blocks_gathered_again_in_the_gpu_compile():
 
 
 def test_unrolled_prefetch_overlaps_in_the_gpu_compile():
-    """The same model with prefetch (``zero_jax.handoff``), compiled for 8 H100s: the same
+    """The same model with prefetch (``zero_jax.blocks.chain``), compiled for 8 H100s: the same
     bytes; block i+1's gather overlaps block i's GEMMs (async start/done with a GEMM between:
     none without prefetch); and XLA's combiners do not merge every block's delayed
     reduce-scatter into one at the end (which would hold all the blocks' whole gradients):

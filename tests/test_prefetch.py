@@ -622,3 +622,24 @@ def test_prefetch_runs_a_stack_that_draws_dropout(mesh):
     projected = sum(float(jnp.vdot(a, b)) for a, b in zip(jax.tree.leaves(g),
                                                          jax.tree.leaves(v), strict=True))
     assert abs(central - projected) < 1e-3 * abs(projected), (central, projected)
+
+
+@pytest.mark.parametrize("prefetch, accum, traces", [(False, 1, 1), (True, 1, 2), (False, 2, 2),
+                                                     (True, 2, 2)])
+def test_the_loss_is_traced_once_for_shapes_and_once_for_the_program(prefetch, accum, traces,
+                                                                     mesh):
+    """Building the step traces the user's loss once for the program, and once before it only
+    where a later trace needs something of it (the microbatch loop's carry, prefetch's block
+    order), once for both (before the block runtime: up to four times)."""
+    init, loss, layers = dict(regather.problems())["unrolled"]
+    calls = []
+
+    def counted(params, batch):
+        calls.append(1)
+        return loss(params, batch)
+    tx = optax.sgd(0.1)
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,
+                        layers=zj.Layers(layers, prefetch=prefetch),
+                        precision=zj.Precision(accum_steps=accum))
+    zj.make_train_step(plan, counted, tx).lower(zj.abstract_state(plan, tx), regather.BATCH)
+    assert len(calls) == traces

@@ -517,7 +517,7 @@ def test_partitioned_activations_at_stages_without_gathers():
 
 class UnrolledGPT(nn.Module):
     """The demo's blocks in a Python loop (``h_0``, ``h_1``, ...: HF style), so that prefetch
-    hands each block the next one's weights (``zero_jax.handoff``) instead of running a scan."""
+    hands each block the next one's weights (``zero_jax.blocks.chain``), not a scan's loop."""
     cfg: GPTConfig
 
     def __call__(self, tokens):

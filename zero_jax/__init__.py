@@ -15,9 +15,9 @@ The public API, in the order a training loop uses it::
     ckpts = Checkpoints(directory); ckpts.save(state, meta); ckpts.restore(abstract_state(...))
 """
 
+from zero_jax.blocks import Layers, nnx_merge, remat_policy
 from zero_jax.buckets import Comm
 from zero_jax.checkpoint import Checkpoints
-from zero_jax.gather import Layers, nnx_merge, remat_policy
 from zero_jax.grads import Weighted, device_key, make_grad_fn
 from zero_jax.losses import cross_entropy
 from zero_jax.mesh import keep_remat_barriers, make_mesh, simulate_cpu_devices

@@ -11,7 +11,6 @@ its ``Leaf`` and the stage; the phases only read it:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -19,12 +18,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax.errors import ScopeParamShapeError
 from jax.sharding import PartitionSpec as P
 
-from zero_jax import buckets, handoff, internals, prefetch
+from zero_jax import buckets, internals
+from zero_jax.blocks import Runtime, Saved
 from zero_jax.buckets import Comm
-from zero_jax.gather import Saved, per_block
 from zero_jax.offload import in_host_memory, on_host_leaves
 from zero_jax.plan import Leaf, Plan
 from zero_jax.shards import Shard, materialize_tree, per_model_rank
@@ -80,6 +78,7 @@ class GradStep(NamedTuple):
     loss_fn: Callable
     has_aux: bool
     batch_spec: PyTree
+    blocks: Runtime  # the block runtime every trace of the loss runs under
 
     def map(self, fn: Callable, *trees: PyTree) -> PyTree:
         """``fn(route, *leaves)`` over the parameters."""
@@ -157,81 +156,54 @@ def wrap(g: GradStep, params: PyTree, whole: PyTree | None) -> PyTree:
     return g.map(lambda r, x, o: x if r.leaf.block else o, tree, outside)
 
 
-def run_loss(g: GradStep, tree: PyTree, micro: PyTree, key: jax.Array | None):
+def run_loss(g: GradStep, tree: PyTree, micro: PyTree, key: jax.Array | None,
+             order: tuple[str, ...] | None):
     """The user's loss on one microbatch, each declared block gathered as it runs:
-    ``(total, weight, aux * weight)`` in fp32."""
-    plan, blocks = g.plan, g.plan.blocks
+    ``((total, weight, aux * weight)`` in fp32, the order its blocks ran in)``. ``order``: as
+    ``Runtime.run``'s (``None``: recorded by this trace)."""
+    plan = g.plan
     if plan.precision.autocast_input:
         micro = jax.tree.map(lambda x: x.astype(plan.precision.compute)
                              if jnp.issubdtype(x.dtype, jnp.floating) else x, micro)
     args = (tree, micro) if key is None else (tree, micro, key)
-    chain = None
-    if plan.block_prefetch:  # unrolled and NNX blocks: the order they run in, read first
-        chain = handoff.Chain(None, saved_inputs(plan))
-        jax.eval_shape(lambda a: _traced(g, a, chain)[0], jax.lax.stop_gradient(args))
-        chain = handoff.Chain(chain.recorded, chain.saved)
-    out, seen, prefetched = _traced(g, args, chain)
-    if chain is not None:
-        chain.check_done()
-        prefetched |= set(chain.order)
-    if plan.block_prefetch and (missing := [b for b in blocks if seen.get(b)
-                                           and b not in prefetched]):
-        raise ValueError(f"prefetch runs linen and NNX scanned stacks, unrolled linen blocks "
-                         f"and NNX blocks in a list; {missing[0]!r} did not run as one (its "
-                         f"nnx.scan bound before the step, or applied at import): turn "
-                         f"prefetch off (Layers(prefetch=False))")
-    if missing := [b for b in blocks if b not in seen and b not in prefetched]:
-        raise ValueError(f"layers= names {missing[0]!r}, which never ran as a Flax linen module "
-                         f"during the loss; name modules that are called (their paths: "
-                         f"{blocks[:3]}...)")
+    out, order = g.blocks.run(g.loss_fn, args, order)
     loss, aux = out if g.has_aux else (out, {})
     total, weight = loss if isinstance(loss, Weighted) else (loss, jnp.ones((), jnp.float32))
     return (total.astype(jnp.float32), jnp.asarray(weight, jnp.float32),
-            jax.tree.map(lambda a: jnp.asarray(a, jnp.float32) * weight, aux))
+            jax.tree.map(lambda a: jnp.asarray(a, jnp.float32) * weight, aux)), order
 
 
-def saved_inputs(plan: Plan) -> Saved:
-    """How the blocks prefetch runs keep their inputs for the backward: the plan's remat
-    ``offload`` and partitioned activations."""
-    return Saved(plan.remat, plan.partition_activations)
+def record(g: GradStep, params: PyTree, whole: PyTree | None, micro: PyTree,
+           key: jax.Array | None):
+    """The loss traced once, for what the traces that follow need of it: the shapes of what
+    it returns (the microbatch loop's carry), and the order its blocks ran in (by which
+    prefetch hands each block the next one's weights). Nothing of it reaches the program."""
+    recorded = []
+
+    def stats(args):
+        out, order = run_loss(g, wrap(g, args[0], whole), *args[1:], None)
+        recorded.append(order)
+        return out
+    return jax.eval_shape(stats, (params, micro, key)), recorded[0]
 
 
-def _traced(g: GradStep, args: tuple, chain: handoff.Chain | None):
-    """The loss on ``args`` with the plan's blocks gathered as they run (``chain``: handing
-    each other their weights; scanned stacks: run by ``zero_jax.prefetch``): ``(out, blocks
-    that ran, stacks prefetched)``."""
-    plan, blocks = g.plan, g.plan.blocks
-    prefetched: set[str] = set()
-    fetch = contextlib.ExitStack()
-    if plan.block_prefetch:
-        fetch.enter_context(prefetch.stacks(frozenset(blocks), prefetched, saved_inputs(plan)))
-        fetch.enter_context(handoff.own_remat_lifted(frozenset(blocks)))
-        fetch.enter_context(prefetch.nnx_stacks(chain.modules, prefetched, saved_inputs(plan)))
-    # Pa at stages 0-2: the blocks' saved inputs are cut if zero_jax's remat saves them.
-    remat_all = plan.partition_activations and not plan.rule.shard_params
-    by_module = plan.gather == "module"
-    with per_block(blocks, plan.remat, plan.partition_activations, chain, remat_all, by_module,
-                   ahead=by_module and plan.prefetch) as seen, \
-            fetch:
-        try:
-            out = g.loss_fn(*args)
-        except ScopeParamShapeError as e:
-            raise ValueError(f"a parameter reached a module still cut into shards: the plan's "
-                             f"layers= names blocks {blocks}, and a module reading one of their "
-                             f"parameters is not one of them or inside one "
-                             f"({e.__class__.__name__}: {str(e).splitlines()[0]})") from e
-    return out, seen, prefetched
+def runtime(plan: Plan) -> Runtime:
+    """The plan's block runtime. Pa at stages 0-2: the blocks' saved inputs are cut if
+    zero_jax's remat saves them."""
+    return Runtime(tuple(plan.blocks), Saved(plan.remat, plan.partition_activations),
+                   plan.gather, plan.prefetch,
+                   plan.partition_activations and not plan.rule.shard_params)
 
 
 def differentiate(g: GradStep, params: PyTree, whole: PyTree | None, micro: PyTree,
-                  key: jax.Array | None, scale: jax.Array):
+                  key: jax.Array | None, scale: jax.Array, order: tuple[str, ...]):
     """The gradient of this device's share: total * scale / (n k), for a mean loss exactly its
     share of the global mean; frozen leaves are read, not differentiated."""
     n, k = g.plan.dp_size, g.plan.accum_steps
 
     def objective(trained):
         mixed = g.map(lambda r, t, p: p if r.leaf.frozen else t, trained, params)
-        total, weight, aux = run_loss(g, wrap(g, mixed, whole), micro, key)
+        (total, weight, aux), _ = run_loss(g, wrap(g, mixed, whole), micro, key, order)
         return total * scale / (n * k), (total, weight, aux)
 
     with internals.exact_residuals():
@@ -247,12 +219,14 @@ def accumulate(g: GradStep, params: PyTree, whole: PyTree | None, batch: PyTree,
     plan, k = g.plan, g.plan.accum_steps
     device = jax.lax.axis_index(plan.data_axes)
     keyed = lambda m: None if key is None else device_key(key, device, m)
+    split = _microbatches(g, batch) if k > 1 else None
+    first = batch if k == 1 else jax.tree.map(lambda part, x: x if part is None else part[0],
+                                              split, batch, is_leaf=lambda x: x is None)
+    # One trace for shapes (the loop's carry) and prefetch's order, where either is needed.
+    shapes, order = record(g, params, whole, first, keyed(0)) \
+        if k > 1 or plan.block_prefetch else (None, ())
     if k == 1:
-        return differentiate(g, params, whole, batch, keyed(0), scale)
-    is_spec = lambda x: isinstance(x, P)
-    specs = jax.tree.broadcast(g.batch_spec, batch, is_leaf=is_spec)
-    split = jax.tree.map(lambda s, x: x.reshape(k, x.shape[0] // k, *x.shape[1:])
-                         if len(s) and s[0] is not None else None, specs, batch, is_leaf=is_spec)
+        return differentiate(g, params, whole, batch, keyed(0), scale, order)
     # Offload.grads: the accumulator waits in host memory between microbatches.
     move = lambda tree, space: jax.device_put(tree, space) if plan.offload.grads else tree
     host, on_device = jax.memory.Space.Host, jax.memory.Space.Device
@@ -261,21 +235,27 @@ def accumulate(g: GradStep, params: PyTree, whole: PyTree | None, batch: PyTree,
     def body(carry, xs):
         m, micro = xs
         micro = jax.tree.map(whole_batch, micro, batch, is_leaf=lambda x: x is None)
-        stats, grads = differentiate(g, params, whole, micro, keyed(m), scale)
+        stats, grads = differentiate(g, params, whole, micro, keyed(m), scale, order)
         sums, acc = carry
         acc = jax.tree.map(lambda a, x: a + x.astype(plan.precision.accum),
                            move(acc, on_device), grads)
         return (jax.tree.map(jnp.add, sums, stats), move(acc, host)), None
 
-    first = jax.tree.map(lambda part, x: x if part is None else part[0], split, batch,
-                         is_leaf=lambda x: x is None)
-    shapes = jax.eval_shape(lambda: run_loss(g, wrap(g, params, whole), first, keyed(0)))
     stats = jax.tree.map(lambda x: jax.lax.pcast(jnp.zeros(x.shape, x.dtype), plan.data_axes,
                                                  to="varying"), shapes)
     zeros = g.map(lambda r, p: jnp.zeros((), plan.precision.accum) if r.leaf.frozen
                   else jnp.zeros_like(p, plan.precision.accum), params)
     (stats, grads), _ = jax.lax.scan(body, (stats, move(zeros, host)), (jnp.arange(k), split))
     return stats, move(grads, on_device)
+
+
+def _microbatches(g: GradStep, batch: PyTree) -> PyTree:
+    """The cut leaves of ``batch`` as ``(k, rows / k, ...)``; ``None`` for those every
+    microbatch reads whole."""
+    k, is_spec = g.plan.accum_steps, lambda x: isinstance(x, P)
+    specs = jax.tree.broadcast(g.batch_spec, batch, is_leaf=is_spec)
+    return jax.tree.map(lambda s, x: x.reshape(k, x.shape[0] // k, *x.shape[1:])
+                        if len(s) and s[0] is not None else None, specs, batch, is_leaf=is_spec)
 
 
 def reduce(g: GradStep, grads: PyTree) -> PyTree:
@@ -360,7 +340,7 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
     (``P()``) reach every device and microbatch whole.
     """
     batch_spec = batch_spec if batch_spec is not None else P(plan.data_axes)
-    g = GradStep(plan, routes(plan), loss_fn, has_aux, batch_spec)
+    g = GradStep(plan, routes(plan), loss_fn, has_aux, batch_spec, runtime(plan))
 
     def grads_fn(params: PyTree, batch: PyTree, scale: jax.Array | float = 1.0,
                  key: jax.Array | None = None):

@@ -15,9 +15,10 @@ from typing import Any
 
 CHECKED = {"jax": "0.10.2", "flax": "0.12.8", "orbax-checkpoint": "0.12.8"}
 
-# The stage-3 block runtime of the loss being traced (``zero_jax.gather.blocks``): read inside
-# the NNX modules' ``__call__``, which Flax calls with no way to hand it in. The library's one
-# piece of process-wide state, set and reset around one trace.
+# The trace of the loss under way (``zero_jax.blocks.runtime.Trace``): read by ``nnx_merge``,
+# which the user's loss calls, and inside the NNX blocks' ``__call__``, which Flax calls: neither
+# has a way to be handed it. The library's one piece of process-wide state, set and reset around
+# one trace by ``Runtime.tracing``.
 BLOCKS: contextvars.ContextVar = contextvars.ContextVar("zero_jax_blocks", default=None)
 
 # XLA's pass that turns remat's optimization barriers into plain ops on the CPU backend, where
@@ -45,7 +46,7 @@ ORBAX_READ_COROUTINE = "_read_array_index_and_device_put"
 def trace_state() -> Any:
     """``jax.extend.core.get_opaque_trace_state``: a token of the trace now running, equal
     for two points of one trace (as Flax checks its own), so that a value from another one (an
-    inner transform's tracer) is never used here (``zero_jax.gather._Previous``)."""
+    inner transform's tracer) is never used here (``zero_jax.blocks.modules.Previous``)."""
     import jax.extend
 
     return jax.extend.core.get_opaque_trace_state(convention="flax")
@@ -136,8 +137,8 @@ def _wide_unrounded(insert: Callable) -> Callable:
 @contextlib.contextmanager
 def flax_lift(name: str, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
     """``flax.core.lift.<name>`` replaced by ``wrap(original)`` while the block runs: how
-    ``zero_jax.prefetch`` runs the layer loop of a linen ``nn.scan`` stack itself (``scan``),
-    and ``zero_jax.handoff`` a block under the model's own ``nn.remat`` (``checkpoint``). Linen
+    ``zero_jax.blocks.scan`` runs the layer loop of a linen ``nn.scan`` stack itself (``scan``),
+    and ``zero_jax.blocks.chain`` a block under the model's own ``nn.remat`` (``checkpoint``). Linen
     reads the attribute when the transformed class is made (``nn.scan(Block)``); a class made
     before (at import) holds it in its methods' closures, which are swapped too. Trace one such
     loss at a time."""
@@ -179,7 +180,7 @@ def _captured(fn: Callable) -> list:
 
 def nnx_scan(wrap: Callable[[Callable], Callable]) -> contextlib.AbstractContextManager:
     """``flax.nnx.scan`` replaced by ``wrap(original)`` while the block runs: how
-    ``zero_jax.prefetch`` runs an NNX stack's layer loop itself. Code that calls ``nnx.scan``
+    ``zero_jax.blocks.scan`` runs an NNX stack's layer loop itself. Code that calls ``nnx.scan``
     as the loss runs sees the swap; a name bound before (``from flax.nnx import scan`` at
     import) does not. Trace one such loss at a time."""
     return _swapped("flax.nnx", "scan", wrap)
@@ -187,5 +188,5 @@ def nnx_scan(wrap: Callable[[Callable], Callable]) -> contextlib.AbstractContext
 
 def set_class(obj: Any, cls: type) -> None:
     """``obj.__class__ = cls``: an NNX block's class swapped for a subclass whose ``__call__``
-    makes its shards whole (``zero_jax.gather.nnx_merge``), on the model's own copy."""
+    makes its shards whole (``zero_jax.blocks.nnx_merge``), on the model's own copy."""
     obj.__class__ = cls

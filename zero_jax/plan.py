@@ -18,8 +18,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zero_jax.blocks import Layers
 from zero_jax.buckets import Comm
-from zero_jax.gather import Layers
 from zero_jax.mesh import DATA, MODEL, REPLICA
 from zero_jax.offload import Offload
 from zero_jax.precision import Precision
@@ -309,12 +309,12 @@ class Plan:
     outer: str | None = None
     offload: Offload = Offload()  # what lives in host memory (zero_jax.offload)
     comm: Comm = Comm()  # buckets and int8 collectives (zero_jax.buckets)
-    layers: Layers | None = None  # the blocks and how they run (zero_jax.gather), as given
+    layers: Layers | None = None  # the blocks and how they run (zero_jax.blocks), as given
 
     # What the blocks' policy says, read where it is held (none named: its defaults).
     @property
     def remat(self) -> str:
-        """The policy of the blocks stage 3 rematerializes (``gather.remat_policy``)."""
+        """The policy of the blocks stage 3 rematerializes (``blocks.remat_policy``)."""
         return self.layers.remat if self.layers else "full"
 
     @property
@@ -349,8 +349,8 @@ class Plan:
 
     @property
     def block_prefetch(self) -> bool:
-        """Prefetch a whole block ahead (``zero_jax.prefetch``, ``zero_jax.handoff``); gathering
-        by module, prefetch runs one module ahead inside the blocks instead."""
+        """Prefetch a whole block ahead (``zero_jax.blocks.scan``, ``zero_jax.blocks.chain``);
+        gathering by module, prefetch runs one module ahead inside the blocks instead."""
         return self.prefetch and self.gather == "block"
 
     @property
@@ -542,7 +542,7 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *,
     "h/\\d+", or an ``nn.scan`` stack "blocks", leading dimension = layer), or a ``Layers``
     that also says what each keeps for its backward (remat policy, ZeRO-R's Pa). At stage 3
     each block's parameters are gathered as it runs and again in its backward
-    (``zero_jax.gather``); at stage 2 its gradient is reduce-scattered as its backward ends.
+    (``zero_jax.blocks``); at stage 2 its gradient is reduce-scattered as its backward ends.
     Other cut leaves are gathered once per step. ``rules``: the placement table over parameter
     paths (``Rule``: left out of ZeRO, frozen, persistence threshold, tensor-parallel cut).
     ``precision`` (dtypes, loss scaling, microbatches per step), ``offload`` and ``comm`` are
@@ -664,7 +664,7 @@ def _check_combination(stage: int, layers: Layers | None, offload: Offload, comm
 
 
 def prefetchable(stage: int, has_layers: bool) -> bool:
-    """Whether prefetch (``zero_jax.prefetch``) can run: stage 3's per-layer gathers."""
+    """Whether prefetch (``zero_jax.blocks.scan``) can run: stage 3's per-layer gathers."""
     return stage == 3 and has_layers
 
 

@@ -14,7 +14,7 @@ are persistent at 2 and 3) are, inside a block and with buckets on, ``Shard``s w
 ("replicas"): read as they are, their gradient all-reduced as the block's backward ends (DDP's
 buckets). Elsewhere they are plain arrays, their gradients summed locally and all-reduced once,
 after the backward (``zero_jax.grads``). The leaves one block makes whole together share their
-collectives (``zero_jax.buckets``). Where in a model this happens is ``zero_jax.gather``'s.
+collectives (``zero_jax.buckets``). Where in a model this happens is ``zero_jax.blocks``'s.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from zero_jax.offload import in_host_memory
 
 PyTree = Any
 # The name a gathered weight carries, for remat policies that must not save it
-# (``zero_jax.gather``'s).
+# (``zero_jax.blocks.remat``'s).
 GATHERED = "zero_jax_gathered"
 
 
@@ -61,7 +61,7 @@ class Shard:
     # partitioner places; ZeRO's collectives run on each tensor-parallel rank's piece.
     model_dim: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     # Memory-centric tiling: (dimension counted from the end, tiles). Never made whole: its
-    # layer gathers it tile by tile (``zero_jax.tiling``).
+    # layer gathers it tile by tile (``zero_jax.blocks.tiling``).
     tile: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
     # ``model_dim`` cut over model x data, split in two (``Plan.split_model``): ``model``'s
     # piece at ``model_dim``, the data axes' after it; the whole leaf merges them back.
@@ -208,8 +208,8 @@ def _split(g: jax.Array, x: Shard) -> jax.Array:
 
 
 def whole_tile(x: Shard) -> jax.Array:
-    """One tile of a tiled leaf made whole (``zero_jax.tiling``): its gradient reduce-scattered
-    as any gathered leaf's."""
+    """One tile of a tiled leaf made whole (``zero_jax.blocks.tiling``): its gradient
+    reduce-scattered as any gathered leaf's."""
     return _materialize_group([x], ())[0]
 
 
@@ -229,7 +229,7 @@ def materialize_tree(tree: PyTree, after: tuple = ()) -> PyTree:
 def reduce_tree(tree: PyTree, grads: PyTree, hold: PyTree = ()) -> tuple[PyTree, PyTree]:
     """The gradient of ``tree`` (with ``Shard``s) from ``grads``, that of its whole leaves as
     ``materialize_tree`` made them: what the backward of ``materialize_tree`` does, for a loop
-    that differentiates the whole leaves itself (``zero_jax.prefetch``). Returns it and
+    that differentiates the whole leaves itself (``zero_jax.blocks.scan``). Returns it and
     ``hold``, passed back once the gradients are packed into their buckets (for a loop that
     carries them: ``buckets.reduce_scatter``)."""
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_shard)

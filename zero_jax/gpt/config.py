@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from zero_jax.gather import GATHER, REMAT
+from zero_jax.blocks import GATHER, REMAT
 from zero_jax.gpt.attention import IMPLEMENTATIONS
 from zero_jax.offload import Nvme
 

@@ -16,9 +16,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zero_jax.blocks import Layers
 from zero_jax.buckets import Comm
 from zero_jax.checkpoint import CheckpointError
-from zero_jax.gather import Layers
 from zero_jax.gpt import attention
 from zero_jax.gpt.config import DEFAULTS
 from zero_jax.gpt.model import (

@@ -11,7 +11,7 @@ import functools
 import itertools
 from collections.abc import Iterator
 
-from zero_jax.gather import REMAT
+from zero_jax.blocks import REMAT
 from zero_jax.gpt.experiment import prefetch_from
 
 

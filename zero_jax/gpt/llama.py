@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zero_jax.gather import remat_policy
+from zero_jax.blocks import remat_policy
 from zero_jax.gpt import attention
 from zero_jax.gpt.model import GPTConfig, block_remat
 from zero_jax.plan import Rule

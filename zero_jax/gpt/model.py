@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from zero_jax.gather import BLOCK_INPUT, remat_policy
+from zero_jax.blocks import BLOCK_INPUT, remat_policy
 from zero_jax.gpt import attention
 from zero_jax.losses import cross_entropy
 from zero_jax.plan import Rule, modules_pattern
@@ -42,7 +42,7 @@ class GPTConfig:
     n_heads: int = 4
     d_ff: int = 512
     seq_len: int = 64
-    remat: str = "full"  # policy of each block's remat (zero_jax.gather.remat_policy)
+    remat: str = "full"  # policy of each block's remat (zero_jax.blocks.remat_policy)
     arch: str = "gpt2"  # or "llama" (zero_jax.gpt.llama)
     norm_eps: float = LN_EPS
     n_kv_heads: int = 0  # llama: key/value heads (grouped-query attention); 0: n_heads

@@ -1,8 +1,8 @@
 """ZeRO-Infinity's memory-centric tiling: a block's parameter too large to gather whole is
 gathered one tile at a time, by the layer that uses it.
 
-At stage 3 a block's parameters are made whole as the block runs (``zero_jax.gather``); a
-leaf larger than ``Layers.tile_mb`` (``rules.tile_leaf``) is left out of that gather and
+At stage 3 a block's parameters are made whole as the block runs (``zero_jax.blocks``); a
+leaf larger than ``Layers.tile_mb`` (``plan.tile_leaf``) is left out of that gather and
 reaches its layer still a ``Shard``, marked with its tiles. A Flax ``nn.Dense`` or
 ``nn.DenseGeneral`` given such a kernel computes its product tile by tile in a loop, each
 tile's gather under ``jax.checkpoint``: the forward gathers a tile, multiplies and drops it;

@@ -1,6 +1,6 @@
 """Prefetch for blocks that run one after another: unrolled linen blocks and NNX blocks.
 
-A scanned stack's layers meet in a loop zero_jax runs (``zero_jax.prefetch``); blocks built in a
+A scanned stack's layers meet in a loop zero_jax runs (``zero_jax.blocks.scan``); blocks built in a
 Python loop meet only in the trace, one call after the other. So each block call becomes a
 ``custom_vjp`` that hands the next call its weights: block i's call gathers block i+1's weights
 as it starts (waiting for block i's inputs only, so the gather runs beside block i's compute)
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zero_jax import internals
-from zero_jax.gather import Saved
+from zero_jax.blocks.remat import Saved
 from zero_jax.shards import after_inputs, is_shard, materialize_tree, reduce_tree
 
 PyTree = Any

@@ -9,7 +9,7 @@ nothing in it waits on the layer's compute), and whose backward loop carries the
 layer's weights and the next layer's whole gradient, each layer's backward built from what its
 forward kept as the remat policy says (``full``: its input, recomputing the rest; ``dots``:
 also its matmuls' outputs; ``offload`` keeps the inputs in host memory, Pa cut over ``model``:
-``gather.Saved``), never its gathered weights, which the backward has again. Each iteration's
+``remat.Saved``), never its gathered weights, which the backward has again. Each iteration's
 collectives then need nothing it computes, and XLA's scheduler can run them under its matmuls
 (on GPU; read from the compiled program in bench/gpu.py). With tensor parallelism each rank
 does this with its slice of the layer over ``data``, as ``shards.per_model_rank`` runs every
@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from zero_jax import internals
-from zero_jax.gather import Saved
+from zero_jax.blocks.remat import Saved
 from zero_jax.shards import after_inputs, is_shard, materialize_tree, reduce_tree
 
 PyTree = Any
