@@ -23,7 +23,7 @@ A wider model (``d_ff`` does not follow ``d_model`` by itself: keep GPT's 4x by 
 and named ``h_0 .. h_{n-1}`` (``UnrolledGPT``, as every HF Flax model is written), at the
 config's widths: zero_jax through its library API alone (``zj.make_plan`` with
 ``layers=zj.Layers(UNROLLED_BLOCKS, prefetch=...)``) at stage 0, stage 3 and stage 3
-with prefetch (``zero_jax.handoff``), beside DDP and the GSPMD FSDP baselines compiled for the
+with prefetch (``zero_jax.blocks.chain``), beside DDP and the GSPMD FSDP baselines compiled for the
 same model; every row's first loss checked against stage 0's (the zero_jax rows' too):
 
     python bench/peers.py --model unrolled --rounds 3 --steps 10
@@ -165,8 +165,7 @@ class UnrolledGPT(nn.Module):
 
     @nn.compact
     def features(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-        from zero_jax.gather import remat_policy
-
+        from zero_jax.blocks import remat_policy
         from zero_jax.gpt.model import embed
 
         c = self.cfg

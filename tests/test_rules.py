@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zero_jax as zj
-from zero_jax.grads import GradStep, Route, normalize, reduce, routes
+from zero_jax.grads import GradStep, Route, normalize, reduce, routes, runtime
 from zero_jax.hlo import collectives
 from zero_jax.plan import find_blocks, leaf_rule, match_rules
 
@@ -229,7 +229,7 @@ def test_reduce_and_normalize_under_shard_map(mesh):
     """Stage 0: each device's whole gradient all-reduced in buckets, then scaled from shares of
     n (the mean of 8 devices' means) to the global mean; the frozen one zeros, never sent."""
     plan = zj.make_plan(SHAPES, mesh, 0, rules=[zj.Rule("^wpe/", frozen=True)])
-    g = GradStep(plan, routes(plan), None, False, P("data"))
+    g = GradStep(plan, routes(plan), None, False, P("data"), runtime(plan))
     per_device = jax.tree.map(
         lambda s: jnp.arange(8, dtype=F32).reshape(8, *[1] * len(s.shape))
         * jnp.ones((8, *s.shape), F32), plan.shapes)
