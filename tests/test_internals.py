@@ -1,6 +1,7 @@
 """The private and unstable APIs zero_jax relies on live in ``zero_jax/internals.py`` alone, and
 each still does what we rely on: when an upgrade breaks one, its test names it."""
 
+import contextlib
 import inspect
 import os
 import pathlib
@@ -254,3 +255,28 @@ def test_importing_zero_jax_keeps_the_barriers_on_cpu_only(monkeypatch):
         monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1")
         keep_remat_barriers()
         assert os.environ["XLA_FLAGS"] == "--xla_foo=1", platforms
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["returns", "raises"])
+def test_one_trace_installs_every_hook_and_removes_them_all(fails):
+    """``Runtime.tracing``: inside, Flax's scan and checkpoint lifts and ``nnx.scan`` are
+    prefetch's, a linen interceptor is on and ``internals.BLOCKS`` holds the trace; after, as
+    it returns or raises, every one of them is as it was."""
+    import flax.linen as nn
+
+    from zero_jax.blocks import Runtime, chain
+
+    before = (flax.core.lift.scan, flax.core.lift.checkpoint, nnx.scan)
+    seen = []
+    rt = Runtime(("blocks",), prefetch=True)
+    with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
+        with rt.tracing(chain.Chain(None, rt.saved)) as trace:
+            seen.append((flax.core.lift.scan, flax.core.lift.checkpoint, nnx.scan))
+            assert internals.BLOCKS.get() is trace
+            assert len(nn.module._global_interceptor_stack) == 1  # noqa: SLF001
+            if fails:
+                raise RuntimeError("the loss failed")
+    assert all(a is not b for a, b in zip(seen[0], before, strict=True))
+    assert (flax.core.lift.scan, flax.core.lift.checkpoint, nnx.scan) == before
+    assert internals.BLOCKS.get() is None
+    assert not nn.module._global_interceptor_stack  # noqa: SLF001
