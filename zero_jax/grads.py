@@ -5,8 +5,10 @@ It runs under ``shard_map`` over the data axes, so the collectives are exactly t
 reduce-scatter nor gather weights by itself). Each parameter's ``Route`` is decided once, from
 its ``Leaf`` and the stage; the phases only read it:
 
-    prepare -> [accumulate: per microbatch, differentiate(wrap -> run_loss)] -> reduce
-            -> normalize
+    prepare -> [accumulate: record once, then per microbatch differentiate(wrap -> run_loss)]
+            -> reduce -> normalize
+
+``run_loss`` traces the user's loss under the plan's block runtime (``zero_jax.blocks``).
 """
 
 from __future__ import annotations
