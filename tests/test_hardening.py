@@ -41,7 +41,9 @@ pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
 # The train.py processes compile as this process does (LLVM at level 0, not TRAIN_ENV's 1,
 # which rounds a loss differently in its last bit): their losses are the in-process runs'.
 ENV = SUBPROCESS_ENV
-MODEL = [*ONE_LAYER, *FIXED_SCHEDULE]  # conftest.py
+# conftest.py's; a batch of 8, one sequence a device: what is tested here is the run, not how
+# much it learns, and each step costs a quarter of the default batch's.
+MODEL = [*ONE_LAYER, *FIXED_SCHEDULE, "--set", "train.batch_size=8"]
 REF_STEPS = 40  # saved every 8: checkpoints 24, 32, 40 are kept
 
 
