@@ -1,6 +1,8 @@
 """Checkpoints: exact resume, restore onto any stage and device count, export, and failures
 that lose nothing."""
 
+import contextlib
+import io
 import pathlib
 import re
 import shutil
@@ -12,7 +14,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import FIXED_SCHEDULE, ONE_LAYER, TRAIN_ENV, example, small_problem
+from conftest import FIXED_SCHEDULE, ONE_LAYER, SUBPROCESS_ENV, example, small_problem
 from lm import LAYERS
 
 import zero_jax as zj
@@ -21,7 +23,12 @@ from zero_jax.checkpoint import CheckpointError, Checkpoints
 pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ENV = TRAIN_ENV
+sys.path.insert(0, str(ROOT))
+import train as train_py  # noqa: E402
+
+# The processes compile as this one does (LLVM at level 0; the runs here train a few steps):
+# what one of them compiled, the others load from JAX's persistent cache, this process too.
+ENV = SUBPROCESS_ENV
 ONE = [*ONE_LAYER, *FIXED_SCHEDULE]  # conftest.py
 
 
@@ -29,6 +36,16 @@ def train(*args, cwd=ROOT, timeout=300, prefix=None) -> subprocess.CompletedProc
     cmd = [sys.executable, *(prefix or []), str(ROOT / "train.py"), *map(str, args)]
     return subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def main(*args, cwd=ROOT) -> subprocess.CompletedProcess:
+    """``train.main`` in this process, run from ``cwd``, its output caught as a process's: a
+    train.py start-up less, for the runs no signal or limit of a process of their own stops."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(err):
+        code = train_py.main(list(map(str, args)))
+    return subprocess.CompletedProcess(["train.py", *args], code, out.getvalue(), err.getvalue())
 
 
 def listing(directory: pathlib.Path) -> dict:
@@ -218,8 +235,8 @@ def written(tmp_path_factory) -> pathlib.Path:
     (both kept), started in a directory of its own with a relative --checkpoint-dir:
     ``runs/ckpt`` there. Tests work on copies."""
     cwd = tmp_path_factory.mktemp("written")
-    run = train(*ONE, "--steps", 4, "--save-every", 2, "--keep", 2, "--checkpoint-dir",
-                "runs/ckpt", cwd=cwd)
+    run = main(*ONE, "--steps", 4, "--save-every", 2, "--keep", 2, "--checkpoint-dir",
+               "runs/ckpt", cwd=cwd)
     assert run.returncode == 0, run.stderr
     return cwd / "runs" / "ckpt"
 
@@ -227,9 +244,9 @@ def written(tmp_path_factory) -> pathlib.Path:
 def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
     """A save killed half-way is never listed; --resume takes the last complete one."""
     ckpt = tmp_path / "ckpt"
-    big = ["--set", "model.d_model=512", "--set", "model.d_ff=2048",  # 150 MB per checkpoint
+    big = ["--set", "model.d_model=512", "--set", "model.d_ff=2048",  # 40 MB per checkpoint
            "--set", "train.batch_size=8", "--set", "model.seq_len=4",  # a cheap step
-           *FIXED_SCHEDULE]
+           *ONE]
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *big, "--steps", "1000",
                              "--save-every", "3", "--checkpoint-dir", str(ckpt)],
                             cwd=ROOT, env={**ENV, "PYTHONUNBUFFERED": "1"},
@@ -242,7 +259,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     partial = [p.name for p in ckpt.iterdir() if p.name.startswith("6.")]
     assert partial, sorted(p.name for p in ckpt.iterdir())  # the save really was in flight
-    run = train(*big, "--steps", 4, "--checkpoint-dir", ckpt, "--resume")
+    run = main(*big, "--steps", 4, "--checkpoint-dir", ckpt, "--resume")
     assert run.returncode == 0, run.stderr
     assert "resumed from step 3" in run.stdout
 

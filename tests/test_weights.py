@@ -4,7 +4,9 @@ reads it into its shards at several layouts, computes the same logits, fine-tune
 device's optax does, and exports files that ``transformers`` loads with the same logits.
 """
 
+import contextlib
 import dataclasses
+import io
 import json
 import pathlib
 import subprocess
@@ -60,6 +62,15 @@ def gpt2(tmp_path_factory) -> dict:
     return {"one": root / "one", "sharded": root / "sharded", "tokens": tokens,
             "logits": torch_logits(root / "one"), "model": GPT(GPTConfig(  # 64 padded to 128
                 **hf.read_config(root / "one"), remat="none", vocab_multiple=128))}
+
+
+def run_train(*args: str) -> subprocess.CompletedProcess:
+    """``train.main`` in this process, its output caught as a process's (a start-up less, and
+    compiled at the suite's level: the runs here train 2 steps)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = train_py.main(list(args))
+    return subprocess.CompletedProcess(["train.py", *args], code, out.getvalue(), err.getvalue())
 
 
 def plan_for(model: GPT, stage: int, tp: int = 1) -> zj.Plan:
@@ -151,12 +162,10 @@ def test_train_py_init_from_and_export_round_trip(gpt2, tmp_path):
     tensor for tensor the export's; and the plain safetensors export reads back in the
     safetensors client as the checkpoint's parameters."""
     ckpt, metrics, live = tmp_path / "ckpt", tmp_path / "metrics.jsonl", tmp_path / "live"
-    run = subprocess.run([sys.executable, "train.py", "--init-from", str(gpt2["sharded"]),
-                          "--steps", "2", "--data", str(gpt2["tokens"]), "--checkpoint-dir",
-                          str(ckpt), "--save-every", "2", "--metrics", str(metrics),
-                          "--save-safetensors", str(live),
-                          "--set", "optimizer.name=sgd", "--set", "train.batch_size=8"],
-                         cwd=ROOT, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
+    run = run_train("--init-from", str(gpt2["sharded"]), "--steps", "2", "--data",
+                    str(gpt2["tokens"]), "--checkpoint-dir", str(ckpt), "--save-every", "2",
+                    "--metrics", str(metrics), "--save-safetensors", str(live),
+                    "--set", "optimizer.name=sgd", "--set", "train.batch_size=8")
     assert run.returncode == 0, run.stderr
     first = json.loads(metrics.read_text().splitlines()[0])["loss"]
     batch = data.batch(np.fromfile(gpt2["tokens"], np.uint16), 0, 8, 16, 0)
@@ -594,11 +603,10 @@ def test_train_py_fine_tunes_a_llama_and_exports_it(llama_dir, gpt2, tmp_path):
     from zero_jax.gpt import llama
 
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    run = subprocess.run([sys.executable, "train.py", "--init-from", str(llama_dir),
-                          "--steps", "2", "--data", str(gpt2["tokens"]), "--checkpoint-dir",
-                          str(ckpt), "--save-every", "2", "--metrics", str(metrics),
-                          "--set", "optimizer.name=sgd", "--set", "train.batch_size=8"],
-                         cwd=ROOT, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
+    run = run_train("--init-from", str(llama_dir), "--steps", "2", "--data",
+                    str(gpt2["tokens"]), "--checkpoint-dir", str(ckpt), "--save-every", "2",
+                    "--metrics", str(metrics), "--set", "optimizer.name=sgd",
+                    "--set", "train.batch_size=8")
     assert run.returncode == 0, run.stderr
     first = json.loads(metrics.read_text().splitlines()[0])["loss"]
     batch = data.batch(np.fromfile(gpt2["tokens"], np.uint16), 0, 8, 16, 0)
