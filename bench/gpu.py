@@ -279,7 +279,8 @@ def compile_for(args: argparse.Namespace) -> None:
         lowered = exp.step.lower(state, exp.batch_shape)
         compiled = lowered.compile()
         _save(args, f"{name}-stage-{stage}", compiled)
-        res = program(stage, compiled, report.build(exp.plan, state, lowered, compiled), n, hw,
+        res = program(stage, compiled, report.build(exp.plan, state, lowered, compiled,
+                                                     accum_steps=exp.accum_steps), n, hw,
                       _model_flops(exp, n))
         results.append(res)
         _row(res)

@@ -57,7 +57,8 @@ def build(cfg: dict, mesh, tokens, steps: int) -> dict:
     batches = [jax.device_put(data.batch(tokens, i, t["batch_size"], exp.model.seq_len, 0),
                               exp.batch_sharding) for i in range(steps)]
     return dict(exp=exp, step=step, state=state, batches=batches, times=[],
-                report=report.build(exp.plan, state, lowered, step))
+                report=report.build(exp.plan, state, lowered, step,
+                                            accum_steps=exp.accum_steps))
 
 
 def try_build(name: str, cfg: dict, mesh, tokens, steps: int) -> dict | None:

@@ -387,7 +387,7 @@ def unrolled_zero(cfg: dict, mesh: Mesh, stage: int, prefetch: bool = False):
     from zero_jax.gpt.optim import make_optimizer
 
     platform = mesh.devices.flat[0].platform
-    precision = precision_from(cfg["precision"], platform, cfg["train"]["accum_steps"])
+    precision = precision_from(cfg["precision"], platform)
     m = resolved_model(cfg["model"], platform, precision.compute)
     remat = m["remat"]
     model = UnrolledGPT(GPTConfig(**{**m, "remat": "none" if stage == 3 else remat}))
@@ -396,7 +396,8 @@ def unrolled_zero(cfg: dict, mesh: Mesh, stage: int, prefetch: bool = False):
     plan = zj.make_plan(jax.eval_shape(init, jax.random.key(SEED_KEY)), mesh, stage,
                         layers=zj.Layers(UNROLLED_BLOCKS, remat, prefetch=prefetch),
                         precision=precision)
-    step = zj.make_train_step(plan, lm_loss(model), tx, lr_schedule=schedule)
+    step = zj.make_train_step(plan, lm_loss(model), tx, lr_schedule=schedule,
+                              accum_steps=cfg["train"]["accum_steps"])
     return plan, tx, init, step
 
 

@@ -102,7 +102,8 @@ def run(out: pathlib.Path, reference_ckpt: str | None) -> dict:
         if layout == "hier-adamw":  # train with the program the report reads: one compile
             lowered = exp.step.lower(state, exp.batch_shape)
             step = lowered.compile()
-            results["report"] = report.build(exp.plan, state, lowered, step)
+            results["report"] = report.build(exp.plan, state, lowered, step,
+                                                 accum_steps=exp.accum_steps)
         state, losses = train(exp, state, 0, STEPS, tokens, step)
         results["losses"][layout] = losses
         if layout == CKPT_LAYOUT:

@@ -113,9 +113,8 @@ def test_a_users_mistakes_are_said_in_one_line():
     with pytest.warns(UserWarning, match=r"stage 3 gathers 100% of the cut parameters once per "
                                          r"step .* name the model's blocks \(make_plan layers="):
         zj.make_plan(jax.eval_shape(init, key), zj.make_mesh(), stage=3)
-    plan = zj.make_plan(jax.eval_shape(init, key), zj.make_mesh(), stage=2,
-                        precision=zj.Precision(accum_steps=2))
-    step = zj.make_train_step(plan, loss_fn, tx)
+    plan = zj.make_plan(jax.eval_shape(init, key), zj.make_mesh(), stage=2)
+    step = zj.make_train_step(plan, loss_fn, tx, accum_steps=2)
     state = zj.init_state(plan, init, tx, key)
     with pytest.raises(ValueError, match=r"^batch has 24 rows, which do not divide over the 8 "
                                          r"devices of the mesh's data axis times accum_steps 2: "

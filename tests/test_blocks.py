@@ -334,11 +334,10 @@ def test_token_weighted_loss_is_the_global_mean(mesh):
         return (correct(params, batch["tokens"]) * batch["mask"]).sum() / batch["mask"].sum()
 
     tx = optax.sgd(0.3)
-    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=BLOCKS,
-                        precision=zj.Precision(accum_steps=2))
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=BLOCKS)
     state = zj.init_state(plan, init, tx, KEY)
     spec = {"tokens": P("data"), "mask": P("data"), "scale": P()}
-    step = zj.make_train_step(plan, loss_fn, tx, batch_spec=spec, has_aux=True)
+    step = zj.make_train_step(plan, loss_fn, tx, batch_spec=spec, has_aux=True, accum_steps=2)
     params = init(KEY)
     for i in range(3):
         batch = {"tokens": tokens(i), "mask": mask, "scale": np.float32(0.5 + i)}

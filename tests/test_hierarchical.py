@@ -116,7 +116,7 @@ def test_accumulation_offload_ignored_and_frozen(grid, small):
     (whole parameter, optimizer state cut over all 8): SGD with momentum, which carries state
     and, unlike Adam, shows a gradient of the wrong scale, as on one device; fc2 untouched."""
     _, init, loss_fn, batches = small
-    plan = make(grid, small, precision=zj.Precision(accum_steps=2), offload=zj.Offload(grads=True),
+    plan = make(grid, small, offload=zj.Offload(grads=True),
                 rules=[zj.Rule(modules_pattern(["wpe", "blocks/ln1"]), shard=False),
                        zj.Rule(modules_pattern(["blocks/fc2"]), frozen=True),
                        zj.Rule("", min_shard_elems=64)])
@@ -133,7 +133,7 @@ def test_accumulation_offload_ignored_and_frozen(grid, small):
     paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]]
     assert not any("fc2" in p for p in paths) and any("fc1" in p for p in paths)
     frozen_before = jax.tree.map(np.asarray, state.params["blocks"]["fc2"])
-    step = zj.make_train_step(plan, loss_fn, tx)
+    step = zj.make_train_step(plan, loss_fn, tx, accum_steps=2)
 
     # The accumulator is carried between microbatches in host memory: the one scan with host
     # carries is the microbatch loop, and everything but its loss total and weight is there.

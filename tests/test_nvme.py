@@ -57,7 +57,7 @@ def plans(mesh, small, stage, path, **nvme):
     offload_param cpu beside offload_optimizer nvme."""
     _, init, _, _ = small
     shapes = jax.eval_shape(init, KEY)
-    kw = dict(layers=LAYERS, precision=Precision("bf16", accum_steps=setting(stage)[1]))
+    kw = dict(layers=LAYERS, precision=Precision("bf16"))
     host = Offload(optimizer=1.0, params=stage == 3)
     tier = Nvme(str(path), **{"chunk_mb": CHUNK_MB, "buffers": BUFFERS, **nvme})
     return tuple(make_plan(shapes, mesh, stage, offload=o, **kw)
@@ -68,7 +68,8 @@ def train(plan, small, state=None, first=0, steps=STEPS, step=None, tx=ADAMW):
     _, init, loss_fn, batches = small
     state = init_state(plan, init, tx, KEY) if state is None else state
     put = lambda b: jax.device_put(b, NamedSharding(plan.mesh, P("data")))
-    step = step or make_train_step(plan, loss_fn, tx).lower(state, put(batches[first])).compile()
+    step = step or make_train_step(plan, loss_fn, tx, accum_steps=setting(plan.stage)[1]).lower(
+        state, put(batches[first])).compile()
     losses = []
     for b in batches[first:first + steps]:
         state, m = step(state, put(b))

@@ -73,17 +73,18 @@ def test_prefetch_trains_bit_identically_and_gathers_a_layer_ahead(layout, probl
         plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,
                             layers=zj.Layers(LAYERS, prefetch=prefetch),
                             rules=[zj.Rule("", min_shard_elems=64)], comm=comm,
-                            precision=zj.Precision(accum_steps=accum), offload=offload)
+                            offload=offload)
         state = zj.init_state(plan, init, tx, KEY)
         put = lambda b: jax.device_put(b, NamedSharding(mesh, P(plan.data_axes)))
-        lowered = zj.make_train_step(plan, loss_fn, tx).lower(state, put(batches[0]))
+        lowered = zj.make_train_step(plan, loss_fn, tx, accum_steps=accum).lower(
+            state, put(batches[0]))
         compiled = lowered.compile(FUSION_EMITTERS)  # read, then run: one compile
         losses = []
         for b in batches:
             state, m = compiled(state, put(b))
             losses.append(float(m["loss"]))
         return losses, jax.device_get(state.params), compiled, report.build(
-            plan, state, lowered, compiled)
+            plan, state, lowered, compiled, accum_steps=accum)
 
     plain, ahead = train(False), train(True)
     assert plain[0] == ahead[0]
@@ -639,7 +640,7 @@ def test_the_loss_is_traced_once_for_shapes_and_once_for_the_program(prefetch, a
         return loss(params, batch)
     tx = optax.sgd(0.1)
     plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,
-                        layers=zj.Layers(layers, prefetch=prefetch),
-                        precision=zj.Precision(accum_steps=accum))
-    zj.make_train_step(plan, counted, tx).lower(zj.abstract_state(plan, tx), regather.BATCH)
+                        layers=zj.Layers(layers, prefetch=prefetch))
+    zj.make_train_step(plan, counted, tx, accum_steps=accum).lower(zj.abstract_state(plan, tx),
+                                                                   regather.BATCH)
     assert len(calls) == traces

@@ -7,6 +7,7 @@ and the combinations ``make_plan`` refuses, on ``ShapeDtypeStruct`` trees.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -181,8 +182,8 @@ def test_policies_check_themselves():
         zj.Comm(quantize_block=0)
     with pytest.raises(ValueError, match="precision.param_dtype"):
         zj.Precision("fp64")
-    with pytest.raises(ValueError, match="accum_steps must be an integer of at least 1"):
-        zj.Precision(accum_steps=0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'accum_steps'"):
+        zj.Precision(accum_steps=2)  # microbatches are the step's (make_train_step)
     with pytest.raises(ValueError, match="remat must be one of"):
         zj.Layers("^blocks$", "some")
     with pytest.raises(ValueError, match="regular expression over module paths"):
@@ -197,8 +198,6 @@ def test_policies_check_themselves():
 @pytest.mark.parametrize("stage, options, message", [
     (4, {}, "stage must be one of"),
     (2, {"offload": zj.Offload(1.0, params=True)}, "use stage 3"),
-    (3, {"offload": zj.Offload(1.0, params=True), "precision": zj.Precision(accum_steps=2)},
-     "not built for accumul"),
     (2, {"comm": zj.Comm(quantize_weights=True)}, "quantize_weights makes stage 3"),
     (1, {"comm": zj.Comm(quantize_grads=True)}, "use stage 2 or 3"),
     (2, {"layers": zj.Layers(r"^h/\d+$", prefetch=True)},
@@ -210,11 +209,23 @@ def test_make_plan_refuses_combinations(mesh, stage, options, message):
         zj.make_plan(SHAPES, mesh, stage, **options)
 
 
+def test_make_train_step_refuses_microbatches(mesh):
+    """``accum_steps`` enters with the step, and is checked there: a positive integer, and not
+    with the update on the host as each layer's gradient arrives."""
+    plain = zj.make_plan(SHAPES, mesh, 3, layers="^blocks$")
+    with pytest.raises(ValueError, match=r"^accum_steps must be an integer of at least 1 "
+                                         r"\(got 0\)$"):
+        zj.make_train_step(plain, None, optax.sgd(0.1), accum_steps=0)
+    host = zj.make_plan(SHAPES, mesh, 3, layers="^blocks$", offload=zj.Offload(1.0, params=True))
+    with pytest.raises(ValueError, match="not built for accumulation"):
+        zj.make_train_step(host, None, optax.sgd(0.1), accum_steps=2)
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_routes_per_stage(mesh, stage):
     plan = zj.make_plan(SHAPES, mesh, stage, layers="^blocks$",
                         rules=[zj.Rule("^wpe/", frozen=True)])
-    rs = {r.leaf.path: r for r in jax.tree.leaves(routes(plan), is_leaf=lambda x:
+    rs = {r.leaf.path: r for r in jax.tree.leaves(routes(plan, 1), is_leaf=lambda x:
                                                    isinstance(x, Route))}
     qkv, bias, wpe = rs["blocks/qkv/kernel"], rs["head/bias"], rs["wpe/embedding"]
     assert qkv.cut == (stage >= 2) and bias.cut is False
@@ -229,7 +240,7 @@ def test_reduce_and_normalize_under_shard_map(mesh):
     """Stage 0: each device's whole gradient all-reduced in buckets, then scaled from shares of
     n (the mean of 8 devices' means) to the global mean; the frozen one zeros, never sent."""
     plan = zj.make_plan(SHAPES, mesh, 0, rules=[zj.Rule("^wpe/", frozen=True)])
-    g = GradStep(plan, routes(plan), None, False, P("data"), runtime(plan))
+    g = GradStep(plan, routes(plan, 1), None, False, P("data"), runtime(plan), 1)
     per_device = jax.tree.map(
         lambda s: jnp.arange(8, dtype=F32).reshape(8, *[1] * len(s.shape))
         * jnp.ones((8, *s.shape), F32), plan.shapes)

@@ -66,10 +66,10 @@ def gpt():
     return init, loss_fn, batches, refs
 
 
-def train(plan, init, loss_fn, batches, tx):
+def train(plan, init, loss_fn, batches, tx, accum_steps=1):
     """(losses, final state, compiled program text)."""
     state = zj.init_state(plan, init, tx, KEY)
-    step = zj.make_train_step(plan, loss_fn, tx)
+    step = zj.make_train_step(plan, loss_fn, tx, accum_steps=accum_steps)
     put = lambda b: jax.device_put(b, NamedSharding(plan.mesh, P(plan.data_axes)))
     text = step.lower(state, put(batches[0])).compile().as_text()
     losses = []
@@ -246,7 +246,7 @@ def test_composes_with_bf16_accumulation_buckets_and_int8(gpt):
     collectives stay on model groups, ZeRO's (int8 all-to-alls included) on data groups, and
     every state leaf, master included, is cut by the formula with T."""
     init, loss_fn, batches, _ = gpt
-    options = {"layers": LAYERS, "precision": zj.Precision(param_dtype="bf16", accum_steps=2),
+    options = {"layers": LAYERS, "precision": zj.Precision(param_dtype="bf16"),
                "comm": zj.Comm(8 << 10, quantize_weights=True, quantize_grads=True)}
     tx = OPTIMIZERS["adamw"]()
     runs = {}
@@ -254,7 +254,7 @@ def test_composes_with_bf16_accumulation_buckets_and_int8(gpt):
         rules = TENSOR_PARALLEL if "model" in axes else ()
         plan = zj.make_plan(jax.eval_shape(init, KEY), zj.make_mesh(8, axes=axes), 3,
                             rules=rules, **options)
-        runs[name] = plan, *train(plan, init, loss_fn, batches, tx)
+        runs[name] = plan, *train(plan, init, loss_fn, batches, tx, accum_steps=2)
     plan, losses, state, text = runs["2-D"]
     gap = np.abs(np.array(losses) - runs["1-D"][1]).max()
     assert gap < COMPOSED_TOLERANCE, gap

@@ -86,10 +86,10 @@ def trained(layout: str, tile: float | None):
     init, loss_fn, pattern = problem(scan)
     mesh, tx = zj.make_mesh(8, axes=axes), make_tx()
     plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=zj.Layers(
-        pattern, tile_mb=tile and tile / 2**20), precision=zj.Precision(accum_steps=accum))
+        pattern, tile_mb=tile and tile / 2**20))
     state = zj.init_state(plan, init, tx, KEY)
     put = lambda b: jax.device_put(b, NamedSharding(mesh, P(plan.data_axes)))
-    lowered = zj.make_train_step(plan, loss_fn, tx).lower(state, put(batch(0)))
+    lowered = zj.make_train_step(plan, loss_fn, tx, accum_steps=accum).lower(state, put(batch(0)))
     compiled = lowered.compile()
     losses = []
     for i in range(STEPS):

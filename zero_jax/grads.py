@@ -57,18 +57,18 @@ class Route(NamedTuple):
     streamed: bool = False
 
 
-def routes(plan: Plan) -> PyTree:
+def routes(plan: Plan, accum_steps: int) -> PyTree:
     """The ``Route`` of every parameter, as a tree shaped like the parameters."""
     def route(leaf: Leaf, host: bool, param_host: bool) -> Route:
         cut = plan.rule.shard_grads and leaf.axis is not None and not leaf.persistent
         in_backward = (not cut and not leaf.frozen and leaf.block is not None
-                       and plan.comm.bucket_bytes > 0 and plan.accum_steps == 1
+                       and plan.comm.bucket_bytes > 0 and accum_steps == 1
                        and plan.outer is None)
         local = () if leaf.frozen or in_backward else (plan.outer,) if cut and plan.outer \
             else () if cut else plan.data_axes
         streamed = host and not param_host and plan.rule.shard_params
         return Route(leaf, cut, local, in_backward, host, streamed)
-    return jax.tree.map(route, plan.leaves, grads_in_host_memory(plan),
+    return jax.tree.map(route, plan.leaves, grads_in_host_memory(plan, accum_steps),
                         params_in_host_memory(plan), is_leaf=_is_leaf)
 
 
@@ -81,6 +81,11 @@ class GradStep(NamedTuple):
     has_aux: bool
     batch_spec: PyTree
     blocks: Runtime  # the block runtime every trace of the loss runs under
+    accum_steps: int  # microbatches per step: the global batch is cut into that many
+
+    @property
+    def grad_dtype(self) -> jnp.dtype:
+        return self.plan.precision.grad_dtype(self.accum_steps)
 
     def map(self, fn: Callable, *trees: PyTree) -> PyTree:
         """``fn(route, *leaves)`` over the parameters."""
@@ -201,7 +206,7 @@ def differentiate(g: GradStep, params: PyTree, whole: PyTree | None, micro: PyTr
                   key: jax.Array | None, scale: jax.Array, order: tuple[str, ...]):
     """The gradient of this device's share: total * scale / (n k), for a mean loss exactly its
     share of the global mean; frozen leaves are read, not differentiated."""
-    n, k = g.plan.dp_size, g.plan.accum_steps
+    n, k = g.plan.dp_size, g.accum_steps
 
     def objective(trained):
         mixed = g.map(lambda r, t, p: p if r.leaf.frozen else t, trained, params)
@@ -218,7 +223,7 @@ def accumulate(g: GradStep, params: PyTree, whole: PyTree | None, batch: PyTree,
                key: jax.Array | None, scale: jax.Array):
     """Each microbatch's cut gradients are reduce-scattered by its backward and summed into a
     1/N accumulator; whole ones are summed locally and reduced once, after."""
-    plan, k = g.plan, g.plan.accum_steps
+    plan, k = g.plan, g.accum_steps
     device = jax.lax.axis_index(plan.data_axes)
     keyed = lambda m: None if key is None else device_key(key, device, m)
     split = _microbatches(g, batch) if k > 1 else None
@@ -254,7 +259,7 @@ def accumulate(g: GradStep, params: PyTree, whole: PyTree | None, batch: PyTree,
 def _microbatches(g: GradStep, batch: PyTree) -> PyTree:
     """The cut leaves of ``batch`` as ``(k, rows / k, ...)``; ``None`` for those every
     microbatch reads whole."""
-    k, is_spec = g.plan.accum_steps, lambda x: isinstance(x, P)
+    k, is_spec = g.accum_steps, lambda x: isinstance(x, P)
     specs = jax.tree.broadcast(g.batch_spec, batch, is_leaf=is_spec)
     return jax.tree.map(lambda s, x: x.reshape(k, x.shape[0] // k, *x.shape[1:])
                         if len(s) and s[0] is not None else None, specs, batch, is_leaf=is_spec)
@@ -286,7 +291,7 @@ def normalize(g: GradStep, stats: tuple, grads: PyTree, params: PyTree):
     """From shares of n k to shares of the global weight (exactly 1 for a mean loss), in the
     ``grad_specs`` layout and dtype: ``(loss, grads, factor)``. ``stats``: the global
     ``(total, weight, aux)``."""
-    plan, nk = g.plan, g.plan.dp_size * g.plan.accum_steps
+    plan, nk = g.plan, g.plan.dp_size * g.accum_steps
     total, weight, aux = stats
 
     def one(r: Route, x, p):
@@ -294,10 +299,10 @@ def normalize(g: GradStep, stats: tuple, grads: PyTree, params: PyTree):
             shape = list(p.shape)
             if r.cut and plan.outer:
                 shape[r.leaf.axis + r.leaf.split] //= plan.mesh.shape[plan.outer]
-            return jnp.zeros(shape, plan.grad_dtype)
+            return jnp.zeros(shape, g.grad_dtype)
         if in_host_memory(x):  # streamed to the host: scaled there, after the shard_map
             return x
-        return (x * (nk / weight).astype(x.dtype)).astype(plan.grad_dtype)
+        return (x * (nk / weight).astype(x.dtype)).astype(g.grad_dtype)
 
     loss = total / weight
     loss = (loss, jax.tree.map(lambda a: a / weight, aux)) if g.has_aux else loss
@@ -320,19 +325,19 @@ def local_grads(g: GradStep, params: PyTree, whole: PyTree | None, batch: PyTree
 def on_host_scaled(g: GradStep, grads: PyTree, factor: jax.Array) -> PyTree:
     """The gradients that streamed to host memory get ``normalize``'s scaling there, in a host
     computation: no device op reads host memory."""
-    dtype = g.plan.grad_dtype
+    dtype = g.grad_dtype
     scale = lambda xs, f: ([(x * f.astype(x.dtype)).astype(dtype) for x in xs], None)
     return on_host_leaves(scale, grads, factor)[0]
 
 
 def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
-                 has_aux: bool = False):
+                 has_aux: bool = False, accum_steps: int = 1):
     """``grads(params, batch, scale=1.0, key=None) -> (loss, grads)``: the data-parallel half of
     the step; ``((loss, aux), grads)`` with ``has_aux``.
 
     Not jitted. Takes the compute copy in the plan's ``param_specs`` layout and returns the
-    gradient of the global mean loss, times ``scale``, in the ``grad_specs`` layout and the
-    plan's ``grad_dtype``, moved by the stage's collectives.
+    gradient of the global mean loss, times ``scale``, in the ``grad_specs`` layout, moved by
+    the stage's collectives, in the compute dtype (the accumulator's with microbatches).
 
     ``loss_fn(params, batch[, key])`` sees whole parameters and one microbatch of this device's
     slice of the global batch; it is given a key (``device_key``) when the step is. It returns
@@ -340,13 +345,18 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
     dict of metrics (averaged with the loss's weights). ``batch_spec`` (a ``PartitionSpec``, or a
     tree of them over the batch) says how the batch is cut; leaves not cut on dimension 0
     (``P()``) reach every device and microbatch whole.
+
+    ``accum_steps``: the microbatches each device's slice is cut into, run one after another
+    and their gradients summed (gradient accumulation: a global batch k times what fits).
     """
+    check_accum_steps(plan, accum_steps)
     batch_spec = batch_spec if batch_spec is not None else P(plan.data_axes)
-    g = GradStep(plan, routes(plan), loss_fn, has_aux, batch_spec, runtime(plan))
+    g = GradStep(plan, routes(plan, accum_steps), loss_fn, has_aux, batch_spec, runtime(plan),
+                 accum_steps)
 
     def grads_fn(params: PyTree, batch: PyTree, scale: jax.Array | float = 1.0,
                  key: jax.Array | None = None):
-        check_batch(plan, batch, batch_spec)
+        check_batch(plan, batch, batch_spec, accum_steps)
         # Stage 2 differentiates the shards of its replicated parameters, and passes the whole
         # copy too, which the forward reads as is.
         whole = params if g.needs_whole else None
@@ -366,7 +376,17 @@ def make_grad_fn(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
     return grads_fn
 
 
-def check_batch(plan: Plan, batch: PyTree, batch_spec: PyTree) -> None:
+def check_accum_steps(plan: Plan, accum_steps: int) -> None:
+    """Microbatches per step: a positive integer, and not with the update on the host."""
+    if not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"accum_steps must be an integer of at least 1 (got {accum_steps!r})")
+    if plan.offload.params and accum_steps > 1:
+        raise ValueError("Offload.params runs the whole update on the host as each layer's "
+                         "gradient arrives: it is not built for accumulation (accum_steps > 1) "
+                         "yet")
+
+
+def check_batch(plan: Plan, batch: PyTree, batch_spec: PyTree, accum_steps: int) -> None:
     """Each cut batch leaf divides into the data devices' slices and their microbatches (said
     here in one line, where ``shard_map`` would name an argument index)."""
     is_spec = lambda x: isinstance(x, P)
@@ -376,10 +396,10 @@ def check_batch(plan: Plan, batch: PyTree, batch_spec: PyTree) -> None:
         axes = spec[0] if len(spec) and spec[0] is not None else ()
         axes = axes if isinstance(axes, tuple) else (axes,)
         devices = math.prod(plan.mesh.shape[a] for a in axes)
-        need = devices * plan.accum_steps
+        need = devices * accum_steps
         rows = jnp.shape(leaf)[0] if jnp.ndim(leaf) else None
         if axes and (rows is None or rows % need):
-            micro = f" times accum_steps {plan.accum_steps}" if plan.accum_steps > 1 else ""
+            micro = f" times accum_steps {accum_steps}" if accum_steps > 1 else ""
             raise ValueError(
                 f"batch{jax.tree_util.keystr(path)} has {rows} rows, which do not divide over "
                 f"the {devices} devices of the mesh's {'/'.join(axes)} axis{micro}: pass a "

@@ -401,15 +401,6 @@ class Plan:
         return math.prod(self.mesh.shape[a] for a in self.data_axes)
 
     @property
-    def accum_steps(self) -> int:
-        return self.precision.accum_steps
-
-    @property
-    def grad_dtype(self):
-        """Gradients leave the backward in the compute dtype, or in the accumulator's."""
-        return self.precision.accum if self.accum_steps > 1 else self.precision.compute
-
-    @property
     def has_master(self) -> bool:
         """A separate fp32 master copy: with 16-bit compute, when the optimizer is offloaded
         (the master is updated on the host while the compute copy stays on the device), and when
@@ -545,13 +536,13 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *,
     (``zero_jax.blocks``); at stage 2 its gradient is reduce-scattered as its backward ends.
     Other cut leaves are gathered once per step. ``rules``: the placement table over parameter
     paths (``Rule``: left out of ZeRO, frozen, persistence threshold, tensor-parallel cut).
-    ``precision`` (dtypes, loss scaling, microbatches per step), ``offload`` and ``comm`` are
+    ``precision`` (dtypes, loss scaling), ``offload`` and ``comm`` are
     policies that check themselves when built.
     """
     axis, outer = data_axes(mesh)
     t = mesh.shape[MODEL] if MODEL in mesh.axis_names else 1
     layers = Layers(layers) if isinstance(layers, str) else layers
-    _check_combination(stage, layers, offload, comm, precision.accum_steps, outer, t > 1)
+    _check_combination(stage, layers, offload, comm, outer, t > 1)
     n = mesh.shape[axis] * (mesh.shape[outer] if outer else 1)
     flat = {path_str(p): tuple(x.shape)
             for p, x in jax.tree_util.tree_flatten_with_path(params_shape)[0]}
@@ -624,7 +615,7 @@ def data_axes(mesh: Mesh) -> tuple[str, str | None]:
 
 
 def _check_combination(stage: int, layers: Layers | None, offload: Offload, comm: Comm,
-                       accum_steps: int, outer: str | None, tensor_parallel: bool) -> None:
+                       outer: str | None, tensor_parallel: bool) -> None:
     """The options that are valid alone but not together (each policy checks itself)."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of 0, 1, 2, 3 (got {stage})")
@@ -645,10 +636,9 @@ def _check_combination(stage: int, layers: Layers | None, offload: Offload, comm
     if offload.params and stage != 3:
         raise ValueError(f"Offload.params keeps stage 3's parameter shards in host memory; "
                          f"stage {stage} keeps whole parameters on every device: use stage 3")
-    if offload.params and (accum_steps > 1 or outer):
+    if offload.params and outer:
         raise ValueError("Offload.params runs the whole update on the host as each layer's "
-                         "gradient arrives: it is not built for accumulation or hierarchical "
-                         "ZeRO yet")
+                         "gradient arrives: it is not built for hierarchical ZeRO yet")
     if outer is not None and stage != 3:
         raise ValueError(f"hierarchical ZeRO (a {outer!r} mesh axis) is built on stage 3, not "
                          f"{stage}")

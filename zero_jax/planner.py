@@ -47,16 +47,17 @@ class Candidate:
 
 
 def measure(layout: dict, plan: Any, state: Any, compiled: Any,
-            peak: dict | None = None) -> Candidate:
+            peak: dict | None = None, accum_steps: int = 1) -> Candidate:
     """A compiled candidate: ``state`` is its abstract train state (shardings with memory
-    kinds), ``compiled`` its step, ``peak`` what is live at the step's peak
-    (``zero_jax.peak.compile_with_peak``)."""
+    kinds), ``compiled`` its step (of ``accum_steps`` microbatches), ``peak`` what is live at
+    the step's peak (``zero_jax.peak.compile_with_peak``)."""
     comm = sum(c.volume for c in collectives(compiled.as_text(), plan.mesh.size))
     return Candidate(layout, shard_bytes(state, "device"),
                      compiled.memory_analysis().temp_size_in_bytes,
-                     shard_bytes(state, "pinned_host"), comm, offload_traffic(plan, state),
-                     sum(model_states(plan, state)[0].values()),
-                     peak and {**peak, "expected": peak_expected(plan)},
+                     shard_bytes(state, "pinned_host"), comm,
+                     offload_traffic(plan, state, accum_steps),
+                     sum(model_states(plan, state, accum_steps)[0].values()),
+                     peak and {**peak, "expected": peak_expected(plan, accum_steps)},
                      shard_bytes((state.master, state.opt_state), "pinned_host"),
                      flops=step_flops(compiled))
 
@@ -83,13 +84,13 @@ def on_nvme(c: Candidate, buffer_bytes: int, devices_per_host: int) -> Candidate
                                host_state=int(c.host_state - files + buffers), fits=False)
 
 
-def offload_traffic(plan: Any, state: Any) -> int:
+def offload_traffic(plan: Any, state: Any, accum_steps: int = 1) -> int:
     """Bytes one device moves between its memory and the host's per step: the offloaded leaves'
     gradients out (streamed per layer in the compute dtype, else converted to fp32 first) and
     their new compute copy back; with offloaded parameters, each layer's shard in for the
     forward and again for the backward, its gradient shard out."""
     total = 0
-    streamed = jax.tree.leaves(grads_in_host_memory(plan))
+    streamed = jax.tree.leaves(grads_in_host_memory(plan, accum_steps))
     for leaf, p, stream in zip(jax.tree.leaves(plan.leaves,
                                                is_leaf=lambda x: hasattr(x, "offload")),
                                jax.tree.leaves(state.params), streamed, strict=True):

@@ -35,8 +35,8 @@ class LossScale(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
-    """Dtypes of compute, of gradient collectives and of gradient accumulation, and over how
-    many microbatches a step accumulates (the accumulator's dtype matters only then)."""
+    """Dtypes of compute, of gradient collectives and of gradient accumulation (which matters
+    only for a step over several microbatches: ``make_train_step(accum_steps=)``)."""
 
     param_dtype: str = "fp32"  # the compute copy and the forward/backward
     reduce_dtype: str | None = None  # gradient collectives; None: param_dtype
@@ -45,12 +45,8 @@ class Precision:
     autocast_output: bool = True  # the loss (and the model's logits) in fp32
     skip_nonfinite: bool = True  # a step with a non-finite gradient leaves the state as it was
     loss_scale: LossScaleConfig | None = None  # dynamic loss scaling (fp16)
-    accum_steps: int = 1  # microbatches per optimizer step
 
     def __post_init__(self):
-        if not isinstance(self.accum_steps, int) or self.accum_steps < 1:
-            raise ValueError(f"accum_steps must be an integer of at least 1 (got "
-                             f"{self.accum_steps!r})")
         for name in ("param_dtype", "reduce_dtype", "accum_dtype"):
             value = getattr(self, name)
             if value is not None and value not in DTYPES:
@@ -68,6 +64,11 @@ class Precision:
     @property
     def accum(self) -> jnp.dtype:
         return jnp.dtype(DTYPES[self.accum_dtype])
+
+    def grad_dtype(self, accum_steps: int) -> jnp.dtype:
+        """Gradients leave the backward in the compute dtype, or, summed over several
+        microbatches, in the accumulator's."""
+        return self.accum if accum_steps > 1 else self.compute
 
     @property
     def has_master(self) -> bool:

@@ -38,22 +38,26 @@ def total_bytes(tree: PyTree) -> int:
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def model_states(plan: Plan, state: PyTree) -> tuple[dict, dict, dict, dict]:
+def model_states(plan: Plan, state: PyTree,
+                 accum_steps: int = 1) -> tuple[dict, dict, dict, dict]:
     """Per-device bytes of each copy of the model state in device memory and in host memory,
     from the shardings, and ZeRO's formulas for both (Psi parameters, N devices, K bytes of
     optimizer state each; ZeRO-Offload moves the offloaded fraction of master and optimizer
-    state to the host)."""
+    state to the host); the gradients in their dtype for a step of ``accum_steps``
+    microbatches."""
     n, rule, prec = plan.dp_size, plan.rule, plan.precision
+    grad_dtype = prec.grad_dtype(accum_steps)
+    host_grads = grads_in_host_memory(plan, accum_steps)
     # Hierarchical: the backward reduce-scatters within the group (1/K, the accumulator's
     # layout too); the across-group cut to 1/N follows the last microbatch.
     grad_specs = plan.param_specs if plan.outer else plan.grad_specs
     grads = jax.tree.map(
-        lambda p, s, host: jax.ShapeDtypeStruct(p.shape, plan.grad_dtype, sharding=s if not host
+        lambda p, s, host: jax.ShapeDtypeStruct(p.shape, grad_dtype, sharding=s if not host
                                                 else s.with_memory_kind("pinned_host")),
-        state.params, plan.shardings(grad_specs), grads_in_host_memory(plan))
+        state.params, plan.shardings(grad_specs), host_grads)
     # Per tensor-parallel rank: a leaf cut over ``model`` counts 1/T (ZeRO's rule holds per rank).
     psi = per_rank(plan)
-    c, g = prec.compute.itemsize, jnp.dtype(plan.grad_dtype).itemsize
+    c, g = prec.compute.itemsize, jnp.dtype(grad_dtype).itemsize
     whole = sum(math.prod(p.shape) for p in jax.tree.leaves(state.params))
     k_opt = total_bytes(state.opt_state) / whole  # optimizer bytes per parameter (Adam fp32: 8)
     leaves = jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "offload"))
@@ -61,7 +65,7 @@ def model_states(plan: Plan, state: PyTree) -> tuple[dict, dict, dict, dict]:
                                                          else 1)
                                  for x, f in zip(leaves, flags, strict=True) if f) / psi
     host = fraction(x.offload for x in leaves)  # master and optimizer state offloaded
-    grads_host = fraction(jax.tree.leaves(grads_in_host_memory(plan)))  # streamed gradients
+    grads_host = fraction(jax.tree.leaves(host_grads))  # streamed gradients
 
     def formula(bytes_per_param: float, sharded: bool) -> float:
         return bytes_per_param * psi / (n if sharded else 1)
@@ -90,7 +94,7 @@ def per_rank(plan: Plan) -> float:
                for leaf in jax.tree.leaves(plan.leaves, is_leaf=lambda x: hasattr(x, "offload")))
 
 
-def stages_table(plan: Plan, tx: Any) -> list[dict]:
+def stages_table(plan: Plan, tx: Any, accum_steps: int = 1) -> list[dict]:
     """Model-state bytes per device at each stage, for this model, mesh and precision, in device
     and host memory; each stage also with its whole optimizer offloaded (ZeRO-Offload)."""
     rows = []
@@ -101,7 +105,8 @@ def stages_table(plan: Plan, tx: Any) -> list[dict]:
                 plan.leaves, is_leaf=lambda x: hasattr(x, "offload"))
             no_params = dataclasses.replace(plan.offload, params=False)
             other = dataclasses.replace(plan, stage=stage, leaves=leaves, offload=no_params)
-            device, zero, host, zero_host = model_states(other, abstract_state(other, tx))
+            device, zero, host, zero_host = model_states(other, abstract_state(other, tx),
+                                                         accum_steps)
             rows.append({"stage": stage, "offload": offload, **device,
                          "total": sum(device.values()),
                          "zero_formula_total": sum(zero.values()),
@@ -168,20 +173,23 @@ def mesh_axes(group: tuple[int, ...], mesh: Any) -> str:
 
 
 def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None,
-          peak: dict | None = None, block_input: jax.ShapeDtypeStruct | None = None) -> dict:
+          peak: dict | None = None, block_input: jax.ShapeDtypeStruct | None = None,
+          accum_steps: int = 1) -> dict:
     """The report of one step, from ``lowered = step.lower(state, batch)`` and its compilation;
     ``state`` is the (abstract or real) train state; ``peak``: what is live at the compiled
-    step's peak (``zero_jax.peak``), found here when the step is compiled here."""
+    step's peak (``zero_jax.peak``), found here when the step is compiled here;
+    ``accum_steps`` as the step was made with (``make_train_step``)."""
+    k = accum_steps
     if compiled is None:
         compiled, peak = compile_with_peak(lowered)
     mesh, rule, prec = plan.mesh, plan.rule, plan.precision
     psi = sum(math.prod(p.shape) for p in jax.tree.leaves(state.params))
-    actual, zero, host, zero_host = model_states(plan, state)
+    actual, zero, host, zero_host = model_states(plan, state, k)
     nvme = nvme_files(plan, host, zero_host)  # takes its bytes out of the host tables
     memory = compiled.memory_analysis()
     found = collectives(compiled.as_text(), mesh.size)
     groups = collective_groups(found, mesh)
-    by_axes, formula = comm_theory(plan, block_input)
+    by_axes, formula = comm_theory(plan, block_input, accum_steps=k)
     return {
         "stage": plan.stage,
         "rule": rule.moves + (
@@ -193,8 +201,8 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None,
         "n_params": psi,
         "param_bytes": psi * prec.compute.itemsize,  # one whole compute copy of the parameters
         "precision": {"param_dtype": prec.compute.name, "reduce_dtype": prec.reduce.name,
-                      "grad_dtype": jnp.dtype(plan.grad_dtype).name,
-                      "master": plan.has_master, "accum_steps": plan.accum_steps,
+                      "grad_dtype": jnp.dtype(prec.grad_dtype(k)).name,
+                      "master": plan.has_master, "accum_steps": k,
                       "loss_scale": prec.loss_scale is not None},
         "per_device_bytes": actual,  # in device memory
         "zero_formula_bytes": zero,
@@ -207,7 +215,7 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None,
         "compiled": {f"{k}_bytes": getattr(memory, f"{k}_size_in_bytes") for k in (
             "argument", "output", "temp", "alias", "host_argument", "host_output", "host_temp")},
         "collectives": sorted(groups.values(), key=lambda x: (x["kind"], x["in_loop"])),
-        **as_requested(plan, lowered, found, block_input),
+        **as_requested(plan, lowered, found, block_input, k),
         "comm_bytes_per_step": sum(x.volume for x in found),
         # Several processes (hosts): what crosses between them, the figure that sets the pace.
         "processes": len({d.process_index for d in mesh.devices.flat}),
@@ -220,9 +228,9 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None,
         "comm_bytes_theory": sum(by_axes.values()),
         "comm_theory_formula": formula,
         "comm_bytes_theory_by_axes": by_axes,
-        "peak": None if peak is None else {**peak, "expected": peak_expected(plan)},
-        **layout(plan, state, found, held_whole(plan, peak, psi * prec.compute.itemsize)),
-        **saved_activations(plan, block_input),
+        "peak": None if peak is None else {**peak, "expected": peak_expected(plan, k)},
+        **layout(plan, state, found, held_whole(plan, peak, psi * prec.compute.itemsize), k),
+        **saved_activations(plan, block_input, k),
     }
 
 
@@ -241,7 +249,8 @@ def nvme_files(plan: Plan, host: dict, zero_host: dict) -> dict | None:
             "buffer_bytes": nvme.buffers * nvme.chunk_bytes}
 
 
-def layout(plan: Plan, state: PyTree, found: list, more: list[str] = ()) -> dict:
+def layout(plan: Plan, state: PyTree, found: list, more: list[str] = (),
+           accum_steps: int = 1) -> dict:
     """The report's view of the plan: what is not cut as the rule says, and how leaves travel;
     ``more`` warnings found elsewhere (the compiled peak's)."""
     c = plan.precision.compute.itemsize
@@ -262,7 +271,8 @@ def layout(plan: Plan, state: PyTree, found: list, more: list[str] = ()) -> dict
         if plan.prefetch else 0,
         "opt_state_whole": whole_opt_state(plan, state),
         **tiled(plan, found),
-        "warnings": [*held_once(plan), *one_big_block(plan), *gathered_once(plan, found), *more],
+        "warnings": [*held_once(plan), *one_big_block(plan),
+                     *gathered_once(plan, found, accum_steps), *more],
     }
 
 
@@ -291,26 +301,28 @@ def layers_of(plan: Plan) -> int:
     return sum(stacks.values())
 
 
-def activation_bytes(plan: Plan, block_input: jax.ShapeDtypeStruct) -> int:
+def activation_bytes(plan: Plan, block_input: jax.ShapeDtypeStruct, accum_steps: int) -> int:
     """One block input (global batch, sequence, ...) per device and microbatch: the batch is
     cut over the data axes and the microbatches."""
-    per = math.prod(block_input.shape) // (plan.dp_size * plan.accum_steps)
+    per = math.prod(block_input.shape) // (plan.dp_size * accum_steps)
     return per * jnp.dtype(block_input.dtype).itemsize
 
 
-def saved_activations(plan: Plan, block_input: jax.ShapeDtypeStruct | None) -> dict:
+def saved_activations(plan: Plan, block_input: jax.ShapeDtypeStruct | None,
+                      accum_steps: int = 1) -> dict:
     """What the blocks save for their backward per device (their inputs, under remat), given
     the global shape of a block's input, which only the model knows: layers x local batch x
     sequence x width, 1/T of it with ZeRO-R's Pa (cut along the sequence over ``model``)."""
     if block_input is None or not plan.blocks:
         return {}
-    whole = layers_of(plan) * activation_bytes(plan, block_input)
+    whole = layers_of(plan) * activation_bytes(plan, block_input, accum_steps)
     return {"saved_activation_bytes": {"without_pa": whole,
                                        "with_pa": whole // plan.tp_size if plan.model else whole,
                                        "partition_activations": plan.partition_activations}}
 
 
-def model_theory(plan: Plan, block_input: jax.ShapeDtypeStruct) -> tuple[int, str]:
+def model_theory(plan: Plan, block_input: jax.ShapeDtypeStruct,
+                 accum_steps: int) -> tuple[int, str]:
     """Megatron's tensor-parallel traffic per device per step for a transformer block: per
     block 2 all-reduces of its activations (batch x sequence x width) forward and 2 backward;
     1 more where stage 3 rematerializes the block (attention's: the MLP's makes the block's
@@ -320,12 +332,12 @@ def model_theory(plan: Plan, block_input: jax.ShapeDtypeStruct) -> tuple[int, st
     remat = plan.rule.shard_params and plan.remat != "none"
     per_block = 4 + remat
     count = layers_of(plan) * per_block + 2
-    return (2 * count * activation_bytes(plan, block_input) * plan.accum_steps,
+    return (2 * count * activation_bytes(plan, block_input, accum_steps) * accum_steps,
             f"{per_block} all-reduces of b s d per layer + 2")
 
 
 def as_requested(plan: Plan, lowered: Any, found: list,
-                 block_input: jax.ShapeDtypeStruct | None) -> dict:
+                 block_input: jax.ShapeDtypeStruct | None, accum_steps: int) -> dict:
     """The collectives' dtypes the program asks for, before XLA's passes (the CPU backend, for
     one, runs bf16 collectives in f32; GPUs and TPUs keep them), and where every 16-bit one
     ran wider, that dtype and the theory in it."""
@@ -333,7 +345,8 @@ def as_requested(plan: Plan, lowered: Any, found: list,
     widened = widened_to(requested, found)
     return {"requested_dtypes": sorted({f"{x.kind} {x.dtype}" for x in requested}),
             "collectives_run_in": widened,
-            "comm_bytes_theory_as_run": sum(comm_theory(plan, block_input, widened)[0].values())
+            "comm_bytes_theory_as_run": sum(comm_theory(plan, block_input, widened,
+                                                        accum_steps)[0].values())
             if widened else None}
 
 
@@ -347,7 +360,7 @@ def widened_to(requested: list, found: list) -> str | None:
 
 
 def comm_theory(plan: Plan, block_input: jax.ShapeDtypeStruct | None = None,
-                widened: str | None = None) -> tuple[dict[str, int], str]:
+                widened: str | None = None, accum_steps: int = 1) -> tuple[dict[str, int], str]:
     """ZeRO's bytes per device per step by mesh axis, and the formula.
 
     Phase by phase, each in its dtype: a gradient reduce-scatter, then an all-gather (of
@@ -356,7 +369,7 @@ def comm_theory(plan: Plan, block_input: jax.ShapeDtypeStruct | None = None,
     parallelism each rank's ZeRO moves its part, and ``model`` carries Megatron's all-reduces
     (``model_theory``) when the caller gives a block input's shape. ``widened``: every phase
     in that dtype instead (``widened_to``)."""
-    mesh, prec, k = plan.mesh, plan.precision, plan.accum_steps
+    mesh, prec, k = plan.mesh, plan.precision, accum_steps
     c, r = prec.compute.itemsize, prec.reduce.itemsize
     if widened:
         c = r = DTYPE_BYTES[widened]
@@ -377,12 +390,12 @@ def comm_theory(plan: Plan, block_input: jax.ShapeDtypeStruct | None = None,
                    plan.outer: rank * (r + c) // group if mesh.shape[plan.outer] > 1 else 0}
         formula = f"{3 * k} Psi within a group + 2 Psi/K across"
     if plan.model and block_input is not None and plan.blocks:
-        by_axes[MODEL], megatron = model_theory(plan, block_input)
+        by_axes[MODEL], megatron = model_theory(plan, block_input, k)
         formula += f"; on model: {megatron}"
     return by_axes, formula
 
 
-def peak_expected(plan: Plan) -> dict[str, int]:
+def peak_expected(plan: Plan, accum_steps: int = 1) -> dict[str, int]:
     """ZeRO's figures for two kinds of the peak: from stage 2 on the backward holds one
     block's whole gradient before its reduce-scatter (beside the shards reduced so far and the
     gradients of its activations, which ZeRO does not count), and stage 3 the largest block
@@ -390,7 +403,7 @@ def peak_expected(plan: Plan) -> dict[str, int]:
     if not (plan.rule.shard_grads and plan.blocks):
         return {}
     largest = max(block_elements(plan, plan.gather == "module").values())
-    grads = {"gradients": largest * jnp.dtype(plan.grad_dtype).itemsize}
+    grads = {"gradients": largest * jnp.dtype(plan.precision.grad_dtype(accum_steps)).itemsize}
     if not plan.rule.shard_params:
         return grads
     return {"gathered weights": (1 + plan.prefetch) * largest
@@ -477,7 +490,7 @@ def held_whole(plan: Plan, peak: dict | None, param_bytes: int) -> list[str]:
             "peak's largest buffers)"]
 
 
-def gathered_once(plan: Plan, found: list) -> list[str]:
+def gathered_once(plan: Plan, found: list, accum_steps: int = 1) -> list[str]:
     """Stage 3 gathers each block in its forward and again in its backward. A program that
     gathers the blocks about once per step keeps each block's whole weights from forward to
     backward (XLA merged the two gathers): it holds more than stage 2 would."""
@@ -488,13 +501,13 @@ def gathered_once(plan: Plan, found: list) -> list[str]:
            if leaf.axis is not None and not leaf.persistent]
     elements = lambda leaves: sum(math.prod(leaf.shape) // (t if leaf.model_dim is not None
                                                             else 1) for leaf in leaves)
-    blocks = elements([leaf for leaf in cut if leaf.block]) * plan.accum_steps
+    blocks = elements([leaf for leaf in cut if leaf.block]) * accum_steps
     # The data axis's gathers (not hierarchical ZeRO's across groups), less the once-per-step
     # gathers of the leaves outside blocks.
     gathered = sum(x.count * x.bytes // DTYPE_BYTES[x.dtype] for x in found
                    if x.kind == "all-gather" and mesh_axes(x.group, plan.mesh) == plan.axis)
     gathered = max(0, gathered - elements([leaf for leaf in cut if not leaf.block])
-                   * plan.accum_steps)
+                   * accum_steps)
     if not blocks or gathered >= 1.5 * blocks:
         return []
     return [f"stage 3 gathers the blocks' {blocks:,} parameters {gathered / blocks:.2f} times "

@@ -68,11 +68,11 @@ def params_in_host_memory(plan: Plan) -> PyTree:
                         and not leaf.persistent, plan.leaves, is_leaf=_is_leaf)
 
 
-def grads_in_host_memory(plan: Plan) -> PyTree:
+def grads_in_host_memory(plan: Plan, accum_steps: int) -> PyTree:
     """Per parameter, whether its gradient leaves the backward in host memory, layer by layer:
-    a cut leaf whose parameter or optimizer is offloaded, at stage 2 or 3 without accumulation
-    (ZeRO-Offload's gradient streaming)."""
-    streams = plan.rule.shard_grads and plan.accum_steps == 1 and plan.outer is None
+    a cut leaf whose parameter or optimizer is offloaded, at stage 2 or 3 in a step of one
+    microbatch (ZeRO-Offload's gradient streaming)."""
+    streams = plan.rule.shard_grads and accum_steps == 1 and plan.outer is None
     return jax.tree.map(lambda leaf, host: host or (streams and leaf.offload and leaf.axis
                                                     is not None and not leaf.persistent),
                         plan.leaves, params_in_host_memory(plan), is_leaf=_is_leaf)

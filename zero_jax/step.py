@@ -134,19 +134,19 @@ def to_params(plan: Plan, compute: PyTree) -> PyTree:
 def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
                     batch_spec: PyTree = None,
                     lr_schedule: Callable[[jax.Array], jax.Array] | None = None,
-                    has_aux: bool = False) -> TrainStep:
+                    has_aux: bool = False, accum_steps: int = 1) -> TrainStep:
     """``step(state, batch, *, key=None) -> (state, metrics)``, with donated state: a
     ``JitStep``, or with the NVMe tier (``Offload.nvme``) an ``NvmeStep``; both keep the
     ``TrainStep`` contract.
 
-    ``loss_fn``, ``batch_spec`` and ``has_aux`` as for ``make_grad_fn``; the global batch holds
-    ``plan.accum_steps`` microbatches. Given a ``key``, ``loss_fn`` gets
+    ``loss_fn``, ``batch_spec``, ``has_aux`` and ``accum_steps`` as for ``make_grad_fn``: the
+    global batch holds ``accum_steps`` microbatches per device. Given a ``key``, ``loss_fn`` gets
     ``device_key(fold_in(key, state.step), device, microbatch)``: new randomness every step,
     on every device. Metrics: ``loss``, ``grad_norm``, ``skipped`` (1 when the gradient was not
     finite and the update was skipped), ``loss_scale`` with fp16 loss scaling, ``lr`` from
     ``lr_schedule(optimizer steps taken)`` when given, and the auxiliary metrics.
     """
-    grad_fn = make_grad_fn(plan, loss_fn, batch_spec, has_aux)
+    grad_fn = make_grad_fn(plan, loss_fn, batch_spec, has_aux, accum_steps)
     prec = plan.precision
 
     def gradients(state: TrainState, batch: PyTree, key: jax.Array | None):

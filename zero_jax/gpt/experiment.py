@@ -65,8 +65,7 @@ class Experiment:
             raise ValueError(f"each device's batch of {t['batch_size'] // n} does not split into "
                              f"{t['accum_steps']} microbatches: make train.batch_size a "
                              f"multiple of {n * t['accum_steps']}")
-        precision = precision_from(cfg["precision"], mesh.devices.flat[0].platform,
-                                   t["accum_steps"])
+        precision = precision_from(cfg["precision"], mesh.devices.flat[0].platform)
         z = cfg["zero"]
         # At stage 3 (and with Pa at any stage) the step rematerializes each named block itself,
         # under the plan's policy (to gather it again in the backward, or to save its input
@@ -92,7 +91,8 @@ class Experiment:
                          precision=precision, offload=offload_from(z),
                          comm=comm_from(z))
         loss = lm_loss(model)
-        step = make_train_step(plan, loss, tx, lr_schedule=schedule)
+        step = make_train_step(plan, loss, tx, lr_schedule=schedule,
+                               accum_steps=t["accum_steps"])
         return cls(cfg, mesh, model_cfg, init, tx, plan, step)
 
     @property
@@ -110,6 +110,11 @@ class Experiment:
         activations and tensor-parallel theory need it (``report.build(block_input=)``)."""
         return jax.ShapeDtypeStruct((self.cfg["train"]["batch_size"], self.model.seq_len,
                                      self.model.d_model), self.plan.precision.compute)
+
+    @property
+    def accum_steps(self) -> int:
+        """Microbatches per step (``train.accum_steps``), as the step was made with."""
+        return self.cfg["train"]["accum_steps"]
 
     @property
     def tokens_per_step(self) -> int:
@@ -221,9 +226,8 @@ def offload_ratio(cfg: dict) -> float:
     return cfg["ratio"] if cfg["device"] in ("cpu", "nvme") else 0.0
 
 
-def precision_from(cfg: dict, platform: str, accum_steps: int = 1) -> Precision:
-    """The ``precision`` config section as a policy for ``platform`` ("cpu", "gpu", "tpu"),
-    accumulating over ``accum_steps`` microbatches (``train.accum_steps``)."""
+def precision_from(cfg: dict, platform: str) -> Precision:
+    """The ``precision`` config section as a policy for ``platform`` ("cpu", "gpu", "tpu")."""
     param = default_param_dtype(platform) if cfg["param_dtype"] == "auto" else cfg["param_dtype"]
     scaler = None
     if param == "fp16":
@@ -233,8 +237,7 @@ def precision_from(cfg: dict, platform: str, accum_steps: int = 1) -> Precision:
                      reduce_dtype=None if cfg["reduce_dtype"] == "auto" else cfg["reduce_dtype"],
                      accum_dtype=cfg["accum_dtype"], autocast_input=cfg["autocast_input"],
                      autocast_output=cfg["autocast_output"],
-                     skip_nonfinite=cfg["skip_nonfinite"], loss_scale=scaler,
-                     accum_steps=accum_steps)
+                     skip_nonfinite=cfg["skip_nonfinite"], loss_scale=scaler)
 
 
 def _padded(vocab_size: int, multiple: int) -> int:

@@ -28,7 +28,8 @@ def compile_report(exp, state, peak: bool = True) -> tuple[dict, object]:
     buffers, asked for by a report file, the figures or a dry run only)."""
     lowered = exp.step.lower(state, exp.batch_shape)
     compiled, peak = compile_with_peak(lowered) if peak else (lowered.compile(), None)
-    r = report.build(exp.plan, state, lowered, compiled, peak, exp.block_input)
+    r = report.build(exp.plan, state, lowered, compiled, peak, exp.block_input,
+                     exp.accum_steps)
     print(report.format_table(r))
     return r, compiled
 
@@ -47,7 +48,7 @@ def dry_run(exp, args: argparse.Namespace) -> int:
     plan = exp.plan
     r, _ = compile_report(exp, abstract_state(plan, exp.tx))
     if plan.outer is None:
-        r["stages"] = report.stages_table(plan, exp.tx)
+        r["stages"] = report.stages_table(plan, exp.tx, exp.accum_steps)
         print("\n" + report.format_stages(r["stages"], r["n_params"], plan.dp_size))
     if args.plot and plan.outer is None:
         r["compiled_stages"] = compiled_stages(exp, r)
@@ -74,8 +75,8 @@ def compiled_stages(exp, r: dict) -> list[dict]:
         state = abstract_state(e.plan, e.tx)
         lowered = e.step.lower(state, e.batch_shape)
         compiled = lowered.compile(FAST_COMPILE if cpu else None)
-        rows[stage] = report.stage_summary(report.build(e.plan, state, lowered, compiled,
-                                                        block_input=e.block_input))
+        rows[stage] = report.stage_summary(report.build(
+            e.plan, state, lowered, compiled, block_input=e.block_input, accum_steps=e.accum_steps))
     rows = [rows[s] for s in sorted(rows)]
     print(report.format_compiled(rows))
     return rows
@@ -90,7 +91,7 @@ def plan_layouts(exp, cfg: dict, args: argparse.Namespace) -> int:
 
     def measure(e, state, layout: dict):
         compiled, peak = compile_with_peak(e.step.lower(state, e.batch_shape))
-        return planner.measure(layout, e.plan, state, compiled, peak)
+        return planner.measure(layout, e.plan, state, compiled, peak, e.accum_steps)
 
     machine = sweep.Machine(args.device_memory, args.host_memory, per_host, args.nvme_memory or 0)
     search = sweep.Search(cfg, args.set, args.stage, args.tensor_parallel, n, machine,

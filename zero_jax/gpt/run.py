@@ -130,7 +130,7 @@ def compile_checked(exp, target, stop, args: argparse.Namespace):
         r, step = reports.compile_report(exp, target, peak=bool(args.report or args.plot))
         problem = fit.check(step, list(exp.mesh.devices.flat))
         if args.plot and not problem and exp.plan.outer is None:
-            r["stages"] = report.stages_table(exp.plan, exp.tx)
+            r["stages"] = report.stages_table(exp.plan, exp.tx, exp.accum_steps)
             r["compiled_stages"] = reports.compiled_stages(exp, r)
     finally:
         stop.compiling = False
