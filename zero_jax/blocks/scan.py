@@ -93,7 +93,7 @@ def _forward(layer, saved, params_L, carry, xs_L, consts, keys_L):
 
     def one(w, c, i):  # with Pa, c waits cut between layers, as the partitioner keeps it
         (c, y), kept, _ = saved.linearize(layer, w, saved.whole(c), _slice(xs_L, i),
-                                          consts, _slice(keys_L, i))
+                                          consts, _slice(keys_L, i), in_loop=True)
         return saved.cut(c), y, kept
 
     def body(state, i):
@@ -117,7 +117,10 @@ def _backward(layer, saved, residuals, cts):
 
     def one(w, i, c, kept, dc):  # layer i's backward from its input and what it kept
         c, x, keys = saved.load(c), _slice(xs_L, i), _slice(keys_L, i)
-        dw, dc, dx, dk = saved.backward(layer, kept, w, c, x, consts, keys)(
+        # The recompute waits for the cotangent, as remat's barrier makes it (which the loop's
+        # layers go without, ``Saved.linearize``): else XLA may gather and recompute early.
+        w, c = jax.lax.optimization_barrier(((w, c), jax.tree.leaves(dc)))[0]
+        dw, dc, dx, dk = saved.backward(layer, kept, w, c, x, consts, keys, in_loop=True)(
             (dc, _slice(dys, i)))[:4]
         return dw, dc, _differentiable(dx), _differentiable(dk)
 
