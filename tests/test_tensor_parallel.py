@@ -66,17 +66,25 @@ def gpt():
     return init, loss_fn, batches, refs
 
 
-def train(plan, init, loss_fn, batches, tx):
-    """(losses, final state, compiled program text)."""
+def train_traced(plan, init, loss_fn, batches, tx):
+    """(losses, final state, the step's trace, its lowering, the compiled step): traced and
+    compiled once, for a test that reads the jaxpr or the report of the program it ran."""
     state = zj.init_state(plan, init, tx, KEY)
-    step = zj.make_train_step(plan, loss_fn, tx)
     put = lambda b: jax.device_put(b, NamedSharding(plan.mesh, P(plan.data_axes)))
-    text = step.lower(state, put(batches[0])).compile().as_text()
+    traced = zj.make_train_step(plan, loss_fn, tx).fn.trace(state, put(batches[0]))
+    lowered = traced.lower()
+    compiled = lowered.compile()
     losses = []
     for b in batches:
-        state, metrics = step(state, put(b))
+        state, metrics = compiled(state, put(b))
         losses.append(float(metrics["loss"]))
-    return losses, state, text
+    return losses, state, traced, lowered, compiled
+
+
+def train(plan, init, loss_fn, batches, tx):
+    """(losses, final state, compiled program text)."""
+    losses, state, _, _, compiled = train_traced(plan, init, loss_fn, batches, tx)
+    return losses, state, compiled.as_text()
 
 
 def groups_of(mesh, axes: tuple[str, ...]) -> set[tuple[int, ...]]:
@@ -444,32 +452,28 @@ def test_partitioned_activations_keep_a_tp_slice_of_the_saved_inputs():
     init, loss_fn, batches = gpt_problem(cfg, 8, 3, corpus=1 << 16)
     mesh = zj.make_mesh(8, axes=MESHES["2x4"])
     tx = OPTIMIZERS["sgd"]()
-    runs, host = {}, {}
+    runs, plans = {}, {}
     for layers in (zj.Layers(LAYERS), zj.Layers(LAYERS, partition=True),
                    zj.Layers(LAYERS, "offload", partition=True),
                    zj.Layers(LAYERS, partition=True, prefetch=True)):
-        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=layers,
-                            rules=TENSOR_PARALLEL)
-        runs[layers] = train(plan, init, loss_fn, batches, tx)
-        if layers.remat == "offload":
-            state, step = zj.init_state(plan, init, tx, KEY), zj.make_train_step(plan, loss_fn, tx)
-            put = jax.device_put(batches[0], NamedSharding(mesh, P(plan.data_axes)))
-            host = [sum(v.aval.memory_space == jax.memory.Space.Host for v in eqn.outvars)
-                    for eqn, _ in equations(jax.make_jaxpr(step)(state, put).jaxpr)
-                    if eqn.primitive.name == "scan"]
-    plain, cut, offloaded, prefetched = runs.values()
+        plans[layers] = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=layers,
+                                     rules=TENSOR_PARALLEL)
+        runs[layers] = train_traced(plans[layers], init, loss_fn, batches, tx)
+    plain, cut, offloaded, prefetched = ((losses, text.as_text()) for losses, _, _, _, text
+                                         in runs.values())
+    host = [sum(v.aval.memory_space == jax.memory.Space.Host for v in eqn.outvars)
+            for eqn, _ in equations(runs[zj.Layers(LAYERS, "offload", partition=True)][2]
+                                    .jaxpr.jaxpr)
+            if eqn.primitive.name == "scan"]
     stacked = lambda seq, n=cfg.n_layers: f"f32[{n},4,{seq},{cfg.d_model}]"  # batch 8 / data 2
-    assert stacked(256) in plain[2] and stacked(64) not in plain[2]
+    assert stacked(256) in plain[1] and stacked(64) not in plain[1]
     # The report's saved block inputs (layers x local batch x sequence x d, /T with Pa) are
     # the compiled program's stacked ones; Megatron's all-reduces on model against its theory.
     block_input = jax.ShapeDtypeStruct((8, cfg.seq_len, cfg.d_model), np.float32)
     for layers, seq in ((zj.Layers(LAYERS), 256), (zj.Layers(LAYERS, partition=True), 64)):
-        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=layers,
-                            rules=TENSOR_PARALLEL)
-        state = zj.abstract_state(plan, tx)
-        lowered = zj.make_train_step(plan, loss_fn, tx).lower(state, jax.ShapeDtypeStruct(
-            batches[0].shape, batches[0].dtype, sharding=NamedSharding(mesh, P(plan.data_axes))))
-        r = report.build(plan, state, lowered, lowered.compile(), None, block_input)
+        _, state, _, lowered, compiled = runs[layers]
+        plan = plans[layers]
+        r = report.build(plan, state, lowered, compiled, None, block_input)
         saved = r["saved_activation_bytes"]
         assert saved["with_pa" if layers.partition else "without_pa"] == (
             cfg.n_layers * 4 * seq * cfg.d_model * 4)
@@ -480,10 +484,10 @@ def test_partitioned_activations_keep_a_tp_slice_of_the_saved_inputs():
             assert theory == 2 * (5 * cfg.n_layers + 2) * 4 * 256 * cfg.d_model * 4
             assert theory <= measured < 1.01 * theory
     for run in (cut, offloaded):
-        assert stacked(64) in run[2] and stacked(256) not in run[2]
+        assert stacked(64) in run[1] and stacked(256) not in run[1]
         np.testing.assert_allclose(run[0], plain[0], rtol=1e-6)
     n = cfg.n_layers - 1
-    assert stacked(64, n) in prefetched[2] and stacked(256, n) not in prefetched[2]
+    assert stacked(64, n) in prefetched[1] and stacked(256, n) not in prefetched[1]
     np.testing.assert_allclose(prefetched[0], plain[0], rtol=1e-6)
     assert host[0] == 1  # the forward loop's checkpoints, cut, in host memory
     with pytest.raises(ValueError, match="needs tensor parallelism"):
