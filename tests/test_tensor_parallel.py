@@ -440,6 +440,11 @@ def test_annotated_linen_model_needs_no_table(stage, opt):
         P("model", "data") if stage == 3 else P("model", None))
 
 
+# Pa's tests: a step at sequence 256 runs as long as a compile here; the second step already
+# trains from parameters the first one updated.
+PA_STEPS = 2
+
+
 def test_partitioned_activations_keep_a_tp_slice_of_the_saved_inputs():
     """ZeRO-R's Pa: the forward loop's stacked block inputs (what remat full saves) are
     (layers, batch, sequence / T, d) per device instead of (layers, batch, sequence, d), read
@@ -449,7 +454,7 @@ def test_partitioned_activations_keep_a_tp_slice_of_the_saved_inputs():
     1-3: the last runs after it), as well."""
     cfg = dataclasses.replace(CFG, vocab_size=64, d_model=32, n_layers=4, d_ff=64, seq_len=256,
                               remat="none")  # stage 3 remats the blocks itself
-    init, loss_fn, batches = gpt_problem(cfg, 8, 3, corpus=1 << 16)
+    init, loss_fn, batches = gpt_problem(cfg, 8, PA_STEPS, corpus=1 << 16)
     mesh = zj.make_mesh(8, axes=MESHES["2x4"])
     tx = OPTIMIZERS["sgd"]()
     runs, plans = {}, {}
@@ -506,7 +511,7 @@ def test_partitioned_activations_at_stages_without_gathers():
     stacked = lambda seq: f"f32[{base.n_layers},4,{seq},{base.d_model}]"  # batch 8 / data 2
 
     def run(cfg, stage, pa):
-        init, loss_fn, batches = gpt_problem(cfg, 8, 3, corpus=1 << 16)
+        init, loss_fn, batches = gpt_problem(cfg, 8, PA_STEPS, corpus=1 << 16)
         plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, rules=TENSOR_PARALLEL,
                             layers=zj.Layers(LAYERS, partition=pa))
         return train(plan, init, loss_fn, batches, OPTIMIZERS["sgd"]())
@@ -544,7 +549,7 @@ def test_partitioned_activations_with_prefetch_on_unrolled_blocks():
     training is the same as without Pa."""
     cfg = dataclasses.replace(CFG, vocab_size=64, d_model=32, n_layers=3, d_ff=64, seq_len=256,
                               remat="none")
-    init, loss_fn, batches = gpt_problem(cfg, 8, 3, corpus=1 << 16, model=UnrolledGPT(cfg))
+    init, loss_fn, batches = gpt_problem(cfg, 8, PA_STEPS, corpus=1 << 16, model=UnrolledGPT(cfg))
     rules = [zj.Rule(r.pattern.replace("blocks", r"h_\d+"), model_dim=r.model_dim)
              for r in TENSOR_PARALLEL]
     mesh = zj.make_mesh(8, axes=MESHES["2x4"])
