@@ -71,11 +71,11 @@ def test_nnx_model_trains_like_one_device():
     state = zj.init_state(plan, init, tx, key)
     step = zj.make_train_step(plan, loss_fn, tx)
 
-    params = init(key)
+    params, grad = init(key), jax.jit(jax.value_and_grad(loss_fn))  # one device's
     opt_state = tx.init(params)
     for _ in range(5):
         state, metrics = step(state, batch)
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        loss, grads = grad(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         assert abs(float(metrics["loss"]) - float(loss)) <= 1e-5 * float(loss)

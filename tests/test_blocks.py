@@ -2,6 +2,7 @@
 ``setup()``, named to the plan by path, compared with one-device optax and read off the
 compiled step."""
 
+import functools
 import json
 import math
 import re
@@ -291,16 +292,21 @@ def test_dropout_key_per_step_and_device(mesh):
     step = zj.make_train_step(plan, loss_fn, tx)
     params, key = init(KEY), jax.random.key(7)
 
+    # Each device's slice of the batch with its key, vmapped and jitted: op by op, and with a
+    # program per slice, the references cost more than the step.
+    @functools.partial(jax.jit, static_argnames="per_device")
     def reference(params, toks, step_key, per_device=True):
-        parts = np.split(toks, N)
-        keys = [zj.device_key(step_key, d if per_device else 0) for d in range(N)]
-        return sum(loss_fn(params, p, k) for p, k in zip(parts, keys, strict=True)) / N
+        devices = jnp.arange(N) if per_device else jnp.zeros(N, jnp.int32)
+        keys = jax.vmap(lambda d: zj.device_key(step_key, d))(devices)
+        parts = toks.reshape(N, -1, toks.shape[-1])
+        return jax.vmap(lambda p, k: loss_fn(params, p, k))(parts, keys).sum() / N
 
+    grad = jax.jit(jax.value_and_grad(reference))
     for i in range(2):
         toks = tokens(i)
         state, m = step(state, shard_batch(mesh, toks), key=key)
         step_key = jax.random.fold_in(key, i)
-        loss, g = jax.value_and_grad(reference)(params, toks, step_key)
+        loss, g = grad(params, toks, step_key)
         assert rel(m["loss"], loss) < 1e-5
         # Not the same mask on every device, nor the same as the step before.
         assert rel(reference(params, toks, step_key, per_device=False), loss) > 1e-3
@@ -326,10 +332,13 @@ def test_token_weighted_loss_is_the_global_mean(mesh):
         accuracy = (correct(params, batch["tokens"]) * batch["mask"]).sum() / n
         return zj.Weighted(losses.sum(), n), {"accuracy": accuracy}
 
+    @jax.jit  # the references jitted: run op by op, their small programs cost more
+    @jax.value_and_grad
     def reference(params, batch):
         losses = batch["scale"] * ce(model, params, batch["tokens"]) * batch["mask"]
         return losses.sum() / batch["mask"].sum()
 
+    @jax.jit
     def accuracy(params, batch):
         return (correct(params, batch["tokens"]) * batch["mask"]).sum() / batch["mask"].sum()
 
@@ -342,7 +351,7 @@ def test_token_weighted_loss_is_the_global_mean(mesh):
     for i in range(3):
         batch = {"tokens": tokens(i), "mask": mask, "scale": np.float32(0.5 + i)}
         state, m = step(state, batch)
-        loss, g = jax.value_and_grad(reference)(params, batch)
+        loss, g = reference(params, batch)
         assert float(m["accuracy"]) == pytest.approx(float(accuracy(params, batch)), rel=1e-6)
         params = jax.tree.map(lambda p, g: p - 0.3 * g, params, g)
         assert rel(m["loss"], loss) < 1e-5

@@ -295,7 +295,7 @@ def test_stacks_with_broadcast_arguments_prefetch(kind, mesh):
     plain stage-3 step's (SGD, 1e-5), and the compiled loops gather one layer ahead."""
     init, loss = broadcast_problem(kind)
     batch = nnx_data(0)
-    ref = jax.grad(loss)(init(KEY), batch)
+    ref = jax.jit(jax.grad(loss))(init(KEY), batch)  # one device's (op by op: slower)
     grads = {}
     for on in (False, True):
         plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,
@@ -360,7 +360,7 @@ def test_transforms_made_at_import_prefetch(cls, layers, mesh):
     model, x = cls(), jax.random.normal(jax.random.key(3), (16, 64))
     init = lambda key: model.init(key, x)["params"]
     loss = lambda p, b: model.apply({"params": p}, b)
-    ref = jax.grad(loss)(init(KEY), x)
+    ref = jax.jit(jax.grad(loss))(init(KEY), x)  # one device's (op by op: slower)
     batch, grads = jax.device_put(x, NamedSharding(mesh, P("data"))), {}
     for on in (False, True):
         plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,

@@ -32,8 +32,9 @@ from zero_jax.plan import Leaf, path_str
 
 STEPS = 5
 # The GPT demo's own tensor-parallel rules (``TENSOR_PARALLEL``), on a small GPT whose
-# vocabulary is cut over ``model`` too.
-CFG = GPTConfig(vocab_size=256, d_model=40, n_layers=2, n_heads=4, d_ff=100, seq_len=12)
+# vocabulary is cut over ``model`` too, and fc1's bias, cut over ``model`` alone, over data
+# too: d_ff 96 = 4 x 2 x 12 (``test_a_leaf_cut_over_model_alone_is_cut_over_data_too``).
+CFG = GPTConfig(vocab_size=256, d_model=40, n_layers=2, n_heads=4, d_ff=96, seq_len=12)
 MESHES = {"4x2": {"data": 4, "model": 2}, "2x4": {"data": 2, "model": 4},
           "hierarchical 2x2x2": {"replica": 2, "data": 2, "model": 2}}
 
@@ -41,9 +42,9 @@ MESHES = {"4x2": {"data": 4, "model": 2}, "2x4": {"data": 2, "model": 4},
 def one_device(init, loss_fn, batches, tx) -> tuple[list[float], dict]:
     """(losses, final parameters) of plain optax on one device: the suite's jitted step
     (``conftest.optax_steps``). Against it the 2-D layouts' SGD parameters part by up to
-    6.7e-6 (this file's bound: 1e-5), AdamW's by 3.6e-5 (1e-4); against optax run op by op,
-    5.0e-6 and 3.4e-5. (With fused multiply-adds the jitted step moved SGD's by 1.2e-5: the
-    suite compiles without them, ``tests/flags.py``.)"""
+    2.4e-6 (this file's bound: 1e-5), AdamW's by 3.1e-5 (1e-4). With d_ff 100: 6.7e-6 and
+    3.6e-5; against optax run op by op, 5.0e-6 and 3.4e-5. (With fused multiply-adds the jitted
+    step moved SGD's by 1.2e-5: the suite compiles without them, ``tests/flags.py``.)"""
     ref = optax_steps(loss_fn, tx, init(KEY), batches)
     return list(ref["losses"]), ref["params"]
 
@@ -66,17 +67,26 @@ def gpt():
     return init, loss_fn, batches, refs
 
 
-def train(plan, init, loss_fn, batches, tx, accum_steps=1):
-    """(losses, final state, compiled program text)."""
+def train_traced(plan, init, loss_fn, batches, tx, accum_steps=1):
+    """(losses, final state, the step's trace, its lowering, the compiled step): traced and
+    compiled once, for a test that reads the jaxpr or the report of the program it ran."""
     state = zj.init_state(plan, init, tx, KEY)
-    step = zj.make_train_step(plan, loss_fn, tx, accum_steps=accum_steps)
     put = lambda b: jax.device_put(b, NamedSharding(plan.mesh, P(plan.data_axes)))
-    text = step.lower(state, put(batches[0])).compile().as_text()
+    traced = zj.make_train_step(plan, loss_fn, tx, accum_steps=accum_steps).fn.trace(
+        state, put(batches[0]))
+    lowered = traced.lower()
+    compiled = lowered.compile()
     losses = []
     for b in batches:
-        state, metrics = step(state, put(b))
+        state, metrics = compiled(state, put(b))
         losses.append(float(metrics["loss"]))
-    return losses, state, text
+    return losses, state, traced, lowered, compiled
+
+
+def train(plan, init, loss_fn, batches, tx, accum_steps=1):
+    """(losses, final state, compiled program text)."""
+    losses, state, _, _, compiled = train_traced(plan, init, loss_fn, batches, tx, accum_steps)
+    return losses, state, compiled.as_text()
 
 
 def groups_of(mesh, axes: tuple[str, ...]) -> set[tuple[int, ...]]:
@@ -167,6 +177,24 @@ def data_only(gpt):
     return run
 
 
+@pytest.fixture(scope="module")
+def tp_run(gpt):
+    """The training on a 2-D layout, per (layout, stage, optimizer, gather), trained once for
+    every test that reads it: (plan, losses, final state, compiled program text)."""
+    init, loss_fn, batches, _ = gpt
+    runs = {}
+
+    def run(layout, stage, opt, gather="block"):
+        if (layout, stage, opt, gather) not in runs:
+            plan = zj.make_plan(jax.eval_shape(init, KEY), zj.make_mesh(8, axes=MESHES[layout]),
+                                stage, layers=zj.Layers(LAYERS, gather=gather),
+                                rules=TENSOR_PARALLEL)
+            runs[layout, stage, opt, gather] = plan, *train(plan, init, loss_fn, batches,
+                                                            OPTIMIZERS[opt]())
+        return runs[layout, stage, opt, gather]
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, stage, opt, gather", [
     *((layout, stage, opt, "block") for layout in ("4x2", "2x4") for stage in range(4)
@@ -174,22 +202,19 @@ def data_only(gpt):
     ("hierarchical 2x2x2", 3, "sgd", "block"), ("hierarchical 2x2x2", 3, "adamw", "block"),
     ("hierarchical 2x2x2", 3, "sgd", "module"),
 ])
-def test_equals_one_device_with_collectives_in_their_axis(gpt, data_only, layout, stage, opt,
-                                                          gather):
+def test_equals_one_device_with_collectives_in_their_axis(gpt, data_only, tp_run, layout, stage,
+                                                          opt, gather):
     """Losses over 5 steps equal one-device optax and the 1-D data = 8 run within 1e-5. The
     final parameters too for SGD; AdamW's to 1e-4: its update g / (sqrt(v) + eps) normalizes
     each coordinate, so a rounding difference in a small gradient (the partitioner sums the
     model axis's partial products in another order) becomes a full-size step difference.
     Stage 3 gathering by module (``Layers.gather``) too."""
-    init, loss_fn, batches, refs = gpt
-    mesh = zj.make_mesh(8, axes=MESHES[layout])
-    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage,
-                        layers=zj.Layers(LAYERS, gather=gather), rules=TENSOR_PARALLEL)
+    refs = gpt[3]
+    plan, losses, state, text = tp_run(layout, stage, opt, gather)
     assert plan.param_specs["blocks"]["qkv"]["kernel"] == (
         P(None, "data", None, "model", None) if stage == 3 else P(None, None, None, "model",
                                                                    None))
     tx = OPTIMIZERS[opt]()
-    losses, state, text = train(plan, init, loss_fn, batches, tx)
     params = jax.device_get(state.params)
     tolerance = 1e-5 if opt == "sgd" else 1e-4
     for ref_losses, ref_params in (refs[opt], data_only(stage, opt)):
@@ -201,39 +226,35 @@ def test_equals_one_device_with_collectives_in_their_axis(gpt, data_only, layout
 
 
 @pytest.mark.slow
-def test_a_leaf_cut_over_model_alone_is_cut_over_data_too():
+def test_a_leaf_cut_over_model_alone_is_cut_over_data_too(gpt, tp_run):
     """fc1's bias, cut over ``model`` by Megatron's layout and with no other dimension, on
     4 x 2: its dimension is cut into D x T pieces, model-major, so each device holds 1/(D T)
     of each copy the stage cuts, as of every leaf (at stage 3 parameters and Adam's moments,
     read off the shards; the gradient from stage 2, the optimizer state from stage 1); and
     with hierarchical ZeRO (2 x 2 x 2), its parameter within the group, the rest across
-    groups too. Losses over 3 steps equal one device's within 1e-5 (SGD at stages 2-3 and
+    groups too. Losses over 5 steps equal one device's within 1e-5 (SGD at stages 2-3 and
     hierarchical, clipped AdamW at stages 1-3; the parameters 1e-5 and 1e-4). ZeRO's
     collectives stay on data groups, tensor parallelism's on model groups (no gather on
-    ``model``); only the gradient norm's scalars span both."""
-    cfg = dataclasses.replace(CFG, d_ff=96)  # fc1's bias: 96 = 4 x 2 x 12
-    init, loss_fn, batches = gpt_problem(cfg, 16, 3)
-    refs = {opt: one_device(init, loss_fn, batches, OPTIMIZERS[opt]()) for opt in OPTIMIZERS}
+    ``model``); only the gradient norm's scalars span both. The runs are the ones
+    ``test_equals_one_device_with_collectives_in_their_axis`` trains (``tp_run``)."""
+    refs = gpt[3]
     # SGD wherever the bias's gradient is cut (stages 2-3): Adam would hide it N times too large
     for stage, opt, layout in ((3, "sgd", "4x2"), (3, "adamw", "4x2"), (2, "sgd", "4x2"),
                                (2, "adamw", "4x2"), (1, "adamw", "4x2"),
                                (3, "sgd", "hierarchical 2x2x2")):
-        plan = zj.make_plan(jax.eval_shape(init, KEY), zj.make_mesh(8, axes=MESHES[layout]),
-                            stage, layers=LAYERS, rules=TENSOR_PARALLEL)
+        plan, losses, state, text = tp_run(layout, stage, opt)
         cut = P(None, ("model", *reversed(plan.data_axes)))  # within groups, then across
         assert plan.opt_specs["blocks"]["fc1"]["bias"] == cut
         assert (plan.grad_specs["blocks"]["fc1"]["bias"] == cut) == (stage > 1)
-        tx = OPTIMIZERS[opt]()
-        losses, state, text = train(plan, init, loss_fn, batches, tx)
         np.testing.assert_allclose(losses, refs[opt][0], rtol=1e-5)
         assert max_rel(jax.device_get(state.params), refs[opt][1]) < (1e-5 if opt == "sgd"
                                                                      else 1e-4)
-        assert_bytes_per_device(plan, state, tx)
+        assert_bytes_per_device(plan, state, OPTIMIZERS[opt]())
         assert_collectives_stay_in_their_axis(plan, text)
         assert any(len(c.group) == 8 for c in collectives(text, 8))  # the norm's sum
 
 
-COMPOSED_TOLERANCE = 2e-3  # nats: twice the measured gap
+COMPOSED_TOLERANCE = 2e-3  # nats: twice the gap measured with d_ff 100 (9.9e-4)
 
 
 @pytest.mark.slow
@@ -242,7 +263,7 @@ def test_composes_with_bf16_accumulation_buckets_and_int8(gpt):
     int8 weights and gradients trains like the same run on data = 8 (T = 1): the losses of 5
     clipped-AdamW steps within COMPOSED_TOLERANCE nats. Not 1e-5: bf16 rounds the forward
     where the model axis's partial sums meet, and int8 rounds what crosses ``data`` in blocks
-    of other sizes (each rank quantizes its slice); measured 9.9e-4. The tensor-parallel
+    of other sizes (each rank quantizes its slice); measured 7.8e-4. The tensor-parallel
     collectives stay on model groups, ZeRO's (int8 all-to-alls included) on data groups, and
     every state leaf, master included, is cut by the formula with T."""
     init, loss_fn, batches, _ = gpt
@@ -309,7 +330,7 @@ def test_prefetch_gathers_a_layer_ahead_within_each_tensor_parallel_rank():
     carry is written in place: an iteration copies the biases cut over ``model`` only (d_ff
     100 does not divide into D x T pieces) and the carried activation gradient, no gathered
     layer."""
-    init, loss_fn, batches = gpt_problem(dataclasses.replace(CFG, n_layers=4), 16, 3)
+    init, loss_fn, batches = gpt_problem(dataclasses.replace(CFG, n_layers=4, d_ff=100), 16, 3)
     mesh = zj.make_mesh(8, axes=MESHES["4x2"])
     tx = OPTIMIZERS["adamw"]()
 
@@ -432,6 +453,11 @@ def test_annotated_linen_model_needs_no_table(stage, opt):
         P("model", "data") if stage == 3 else P("model", None))
 
 
+# Pa's tests: a step at sequence 256 runs as long as a compile here; the second step already
+# trains from parameters the first one updated.
+PA_STEPS = 2
+
+
 def test_partitioned_activations_keep_a_tp_slice_of_the_saved_inputs():
     """ZeRO-R's Pa: the forward loop's stacked block inputs (what remat full saves) are
     (layers, batch, sequence / T, d) per device instead of (layers, batch, sequence, d), read
@@ -441,35 +467,31 @@ def test_partitioned_activations_keep_a_tp_slice_of_the_saved_inputs():
     1-3: the last runs after it), as well."""
     cfg = dataclasses.replace(CFG, vocab_size=64, d_model=32, n_layers=4, d_ff=64, seq_len=256,
                               remat="none")  # stage 3 remats the blocks itself
-    init, loss_fn, batches = gpt_problem(cfg, 8, 3, corpus=1 << 16)
+    init, loss_fn, batches = gpt_problem(cfg, 8, PA_STEPS, corpus=1 << 16)
     mesh = zj.make_mesh(8, axes=MESHES["2x4"])
     tx = OPTIMIZERS["sgd"]()
-    runs, host = {}, {}
+    runs, plans = {}, {}
     for layers in (zj.Layers(LAYERS), zj.Layers(LAYERS, partition=True),
                    zj.Layers(LAYERS, "offload", partition=True),
                    zj.Layers(LAYERS, partition=True, prefetch=True)):
-        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=layers,
-                            rules=TENSOR_PARALLEL)
-        runs[layers] = train(plan, init, loss_fn, batches, tx)
-        if layers.remat == "offload":
-            state, step = zj.init_state(plan, init, tx, KEY), zj.make_train_step(plan, loss_fn, tx)
-            put = jax.device_put(batches[0], NamedSharding(mesh, P(plan.data_axes)))
-            host = [sum(v.aval.memory_space == jax.memory.Space.Host for v in eqn.outvars)
-                    for eqn, _ in equations(jax.make_jaxpr(step)(state, put).jaxpr)
-                    if eqn.primitive.name == "scan"]
-    plain, cut, offloaded, prefetched = runs.values()
+        plans[layers] = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=layers,
+                                     rules=TENSOR_PARALLEL)
+        runs[layers] = train_traced(plans[layers], init, loss_fn, batches, tx)
+    plain, cut, offloaded, prefetched = ((losses, text.as_text()) for losses, _, _, _, text
+                                         in runs.values())
+    host = [sum(v.aval.memory_space == jax.memory.Space.Host for v in eqn.outvars)
+            for eqn, _ in equations(runs[zj.Layers(LAYERS, "offload", partition=True)][2]
+                                    .jaxpr.jaxpr)
+            if eqn.primitive.name == "scan"]
     stacked = lambda seq, n=cfg.n_layers: f"f32[{n},4,{seq},{cfg.d_model}]"  # batch 8 / data 2
-    assert stacked(256) in plain[2] and stacked(64) not in plain[2]
+    assert stacked(256) in plain[1] and stacked(64) not in plain[1]
     # The report's saved block inputs (layers x local batch x sequence x d, /T with Pa) are
     # the compiled program's stacked ones; Megatron's all-reduces on model against its theory.
     block_input = jax.ShapeDtypeStruct((8, cfg.seq_len, cfg.d_model), np.float32)
     for layers, seq in ((zj.Layers(LAYERS), 256), (zj.Layers(LAYERS, partition=True), 64)):
-        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=layers,
-                            rules=TENSOR_PARALLEL)
-        state = zj.abstract_state(plan, tx)
-        lowered = zj.make_train_step(plan, loss_fn, tx).lower(state, jax.ShapeDtypeStruct(
-            batches[0].shape, batches[0].dtype, sharding=NamedSharding(mesh, P(plan.data_axes))))
-        r = report.build(plan, state, lowered, lowered.compile(), None, block_input)
+        _, state, _, lowered, compiled = runs[layers]
+        plan = plans[layers]
+        r = report.build(plan, state, lowered, compiled, None, block_input)
         saved = r["saved_activation_bytes"]
         assert saved["with_pa" if layers.partition else "without_pa"] == (
             cfg.n_layers * 4 * seq * cfg.d_model * 4)
@@ -480,10 +502,10 @@ def test_partitioned_activations_keep_a_tp_slice_of_the_saved_inputs():
             assert theory == 2 * (5 * cfg.n_layers + 2) * 4 * 256 * cfg.d_model * 4
             assert theory <= measured < 1.01 * theory
     for run in (cut, offloaded):
-        assert stacked(64) in run[2] and stacked(256) not in run[2]
+        assert stacked(64) in run[1] and stacked(256) not in run[1]
         np.testing.assert_allclose(run[0], plain[0], rtol=1e-6)
     n = cfg.n_layers - 1
-    assert stacked(64, n) in prefetched[2] and stacked(256, n) not in prefetched[2]
+    assert stacked(64, n) in prefetched[1] and stacked(256, n) not in prefetched[1]
     np.testing.assert_allclose(prefetched[0], plain[0], rtol=1e-6)
     assert host[0] == 1  # the forward loop's checkpoints, cut, in host memory
     with pytest.raises(ValueError, match="needs tensor parallelism"):
@@ -502,7 +524,7 @@ def test_partitioned_activations_at_stages_without_gathers():
     stacked = lambda seq: f"f32[{base.n_layers},4,{seq},{base.d_model}]"  # batch 8 / data 2
 
     def run(cfg, stage, pa):
-        init, loss_fn, batches = gpt_problem(cfg, 8, 3, corpus=1 << 16)
+        init, loss_fn, batches = gpt_problem(cfg, 8, PA_STEPS, corpus=1 << 16)
         plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, rules=TENSOR_PARALLEL,
                             layers=zj.Layers(LAYERS, partition=pa))
         return train(plan, init, loss_fn, batches, OPTIMIZERS["sgd"]())
@@ -540,7 +562,7 @@ def test_partitioned_activations_with_prefetch_on_unrolled_blocks():
     training is the same as without Pa."""
     cfg = dataclasses.replace(CFG, vocab_size=64, d_model=32, n_layers=3, d_ff=64, seq_len=256,
                               remat="none")
-    init, loss_fn, batches = gpt_problem(cfg, 8, 3, corpus=1 << 16, model=UnrolledGPT(cfg))
+    init, loss_fn, batches = gpt_problem(cfg, 8, PA_STEPS, corpus=1 << 16, model=UnrolledGPT(cfg))
     rules = [zj.Rule(r.pattern.replace("blocks", r"h_\d+"), model_dim=r.model_dim)
              for r in TENSOR_PARALLEL]
     mesh = zj.make_mesh(8, axes=MESHES["2x4"])
@@ -670,7 +692,7 @@ def test_offload_and_the_nvme_tier_compose(gpt, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     one_losses, one_params = one_device(init, loss_fn, batches, tx)
     np.testing.assert_allclose(host_losses, one_losses, rtol=1e-5)
-    # Per leaf 1.7e-4 (the zero-initialised biases: Adam's g / sqrt(v), unclipped), as a whole:
+    # Per leaf 1.6e-4 (the zero-initialised biases: Adam's g / sqrt(v), unclipped), as a whole:
     assert tree_rel(host.params, one_params) < 1e-5
 
 

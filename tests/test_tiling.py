@@ -122,7 +122,7 @@ def test_tiled_gradient_equals_one_device():
     toks = batch(7)
     _, grads = jax.jit(zj.make_grad_fn(plan, loss_fn))(
         state.params, jax.device_put(toks, NamedSharding(mesh, P("data"))))
-    assert max_rel(grads, jax.grad(loss_fn)(init(KEY), toks)) < 1e-5
+    assert max_rel(grads, jax.jit(jax.grad(loss_fn))(init(KEY), toks)) < 1e-5  # op by op: slower
 
 
 def test_nothing_above_the_bound_is_gathered_and_temp_drops():

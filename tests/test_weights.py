@@ -64,6 +64,12 @@ def gpt2(tmp_path_factory) -> dict:
                 **hf.read_config(root / "one"), remat="none", vocab_multiple=128))}
 
 
+def logits_of(model, params) -> np.ndarray:
+    """``model``'s logits on TOKENS, jitted: op by op on sharded parameters each operation
+    compiles a program of its own."""
+    return np.asarray(jax.jit(lambda p: model.apply({"params": p}, TOKENS[:, :-1]))(params))
+
+
 def run_train(*args: str) -> subprocess.CompletedProcess:
     """``train.main`` in this process, its output caught as a process's (a start-up less, and
     compiled at the suite's level: the runs here train 2 steps)."""
@@ -100,7 +106,7 @@ def test_loaded_into_shards_gives_transformers_logits(gpt2, stage, tp, source):
         whole = np.asarray(x)
         for shard in x.addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), whole[shard.index])
-    logits = np.asarray(gpt2["model"].apply({"params": params}, TOKENS[:, :-1]))
+    logits = logits_of(gpt2["model"], params)
     assert rel(logits, gpt2["logits"]) < 1e-5, rel(logits, gpt2["logits"])
 
 
@@ -180,7 +186,7 @@ def test_train_py_init_from_and_export_round_trip(gpt2, tmp_path):
     ckpts = zj.Checkpoints(ckpt, read_only=True)
     trained = ckpts.read_params()
     ckpts.close()
-    ours = np.asarray(gpt2["model"].apply({"params": trained}, TOKENS[:, :-1]))
+    ours = logits_of(gpt2["model"], trained)
     theirs = torch_logits(out)
     assert rel(theirs, ours) < 1e-5 and rel(ours, gpt2["logits"]) > 1e-3
     exported = {k: v for f in out.glob("model-*.safetensors")
@@ -245,7 +251,7 @@ def test_in_run_save_writes_the_exports_bytes_from_the_shards(gpt2, tmp_path, tp
         ckpts.close()
         assert hf.main([str(tmp_path / "ckpt"), str(tmp_path / "exported")]) == 0
         assert ours == (tmp_path / "exported" / "model.safetensors").read_bytes()
-    logits = np.asarray(gpt2["model"].apply({"params": state.params}, TOKENS[:, :-1]))
+    logits = logits_of(gpt2["model"], state.params)
     assert rel(torch_logits(out), logits) < 1e-5
 
 
@@ -580,7 +586,7 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(llama_dir, tmp_p
     plan = zj.make_plan(shapes, mesh, stage=3, layers=LAYERS,
                         rules=list(llama.TENSOR_PARALLEL) if tp > 1 else [])
     params = load_params(plan, llama_dir, llama.mapping(cfg))
-    ours = np.asarray(model.apply({"params": params}, TOKENS[:, :-1]))
+    ours = logits_of(model, params)
     assert rel(ours, theirs) < 1e-5, rel(ours, theirs)
 
     flat = {zj.plan.path_str(p): np.asarray(v)
@@ -623,7 +629,7 @@ def test_train_py_fine_tunes_a_llama_and_exports_it(llama_dir, gpt2, tmp_path):
     ckpts.close()
     model = llama.Llama(GPTConfig(**llama.read_config(llama_dir), remat="none",
                                   vocab_multiple=128))
-    ours = np.asarray(model.apply({"params": trained}, TOKENS[:, :-1]))
+    ours = logits_of(model, trained)
     theirs = torch_logits_of(transformers.LlamaForCausalLM, out)
     assert rel(theirs, ours) < 1e-5
 
