@@ -102,6 +102,11 @@ class Saved:
         inexact = isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact)
         return jax.device_put(x, space) if self.offload and inexact else x
 
+    def barrier(self, in_loop: bool) -> bool:
+        """Whether remat keeps its barrier (``prevent_cse``): outside loops, and with Pa, whose
+        saved input XLA would otherwise keep whole (T = 2: 7.9 -> 9.4 MiB a device)."""
+        return not in_loop or self.partition
+
     def cut(self, tree: PyTree) -> PyTree:
         """Pa: laid out cut over ``model`` (as it waits between blocks, too)."""
         return jax.tree.map(lambda x: partitioned(x, True), tree) if self.partition else tree
@@ -139,7 +144,7 @@ class Saved:
             ran(a, k)
             return getattr(mdl, method)(*a, **k)
         run = nn.map_variables(named, "params", trans_in_fn=whole)
-        return nn.remat(run, prevent_cse=not in_loop, policy=self.policy)(module)
+        return nn.remat(run, prevent_cse=self.barrier(in_loop), policy=self.policy)(module)
 
     def nnx(self, module: Any, run: Callable, args: tuple, kwargs: dict) -> Any:
         """An NNX block's ``run(module, args, kwargs)`` under ``nnx.remat``, its inputs as
@@ -159,11 +164,13 @@ class Saved:
 
         ``in_loop``: ``fn`` is a layer of a loop (a scanned stack), whose body already keeps
         XLA from merging the recompute with the forward. Remat's barrier (``prevent_cse``) is
-        left out there, as ``nn.remat`` under ``nn.scan`` leaves it: with it, each saved value
-        the backward slices out of the loop's stacks is copied out before it is read (on an
-        H100, 1.8 GB per layer of gpt2-124m's saved matmul outputs, 6% of the step)."""
+        left out there but with Pa (``barrier``), as ``nn.remat`` under ``nn.scan`` leaves it:
+        with it, each saved value the backward slices out of the loop's stacks is copied out
+        before it is read (on an H100, 1.8 GB per layer of gpt2-124m's saved matmul outputs, 6%
+        of the step)."""
         policy = remat_policy("full" if self.offload else self.remat, gathers=True)
-        out, pull = jax.vjp(jax.checkpoint(fn, policy=policy, prevent_cse=not in_loop), *args)
+        out, pull = jax.vjp(jax.checkpoint(fn, policy=policy, prevent_cse=self.barrier(in_loop)),
+                            *args)
         leaves, treedef = jax.tree.flatten(pull)
         # A residual that is an argument is that argument: the same tracer.
         known = {id(x): (a, j) for a, arg in enumerate(args)
