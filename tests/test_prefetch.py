@@ -62,35 +62,33 @@ def problem():
     return init_fn(MODEL), lm_loss(MODEL), lm_batches(MODEL.cfg, STEPS)
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_the_layer_loop_reads_what_its_layers_kept_past_no_barrier(prefetch, problem, mesh):
-    """A scanned stack's layers run in loops, which already keep XLA from merging a layer's
-    recompute with its forward. Remat's own barrier (``prevent_cse``) would also hold each value
-    the forward kept, which XLA then copies out of the loop's stacks before reading it (on an
-    H100, 1.8 GB a layer of gpt2-124m's stage 3, 6% of its step: docs/benchmarks/
-    gpu-compile.md). With remat ``dots`` each layer keeps fc1's output (batch, sequence,
-    d_ff): no remat of the stack's layers asks for the barrier, prefetching or not (the
-    backward still waits for its cotangent: ``scan``'s own barrier holds the weights and the
-    layer's input); unrolled blocks' do."""
+def test_the_layer_loop_reads_what_its_layers_kept_past_no_barrier(problem, mesh):
+    """Prefetch's loop over a scanned stack keeps XLA from merging a layer's recompute with its
+    forward. Remat's own barrier (``prevent_cse``) would also hold each value the forward kept,
+    which XLA then copies out of the loop's stacks before reading it (on an H100, 1.8 GB a
+    layer of gpt2-124m's stage 3, 6% of its step: docs/benchmarks/gpu-compile.md). So no
+    remat of the loop's layers asks for it (each backward still waits for its cotangent:
+    ``blocks.scan``'s own barrier holds the weights and the layer's input); without prefetch
+    (a block's call alone does not say it runs in a loop) and for unrolled blocks it stays."""
     init, loss_fn, batches = problem
     tx = optax.sgd(0.1)
-    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,
-                        layers=zj.Layers(LAYERS, "dots", prefetch=prefetch))
-    step = zj.make_train_step(plan, loss_fn, tx)
-    jaxpr = jax.make_jaxpr(step.fn)(zj.abstract_state(plan, tx), jax.ShapeDtypeStruct(
-        batches[0].shape, batches[0].dtype, sharding=NamedSharding(mesh, P("data"))))
-    remats = [(e.params["prevent_cse"], loop) for e, loop in equations(jaxpr.jaxpr)
-              if e.primitive.name == "remat2"]  # jax.checkpoint
-    assert any(loop is not None for _, loop in remats) and not any(c for c, _ in remats), remats
-    # Blocks called one after another (a Python loop) keep it: nothing else stops XLA there.
-    init, loss, layers = dict(regather.problems())["unrolled"]
-    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,
-                        layers=zj.Layers(layers, "dots", prefetch=prefetch))
-    jaxpr = jax.make_jaxpr(zj.make_train_step(plan, loss, tx).fn)(zj.abstract_state(plan, tx),
-                                                                 regather.BATCH)
-    remats = [e.params["prevent_cse"] for e, _ in equations(jaxpr.jaxpr)
-              if e.primitive.name == "remat2"]
-    assert remats and all(remats)
+    batch = jax.ShapeDtypeStruct(batches[0].shape, batches[0].dtype,
+                                 sharding=NamedSharding(mesh, P("data")))
+
+    def remats(init, loss_fn, layers, prefetch, batch):
+        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,
+                            layers=zj.Layers(layers, "dots", prefetch=prefetch))
+        jaxpr = jax.make_jaxpr(zj.make_train_step(plan, loss_fn, tx).fn)(
+            zj.abstract_state(plan, tx), batch)
+        return [(e.params["prevent_cse"], loop) for e, loop in equations(jaxpr.jaxpr)
+                if e.primitive.name == "remat2"]  # jax.checkpoint
+    looped = remats(init, loss_fn, LAYERS, True, batch)
+    assert any(loop is not None for _, loop in looped) and not any(c for c, _ in looped), looped
+    assert any(c for c, _ in remats(init, loss_fn, LAYERS, False, batch))  # (and the model's)
+    unrolled_init, unrolled_loss, blocks = dict(regather.problems())["unrolled"]
+    for prefetch in (False, True):
+        unrolled = remats(unrolled_init, unrolled_loss, blocks, prefetch, regather.BATCH)
+        assert unrolled and all(c for c, _ in unrolled)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -197,11 +197,9 @@ def record(g: GradStep, params: PyTree, whole: PyTree | None, micro: PyTree,
 def runtime(plan: Plan) -> Runtime:
     """The plan's block runtime. Pa at stages 0-2: the blocks' saved inputs are cut if
     zero_jax's remat saves them."""
-    stacks = frozenset(leaf.block for leaf in jax.tree.leaves(plan.leaves, is_leaf=_is_leaf)
-                       if leaf.block and leaf.stacked)
     return Runtime(tuple(plan.blocks), Saved(plan.remat, plan.partition_activations),
                    plan.gather, plan.prefetch,
-                   plan.partition_activations and not plan.rule.shard_params, stacks)
+                   plan.partition_activations and not plan.rule.shard_params)
 
 
 def differentiate(g: GradStep, params: PyTree, whole: PyTree | None, micro: PyTree,

@@ -66,7 +66,7 @@ def _rematerialized(trace: Any, module: nn.Module, method: str, args: tuple, kwa
     trace.inside.add(path)
     try:
         return trace.runtime.saved.linen(module, method, args, kwargs, whole,
-                                         trace.previous.ran, path in trace.runtime.stacks)
+                                         trace.previous.ran)
     finally:
         trace.inside.discard(path)
 

@@ -39,15 +39,13 @@ class Runtime:
     ``saved``, what each keeps for its backward (remat policy, Pa); ``gather``, ``block`` or
     ``module``; ``prefetch``, gathers one block (or module) ahead; ``remat_all``, blocks that
     do not gather are rematerialized too (Pa at stages 0-2: their saved inputs are cut only if
-    zero_jax's remat saves them); ``stacks``, the names that are scanned stacks, whose layers
-    run in a loop."""
+    zero_jax's remat saves them)."""
 
     names: tuple[str, ...]
     saved: Saved = Saved()
     gather: str = "block"
     prefetch: bool = False
     remat_all: bool = False
-    stacks: frozenset[str] = frozenset()
 
     @property
     def by_module(self) -> bool:
