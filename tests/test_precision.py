@@ -276,9 +276,18 @@ def test_stage2_accumulator_is_a_shard(mesh):
     temp = {}
     for stage in (1, 2):
         plan, init, tx, step = setup(mesh, stage, Precision(), accum_steps=4)
-        compiled = step.lower(zj.abstract_state(plan, tx), jax.ShapeDtypeStruct(
-            (32, TINY.seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, P("data")))).compile()
+        state = zj.abstract_state(plan, tx)
+        lowered = step.lower(state, jax.ShapeDtypeStruct(
+            (32, TINY.seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, P("data"))))
+        compiled = lowered.compile()
         temp[stage] = compiled.memory_analysis().temp_size_in_bytes
+        # The report of a step of 4 microbatches: stage 2 reduce-scatters each one's gradient,
+        # (k + 1) Psi, and the compiled program moves that.
+        r = report.build(plan, state, lowered, compiled, accum_steps=4)
+        assert r["precision"]["accum_steps"] == 4
+        if stage == 2:
+            assert r["comm_theory_formula"].startswith("5 Psi")
+            assert r["comm_bytes_per_step"] == pytest.approx(r["comm_bytes_theory"], rel=0.02)
         assert report.model_states(plan, zj.abstract_state(plan, tx), 4)[0]["grads"] == \
             pytest.approx(4 * PSI / (N if stage == 2 else 1), rel=0.02)
     # Stage 1 holds a whole fp32 accumulator and a whole microbatch gradient; stage 2 a shard
