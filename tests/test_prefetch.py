@@ -63,13 +63,14 @@ def problem():
 
 
 def test_the_layer_loop_reads_what_its_layers_kept_past_no_barrier(problem, mesh):
-    """Prefetch's loop over a scanned stack keeps XLA from merging a layer's recompute with its
-    forward. Remat's own barrier (``prevent_cse``) would also hold each value the forward kept,
-    which XLA then copies out of the loop's stacks before reading it (on an H100, 1.8 GB a
-    layer of gpt2-124m's stage 3, 6% of its step: docs/benchmarks/gpu-compile.md). So no
-    remat of the loop's layers asks for it (each backward still waits for its cotangent:
-    ``blocks.scan``'s own barrier holds the weights and the layer's input); without prefetch
-    (a block's call alone does not say it runs in a loop) and for unrolled blocks it stays."""
+    """A scanned stack's loop keeps XLA from merging a layer's recompute with its forward.
+    Remat's own barrier (``prevent_cse``) would also hold each value the forward kept, which
+    XLA then copies out of the loop's stacks before reading it (on an H100, 1.8 GB a layer of
+    gpt2-124m's stage 3, 6% of its step: docs/benchmarks/gpu-compile.md). So no remat of a
+    layer of the stack asks for it, with prefetch's loop (each backward still waits for its
+    cotangent: ``blocks.scan``'s own barrier holds the weights and the layer's input) and
+    without (``nn.scan``'s or ``nnx.scan``'s, told at trace time); for unrolled blocks it
+    stays."""
     init, loss_fn, batches = problem
     tx = optax.sgd(0.1)
     batch = jax.ShapeDtypeStruct(batches[0].shape, batches[0].dtype,
@@ -82,9 +83,14 @@ def test_the_layer_loop_reads_what_its_layers_kept_past_no_barrier(problem, mesh
             zj.abstract_state(plan, tx), batch)
         return [(e.params["prevent_cse"], loop) for e, loop in equations(jaxpr.jaxpr)
                 if e.primitive.name == "remat2"]  # jax.checkpoint
-    looped = remats(init, loss_fn, LAYERS, True, batch)
-    assert any(loop is not None for _, loop in looped) and not any(c for c, _ in looped), looped
-    assert any(c for c, _ in remats(init, loss_fn, LAYERS, False, batch))  # (and the model's)
+    nnx_init, nnx_loss = nnx_problem(Scanned)
+    nnx_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=NamedSharding(mesh, P("data"))), nnx_data(0))
+    for prefetch in (False, True):  # (and the model's own remat)
+        for looped in (remats(init, loss_fn, LAYERS, prefetch, batch),
+                       remats(nnx_init, nnx_loss, "blocks", prefetch, nnx_batch)):
+            assert any(loop is not None for _, loop in looped) and \
+                not any(c for c, _ in looped), (prefetch, looped)
     unrolled_init, unrolled_loss, blocks = dict(regather.problems())["unrolled"]
     for prefetch in (False, True):
         unrolled = remats(unrolled_init, unrolled_loss, blocks, prefetch, regather.BATCH)

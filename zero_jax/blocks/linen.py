@@ -61,12 +61,13 @@ def interceptor(trace: Any) -> Callable:
 def _rematerialized(trace: Any, module: nn.Module, method: str, args: tuple, kwargs: dict,
                     whole: Callable) -> Any:
     """A block under its remat (``Saved.linen``), its path ``inside`` meanwhile so that the
-    interceptor lets the transform's own call of the block through."""
+    interceptor lets the transform's own call of the block through; a layer of an ``nn.scan``
+    stack (``looped``) without remat's barrier."""
     path = "/".join(module.path)
     trace.inside.add(path)
     try:
         return trace.runtime.saved.linen(module, method, args, kwargs, whole,
-                                         trace.previous.ran)
+                                         trace.previous.ran, in_loop=path in trace.looped)
     finally:
         trace.inside.discard(path)
 

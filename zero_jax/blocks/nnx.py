@@ -23,7 +23,7 @@ def nnx_merge(graphdef: Any, *states: Any) -> Any:
     trace = internals.BLOCKS.get()
     if trace is None:
         return model
-    names, chain = frozenset(trace.runtime.names), trace.chain
+    names = frozenset(trace.runtime.names)
     for path, node in nnx.iter_graph(model):
         name = "/".join(map(str, path))
         if trace.runtime.by_module and isinstance(node, nnx.Module) and name not in names and \
@@ -33,8 +33,7 @@ def nnx_merge(graphdef: Any, *states: Any) -> Any:
             internals.set_class(node, _per_block_class(type(node)))
             trace.seen[name] = trace.seen.get(name, False) or is_gathered(
                 [v.get_raw_value() for _, v in nnx.iter_graph(node) if isinstance(v, nnx.Variable)])
-            if chain is not None:
-                chain.modules[name] = node
+            trace.modules[name] = node
     return model
 
 
@@ -109,14 +108,16 @@ def _per_block_class(cls: type) -> type:
         if trace is None or not (shards or trace.runtime.remat_all):
             return cls.__call__(self, *args, **kwargs)
         saved = trace.runtime.saved
-        remat = lambda whole: saved.nnx(self, lambda m, a, k: run(m, a, k, whole), args, kwargs)
+        # Inside nnx.scan over a named stack (a layer's copy): in a loop (``Saved.barrier``).
+        remat = lambda whole: saved.nnx(self, lambda m, a, k: run(m, a, k, whole), args, kwargs,
+                                        in_loop=bool(trace.looped))
         if not is_gathered(shards):  # stages 0-2
             return remat(materialize_tree) if trace.runtime.remat_all else \
                 run(self, args, kwargs, materialize_tree)
         plain = lambda: remat(lambda s: materialize_tree(after_inputs(s, args, kwargs)))
         chain = trace.chain
         # Not the model's own module (a copy made by nnx.scan): no neighbours to hand to.
-        name = next((n for n, m in (chain.modules if chain else {}).items() if m is self), None)
+        name = next((n for n, m in trace.modules.items() if m is self), None) if chain else None
         if name is None:
             return plain()
         return chain.call(name, chain.nnx(self, cls.__call__), args, kwargs, plain)

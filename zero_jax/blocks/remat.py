@@ -131,13 +131,13 @@ class Saved:
         return inside
 
     def linen(self, module: nn.Module, method: str, args: tuple, kwargs: dict, whole: Callable,
-              ran: Callable[[tuple, dict], None]) -> Any:
+              ran: Callable[[tuple, dict], None], in_loop: bool = False) -> Any:
         """A linen block's ``method`` under ``nn.remat``, its parameters made whole by
         ``whole`` inside the checkpoint; with Pa its inputs reach the checkpoint cut (what it
         saves, or offloads) and are made whole inside it. ``ran(args, kwargs)`` is told the
         inputs inside (gathering by module with prefetch, the first module waits for them).
-        It keeps remat's barrier: from a block's call alone, an ``nn.scan`` layer is not told
-        from an unrolled block (``plan.scanned`` guesses from shapes)."""
+        ``in_loop``: a layer of an ``nn.scan`` stack, as ``linearize``'s (told at trace time,
+        ``blocks.scan.looping``: ``plan.scanned`` only guesses it from shapes)."""
         inputs = self.inputs(args, kwargs)
 
         def named(mdl):  # inside the checkpoint, where the policy sees the names
@@ -145,15 +145,16 @@ class Saved:
             ran(a, k)
             return getattr(mdl, method)(*a, **k)
         run = nn.map_variables(named, "params", trans_in_fn=whole)
-        return nn.remat(run, prevent_cse=True, policy=self.policy)(module)
+        return nn.remat(run, prevent_cse=self.barrier(in_loop), policy=self.policy)(module)
 
-    def nnx(self, module: Any, run: Callable, args: tuple, kwargs: dict) -> Any:
-        """An NNX block's ``run(module, args, kwargs)`` under ``nnx.remat``, its inputs as
-        ``linen``'s."""
+    def nnx(self, module: Any, run: Callable, args: tuple, kwargs: dict,
+            in_loop: bool = False) -> Any:
+        """An NNX block's ``run(module, args, kwargs)`` under ``nnx.remat``, its inputs and
+        ``in_loop`` as ``linen``'s."""
         from flax import nnx
 
         inputs = self.inputs(args, kwargs)
-        return nnx.remat(lambda m: run(m, *inputs()), prevent_cse=True,
+        return nnx.remat(lambda m: run(m, *inputs()), prevent_cse=self.barrier(in_loop),
                          policy=self.policy)(module)
 
     def linearize(self, fn: Any, *args: PyTree, in_loop: bool = False) -> tuple[Any, list, Any]:
@@ -163,7 +164,7 @@ class Saved:
         shape (``backward``). ``offload`` keeps what ``full`` does: the input, moved by
         ``save``.
 
-        ``in_loop``: ``fn`` is a layer of prefetch's loop (``blocks.scan``), whose body keeps
+        ``in_loop``: ``fn`` is a layer of a loop (prefetch's, ``blocks.scan``), whose body keeps
         XLA from merging the recompute with the forward. Remat's barrier (``prevent_cse``) is
         left out there but with Pa (``barrier``), as ``nn.remat`` under ``nn.scan`` leaves it:
         with it, each saved value the backward slices out of the loop's stacks is copied out

@@ -65,10 +65,13 @@ class Runtime:
         try:
             with contextlib.ExitStack() as hooks:
                 hooks.enter_context(nn.intercept_methods(linen.interceptor(trace)))
-                if self.chained:
+                if not self.chained:
+                    hooks.enter_context(scan.looping(names, trace.looped))
+                    hooks.enter_context(scan.nnx_looping(trace.modules, trace.looped))
+                else:
                     hooks.enter_context(scan.stacks(names, trace.prefetched, self.saved))
                     hooks.enter_context(chains.own_remat_lifted(names))
-                    hooks.enter_context(scan.nnx_stacks(chain.modules, trace.prefetched,
+                    hooks.enter_context(scan.nnx_stacks(trace.modules, trace.prefetched,
                                                         self.saved))
                 yield trace
         finally:
@@ -102,14 +105,17 @@ class Runtime:
 class Trace:
     """What one trace of the loss has seen: the blocks that ran (``seen``: each with whether
     it gathered), those a prefetching loop ran (``prefetched``), the linen blocks whose own
-    call runs inside their remat (``inside``), by module the last module's inputs
-    (``previous``), and prefetch's handoffs (``chain``)."""
+    call runs inside their remat (``inside``), the named stacks whose loop body is being
+    traced (``looped``), NNX's block modules by name (``modules``), by module the last
+    module's inputs (``previous``), and prefetch's handoffs (``chain``)."""
 
     def __init__(self, runtime: Runtime, chain: chains.Chain | None):
         self.runtime, self.chain = runtime, chain
         self.seen: dict[str, bool] = {}
         self.prefetched: set[str] = set()
         self.inside: set[str] = set()
+        self.looped: set[str] = set()
+        self.modules: dict[str, Any] = chain.modules if chain else {}  # NNX: blocks by name
         self.previous = Previous(runtime.prefetch and runtime.by_module)
 
     def check(self) -> None:

@@ -36,7 +36,7 @@ import contextlib
 import functools
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax.core
@@ -219,44 +219,65 @@ def _merge_args(stacked: tuple[bool, ...], xs: tuple, consts: tuple) -> list:
 
 
 @contextlib.contextmanager
-def stacks(names: frozenset[str], seen: set[str], saved: Saved):
-    """While tracing: the ``nn.scan`` stacks named in ``names`` run as ``run_stack`` (their
-    layer inputs kept as ``saved`` says); each one that does is added to ``seen``. A named
-    stack that cannot raises ``ValueError``. (It swaps a module attribute of Flax's: trace one
-    such loss at a time.)"""
+def _linen_scans(names: frozenset[str], named: Callable) -> Iterator[None]:
+    """While tracing: an ``nn.scan`` over a stack named in ``names`` (applied, not initialized)
+    runs as ``named(name, plain, fn, how, scopes, carry, xs)``, ``plain`` the scan as Flax runs
+    it and ``how`` its arguments by name; every other scan as Flax runs it. (It swaps a module
+    attribute of Flax's: trace one such loss at a time.)"""
     def wrap(original):
         def scan(fn, *args, **kwargs):
             plain = original(fn, *args, **kwargs)
             how = inspect.signature(original).bind(fn, *args, **kwargs)
             how.apply_defaults()
-            how = how.arguments
 
             def run(scopes, carry, *xs):
                 scope = scopes[0] if isinstance(scopes, (list, tuple)) else scopes
                 name = "/".join(scope.path)
                 if name not in names or scope.is_mutable_collection("params"):  # or initializing
                     return plain(scopes, carry, *xs)
-                why = _refusal(scopes, carry, xs, how)
-                if why:
-                    raise ValueError(f"prefetch cannot run the layer stack {name!r}: {why}; turn "
-                                     f"prefetch off (Layers(prefetch=False))")
-                seen.add(name)
-                n = jax.tree.leaves(scope.variables()["params"])[0].shape[0]
-                stacked = _stacked_args(how["in_axes"], len(xs))
-
-                def layer(params, c, x, consts, keys):
-                    per_layer = lambda s, c, *args: fn([s], c, *args)
-                    return flax.core.apply(per_layer)(
-                        {"params": params}, c, *_merge_args(stacked, x, consts),
-                        rngs=keys or None)
-                return run_stack(layer, saved, scope.variables()["params"], carry,
-                                 *_split_args(stacked, xs),
-                                 _layer_keys(scope, how["split_rngs"], n))
+                return named(name, plain, fn, how.arguments, scopes, carry, xs)
             return run
         return scan
 
     with internals.flax_lift("scan", wrap):
         yield
+
+
+def stacks(names: frozenset[str], seen: set[str], saved: Saved):
+    """While tracing: the ``nn.scan`` stacks named in ``names`` run as ``run_stack`` (their
+    layer inputs kept as ``saved`` says); each one that does is added to ``seen``. A named
+    stack that cannot raises ``ValueError``."""
+    def named(name, plain, fn, how, scopes, carry, xs):
+        why = _refusal(scopes, carry, xs, how)
+        if why:
+            raise ValueError(f"prefetch cannot run the layer stack {name!r}: {why}; turn "
+                             f"prefetch off (Layers(prefetch=False))")
+        seen.add(name)
+        scope = scopes[0]
+        n = jax.tree.leaves(scope.variables()["params"])[0].shape[0]
+        stacked = _stacked_args(how["in_axes"], len(xs))
+
+        def layer(params, c, x, consts, keys):
+            per_layer = lambda s, c, *args: fn([s], c, *args)
+            return flax.core.apply(per_layer)(
+                {"params": params}, c, *_merge_args(stacked, x, consts), rngs=keys or None)
+        return run_stack(layer, saved, scope.variables()["params"], carry,
+                         *_split_args(stacked, xs), _layer_keys(scope, how["split_rngs"], n))
+    return _linen_scans(names, named)
+
+
+def looping(names: frozenset[str], looped: set[str]):
+    """While tracing without prefetch: the path of a named ``nn.scan`` stack is in ``looped``
+    while its loop body is traced, so that its layers' remat can leave out the barrier the
+    loop makes needless (``Saved.barrier``): a block's call alone does not say it runs in a
+    loop."""
+    def named(name, plain, fn, how, scopes, carry, xs):
+        looped.add(name)
+        try:
+            return plain(scopes, carry, *xs)
+        finally:
+            looped.discard(name)
+    return _linen_scans(names, named)
 
 
 def _nnx_refusal(args: tuple, kwargs: dict, at: int, n: int, rest: list) -> str | None:
@@ -322,13 +343,13 @@ def _run_nnx_stack(name: str, f: Callable, kwargs: dict, saved: Saved, args: tup
 
 
 @contextlib.contextmanager
-def nnx_stacks(modules: dict[str, Any], seen: set[str], saved: Saved):
-    """While tracing: ``nnx.scan`` over one of the named NNX stacks in ``modules`` (the
-    model's own modules, by name, as ``zero_jax.nnx_merge`` recorded them) runs as
-    ``run_stack``; each that does is added to ``seen``. One that cannot raises ``ValueError``.
-    Without ``flax.nnx`` imported no NNX model exists: nothing to swap, and a linen model's
-    trace does not import it (0.16 s of a ``train.py`` start).
-    """
+def _nnx_scans(modules: dict[str, Any], named: Callable) -> Iterator[None]:
+    """While tracing: ``nnx.scan`` over one of the named NNX stacks in ``modules`` (the model's
+    own modules, by name, as ``zero_jax.nnx_merge`` recorded them) runs as ``named(name,
+    plain, f, how, args, at)``, ``plain`` the scan as NNX runs it, ``how`` its arguments by
+    name, the stack ``args[at]``; every other scan as NNX runs it. Without ``flax.nnx``
+    imported no NNX model exists: nothing to swap, and a linen model's trace does not import it
+    (0.16 s of a ``train.py`` start)."""
     if "flax.nnx" not in sys.modules:
         yield
         return
@@ -347,10 +368,31 @@ def nnx_stacks(modules: dict[str, Any], seen: set[str], saved: Saved):
                                  for k, m in modules.items() if m is a), (None, None))
                 if name is None:
                     return plain(*args)
-                seen.add(name)
-                return _run_nnx_stack(name, f, how, saved, args, at)
+                return named(name, plain, f, how, args, at)
             return run
         return scan
 
     with internals.nnx_scan(wrap):
         yield
+
+
+def nnx_stacks(modules: dict[str, Any], seen: set[str], saved: Saved):
+    """While tracing: ``nnx.scan`` over one of the named NNX stacks in ``modules`` runs as
+    ``run_stack``; each that does is added to ``seen``. One that cannot raises
+    ``ValueError``."""
+    def named(name, plain, f, how, args, at):
+        seen.add(name)
+        return _run_nnx_stack(name, f, how, saved, args, at)
+    return _nnx_scans(modules, named)
+
+
+def nnx_looping(modules: dict[str, Any], looped: set[str]):
+    """``looping`` for NNX: a named stack's name is in ``looped`` while ``nnx.scan`` traces
+    its loop body."""
+    def named(name, plain, f, how, args, at):
+        looped.add(name)
+        try:
+            return plain(*args)
+        finally:
+            looped.discard(name)
+    return _nnx_scans(modules, named)
