@@ -284,6 +284,30 @@ def test_in_run_save_in_shards_and_bf16_replaces_the_last_save(gpt2, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "ref"]
 
 
+def test_a_save_replaces_only_an_earlier_save(tmp_path):
+    """The save replaces its directory whole: one that holds anything a save does not write
+    (a checkpoint directory, the user's files) is refused with nothing written or deleted; an
+    earlier save, config.json included, is replaced by the new values."""
+    plan = zj.make_plan({"w": jax.ShapeDtypeStruct((8, 4), np.float32)}, zj.make_mesh(),
+                        stage=1)
+    w = np.arange(32, dtype=np.float32).reshape(8, 4)
+    params = jax.device_put({"w": w}, plan.shardings(plan.param_specs))
+    runs = tmp_path / "runs"
+    (runs / "ckpt" / "2").mkdir(parents=True)
+    (runs / "notes.txt").write_text("mine")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(WeightsError, match=f"{runs} holds ckpt, which a save there would "
+                       "delete with the directory: pass a new directory"):
+        zj.save_safetensors(params, runs)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    zj.save_safetensors(jax.tree.map(lambda x: x * 0, params), tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text("{}")  # as extra= writes one
+    zj.save_safetensors(params, tmp_path / "hf")
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["model.safetensors"]
+    np.testing.assert_array_equal(
+        safetensors.numpy.load_file(tmp_path / "hf" / "model.safetensors")["w"], w)
+
+
 def saved_specs(params, mapping, dtype) -> list:
     from zero_jax.weights import export_specs
 
