@@ -705,6 +705,25 @@ def test_a_corrupted_checkpoint_exports_nothing(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+def test_the_export_streams_without_orbax_warnings(tmp_path, caplog):
+    """Each array opened through the reader's one TensorStore context: orbax warns of every
+    parameter opened without one (a line per parameter on the export's stderr)."""
+    from zero_jax import export
+
+    shapes = {f"w{i}": jax.ShapeDtypeStruct((8, 128), np.float32) for i in range(2)}
+    _checkpoint_of(tmp_path / "ckpt", shapes)
+    ckpts = zj.Checkpoints(tmp_path / "ckpt", read_only=True)
+    want = ckpts.read_params()
+    ckpts.close()
+    with caplog.at_level("WARNING"):
+        assert export.main([str(tmp_path / "ckpt"), str(tmp_path / "st"), "--format",
+                            "safetensors"]) == 0
+    assert not [r.getMessage() for r in caplog.records if "ts_context" in r.getMessage()]
+    back = safetensors.numpy.load_file(tmp_path / "st" / "model.safetensors")
+    for k, v in want.items():
+        np.testing.assert_array_equal(back[k], np.asarray(v))
+
+
 def test_a_checkpoint_from_before_norm_eps_resumes_only_with_its_epsilon():
     """The demo took GPT-2's layer-norm epsilon (1e-5); a checkpoint written before the key
     existed trained with flax's 1e-6, and resuming it with another is refused."""
