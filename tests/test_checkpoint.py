@@ -232,6 +232,22 @@ def test_meta_that_would_not_come_back_is_refused_before_writing(mesh, tmp_path,
     np.testing.assert_array_equal(np.asarray(restored.params["w"]), w)
 
 
+def test_a_restore_across_optimizer_offload_names_it(mesh, tmp_path):
+    """In fp32 an offloaded optimizer keeps a master copy, which a state saved without offload
+    lacks: the refusal names offload, not only the optimizer and precision policy."""
+    shapes = {"w": jax.ShapeDtypeStruct((8, 4), np.float32)}
+    plan = zj.make_plan(shapes, mesh, 1)
+    state = zj.init_state(plan, {"w": np.ones((8, 4), np.float32)}, optax.adam(0.1))
+    ckpts = Checkpoints(tmp_path)
+    ckpts.save(state, {})
+    ckpts.finish()
+    offloaded = zj.make_plan(shapes, mesh, 1, offload=zj.Offload(optimizer=1.0))
+    with pytest.raises(CheckpointError, match=r"master is only in the state being restored \(a "
+                       r"different optimizer or precision policy, or optimizer offload"):
+        ckpts.restore(zj.abstract_state(offloaded, optax.adam(0.1)))
+    ckpts.close()
+
+
 def test_names_are_flax_state_dict_names():
     """Checkpoints written before NNX states were saved named each array by flax's state
     dict; plain dicts and optax's states must still read back under the same names."""

@@ -315,7 +315,8 @@ class Checkpoints:
             where = "the checkpoint" if name in have else "the state being restored"
             raise CheckpointError(f"checkpoint step {step} in {self.path} does not fit: {name} "
                                   f"is only in {where} (a different optimizer or precision "
-                                  "policy?)")
+                                  "policy, or optimizer offload, which keeps a master copy even "
+                                  "in fp32?)")
         for name, tree in wanted.items():
             with self._reading(step, name):
                 stored = _tree_of(self.manager.item_metadata(step)[name])
