@@ -436,6 +436,33 @@ def test_declared_block_that_never_runs(mesh, net):
                        .params, jax.ShapeDtypeStruct((16, T + 1), jnp.int32))
 
 
+class Projected(nn.Module):
+    """An input projection outside the blocks."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(D, name="inp")(x)
+        for i in range(2):
+            x = Block(name=f"h_{i}")(x)
+        return x
+
+
+def test_an_input_that_does_not_fit_a_module_outside_the_blocks_is_flax_own_error(mesh):
+    """A batch of the wrong width reaching a module outside the blocks (whose parameters are
+    whole) is flax's error, as on one device, naming the module and both shapes: it used to
+    read as a parameter still cut into shards, pointing at layers=."""
+    from flax.errors import ScopeParamShapeError
+
+    model = Projected()
+    init = lambda key: model.init(key, jnp.zeros((1, 12)))["params"]
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=BLOCKS)
+    loss_fn = lambda p, x: model.apply({"params": p}, x).mean()
+    with pytest.raises(ScopeParamShapeError, match=r'"kernel" in "/inp", .* shape \(13, 64\), '
+                       r'but the existing parameter it received has shape \(12, 64\)'):
+        jax.eval_shape(zj.make_grad_fn(plan, loss_fn), zj.abstract_state(plan, optax.sgd(0.1))
+                       .params, jax.ShapeDtypeStruct((16, 13), jnp.float32))
+
+
 def test_gathering_by_module_waits_one_module_back_within_one_trace():
     """Prefetch by module (``blocks.modules.Previous``): a module's gather waits for the inputs of
     what ran before it in the same trace (the block, for its first module), else (no

@@ -206,6 +206,48 @@ def test_nnx_and_stateless_states_restore_exactly_in_a_new_process(mesh, tmp_pat
     assert not (tmp_path / "nnx-sgd" / "1" / "opt_state").exists()  # nothing to write
 
 
+@pytest.mark.parametrize("meta, phrase", [
+    ({"step": 5}, "meta's step 5 is not the state's step 1, which the checkpoint records"),
+    ({"format": 1}, "meta key 'format' is the checkpoint's own"),
+    ({"loss": np.float32(0.5)}, "meta must be JSON (dicts, lists, strings, numbers, booleans, "
+                                "None): Object of type float32 is not JSON serializable"),
+])
+def test_meta_that_would_not_come_back_is_refused_before_writing(mesh, tmp_path, meta, phrase):
+    """A ``step`` other than the state's was saved, and the checkpoint then read as corrupted;
+    meta that is not JSON failed in orbax's background thread, with its tracebacks, after the
+    arrays were written. Both are refused before anything is written; the state's own step in
+    meta is fine, and comes back with the user's keys."""
+    plan = zj.make_plan({"w": jax.ShapeDtypeStruct((8, 4), np.float32)}, mesh, 1)
+    w = np.arange(32, dtype=np.float32).reshape(8, 4)
+    state = zj.init_state(plan, {"w": w}, optax.adam(0.1))._replace(step=jax.numpy.asarray(1))
+    ckpts = Checkpoints(tmp_path)
+    with pytest.raises(CheckpointError, match=re.escape(phrase)):
+        ckpts.save(state, meta)
+    assert ckpts.steps() == [] and sorted(p.name for p in tmp_path.iterdir()) == [".writer.lock"]
+    ckpts.save(state, {"step": 1, "note": "ok"})
+    ckpts.finish()
+    restored, back = ckpts.restore(zj.abstract_state(plan, optax.adam(0.1)))
+    ckpts.close()
+    assert back == {"step": 1, "note": "ok"}
+    np.testing.assert_array_equal(np.asarray(restored.params["w"]), w)
+
+
+def test_a_restore_across_optimizer_offload_names_it(mesh, tmp_path):
+    """In fp32 an offloaded optimizer keeps a master copy, which a state saved without offload
+    lacks: the refusal names offload, not only the optimizer and precision policy."""
+    shapes = {"w": jax.ShapeDtypeStruct((8, 4), np.float32)}
+    plan = zj.make_plan(shapes, mesh, 1)
+    state = zj.init_state(plan, {"w": np.ones((8, 4), np.float32)}, optax.adam(0.1))
+    ckpts = Checkpoints(tmp_path)
+    ckpts.save(state, {})
+    ckpts.finish()
+    offloaded = zj.make_plan(shapes, mesh, 1, offload=zj.Offload(optimizer=1.0))
+    with pytest.raises(CheckpointError, match=r"master is only in the state being restored \(a "
+                       r"different optimizer or precision policy, or optimizer offload"):
+        ckpts.restore(zj.abstract_state(offloaded, optax.adam(0.1)))
+    ckpts.close()
+
+
 def test_names_are_flax_state_dict_names():
     """Checkpoints written before NNX states were saved named each array by flax's state
     dict; plain dicts and optax's states must still read back under the same names."""

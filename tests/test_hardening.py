@@ -504,6 +504,12 @@ BIG = 100000000000000000000  # 1e20, as an integer
 INPUTS = [
     ("safetensors in checkpoints", ["--save-safetensors", "{w}/ckpt/hf"], None,
      "--save-safetensors {w}/ckpt/hf is inside --checkpoint-dir"),
+    ("checkpoints in safetensors", ["--save-safetensors", "{w}"], None,
+     "--save-safetensors {w} holds --checkpoint-dir {w}/ckpt, which each save there would "
+     "delete"),
+    ("safetensors over files", ["--save-safetensors", "{w}/out"],
+     lambda w: (w / "out").mkdir() or (w / "out" / "notes.txt").write_text("mine"),
+     "--save-safetensors {w}/out holds notes.txt, which a save there would delete"),
     ("ds micro batch 0", DS, write("ds.json", '{"train_batch_size": 32, '
                                    '"train_micro_batch_size_per_gpu": 0}'),
      "--deepspeed-config {w}/ds.json: train_micro_batch_size_per_gpu must be a whole number of "

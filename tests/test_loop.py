@@ -92,6 +92,25 @@ def test_divergence_guard_stops_a_streak_and_saves_none_of_it(setup, tmp_path):
     assert zj.Checkpoints(tmp_path, read_only=True).steps() == [2]  # step 8 was the last
 
 
+def test_every_save_the_checkpointer_starts_is_reported_done(setup, tmp_path):
+    """A save still in flight when the next one starts is waited for by that save: its line
+    (size and time) was lost, leaving only "saving checkpoint N"."""
+    _, _, fresh, _ = setup
+    state, lines = fresh(), []
+    ckpts = zj.Checkpoints(tmp_path)
+    saver = zj.loop.Checkpointer(ckpts, every=1, last=3, stop=zj.loop.Preemption(),
+                                 guard=zj.loop.DivergenceGuard(), meta=lambda n: {},
+                                 write=lines.append)
+    for n in (1, 2, 3):  # each save starts while the one before is being written
+        saver(n, state._replace(step=jnp.asarray(n)), {}, {})
+    saver.finish()
+    ckpts.close()
+    started = [int(line.split()[2]) for line in lines if line.startswith("saving checkpoint")]
+    done = [int(line.split()[1][:-1]) for line in lines if line.startswith("checkpoint ")]
+    assert started == done == [1, 2, 3], lines
+    assert zj.Checkpoints(tmp_path, read_only=True).steps() == [1, 2, 3]
+
+
 class _Read:
     """A metric that records when the host reads it (``float``): the host waited for it."""
 

@@ -284,6 +284,30 @@ def test_in_run_save_in_shards_and_bf16_replaces_the_last_save(gpt2, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "ref"]
 
 
+def test_a_save_replaces_only_an_earlier_save(tmp_path):
+    """The save replaces its directory whole: one that holds anything a save does not write
+    (a checkpoint directory, the user's files) is refused with nothing written or deleted; an
+    earlier save, config.json included, is replaced by the new values."""
+    plan = zj.make_plan({"w": jax.ShapeDtypeStruct((8, 4), np.float32)}, zj.make_mesh(),
+                        stage=1)
+    w = np.arange(32, dtype=np.float32).reshape(8, 4)
+    params = jax.device_put({"w": w}, plan.shardings(plan.param_specs))
+    runs = tmp_path / "runs"
+    (runs / "ckpt" / "2").mkdir(parents=True)
+    (runs / "notes.txt").write_text("mine")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(WeightsError, match=f"{runs} holds ckpt, which a save there would "
+                       "delete with the directory: pass a new directory"):
+        zj.save_safetensors(params, runs)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    zj.save_safetensors(jax.tree.map(lambda x: x * 0, params), tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text("{}")  # as extra= writes one
+    zj.save_safetensors(params, tmp_path / "hf")
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["model.safetensors"]
+    np.testing.assert_array_equal(
+        safetensors.numpy.load_file(tmp_path / "hf" / "model.safetensors")["w"], w)
+
+
 def saved_specs(params, mapping, dtype) -> list:
     from zero_jax.weights import export_specs
 
@@ -679,6 +703,25 @@ def test_a_corrupted_checkpoint_exports_nothing(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "is corrupted: params/w1 does not match" in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_the_export_streams_without_orbax_warnings(tmp_path, caplog):
+    """Each array opened through the reader's one TensorStore context: orbax warns of every
+    parameter opened without one (a line per parameter on the export's stderr)."""
+    from zero_jax import export
+
+    shapes = {f"w{i}": jax.ShapeDtypeStruct((8, 128), np.float32) for i in range(2)}
+    _checkpoint_of(tmp_path / "ckpt", shapes)
+    ckpts = zj.Checkpoints(tmp_path / "ckpt", read_only=True)
+    want = ckpts.read_params()
+    ckpts.close()
+    with caplog.at_level("WARNING"):
+        assert export.main([str(tmp_path / "ckpt"), str(tmp_path / "st"), "--format",
+                            "safetensors"]) == 0
+    assert not [r.getMessage() for r in caplog.records if "ts_context" in r.getMessage()]
+    back = safetensors.numpy.load_file(tmp_path / "st" / "model.safetensors")
+    for k, v in want.items():
+        np.testing.assert_array_equal(back[k], np.asarray(v))
 
 
 def test_a_checkpoint_from_before_norm_eps_resumes_only_with_its_epsilon():

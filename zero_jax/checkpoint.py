@@ -21,6 +21,7 @@ state with non-finite values is never saved. One process writes a directory at a
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import pathlib
@@ -219,7 +220,8 @@ class Checkpoints:
 
     def save(self, state: TrainState, meta: dict) -> SaveStats:
         """Start writing ``state``; returns once the arrays are copied off the devices, while
-        the files are written in the background. ``meta`` must be JSON.
+        the files are written in the background. ``meta`` must be JSON, without the keys the
+        checkpoint records itself (``format``, ``digests``, a ``step`` but the state's).
 
         Refuses (``NonFiniteStateError``) a state with NaN or infinity in its parameters,
         master copy or optimizer state, and a step not newer than the latest on disk."""
@@ -232,6 +234,7 @@ class Checkpoints:
                 "step.whole(state) instead")
         if self.read_only:
             raise CheckpointError(f"{self.path} was opened read-only")
+        _check_meta(meta, step)
         if (latest := self.latest_step()) is not None and step <= latest:
             raise CheckpointError(f"cannot save step {step} in {self.path}: it already holds "
                                   f"step {latest}")
@@ -312,7 +315,8 @@ class Checkpoints:
             where = "the checkpoint" if name in have else "the state being restored"
             raise CheckpointError(f"checkpoint step {step} in {self.path} does not fit: {name} "
                                   f"is only in {where} (a different optimizer or precision "
-                                  "policy?)")
+                                  "policy, or optimizer offload, which keeps a master copy even "
+                                  "in fp32?)")
         for name, tree in wanted.items():
             with self._reading(step, name):
                 stored = _tree_of(self.manager.item_metadata(step)[name])
@@ -467,6 +471,26 @@ class _Reading:
         what = f"{missing} is missing" if missing else f"{self.item}: {_first_line(_root(e))}"
         raise CorruptCheckpointError(self.step, f"checkpoint step {self.step} in "
                                      f"{self.where.parent} cannot be read: {what}") from None
+
+
+def _check_meta(meta: dict, step: int) -> None:
+    """``meta`` as it must be to come back from ``restore``: JSON, and none of the keys the
+    checkpoint writes itself (a ``step`` other than the state's made the checkpoint read as
+    corrupted)."""
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"meta must be a dict (got {type(meta).__name__}): nothing saved")
+    if "step" in meta and meta["step"] != step:
+        raise CheckpointError(f"meta's step {meta['step']!r} is not the state's step {step}, "
+                              "which the checkpoint records (restore returns it in meta): "
+                              "store yours under another key; nothing saved")
+    if clash := [k for k in ("format", "digests") if k in meta]:
+        raise CheckpointError(f"meta key {clash[0]!r} is the checkpoint's own: store yours "
+                              "under another key; nothing saved")
+    try:
+        json.dumps(meta)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"meta must be JSON (dicts, lists, strings, numbers, booleans, "
+                              f"None): {e}; nothing saved") from None
 
 
 def _root(e: BaseException) -> BaseException:

@@ -235,6 +235,8 @@ class Checkpointer(Hook):
 
     def save(self) -> None:
         if self.saved != self.n and self.guard.bad_from is None:
+            if done := self.ckpts.finish():  # the save before, still in flight: said first
+                self.write(str(done))
             self.ckpts.save(self.whole(self.state), self.meta(self.n))
             self.saved = self.n
             self.write(f"saving checkpoint {self.n} (training goes on)")

@@ -55,7 +55,7 @@ class LeafReader:
 
         m = self.arrays[path]
         info = ocp.type_handlers.ParamInfo(name=m.name, parent_dir=pathlib.Path(m.directory),
-                                           use_zarr3=self.zarr3)
+                                           use_zarr3=self.zarr3, ts_context=self.context)
         with self.ckpts._reading(self.step, self.name):
             store = ts.open(ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=True),
                             context=self.context, read=True).result()

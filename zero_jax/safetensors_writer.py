@@ -166,12 +166,15 @@ def save_safetensors(params: PyTree, directory: str | os.PathLike, mapping: Mapp
 
     Called by every process. The files are written into a hidden sibling directory (``extra``
     adds files to it, e.g. a config.json, on process 0), which then replaces ``directory``:
-    a save that fails leaves the previous one in place."""
+    a save that fails leaves the previous one in place. A ``directory`` that holds anything
+    else (a subdirectory, another file) is refused before anything is written."""
     flat = {path_str(k): v for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
     layout = Layout(mapping or by_path(list(flat)), {p: tuple(np.shape(x)) for p, x in
                                                      flat.items()}, dtype, max_shard_bytes,
                     metadata)
     out = pathlib.Path(directory).absolute()
+    if problem := not_a_save(out):
+        raise WeightsError(f"save_safetensors: {problem}")
     partial = out.with_name(f".{out.name}.partial")
     first = jax.process_index() == 0
     if first:
@@ -195,6 +198,24 @@ def save_safetensors(params: PyTree, directory: str | os.PathLike, mapping: Mapp
         _replace(out, partial)
     _barrier("replaced")
     return Saved([out / f.name for f in files] if first else [], written)
+
+
+def not_a_save(directory: str | os.PathLike) -> str | None:
+    """Why ``directory`` may not be replaced by a save: something in it that no save writes
+    (safetensors files, their index, a config.json), which the replacement would delete with
+    it; None: it may (missing, empty, or an earlier save)."""
+    out = pathlib.Path(directory)
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        return f"{out} is a file: pass a directory"
+    for entry in sorted(out.iterdir()):
+        ours = entry.name.endswith((".safetensors", ".safetensors.index.json")) or \
+            entry.name == "config.json"
+        if not ours or entry.is_symlink() or not entry.is_file():
+            return (f"{out} holds {entry.name}, which a save there would delete with the "
+                    "directory: pass a new directory, or one an earlier save wrote")
+    return None
 
 
 def _owned(x: Any):

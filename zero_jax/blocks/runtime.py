@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -88,6 +89,8 @@ class Runtime:
             try:
                 out = loss_fn(*args)
             except ScopeParamShapeError as e:
+                if not self._in_block(str(e)):  # the module's input, as on one device
+                    raise
                 raise ValueError(f"a parameter reached a module still cut into shards: the "
                                  f"plan's layers= names blocks {list(self.names)}, and a "
                                  f"module reading one of their parameters is not one of them "
@@ -100,6 +103,14 @@ class Runtime:
             trace.prefetched |= set(chain.order)
         trace.check()
         return out, order
+
+
+    def _in_block(self, message: str) -> bool:
+        """Whether flax's shape error names a module in a declared block, whose parameters
+        alone arrive cut; elsewhere the module's input does not fit its parameter."""
+        where = re.search(r'in "/([^"]*)"', message)
+        return where is None or any(where.group(1) == b or where.group(1).startswith(b + "/")
+                                    for b in self.names)
 
 
 class Trace:

@@ -10,6 +10,8 @@ import re
 import sys
 import tempfile
 
+from zero_jax.safetensors_writer import not_a_save
+
 DESCRIPTION = "Train a GPT with ZeRO stage 0-3 on every device there is: train.py --stage 3"
 MAX_DEVICES = 4096  # --devices: more than any data axis here; XLA aborts on absurd CPU counts
 SEEDS = 2**32  # jax.random.key keeps a seed's low 32 bits (no x64): larger ones would collide
@@ -289,6 +291,11 @@ def check_outputs(args: argparse.Namespace) -> str | None:
             str, pathlib.Path(os.path.realpath(out)).parents)):
         return (f"--save-safetensors {out} is inside --checkpoint-dir {args.checkpoint_dir}: "
                 "pass a directory outside it")
+    if ckpt and os.path.realpath(out) in map(str, pathlib.Path(ckpt).parents):
+        return (f"--save-safetensors {out} holds --checkpoint-dir {args.checkpoint_dir}, which "
+                "each save there would delete: pass a directory outside it")
+    if problem := not_a_save(out):
+        return f"--save-safetensors {problem}"
     return None
 
 
