@@ -18,7 +18,7 @@ from conftest import max_rel, tree_rel
 import zero_jax as zj
 from zero_jax.gpt import attention
 from zero_jax.gpt.model import GPT, LAYERS, GPTConfig, gelu, init_fn, lm_loss
-from zero_jax.losses import cross_entropy
+from zero_jax.losses import cross_entropy, mean_cross_entropy
 
 DATA = pathlib.Path(__file__).resolve().parent / "data"
 KEYS = jax.random.split(jax.random.key(0), 4)
@@ -91,11 +91,18 @@ def test_chunked_loss_equals_full_logits_with_gradients(valid, chunk):
     def chunked(x, head):
         return cross_entropy(x, head, y, valid=valid, chunk=chunk).mean()
 
+    def mean(x, head):  # the gradients from the forward pass, scaled by the cotangent
+        return mean_cross_entropy(x, head, y, valid=valid, chunk=chunk)
+
     ref, g_ref = jax.value_and_grad(plain, (0, 1))(x, head)
-    ours, g_ours = jax.jit(jax.value_and_grad(chunked, (0, 1)))(x, head)
-    assert abs(float(ours - ref)) <= 1e-5 * float(ref)
-    assert max_rel(g_ours, g_ref) < 1e-5
-    assert not np.any(np.asarray(g_ours[1][:, valid:]))  # the padding learns nothing
+    for loss in (chunked, mean):
+        ours, g_ours = jax.jit(jax.value_and_grad(loss, (0, 1)))(x, head)
+        assert abs(float(ours - ref)) <= 1e-5 * float(ref)
+        assert max_rel(g_ours, g_ref) < 1e-5
+        assert not np.any(np.asarray(g_ours[1][:, valid:]))  # the padding learns nothing
+    assert abs(float(jax.jit(mean)(x, head) - ref)) <= 1e-5 * float(ref)  # forward alone
+    scaled = jax.grad(lambda x, head: 3.0 * mean(x, head), (0, 1))(x, head)
+    assert max_rel(scaled, jax.tree.map(lambda g: 3.0 * g, g_ref)) < 1e-5
 
 
 def test_chunked_loss_refuses_bad_shapes_in_one_line():

@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from zero_jax.blocks import BLOCK_INPUT, remat_policy
 from zero_jax.gpt import attention
-from zero_jax.losses import cross_entropy
+from zero_jax.losses import mean_cross_entropy
 from zero_jax.plan import Rule, modules_pattern
 
 LN_EPS = 1e-5  # GPT-2's layer-norm epsilon (and nn.gelu's tanh approximation is its GELU)
@@ -186,11 +186,11 @@ def tensor_parallel(cfg: GPTConfig) -> tuple[Rule, ...]:
 
 def lm_loss(model: GPT):
     """Mean next-token cross-entropy of a ``(batch, seq_len + 1)`` block of token ids, the
-    logits never whole (``zero_jax.losses.cross_entropy``: chunks, fp32 log-sum-exp), the
-    vocabulary's padding out of the softmax."""
+    logits never whole (``zero_jax.losses.mean_cross_entropy``: chunks, fp32 log-sum-exp, the
+    gradients computed in the forward pass), the vocabulary's padding out of the softmax."""
     def loss_fn(params, tokens: jax.Array) -> jax.Array:
         x, head = model.apply({"params": params}, tokens[:, :-1], method="features")
-        return cross_entropy(x, head, tokens[:, 1:], valid=model.cfg.vocab_size).mean()
+        return mean_cross_entropy(x, head, tokens[:, 1:], valid=model.cfg.vocab_size)
     return loss_fn
 
 
