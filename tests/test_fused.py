@@ -76,12 +76,14 @@ def test_auto_picks_cudnn_only_where_it_runs():
         attention.resolve("flash", "gpu", jnp.bfloat16, 64)
 
 
-@pytest.mark.parametrize("valid,chunk", [(256, 64), (250, 48), (250, 1000)])
-def test_chunked_loss_equals_full_logits_with_gradients(valid, chunk):
-    """Chunks that do and do not divide the 3 x 40 tokens, one chunk for all; a head of 256
-    columns of which ``valid`` are the vocabulary."""
+@pytest.mark.parametrize("vocab,valid,chunk", [(256, 256, 64), (256, 250, 48), (256, 250, 1000),
+                                               (384, 130, 64), (100, 97, 48)])
+def test_chunked_loss_equals_full_logits_with_gradients(vocab, valid, chunk):
+    """Chunks that do and do not divide the 3 x 40 tokens, one chunk for all; a head of
+    ``vocab`` columns of which ``valid`` are the vocabulary: the log-sum-exp's blocks (128)
+    with padding in some, whole blocks of padding (384), none (100: two passes)."""
     x = jax.random.normal(KEYS[0], (3, 40, 32))
-    head = jax.random.normal(KEYS[1], (32, 256)) * 0.2
+    head = jax.random.normal(KEYS[1], (32, vocab)) * 0.2
     y = jax.random.randint(KEYS[2], (3, 40), 0, valid)
 
     def plain(x, head):

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 # of the loss backward's HBM traffic, at 8192 a sixteenth (gpt2-124m, one H100, batch 32: 148.5 ->
 # 141.7 GB a step by bench/estimate.py), and the compiled step's peak memory did not grow.
 CHUNK_TOKENS = 8192
+BLOCKS = 128  # blocks of a row that _logsumexp reduces in one pass each
 
 
 def cross_entropy(hidden: jax.Array, head: jax.Array, labels: jax.Array, *,
@@ -96,13 +97,42 @@ def _lse_and_loss(xc: jax.Array, head: jax.Array, yc: jax.Array, valid: int
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One chunk's logits, each token's log-sum-exp and loss."""
     logits = _logits(xc, head, valid)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    # the label's logit as a masked sum, a reduction over the vocabulary like the max beside
+    lse = _logsumexp(logits)
+    # the label's logit as a masked sum, a reduction over the vocabulary like the one beside
     # it (one read of the logits; over a vocabulary cut by tensor parallelism a sum of
     # scalars, where gathering the label's column of the head would move d each)
     column = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
     picked = jnp.sum(jnp.where(column == yc[:, None], logits, 0.0), axis=-1)
     return logits, lse, lse - picked
+
+
+def _logsumexp(logits: jax.Array) -> jax.Array:
+    """Each row's log-sum-exp, the logits read once: ``jax.nn.logsumexp`` takes the max, then
+    the sum, two passes over them (XLA fuses neither into the GEMM that writes them), one of
+    seven over each chunk's logits in ``cross_entropy``. Here each of ``BLOCKS`` blocks of the
+    row reduces to a (max, sum of exp relative to it) pair in one pass, pairs rescaled to the
+    larger max as they combine (flash attention's online softmax); then the blocks' pairs, a
+    few per row, combine as ``jax.nn.logsumexp`` would. The blocks keep a vocabulary cut by
+    tensor parallelism cut (partial pairs are all-reduced, not the logits gathered); a
+    vocabulary that is no multiple of them takes the two passes. Rows of -inf only (the
+    padding's columns are -inf) combine to (-inf, 0)."""
+    rows, vocab = logits.shape
+    if vocab % BLOCKS:
+        return jax.nn.logsumexp(logits, axis=-1)
+
+    def rescale(s, m, top):  # s exp(m - top), 0 where m is -inf
+        return s * jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - top))
+
+    def combine(a, b):
+        (ma, sa), (mb, sb) = a, b
+        m = jnp.maximum(ma, mb)
+        return m, rescale(sa, ma, m) + rescale(sb, mb, m)
+    blocks = logits.reshape(rows, BLOCKS, vocab // BLOCKS)
+    m, s = jax.lax.reduce((blocks, jnp.ones_like(blocks)),
+                          (jnp.array(-jnp.inf, logits.dtype), jnp.array(0, logits.dtype)),
+                          combine, (2,))
+    top = jnp.max(m, axis=-1)
+    return top + jnp.log(jnp.sum(rescale(s, m, top[:, None]), axis=-1))
 
 
 def _forward(x: jax.Array, head: jax.Array, y: jax.Array, valid: int
