@@ -186,8 +186,10 @@ def test_the_saved_h100_program_holds_no_scores_and_no_full_logits():
     """``gpt2-124m`` at batch 32 x 1024 on one H100, bf16 (``bench/gpu.py``'s compile, made with
     no GPU present: jax and its CUDA 13 plugin 0.10.2). Attention is cuDNN's flash attention
     (forward, its recompute, backward), no buffer holds a (batch, heads, t, t) score tensor or
-    the (tokens, vocabulary) logits; the estimate (bench/estimate.py) reads at most 160 GB of
-    HBM a step (345 before) and at least 45% MFU (24%) against the model's FLOPs."""
+    the (tokens, vocabulary) logits, one 8,192-token chunk's at most; the estimate
+    (bench/estimate.py) reads at most 135 GB of HBM a step (127.7 in this program, 345 before
+    the fused attention and the chunked loss) and at least 53% MFU (56.2%; 24%) against the
+    model's FLOPs."""
     sys.path.insert(0, str(DATA.parent.parent / "bench"))
     import estimate
     import gpu
@@ -202,6 +204,6 @@ def test_the_saved_h100_program_holds_no_scores_and_no_full_logits():
               re.findall(r"(?:bf16|f32|f16)\[([\d,]+)\]", text)}
     assert not {s for s in shapes if s.count(t) >= 2}  # no t x t
     largest = max(math.prod(s) for s in shapes if v in s)
-    assert largest <= 2048 * v < b * t * v  # one chunk of logits at most
+    assert largest <= 8192 * v < b * t * v  # one chunk of logits at most
     e = estimate.estimate(text, estimate.H100, 1, gpu.flops_per_token(model) * b * t)
-    assert e["hbm_bytes"] <= 160e9 and e["mfu"] >= 0.45, e
+    assert e["hbm_bytes"] <= 135e9 and e["mfu"] >= 0.53, e
