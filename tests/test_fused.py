@@ -17,8 +17,9 @@ from conftest import max_rel, tree_rel
 
 import zero_jax as zj
 from zero_jax.gpt import attention
-from zero_jax.gpt.model import GPT, LAYERS, GPTConfig, init_fn, lm_loss
-from zero_jax.losses import cross_entropy
+from zero_jax.gpt.llama import swiglu
+from zero_jax.gpt.model import GPT, LAYERS, GPTConfig, gelu, init_fn, lm_loss
+from zero_jax.losses import cross_entropy, mean_cross_entropy
 
 DATA = pathlib.Path(__file__).resolve().parent / "data"
 KEYS = jax.random.split(jax.random.key(0), 4)
@@ -50,6 +51,39 @@ def test_fused_attention_equals_the_plain_one_with_gradients(kv_heads):
         assert max_rel(g_ours, g_ref) < 1e-5
 
 
+def test_gelu_and_its_written_gradient_equal_flax_gelu():
+    """The demo's GELU (a custom VJP, fp32 inside) against ``nn.gelu``'s autodiff: the same
+    fp32 forward, the derivative within 1e-5 (both within 4e-6 of fp64's); in bf16 the fp32
+    value rounded once, and a bf16 gradient."""
+    x = jax.random.normal(KEYS[0], (4096,)) * 4
+    ours, vjp = jax.vjp(gelu, x)
+    ref, vjp_ref = jax.vjp(jax.nn.gelu, x)
+    np.testing.assert_array_equal(ours, ref)
+    ones = jnp.ones_like(x)
+    np.testing.assert_allclose(vjp(ones)[0], vjp_ref(ones)[0], rtol=0, atol=1e-5)
+    xb = x.astype(jnp.bfloat16)
+    np.testing.assert_array_equal(gelu(xb), jax.nn.gelu(xb.astype(jnp.float32)).astype(xb.dtype))
+    bf16_grad = jax.vjp(gelu, xb)[1](ones.astype(xb.dtype))[0]
+    assert bf16_grad.dtype == jnp.bfloat16
+    np.testing.assert_allclose(bf16_grad.astype(jnp.float32), vjp_ref(ones)[0], atol=2e-2)
+
+
+def test_swiglu_and_its_written_gradient_equal_autodiff():
+    """Llama's SwiGLU (a custom VJP, fp32 inside) against ``nn.silu(gate) * up``'s autodiff:
+    the same fp32 forward, the gradients within 1e-5; a bf16 forward rounded once."""
+    gate, up = (jax.random.normal(key, (4096,)) * 4 for key in KEYS[:2])
+    ours, vjp = jax.vjp(swiglu, gate, up)
+    ref, vjp_ref = jax.vjp(lambda g, u: jax.nn.silu(g) * u, gate, up)
+    np.testing.assert_array_equal(ours, ref)
+    ones = jnp.ones_like(gate)
+    for a, b in zip(vjp(ones), vjp_ref(ones), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    gb, ub = gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16)
+    rounded = jax.nn.silu(gb.astype(jnp.float32)) * ub.astype(jnp.float32)
+    assert swiglu(gb, ub).dtype == jnp.bfloat16
+    np.testing.assert_array_equal(swiglu(gb, ub), rounded.astype(jnp.bfloat16))
+
+
 def test_auto_picks_cudnn_only_where_it_runs():
     assert attention.resolve("auto", "gpu", jnp.bfloat16, 64) == "cudnn"
     assert attention.resolve("auto", "cpu", jnp.bfloat16, 64) == "xla"
@@ -59,12 +93,14 @@ def test_auto_picks_cudnn_only_where_it_runs():
         attention.resolve("flash", "gpu", jnp.bfloat16, 64)
 
 
-@pytest.mark.parametrize("valid,chunk", [(256, 64), (250, 48), (250, 1000)])
-def test_chunked_loss_equals_full_logits_with_gradients(valid, chunk):
-    """Chunks that do and do not divide the 3 x 40 tokens, one chunk for all; a head of 256
-    columns of which ``valid`` are the vocabulary."""
+@pytest.mark.parametrize("vocab,valid,chunk", [(256, 256, 64), (256, 250, 48), (256, 250, 1000),
+                                               (384, 130, 64), (100, 97, 48)])
+def test_chunked_loss_equals_full_logits_with_gradients(vocab, valid, chunk):
+    """Chunks that do and do not divide the 3 x 40 tokens, one chunk for all; a head of
+    ``vocab`` columns of which ``valid`` are the vocabulary: the log-sum-exp's blocks (128)
+    with padding in some, whole blocks of padding (384), none (100: two passes)."""
     x = jax.random.normal(KEYS[0], (3, 40, 32))
-    head = jax.random.normal(KEYS[1], (32, 256)) * 0.2
+    head = jax.random.normal(KEYS[1], (32, vocab)) * 0.2
     y = jax.random.randint(KEYS[2], (3, 40), 0, valid)
 
     def plain(x, head):
@@ -74,11 +110,18 @@ def test_chunked_loss_equals_full_logits_with_gradients(valid, chunk):
     def chunked(x, head):
         return cross_entropy(x, head, y, valid=valid, chunk=chunk).mean()
 
+    def mean(x, head):  # the gradients from the forward pass, scaled by the cotangent
+        return mean_cross_entropy(x, head, y, valid=valid, chunk=chunk)
+
     ref, g_ref = jax.value_and_grad(plain, (0, 1))(x, head)
-    ours, g_ours = jax.jit(jax.value_and_grad(chunked, (0, 1)))(x, head)
-    assert abs(float(ours - ref)) <= 1e-5 * float(ref)
-    assert max_rel(g_ours, g_ref) < 1e-5
-    assert not np.any(np.asarray(g_ours[1][:, valid:]))  # the padding learns nothing
+    for loss in (chunked, mean):
+        ours, g_ours = jax.jit(jax.value_and_grad(loss, (0, 1)))(x, head)
+        assert abs(float(ours - ref)) <= 1e-5 * float(ref)
+        assert max_rel(g_ours, g_ref) < 1e-5
+        assert not np.any(np.asarray(g_ours[1][:, valid:]))  # the padding learns nothing
+    assert abs(float(jax.jit(mean)(x, head) - ref)) <= 1e-5 * float(ref)  # forward alone
+    scaled = jax.grad(lambda x, head: 3.0 * mean(x, head), (0, 1))(x, head)
+    assert max_rel(scaled, jax.tree.map(lambda g: 3.0 * g, g_ref)) < 1e-5
 
 
 def test_chunked_loss_refuses_bad_shapes_in_one_line():
@@ -160,8 +203,10 @@ def test_the_saved_h100_program_holds_no_scores_and_no_full_logits():
     """``gpt2-124m`` at batch 32 x 1024 on one H100, bf16 (``bench/gpu.py``'s compile, made with
     no GPU present: jax and its CUDA 13 plugin 0.10.2). Attention is cuDNN's flash attention
     (forward, its recompute, backward), no buffer holds a (batch, heads, t, t) score tensor or
-    the (tokens, vocabulary) logits; the estimate (bench/estimate.py) reads at most 160 GB of
-    HBM a step (345 before) and at least 45% MFU (24%) against the model's FLOPs."""
+    the (tokens, vocabulary) logits, one 8,192-token chunk's at most; the estimate
+    (bench/estimate.py) reads at most 135 GB of HBM a step (127.7 in this program, 345 before
+    the fused attention and the chunked loss) and at least 53% MFU (56.2%; 24%) against the
+    model's FLOPs."""
     sys.path.insert(0, str(DATA.parent.parent / "bench"))
     import estimate
     import gpu
@@ -176,6 +221,6 @@ def test_the_saved_h100_program_holds_no_scores_and_no_full_logits():
               re.findall(r"(?:bf16|f32|f16)\[([\d,]+)\]", text)}
     assert not {s for s in shapes if s.count(t) >= 2}  # no t x t
     largest = max(math.prod(s) for s in shapes if v in s)
-    assert largest <= 2048 * v < b * t * v  # one chunk of logits at most
+    assert largest <= 8192 * v < b * t * v  # one chunk of logits at most
     e = estimate.estimate(text, estimate.H100, 1, gpu.flops_per_token(model) * b * t)
-    assert e["hbm_bytes"] <= 160e9 and e["mfu"] >= 0.45, e
+    assert e["hbm_bytes"] <= 135e9 and e["mfu"] >= 0.53, e

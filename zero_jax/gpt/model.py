@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from zero_jax.blocks import BLOCK_INPUT, remat_policy
 from zero_jax.gpt import attention
-from zero_jax.losses import cross_entropy
+from zero_jax.losses import mean_cross_entropy
 from zero_jax.plan import Rule, modules_pattern
 
 LN_EPS = 1e-5  # GPT-2's layer-norm epsilon (and nn.gelu's tanh approximation is its GELU)
@@ -91,9 +91,37 @@ class Block(nn.Module):
         x = x + nn.Dense(d, kernel_init=out_init, name="proj")(att)
 
         h = nn.LayerNorm(epsilon=c.norm_eps, name="ln2")(x)
-        h = nn.gelu(nn.Dense(c.d_ff, kernel_init=init, name="fc1")(h))
+        h = gelu(nn.Dense(c.d_ff, kernel_init=init, name="fc1")(h))
         x = x + nn.Dense(d, kernel_init=out_init, name="fc2")(h)
         return x, None
+
+
+@jax.custom_vjp
+def gelu(x: jax.Array) -> jax.Array:
+    """GPT-2's GELU (``nn.gelu``'s tanh approximation), computed in fp32 and rounded to ``x``'s
+    dtype, as PyTorch computes a bf16 GELU. Its gradient is written out, from ``x`` alone: the
+    one the autodiff of ``nn.gelu`` gives, which XLA computed in bf16 from a tanh it wrote to
+    HBM and read back (gpt2-124m, one H100: the backward's GELU took 28 passes of the 768-wide
+    activations a layer, one fusion of 16 now)."""
+    return nn.gelu(x.astype(jnp.float32)).astype(x.dtype)
+
+
+def _gelu_fwd(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return gelu(x), x
+
+
+def _gelu_bwd(x: jax.Array, g: jax.Array) -> tuple[jax.Array]:
+    """d/dx of x s, s = (1 + tanh(u)) / 2 = sigmoid(2 u), u = sqrt(2 / pi) (x + 0.044715 x^3):
+    s + x s (1 - s) 2 du/dx. Through the sigmoid, not the forward's tanh: XLA computes a tanh
+    shared by two fusions once and writes it to HBM (fp32, a 4-byte pass more than it saves)."""
+    x32 = x.astype(jnp.float32)
+    c = 2 * math.sqrt(2 / math.pi)
+    s = jax.nn.sigmoid(c * (x32 + 0.044715 * x32 ** 3))
+    dx = s + x32 * s * (1 - s) * c * (1 + 3 * 0.044715 * x32 * x32)
+    return ((g.astype(jnp.float32) * dx).astype(g.dtype),)
+
+
+gelu.defvjp(_gelu_fwd, _gelu_bwd)
 
 
 def embed(module: nn.Module, c: GPTConfig, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -159,11 +187,11 @@ def tensor_parallel(cfg: GPTConfig) -> tuple[Rule, ...]:
 
 def lm_loss(model: GPT):
     """Mean next-token cross-entropy of a ``(batch, seq_len + 1)`` block of token ids, the
-    logits never whole (``zero_jax.losses.cross_entropy``: chunks, fp32 log-sum-exp), the
-    vocabulary's padding out of the softmax."""
+    logits never whole (``zero_jax.losses.mean_cross_entropy``: chunks, fp32 log-sum-exp, the
+    gradients computed in the forward pass), the vocabulary's padding out of the softmax."""
     def loss_fn(params, tokens: jax.Array) -> jax.Array:
         x, head = model.apply({"params": params}, tokens[:, :-1], method="features")
-        return cross_entropy(x, head, tokens[:, 1:], valid=model.cfg.vocab_size).mean()
+        return mean_cross_entropy(x, head, tokens[:, 1:], valid=model.cfg.vocab_size)
     return loss_fn
 
 
