@@ -184,6 +184,7 @@ def test_a_real_gpu_compile_is_read_and_prefetch_overlaps_there():
              for p, x in jax.tree_util.tree_flatten_with_path(shapes)[0]]
     psi, blocks = sum(n for _, n in sizes), sum(n for b, n in sizes if b)
     data = pathlib.Path(__file__).resolve().parent / "data"
+    copied = {}
     for name, ahead in (("tiny-stage-3-h100", True), ("tiny-stage-3-no-prefetch-h100", False)):
         text = gzip.open(data / f"{name}.hlo.gz", "rt").read()
         assert "all-gather-start" in text and "reduce-scatter-start" in text  # GPU's async forms
@@ -200,9 +201,13 @@ def test_a_real_gpu_compile_is_read_and_prefetch_overlaps_there():
         assert (pairs["all-gather"]["in_loop"], pairs["reduce-scatter"]["in_loop"]) == (2, 1)
         assert pairs["all-gather"]["matmul_in_loop"] == (2 if ahead else 0), name
         assert pairs["reduce-scatter"]["matmul_in_loop"] == (1 if ahead else 0), name
-        # The prefetched loops' carry is replaced in place there too (before: a layer's
-        # gradient, 260 KiB, copied per backward iteration).
-        assert copied_bytes(text, {*gathers, *reductions}) < 1024, name
+        copied[name] = copied_bytes(text, {*gathers, *reductions})
+    # The prefetched loops' carry (a layer's weights, its packed gradient) is replaced in place:
+    # they copy what the plain loops copy, the loop counter and the activations' cotangent
+    # that XLA's copy insertion keeps for a reader after the residual add (64 KiB; before:
+    # also a layer's gradient, 260 KiB, per backward iteration).
+    plain = copied["tiny-stage-3-no-prefetch-h100"]
+    assert copied["tiny-stage-3-h100"] <= plain <= 4 * 64 * 128 * 2 + 8, copied
 
 
 def test_unrolled_blocks_gathered_again_in_the_gpu_compile():
@@ -324,8 +329,10 @@ def test_estimate_on_a_hand_written_program():
 
 
 def test_estimate_on_the_saved_gpu_compile():
-    """The estimate of the saved H100 programs (``tests/data``): FLOPs at least the model's (the
-    blocks' remat adds a forward), exposed communication within the collectives' link time,
+    """The estimate of the saved H100 programs (``tests/data``): FLOPs about the model's (remat
+    ``auto`` keeps the matmuls' outputs on GPUs, so it adds none; PaLM's count takes norms,
+    biases and position embeddings for matmul weights), exposed communication within the
+    collectives' link time,
     step time = compute + exposed; prefetch's program exposes less than the one without, over
     NVLink and over a slow network alike."""
     import gzip
@@ -344,7 +351,7 @@ def test_estimate_on_the_saved_gpu_compile():
         for name in ("tiny-stage-3-h100", "tiny-stage-3-no-prefetch-h100"):
             text = gzip.open(data / f"{name}.hlo.gz", "rt").read()
             e = got[name] = estimate.estimate(text, hw, N, model_flops)
-            assert model_flops < e["hlo_flops"] < 1.6 * model_flops, name
+            assert 0.95 * model_flops < e["hlo_flops"] < 1.6 * model_flops, name
             assert 0 < e["exposed_s"] <= e["comm_s"], name
             assert e["step_s"] == pytest.approx(e["compute_s"] + e["exposed_s"]), name
             assert 0 < e["mfu"] < 1
