@@ -458,6 +458,7 @@ def test_annotated_linen_model_needs_no_table(stage, opt):
 PA_STEPS = 2
 
 
+@pytest.mark.slow
 def test_partitioned_activations_keep_a_tp_slice_of_the_saved_inputs():
     """ZeRO-R's Pa: the forward loop's stacked block inputs (what remat full saves) are
     (layers, batch, sequence / T, d) per device instead of (layers, batch, sequence, d), read
@@ -513,6 +514,7 @@ def test_partitioned_activations_keep_a_tp_slice_of_the_saved_inputs():
                      layers=zj.Layers(LAYERS, partition=True))
 
 
+@pytest.mark.slow
 def test_partitioned_activations_at_stages_without_gathers():
     """Pa at stages 0-2 (DeepSpeed's partition_activations holds at any stage): zero_jax then
     rematerializes each block itself, saving its input cut over ``model``; the training equals
@@ -556,6 +558,7 @@ class UnrolledGPT(nn.Module):
         return x, wte.T
 
 
+@pytest.mark.slow
 def test_partitioned_activations_with_prefetch_on_unrolled_blocks():
     """Pa where prefetch hands each unrolled block the next one's weights: each block's saved
     input is (batch, sequence / T, d) per device, read from the compiled program, and the
@@ -589,6 +592,7 @@ def test_the_demo_gives_the_report_its_block_input():
     assert saved["without_pa"] == 4 * (32 // 4) * 64 * 128 * 4 == 2 * saved["with_pa"]
 
 
+@pytest.mark.slow
 def test_checkpoint_moves_between_meshes(tmp_path, gpt):
     """Written at data 2 x model 4, read back exactly at 8 x 1 (no model axis) and 4 x 2; the
     issue's chain T = 4 x D = 2 -> T = 1 x D = 8 (written again there) -> T = 2 x D = 4
