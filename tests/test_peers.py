@@ -170,8 +170,8 @@ def test_a_real_gpu_compile_is_read_and_prefetch_overlaps_there():
     reader finds ZeRO's bytes in bf16: the blocks' parameters gathered twice, the leaves
     outside them once, every parameter's gradient reduce-scattered once. With prefetch, XLA's
     schedule puts GEMMs between start and done of both layer loops' gathers and of the
-    backward loop's reduce-scatter, which reads only the carry; without, none; and the loops
-    copy nothing they carry."""
+    backward loop's reduce-scatter, which reads only the carry; without, none; and the
+    prefetched loops copy no more of what they carry than the plain loops."""
     import gzip
 
     import gpu
@@ -332,9 +332,8 @@ def test_estimate_on_the_saved_gpu_compile():
     """The estimate of the saved H100 programs (``tests/data``): FLOPs about the model's (remat
     ``auto`` keeps the matmuls' outputs on GPUs, so it adds none; PaLM's count takes norms,
     biases and position embeddings for matmul weights), exposed communication within the
-    collectives' link time,
-    step time = compute + exposed; prefetch's program exposes less than the one without, over
-    NVLink and over a slow network alike."""
+    collectives' link time, step time = compute + exposed; prefetch's program exposes less
+    than the one without, over NVLink and over a slow network alike."""
     import gzip
 
     import estimate
