@@ -104,7 +104,6 @@ class Runtime:
         trace.check()
         return out, order
 
-
     def _in_block(self, message: str) -> bool:
         """Whether flax's shape error names a module in a declared block, whose parameters
         alone arrive cut; elsewhere the module's input does not fit its parameter."""

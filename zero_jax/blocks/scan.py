@@ -272,12 +272,17 @@ def looping(names: frozenset[str], looped: set[str]):
     loop makes needless (``Saved.barrier``): a block's call alone does not say it runs in a
     loop."""
     def named(name, plain, fn, how, scopes, carry, xs):
-        looped.add(name)
-        try:
-            return plain(scopes, carry, *xs)
-        finally:
-            looped.discard(name)
+        return _marked(looped, name, plain, scopes, carry, *xs)
     return _linen_scans(names, named)
+
+
+def _marked(looped: set[str], name: str, plain: Callable, *args: Any) -> Any:
+    """``plain(*args)`` with ``name`` in ``looped`` meanwhile."""
+    looped.add(name)
+    try:
+        return plain(*args)
+    finally:
+        looped.discard(name)
 
 
 def _nnx_refusal(args: tuple, kwargs: dict, at: int, n: int, rest: list) -> str | None:
@@ -390,9 +395,5 @@ def nnx_looping(modules: dict[str, Any], looped: set[str]):
     """``looping`` for NNX: a named stack's name is in ``looped`` while ``nnx.scan`` traces
     its loop body."""
     def named(name, plain, f, how, args, at):
-        looped.add(name)
-        try:
-            return plain(*args)
-        finally:
-            looped.discard(name)
+        return _marked(looped, name, plain, *args)
     return _nnx_scans(modules, named)
