@@ -12,6 +12,7 @@ The public API, in the order a training loop uses it::
     save_safetensors(state.params, "out", mapping)   # each process writes its own shards
     step = make_train_step(plan, loss_fn, tx)        # jitted, state donated
     state, metrics = step(state, batch)
+    evaluate = make_eval_step(plan, loss_fn)         # a held-out batch's loss, no update
     ckpts = Checkpoints(directory); ckpts.save(state, meta); ckpts.restore(abstract_state(...))
 """
 
@@ -27,14 +28,14 @@ from zero_jax.plan import STAGES, Plan, Rule, make_plan, modules_pattern
 from zero_jax.precision import Precision
 from zero_jax.safetensors_writer import save_safetensors
 from zero_jax.state import TrainState, abstract_state, init_state, state_shardings, state_specs
-from zero_jax.step import TrainStep, make_train_step
+from zero_jax.step import TrainStep, make_eval_step, make_train_step
 from zero_jax.weights import load_params
 
 keep_remat_barriers()  # before jax starts its backend, if it has not yet
 
 __all__ = ["STAGES", "Checkpoints", "Comm", "Layers", "Nvme", "Offload", "Plan", "Precision",
            "Rule", "TrainState", "TrainStep", "Weighted", "abstract_state", "cross_entropy",
-           "device_key", "init_state", "load_params", "make_grad_fn", "make_mesh", "make_plan",
-           "make_train_step", "mean_cross_entropy", "modules_pattern", "nnx_merge",
+           "device_key", "init_state", "load_params", "make_eval_step", "make_grad_fn", "make_mesh",
+           "make_plan", "make_train_step", "mean_cross_entropy", "modules_pattern", "nnx_merge",
            "remat_policy", "save_safetensors", "simulate_cpu_devices", "state_shardings",
            "state_specs", "tensor_parallel_rules"]

@@ -1,5 +1,6 @@
 """The services a training loop needs, as hooks over a step: preemption, checkpoint cadence
-with the stop-time save, the divergence guard, a metrics file, TensorBoard, a profiler window.
+with the stop-time save, the divergence guard, evaluation on held-out data, a metrics file,
+TensorBoard, a profiler window.
 
 A loop calls each hook's ``before(n)`` before step ``n``, ``hook(n, state, metrics, record)``
 after it (``metrics`` as numbers, ``record`` the JSON line of the step), and ``close()`` at the
@@ -172,6 +173,28 @@ def run_steps(step: Callable, state: Any, batches: Iterable[tuple[int, Any]],
     return last
 
 
+class Evaluation(Hook):
+    """A hook: every ``every`` steps and at step ``last``, ``evaluate(state)`` (metrics by name,
+    say the mean of ``zero_jax.make_eval_step``'s over held-out batches) joins the step's record
+    as ``eval_<name>``, for the hooks after this one to write, and ``write`` says it. It waits
+    for the step (``sync``): the next step takes the state, donated."""
+
+    def __init__(self, evaluate: Callable[[Any], dict], every: int, last: int,
+                 write: Callable[[str], None] = print):
+        self.evaluate, self.every, self.last, self.write = evaluate, every, last, write
+
+    def sync(self, n: int) -> bool:
+        return bool(self.every) and (n % self.every == 0 or n == self.last)
+
+    def __call__(self, n: int, state, m: dict, record: dict) -> None:
+        if state is None or not self.sync(n):
+            return
+        result = {f"eval_{k}": float(v) for k, v in self.evaluate(state).items()}
+        record.update(result)
+        self.write(f"step {n}: " + ", ".join(f"{k.replace('_', ' ')} {v:.4f}"
+                                             for k, v in result.items()))
+
+
 class MetricsFile(Hook):
     """A hook: one strict-JSON line per step (``finite_record``), line-buffered. Resumed at
     ``first``, the ``records`` (``(step, line)`` of the file) after it, from a run that went
@@ -266,8 +289,9 @@ class TensorBoard(Hook):
 
     def __call__(self, n: int, state, m: dict, record: dict) -> None:
         for key, value in record.items():
-            if key != "step":
-                self.writer.add_scalar(f"train/{key}", value, n)
+            if key != "step":  # eval_loss as eval/loss
+                name = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
+                self.writer.add_scalar(name, value, n)
 
     def close(self) -> None:
         self.writer.close()

@@ -55,8 +55,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # max_bad_steps: train.py stops (exit 3) after this many steps in a row whose loss or
     # gradient is not finite, and saves nothing from the first of them on (0: never stops,
     # saves as usual, and exits 3 if the run ends in such steps).
+    # eval_every > 0: every that many steps and at the last, the mean loss of eval_batches
+    # batches (of a microbatch's size) from the data's last tenth, which training then never
+    # reads; 0: no evaluation, training reads all of it.
     "train": {"batch_size": 32, "accum_steps": 1, "steps": 400, "seed": 0,
-              "ckpt_load_path": "", "max_bad_steps": 5},
+              "ckpt_load_path": "", "max_bad_steps": 5, "eval_every": 0, "eval_batches": 4},
     # zero3_size > 0: hierarchical ZeRO, stage 3 within groups of that many devices.
     # transformer_layers: the layer stacks gathered one layer at a time ([]: the whole model
     # once per step); ignored_modules: left out of ZeRO, whole on every device;
@@ -296,6 +299,8 @@ def validate(config: dict) -> None:
         _at_least(config, "train", key, 1)
     _at_least(config, "train", "seed", 0)
     _at_least(config, "train", "max_bad_steps", 0)
+    _at_least(config, "train", "eval_every", 0)
+    _at_least(config, "train", "eval_batches", 1)
     for key in ("train.steps", "optimizer.warmup_steps", "optimizer.decay_steps"):
         section, name = key.split(".")
         if config[section][name] > INT32_MAX:  # a warmup that long keeps the lr near its start

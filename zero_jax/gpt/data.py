@@ -13,6 +13,8 @@ import sysconfig
 import numpy as np
 
 DEFAULT_BYTES = 4 << 20
+HELD_OUT = 0.1  # the stream's last tenth, for evaluation (train.eval_every), as nanoGPT splits
+EVAL_SEED = 2**32  # held-out windows drawn alike in every run: no train.seed is this large
 
 
 def stdlib_corpus(limit: int = DEFAULT_BYTES) -> np.ndarray:
@@ -74,3 +76,20 @@ def batch(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed: in
     rng = np.random.default_rng([seed, step])
     starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)[rows]
     return np.stack([tokens[s: s + seq_len + 1] for s in starts]).astype(np.int32)
+
+
+def held_out(tokens: np.ndarray, seq_len: int, source: str) -> tuple[np.ndarray, np.ndarray]:
+    """The stream cut in two, the first nine tenths to train on and the last tenth to evaluate
+    on: no window of one reads the other."""
+    cut = int(len(tokens) * (1 - HELD_OUT))
+    if len(tokens) - cut < seq_len + 2:
+        raise ValueError(f"{source}'s last tenth, held out for train.eval_every, holds "
+                         f"{len(tokens) - cut} tokens, fewer than one sequence of {seq_len + 1}: "
+                         "use more data, a smaller model.seq_len, or train.eval_every=0")
+    return tokens[:cut], tokens[cut:]
+
+
+def eval_batch(held: np.ndarray, j: int, batch_size: int, seq_len: int,
+               rows: slice = slice(None)) -> np.ndarray:
+    """Held-out batch ``j``: the same windows whatever the run's seed, so that runs compare."""
+    return batch(held, j, batch_size, seq_len, EVAL_SEED, rows)

@@ -34,7 +34,7 @@ from zero_jax.mesh import make_mesh
 from zero_jax.offload import Nvme, Offload
 from zero_jax.plan import Plan, Rule, make_plan, modules_pattern, path_str, prefetchable
 from zero_jax.precision import LossScaleConfig, Precision, default_param_dtype
-from zero_jax.step import make_train_step
+from zero_jax.step import make_eval_step, make_train_step
 
 # Model keys added after checkpoints were written without them, with the value those were
 # trained with: flax's layer-norm epsilon before the demo took GPT-2's; a vocabulary unpadded.
@@ -94,6 +94,10 @@ class Experiment:
         step = make_train_step(plan, loss, tx, lr_schedule=schedule,
                                accum_steps=t["accum_steps"])
         return cls(cfg, mesh, model_cfg, init, tx, plan, step)
+
+    def eval_step(self) -> Callable:
+        """``make_eval_step`` for this run's model and plan (``train.eval_every``)."""
+        return make_eval_step(self.plan, lm_loss(build_model(self.model)))
 
     @property
     def batch_sharding(self) -> NamedSharding:

@@ -23,7 +23,7 @@ class Start:
     """Where a run starts, found once before anything is compiled: its data, its checkpoint
     directory (locked), and the checkpoint it resumes from, if any."""
 
-    tokens: object
+    tokens: object  # what training reads (without the held-out tenth when it evaluates)
     ckpts: object = None  # --checkpoint-dir's Checkpoints: where this run saves
     source: object = None  # the Checkpoints it resumes from (ckpts, or train.ckpt_load_path's)
     step: int | None = None  # the step it resumes from; None: a fresh initialization
@@ -31,6 +31,7 @@ class Start:
     records: list = dataclasses.field(default_factory=list)  # the metrics file, line by line
     overwrite: list[int] = dataclasses.field(default_factory=list)  # --overwrite deletes these
     corrupt: list[int] = dataclasses.field(default_factory=list)  # steps that did not read
+    held_out: object = None  # the tokens train.eval_every evaluates on
 
     def __enter__(self) -> Start:
         return self
@@ -46,8 +47,12 @@ def find_start(exp, cfg: dict, args: argparse.Namespace) -> Start:
     latest, else a fresh initialization."""
     m = exp.model
     tokens = data.load_tokens(args.data)
-    data.check_tokens(tokens, m.vocab_size, m.seq_len, args.data or "the standard library corpus")
-    start = Start(tokens, seed=cfg["train"]["seed"])
+    source = args.data or "the standard library corpus"
+    data.check_tokens(tokens, m.vocab_size, m.seq_len, source)
+    held = None
+    if cfg["train"]["eval_every"]:
+        tokens, held = data.held_out(tokens, m.seq_len, source)
+    start = Start(tokens, seed=cfg["train"]["seed"], held_out=held)
     try:
         if args.checkpoint_dir:
             start.ckpts = Checkpoints(args.checkpoint_dir, keep=args.keep)  # takes the lock
@@ -107,6 +112,14 @@ def readable_step(start: Start, newest: int, cfg: dict, args: argparse.Namespace
             raise ValueError(f"the checkpoint was trained on --data {saved or '(the default)'} "
                              f"but this run reads {here or '(the default)'}: pass the same "
                              "--data, or --allow-other-data to go on with other data")
+        held, was = data.HELD_OUT if cfg["train"]["eval_every"] else 0.0, \
+            meta.get("data", {}).get("held_out", 0.0)
+        if held != was and not args.allow_other_data:
+            trains_on = lambda f: "all but the held-out tenth" if f else "all"
+            raise ValueError(f"the checkpoint trained on {trains_on(was)} of its data, this run "
+                             f"on {trains_on(held)} (train.eval_every holds out the last "
+                             f"tenth): set train.eval_every as it was, or pass "
+                             "--allow-other-data to go on with other data")
         start.seed = meta["data"]["seed"]  # the data order goes on where it stopped
         return step
     raise ValueError(f"no checkpoint in {start.source.path} can be read (see the warnings "
@@ -192,7 +205,8 @@ def checkpoint_meta(exp, cfg: dict, args: argparse.Namespace, seed: int, step: i
     plan = exp.plan
     source = os.path.abspath(args.data) if args.data else None
     return {"config": cfg,
-            "data": {"source": source, "seed": seed, "next_batch": step},
+            "data": {"source": source, "seed": seed, "next_batch": step,
+                     "held_out": data.HELD_OUT if cfg["train"]["eval_every"] else 0.0},
             "writer": {"stage": plan.stage, "devices": plan.mesh.size,
                        "processes": len({d.process_index for d in plan.mesh.devices.flat}),
                        "platform": plan.mesh.devices.flat[0].platform}}

@@ -35,6 +35,7 @@ from zero_jax.loop import (
     SIGNAL_EXIT,
     Checkpointer,
     DivergenceGuard,
+    Evaluation,
     Hook,
     MetricsFile,
     OutputError,
@@ -172,7 +173,9 @@ def train(exp, cfg: dict, args: argparse.Namespace, start, stop, watchdog=None) 
     if args.save_safetensors:  # every process writes its shards: not one of outputs()
         saver_st = hf.saver(args.save_safetensors, exp.step, cfg["model"], args.save_every,
                             t["steps"], stop, guard)
-    hooks = [*([Reached(watchdog)] if watchdog else []), tally, *([saver] if saver else []),
+    hooks = [*([Reached(watchdog)] if watchdog else []),
+             *([evaluation(exp, start, bar.write)] if t["eval_every"] else []),
+             tally, *([saver] if saver else []),
              *([saver_st] if args.save_safetensors else []),
              *outputs(args, start, r, step, first, bar)]
     tick, done_steps = time.perf_counter(), first
@@ -195,6 +198,22 @@ def train(exp, cfg: dict, args: argparse.Namespace, start, stop, watchdog=None) 
     reports.draw(args, r, tally.records)
     return summary.ending(t, first, tally, time.perf_counter() - tick, stop, guard,
                           done_steps, saver)
+
+
+def evaluation(exp, start, write) -> Evaluation:
+    """``train.eval_every``'s hook: the mean loss of ``train.eval_batches`` held-out batches of
+    a microbatch's size (no more memory than a step's), the batches placed once."""
+    t, seq_len = exp.cfg["train"], exp.model.seq_len
+    shape = (t["batch_size"] // t["accum_steps"], seq_len + 1)
+    rows = distributed.local_rows(exp.batch_sharding, shape)
+    batches = [distributed.global_array(exp.batch_sharding, shape, data.eval_batch(
+        start.held_out, j, shape[0], seq_len, rows)) for j in range(t["eval_batches"])]
+    evaluate = exp.eval_step()
+
+    def mean_loss(state) -> dict:
+        losses = [evaluate(state.params, b)["loss"] for b in batches]
+        return {"loss": sum(map(float, losses)) / len(losses)}
+    return Evaluation(mean_loss, t["eval_every"], t["steps"], write)
 
 
 def outputs(args: argparse.Namespace, start, r: dict, step, first: int, bar) -> list:

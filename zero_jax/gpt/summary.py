@@ -32,6 +32,7 @@ class Tally(Hook):
 
     def __init__(self, bar, tokens_per_step: int, keep_records: bool = False):
         self.bar, self.losses, self.skipped = bar, [], 0
+        self.eval_loss: float | None = None  # the last held-out loss (train.eval_every)
         self.records: list[dict] | None = [] if keep_records else None
         self.tokens_per_step, self.tokens_per_s = tokens_per_step, 0.0
         self.start = time.perf_counter()
@@ -40,6 +41,7 @@ class Tally(Hook):
     def __call__(self, n: int, state, m: dict, record: dict) -> None:
         self.losses.append(m["loss"])
         self.skipped += m["skipped"]
+        self.eval_loss = record.get("eval_loss", self.eval_loss)
         if self.records is not None:
             self.records.append(finite_record(record))
         self.tokens_per_s = len(self.losses) * self.tokens_per_step / (
@@ -68,7 +70,8 @@ def done(steps: int, first: int, tally: Tally, elapsed: float, saved: str) -> in
     last = min(10, len(losses))
     print(f"done: steps {first + 1}-{steps} in {elapsed:.1f} s, loss {losses[0]:.3f} -> "
           f"{float(np.mean(losses[-last:])):.3f} (mean of last {last}), "
-          f"{tally.tokens_per_s:,.0f} tokens/s"
+          + (f"held-out {tally.eval_loss:.3f}, " if tally.eval_loss is not None else "")
+          + f"{tally.tokens_per_s:,.0f} tokens/s"
           + (f", {tally.skipped} steps skipped (gradient not finite)" if tally.skipped else "")
           + f"; {saved}")
     return 0

@@ -1,0 +1,117 @@
+"""``make_eval_step``: a held-out batch's loss at the sharded parameters equals one device's, at
+every stage, and the compiled program holds the forward only (its gradients are unread)."""
+
+import collections
+import json
+import pathlib
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import KEY, rel
+from lm import LAYERS
+
+import zero_jax as zj
+from zero_jax.gpt import config, data
+from zero_jax.gpt.experiment import Experiment
+from zero_jax.gpt.model import build as build_model
+from zero_jax.gpt.model import lm_loss
+from zero_jax.hlo import collectives
+from zero_jax.planner import step_flops
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import train as train_py  # noqa: E402
+
+LAYOUTS = {
+    "stage 0": dict(stage=0),
+    "stage 1": dict(stage=1),
+    "stage 2": dict(stage=2),
+    "stage 3, prefetch": dict(stage=3, layers=LAYERS),
+    "stage 3, offloaded parameters": dict(stage=3, layers=LAYERS,
+                                         offload=zj.Offload(optimizer=1.0, params=True)),
+}
+
+
+@pytest.fixture(scope="module")
+def trained(small):
+    """The small model after three plain SGD steps on one device, and a batch it never saw."""
+    _, init, loss_fn, batches = small
+    params, tx = init(KEY), optax.sgd(0.5)
+    opt_state = tx.init(params)
+    for b in batches[:3]:
+        grads = jax.grad(loss_fn)(params, b)
+        params = optax.apply_updates(params, tx.update(grads, opt_state, params)[0])
+    return params, batches[-1]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_held_out_loss_equals_one_device(small, mesh, trained, layout):
+    _, _, loss_fn, _ = small
+    params, held_out = trained
+    plan = zj.make_plan(jax.eval_shape(lambda: params), mesh, **LAYOUTS[layout])
+    state = zj.init_state(plan, jax.device_get(params), optax.sgd(0.5))
+    metrics = zj.make_eval_step(plan, loss_fn)(state.params, held_out)
+    assert rel(metrics["loss"], loss_fn(params, held_out)) < 2e-6
+    # Nothing was updated: the parameters are still the ones given.
+    assert rel(jax.device_get(state.params["blocks"]["fc1"]["kernel"]),
+               params["blocks"]["fc1"]["kernel"]) == 0
+
+
+def test_the_compiled_program_is_the_forward_alone(small, mesh, trained):
+    """Stage 3: the blocks' gathers and the loss's one all-reduce are left, the backward's
+    reduce-scatters and its FLOPs are gone."""
+    _, _, loss_fn, _ = small
+    params, held_out = trained
+    plan = zj.make_plan(jax.eval_shape(lambda: params), mesh, 3, layers=LAYERS)
+    tx = optax.sgd(0.5)
+    state = zj.init_state(plan, jax.device_get(params), tx)
+    evaluate = zj.make_eval_step(plan, loss_fn).lower(state.params, held_out).compile()
+    step = zj.make_train_step(plan, loss_fn, tx).lower(state, held_out).compile()
+
+    def kinds(compiled):
+        count = collections.Counter()
+        for c in collectives(compiled.as_text(), mesh.size):
+            count[c.kind] += c.count
+        return count
+    assert kinds(step)["reduce-scatter"] > 0 and kinds(evaluate)["reduce-scatter"] == 0
+    assert kinds(evaluate)["all-gather"] > 0 and kinds(evaluate)["all-reduce"] == 1
+    # The backward computes about twice the forward: the program is about a third of the step.
+    assert 0.2 < step_flops(evaluate) / step_flops(step) < 0.4
+
+
+@pytest.mark.slow
+def test_train_py_evaluates_on_the_held_out_tenth(tmp_path, capsys):
+    """``train.eval_every``: ``eval_loss`` in the metrics file at every third step and the
+    last, the summary's held-out figure, and at the last step the one-device loss of the
+    held-out batches at the parameters it saved."""
+    metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    sets = ["model.n_layers=1", "train.eval_every=3", "train.eval_batches=2"]
+    assert train_py.main(["--stage", "3", "--steps", "7", "--metrics", str(metrics),
+                          "--checkpoint-dir", str(ckpt),
+                          *[a for s in sets for a in ("--set", s)]]) == 0
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [3, 6, 7]
+    held = rows[-1]["eval_loss"]
+    assert f"held-out {held:.3f}" in out and f"step 7: eval loss {held:.4f}" in out
+
+    cfg = config.load("tiny", ["zero.stage=3", "train.steps=7", *sets])
+    exp = Experiment.build(cfg, zj.make_mesh(8))
+    ckpts = zj.Checkpoints(ckpt)
+    try:
+        params = jax.device_get(ckpts.restore(zj.abstract_state(exp.plan, exp.tx), 7)[0].params)
+    finally:
+        ckpts.close()
+    m = exp.model
+    _, tokens = data.held_out(data.load_tokens(None), m.seq_len, "")
+    loss_fn = jax.jit(lm_loss(build_model(m)))
+    one_device = np.mean([loss_fn(params, data.eval_batch(tokens, j, 32, m.seq_len))
+                          for j in range(2)])
+    assert rel(held, one_device) < 1e-5
+    # Resumed without evaluation it would train on the held-out tenth: refused, one line.
+    assert train_py.main(["--stage", "3", "--steps", "8", "--checkpoint-dir", str(ckpt),
+                          "--resume", "--set", "model.n_layers=1"]) == 2
+    err = capsys.readouterr().err
+    assert "trained on all but the held-out tenth of its data, this run on all" in err
