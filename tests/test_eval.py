@@ -85,9 +85,10 @@ def test_the_compiled_program_is_the_forward_alone(small, mesh, trained):
 def test_train_py_evaluates_on_the_held_out_tenth(tmp_path, capsys):
     """``train.eval_every``: ``eval_loss`` in the metrics file at every third step and the
     last, the summary's held-out figure, and at the last step the one-device loss of the
-    held-out batches at the parameters it saved."""
+    held-out batches at the parameters it saved; with microbatches, the same."""
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
-    sets = ["model.n_layers=1", "train.eval_every=3", "train.eval_batches=2"]
+    sets = ["model.n_layers=1", "train.eval_every=3", "train.eval_batches=2",
+            "optimizer.decay_steps=20"]  # the same schedule for 7 steps and 3
     assert train_py.main(["--stage", "3", "--steps", "7", "--metrics", str(metrics),
                           "--checkpoint-dir", str(ckpt),
                           *[a for s in sets for a in ("--set", s)]]) == 0
@@ -110,6 +111,12 @@ def test_train_py_evaluates_on_the_held_out_tenth(tmp_path, capsys):
     one_device = np.mean([loss_fn(params, data.eval_batch(tokens, j, 32, m.seq_len))
                           for j in range(2)])
     assert rel(held, one_device) < 1e-5
+    # With two microbatches the same held-out windows, a microbatch at a time: the same loss.
+    accum = tmp_path / "accum.jsonl"
+    assert train_py.main(["--stage", "3", "--steps", "3", "--metrics", str(accum),
+                          *[a for s in [*sets, "train.accum_steps=2"] for a in ("--set", s)]]) == 0
+    rows_2 = [json.loads(line) for line in accum.read_text().splitlines()]
+    assert rel(rows_2[-1]["eval_loss"], rows[2]["eval_loss"]) < 1e-5
     # Resumed without evaluation it would train on the held-out tenth: refused, one line.
     assert train_py.main(["--stage", "3", "--steps", "8", "--checkpoint-dir", str(ckpt),
                           "--resume", "--set", "model.n_layers=1"]) == 2

@@ -56,7 +56,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # gradient is not finite, and saves nothing from the first of them on (0: never stops,
     # saves as usual, and exits 3 if the run ends in such steps).
     # eval_every > 0: every that many steps and at the last, the mean loss of eval_batches
-    # batches (of a microbatch's size) from the data's last tenth, which training then never
+    # batches of batch_size windows from the data's last tenth, which training then never
     # reads; 0: no evaluation, training reads all of it.
     "train": {"batch_size": 32, "accum_steps": 1, "steps": 400, "seed": 0,
               "ckpt_load_path": "", "max_bad_steps": 5, "eval_every": 0, "eval_batches": 4},

@@ -202,16 +202,19 @@ def train(exp, cfg: dict, args: argparse.Namespace, start, stop, watchdog=None) 
 
 def evaluation(exp, start, write) -> Evaluation:
     """``train.eval_every``'s hook: the mean loss of ``train.eval_batches`` held-out batches of
-    a microbatch's size (no more memory than a step's), the batches placed once."""
+    ``train.batch_size`` windows (the same whatever the run's microbatches), evaluated a
+    microbatch at a time (no more memory than a step's), placed once."""
     t, seq_len = exp.cfg["train"], exp.model.seq_len
     shape = (t["batch_size"] // t["accum_steps"], seq_len + 1)
     rows = distributed.local_rows(exp.batch_sharding, shape)
-    batches = [distributed.global_array(exp.batch_sharding, shape, data.eval_batch(
-        start.held_out, j, shape[0], seq_len, rows)) for j in range(t["eval_batches"])]
+    pieces = [distributed.global_array(exp.batch_sharding, shape, whole[k:k + shape[0]][rows])
+              for j in range(t["eval_batches"])
+              for whole in [data.eval_batch(start.held_out, j, t["batch_size"], seq_len)]
+              for k in range(0, t["batch_size"], shape[0])]
     evaluate = exp.eval_step()
 
     def mean_loss(state) -> dict:
-        losses = [evaluate(state.params, b)["loss"] for b in batches]
+        losses = [evaluate(state.params, piece)["loss"] for piece in pieces]
         return {"loss": sum(map(float, losses)) / len(losses)}
     return Evaluation(mean_loss, t["eval_every"], t["steps"], write)
 
