@@ -56,6 +56,9 @@ def warn(message: str) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from zero_jax.gpt.config import CONFIG_DIR  # every run reads a config next
+
+    shipped = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
     p = Parser(description=DESCRIPTION, epilog=(
         "exit codes: 0 done; 1 a failure while running (a checkpoint that cannot be written, a "
         "lost peer); 2 bad input, refused before anything is written; 3 training diverged: "
@@ -65,7 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "stopped by Ctrl-C / SIGTERM / SIGHUP (saved as it stopped)"))
     p.add_argument("--stage", type=int, help="ZeRO stage 0-3 (default: the config's, 3)")
     p.add_argument("--config", default="tiny",
-                   help="YAML file, or a name in configs/: tiny, gpt2-124m, gpt-1.3b, gpt-7.5b")
+                   help=f"YAML file, or a name in configs/: {shipped}")
     p.add_argument("--zero3-size", metavar="K",
                    help="hierarchical ZeRO: stage 3 within groups of K devices, optimizer state "
                    "over all; 'local' = one group per process/host (default: off)")

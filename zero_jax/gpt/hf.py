@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     from zero_jax import export as library
     from zero_jax.checkpoint import CheckpointError, quiet_background_errors
 
-    p = library._Parser(description="Export a demo checkpoint as a Hugging Face directory")
+    p = library._Parser(prog="python -m zero_jax.gpt.hf",
+                        description="Export a demo checkpoint as a Hugging Face directory")
     p.add_argument("checkpoint_dir")
     p.add_argument("out")
     p.add_argument("--step", type=int, help="default: the latest complete checkpoint")
