@@ -28,7 +28,8 @@ LAYOUTS = {
     "stage 0": dict(stage=0),
     "stage 1": dict(stage=1),
     "stage 2": dict(stage=2),
-    "stage 3, prefetch": dict(stage=3, layers=LAYERS),
+    "stage 3": dict(stage=3, layers=LAYERS),
+    "stage 3, prefetch": dict(stage=3, layers=zj.Layers(LAYERS, prefetch=True)),
     "stage 3, offloaded parameters": dict(stage=3, layers=LAYERS,
                                          offload=zj.Offload(optimizer=1.0, params=True)),
 }
