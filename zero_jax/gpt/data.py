@@ -89,7 +89,6 @@ def held_out(tokens: np.ndarray, seq_len: int, source: str) -> tuple[np.ndarray,
     return tokens[:cut], tokens[cut:]
 
 
-def eval_batch(held: np.ndarray, j: int, batch_size: int, seq_len: int,
-               rows: slice = slice(None)) -> np.ndarray:
+def eval_batch(held: np.ndarray, j: int, batch_size: int, seq_len: int) -> np.ndarray:
     """Held-out batch ``j``: the same windows whatever the run's seed, so that runs compare."""
-    return batch(held, j, batch_size, seq_len, EVAL_SEED, rows)
+    return batch(held, j, batch_size, seq_len, EVAL_SEED)
