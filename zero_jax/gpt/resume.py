@@ -112,8 +112,8 @@ def readable_step(start: Start, newest: int, cfg: dict, args: argparse.Namespace
             raise ValueError(f"the checkpoint was trained on --data {saved or '(the default)'} "
                              f"but this run reads {here or '(the default)'}: pass the same "
                              "--data, or --allow-other-data to go on with other data")
-        held, was = data.HELD_OUT if cfg["train"]["eval_every"] else 0.0, \
-            meta.get("data", {}).get("held_out", 0.0)
+        held = data.HELD_OUT if cfg["train"]["eval_every"] else 0.0
+        was = meta.get("data", {}).get("held_out", 0.0)
         if held != was and not args.allow_other_data:
             trains_on = lambda f: "all but the held-out tenth" if f else "all"
             raise ValueError(f"the checkpoint trained on {trains_on(was)} of its data, this run "

@@ -207,10 +207,11 @@ def evaluation(exp, start, write) -> Evaluation:
     t, seq_len = exp.cfg["train"], exp.model.seq_len
     shape = (t["batch_size"] // t["accum_steps"], seq_len + 1)
     rows = distributed.local_rows(exp.batch_sharding, shape)
-    pieces = [distributed.global_array(exp.batch_sharding, shape, whole[k:k + shape[0]][rows])
-              for j in range(t["eval_batches"])
-              for whole in [data.eval_batch(start.held_out, j, t["batch_size"], seq_len)]
-              for k in range(0, t["batch_size"], shape[0])]
+    pieces = []
+    for j in range(t["eval_batches"]):
+        whole = data.eval_batch(start.held_out, j, t["batch_size"], seq_len)
+        pieces += [distributed.global_array(exp.batch_sharding, shape, whole[k:k + shape[0]][rows])
+                   for k in range(0, t["batch_size"], shape[0])]
     evaluate = exp.eval_step()
 
     def mean_loss(state) -> dict:
