@@ -308,6 +308,11 @@ ROWS = [
      "model.attention must be one of auto, xla, cudnn (got 'flash')"),
     ("attention cudnn on cpu", [*T, "--set", "model.attention=cudnn"], None,
      "model.attention=cudnn cannot run here: it runs on CUDA GPUs only (these devices are cpu)"),
+    ("rope type unknown", [*T, "--set", "model.rope_type=yarn"], None,
+     "model.rope_type must be one of default, linear, llama3 (got 'yarn')"),
+    ("llama3 rope without its context", [*T, "--set", "model.rope_type=llama3"], None,
+     "rope_type llama3 needs 0 < model.rope_low_freq_factor < model.rope_high_freq_factor and "
+     "model.rope_original_max_positions >= 1 (got 1.0, 4.0, 0)"),
     ("vocab multiple 0", [*T, "--set", "model.vocab_multiple=0"], None,
      "model.vocab_multiple must be a finite number of at least 1"),
     ("tensor parallel 0", [*T, "--tensor-parallel", "0"], None,

@@ -563,11 +563,56 @@ def llama_dir(tmp_path_factory) -> pathlib.Path:
     return path
 
 
+# Llama 3.2's 1B and 3B: the head tied to the embedding, rotary positions scaled as "llama3"
+# (theta 500,000; these factors and a 256-token original context put one of the 4 frequencies
+# of a head of 8 below the band the scaling blends, one in it and two above it).
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+
+
+@pytest.fixture(scope="module")
+def llama3_dir(tmp_path_factory) -> pathlib.Path:
+    """transformers' Llama as Llama 3.2 is made (tied head, llama3 rope scaling), random."""
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+        tie_word_embeddings=True, rope_parameters={**LLAMA3_ROPE, "rope_theta": 5e5})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    path = tmp_path_factory.mktemp("llama3")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "linear", "factor": 4.0}, LLAMA3_ROPE])
+def test_rope_frequencies_are_transformers(scaling):
+    """The rotary frequencies of each rope type the demo's Llama reads from a config.json
+    (as ``rope_scaling``, transformers 4's form) equal transformers' own (fp32, each within
+    1e-6)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from zero_jax.gpt import llama
+
+    theirs = transformers.LlamaConfig(hidden_size=128, num_attention_heads=2,
+                                      max_position_embeddings=512,
+                                      rope_scaling=scaling, rope_theta=5e5)
+    want, attention_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](theirs, "cpu")
+    section = llama._rope(pathlib.Path("config.json"), {"rope_theta": 5e5,
+                                                         "rope_scaling": scaling})
+    ours = llama.rope_frequencies(GPTConfig(**section), 64)
+    ratio = np.asarray(ours) / want.numpy()
+    assert attention_factor == 1.0 and np.abs(ratio - 1).max() < 1e-6, ratio
+    plain = np.asarray(ours) * 5e5 ** (np.arange(0, 64, 2) / 64)
+    # linear scales every frequency, llama3 the low ones and not the highest
+    assert plain.min() < 0.3 and (plain.max() > 0.99) == (scaling["rope_type"] == "llama3")
+
+
 LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does not compute
-    "rope_scaling": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-    "rope_parameters.rope_type": {"rope_parameters": {"rope_type": "llama3", "factor": 8.0,
+    "rope_scaling.rope_type": {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
+    "rope_parameters.rope_type": {"rope_parameters": {"rope_type": "dynamic", "factor": 8.0,
                                                       "rope_theta": 10000.0}},
-    "tie_word_embeddings": {"tie_word_embeddings": True},
     "attention_bias": {"attention_bias": True},
 }
 
@@ -575,8 +620,9 @@ LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does
 @pytest.mark.parametrize("key", LLAMA_NOT_COMPUTED)
 def test_a_llama_asking_for_what_the_model_lacks_is_refused_naming_the_key(
         llama_dir, gpt2, tmp_path, key, capsys):
-    """train.py --init-from a Llama whose config.json asks for rope scaling, a tied head or
-    attention biases: one line naming the key, exit code 2, nothing written."""
+    """train.py --init-from a Llama whose config.json asks for a rope type other than default,
+    linear and llama3 or for attention biases: one line naming the key, exit code 2, nothing
+    written."""
     import shutil
 
     bad = tmp_path / "bad"
@@ -593,22 +639,27 @@ def test_a_llama_asking_for_what_the_model_lacks_is_refused_naming_the_key(
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(llama_dir, tmp_path, tp):
+@pytest.mark.parametrize("which", ["llama_dir", "llama3_dir"])
+def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path, tp, request):
     """Read at stage 3 (x tensor parallel 2) through the Llama mapping (transposes, head
-    splits): logits within 1e-5 of transformers'; written back through the same table as
+    splits), untied with plain rotary positions, or as Llama 3.2 (tied head, llama3 rope
+    scaling): logits within 1e-5 of transformers'; written back through the same table as
     shards with an index and a config.json, transformers loads it with the same logits."""
     from zero_jax.gpt import llama
     from zero_jax.tensorfiles import write_set
     from zero_jax.weights import export_arrays, export_specs
 
+    llama_dir = request.getfixturevalue(which)
     theirs = torch_logits_of(transformers.LlamaForCausalLM, llama_dir)
     section = llama.read_config(llama_dir)
+    assert section["tie_head"] == (which == "llama3_dir")
     cfg = GPTConfig(**section, remat="none", vocab_multiple=128)  # 64 padded to 128
     model = llama.Llama(cfg)
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), TOKENS[:1, :-1])["params"])
+    assert ("head" in shapes) != cfg.tie_head
     mesh = zj.make_mesh(axes={"data": 8 // tp, **({"model": tp} if tp > 1 else {})})
     plan = zj.make_plan(shapes, mesh, stage=3, layers=LAYERS,
-                        rules=list(llama.TENSOR_PARALLEL) if tp > 1 else [])
+                        rules=list(llama.tensor_parallel(cfg)) if tp > 1 else [])
     params = load_params(plan, llama_dir, llama.mapping(cfg))
     ours = logits_of(model, params)
     assert rel(ours, theirs) < 1e-5, rel(ours, theirs)
@@ -621,16 +672,19 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(llama_dir, tmp_p
     write_set(out, [s for s, *_ in specs], export_arrays(llama.mapping(cfg), specs,
                                                          flat.__getitem__), 20_000)
     llama.write_config(out, section)
-    assert (out / "model.safetensors.index.json").exists()
+    assert (out / "model.safetensors.index.json").exists() and llama.read_config(out) == section
     assert rel(torch_logits_of(transformers.LlamaForCausalLM, out), ours) < 1e-5
 
 
 @pytest.mark.slow
-def test_train_py_fine_tunes_a_llama_and_exports_it(llama_dir, gpt2, tmp_path):
-    """train.py --init-from a Llama directory: the model section from its config.json, its
-    first loss transformers' on that batch; two SGD steps; the export loads in transformers
-    with zero_jax's logits of the trained checkpoint."""
+@pytest.mark.parametrize("which", ["llama_dir", "llama3_dir"])
+def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, request):
+    """train.py --init-from a Llama directory (and one made as Llama 3.2 is): the model
+    section from its config.json, its first loss transformers' on that batch; two SGD steps;
+    the export loads in transformers with zero_jax's logits of the trained checkpoint."""
     from zero_jax.gpt import llama
+
+    llama_dir = request.getfixturevalue(which)
 
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     run = run_train("--init-from", str(llama_dir), "--steps", "2", "--data",

@@ -34,10 +34,13 @@ CONFIG_DIR = _shipped()
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     # arch gpt2 (GPT-2's layer norms, learned positions, tied head) or llama (RMSNorm, rotary
-    # positions of base rope_theta, SwiGLU, n_kv_heads key/value heads, 0: n_heads; untied).
+    # positions of base rope_theta scaled as rope_type default, linear or llama3 says, SwiGLU,
+    # n_kv_heads key/value heads, 0: n_heads; the head tied to the embedding with tie_head).
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512,
               "seq_len": 64, "remat": "auto", "arch": "gpt2", "norm_eps": 1e-5,
-              "n_kv_heads": 0, "rope_theta": 10000.0, "attention": "auto",
+              "n_kv_heads": 0, "rope_theta": 10000.0, "rope_type": "default",
+              "rope_factor": 1.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+              "rope_original_max_positions": 0, "tie_head": False, "attention": "auto",
               "vocab_multiple": 128},
     # frozen_modules: not trained (no gradient, no optimizer state), e.g. ["wpe"].
     # schedule cosine: warmup, then cosine decay to 10% at decay_steps; constant: warmup, then
@@ -309,10 +312,27 @@ def validate(config: dict) -> None:
     if config["train"]["seed"] >= 2**32:  # jax.random.key keeps the low 32 bits (no x64)
         raise ConfigError(f"train.seed must be 0 to {2**32 - 1} (got {config['train']['seed']}): "
                           "jax.random.key keeps 32 bits of it")
+    _check_rope(m)
     _check_optimizer(config)
     _check_zero(config)
     _check_tensor_parallel(config)
     _check_precision(config)
+
+
+def _check_rope(m: dict) -> None:
+    """The rotary positions' scaling, as Hugging Face's rope types check theirs."""
+    kind = m["rope_type"]
+    if kind not in ("default", "linear", "llama3"):
+        raise ConfigError(f"model.rope_type must be one of default, linear, llama3 (got "
+                          f"{kind!r})")
+    if kind != "default" and not m["rope_factor"] > 0:
+        raise ConfigError(f"model.rope_factor must be above 0 (got {m['rope_factor']})")
+    if kind == "llama3" and not (0 < m["rope_low_freq_factor"] < m["rope_high_freq_factor"]
+                                 and m["rope_original_max_positions"] >= 1):
+        raise ConfigError(f"rope_type llama3 needs 0 < model.rope_low_freq_factor < "
+                          f"model.rope_high_freq_factor and model.rope_original_max_positions "
+                          f">= 1 (got {m['rope_low_freq_factor']}, "
+                          f"{m['rope_high_freq_factor']}, {m['rope_original_max_positions']})")
 
 
 def _check_optimizer(config: dict) -> None:

@@ -1,13 +1,18 @@
 """A Llama-family decoder (RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention,
-untied head) with Hugging Face's tensor names, its layers under ``nn.scan`` as ``blocks``.
+the head untied or tied to the embedding) with Hugging Face's tensor names, its layers under
+``nn.scan`` as ``blocks``.
 
 Rotary positions rotate the two halves of each head (Hugging Face's ``rotate_half``), so its
-q and k projections are read as they are stored, with no permutation of their rows.
+q and k projections are read as they are stored, with no permutation of their rows. Their
+frequencies are scaled as Hugging Face's ``linear`` and ``llama3`` rope types scale them (Llama
+3.1 and 3.2 use ``llama3``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import pathlib
 
@@ -36,14 +41,43 @@ TENSOR_PARALLEL = (
     Rule(r"^wte$", model_dim=0),
     Rule(r"^head/kernel$", model_dim=-1),
 )
-HF_FIXED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-            "tie_word_embeddings": False}  # what this model computes; anything else refused
+HF_FIXED = {"hidden_act": "silu", "attention_bias": False,
+            "mlp_bias": False}  # what this model computes; anything else refused
+ROPE_TYPES = ("default", "linear", "llama3")
+# config.json's rope scaling keys -> the demo's model section
+ROPE_KEYS = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
+             "high_freq_factor": "rope_high_freq_factor",
+             "original_max_position_embeddings": "rope_original_max_positions"}
 
 
-def rope(x: jax.Array, theta: float) -> jax.Array:
-    """Rotary positions on ``(batch, seq, heads, head_dim)``, halves rotated as HF does."""
+def tensor_parallel(c: GPTConfig) -> tuple[Rule, ...]:
+    """``TENSOR_PARALLEL``, less the head's rule where the head is the embedding's."""
+    return TENSOR_PARALLEL[:-1] if c.tie_head else TENSOR_PARALLEL
+
+
+def rope_frequencies(c: GPTConfig, dh: int) -> jax.Array:
+    """Each rotary pair's angular frequency, as Hugging Face's rope type computes it:
+    ``linear`` divides every one by ``rope_factor``; ``llama3`` only those whose wavelength is
+    beyond the original context over ``rope_low_freq_factor``, keeps those below it over
+    ``rope_high_freq_factor``, and blends the two between."""
+    inv = 1.0 / c.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh)
+    if c.rope_type == "linear":
+        return inv / c.rope_factor
+    if c.rope_type == "llama3":
+        old, low, high = c.rope_original_max_positions, c.rope_low_freq_factor, \
+            c.rope_high_freq_factor
+        wavelength = 2 * math.pi / inv
+        smooth = (old / wavelength - low) / (high - low)
+        blended = (1 - smooth) * inv / c.rope_factor + smooth * inv
+        return jnp.where(wavelength > old / low, inv / c.rope_factor,
+                         jnp.where(wavelength < old / high, inv, blended))
+    return inv
+
+
+def rope(x: jax.Array, inv: jax.Array) -> jax.Array:
+    """Rotary positions on ``(batch, seq, heads, head_dim)`` at frequencies ``inv``, halves
+    rotated as HF does."""
     t, dh = x.shape[1], x.shape[-1]
-    inv = 1.0 / theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh)
     angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv[None]
     angles = jnp.concatenate([angles, angles], -1)[None, :, None]
     half = jnp.concatenate([-x[..., dh // 2:], x[..., :dh // 2]], -1)
@@ -88,8 +122,9 @@ class LlamaBlock(nn.Module):
         dense = lambda features, name, **kw: nn.DenseGeneral(features, use_bias=False,
                                                              name=name, **kw)
         h = nn.RMSNorm(epsilon=c.norm_eps, name="ln1")(x)
-        q = rope(dense((c.n_heads, dh), "q")(h), c.rope_theta)
-        k = rope(dense((c.kv_heads, dh), "k")(h), c.rope_theta)
+        inv = rope_frequencies(c, dh)
+        q = rope(dense((c.n_heads, dh), "q")(h), inv)
+        k = rope(dense((c.kv_heads, dh), "k")(h), inv)
         v = dense((c.kv_heads, dh), "v")(h)
         att = attention.causal(q, k, v, c.attention)  # query head i reads kv head i // rep
         x = x + dense(d, "o", axis=(-2, -1))(att)
@@ -131,16 +166,18 @@ class Llama(nn.Module):
                         length=c.n_layers)
         x, _ = stack(c, name="blocks")(wte[tokens], None)
         x = nn.RMSNorm(epsilon=c.norm_eps, name="ln_f")(x)
-        return x, Head(c.padded_vocab, name="head")(c.d_model)
+        return x, wte.T if c.tie_head else Head(c.padded_vocab, name="head")(c.d_model)
 
 
 def mapping(c: GPTConfig) -> Mapping:
     """Hugging Face's ``LlamaForCausalLM`` tensors: PyTorch Linear weights ``(out, in)``,
-    transposed into Flax kernels, the attention's output axis split into heads."""
+    transposed into Flax kernels, the attention's output axis split into heads; a tied head
+    has no tensor of its own (one written anyway is ignored)."""
     h = "model.layers.{layer}."
+    head = [] if c.tie_head else [Tensor("lm_head.weight", "head/kernel", transpose=(1, 0),
+                                         pad=(1, c.vocab_size))]
     rows = [Tensor("model.embed_tokens.weight", "wte", pad=(0, c.vocab_size)),
-            Tensor("model.norm.weight", "ln_f/scale"),
-            Tensor("lm_head.weight", "head/kernel", transpose=(1, 0), pad=(1, c.vocab_size)),
+            Tensor("model.norm.weight", "ln_f/scale"), *head,
             Tensor(h + "input_layernorm.weight", "blocks/ln1/scale"),
             Tensor(h + "post_attention_layernorm.weight", "blocks/ln2/scale"),
             Tensor(h + "self_attn.o_proj.weight", "blocks/o/kernel", transpose=(1, 0),
@@ -151,12 +188,13 @@ def mapping(c: GPTConfig) -> Mapping:
     for name in ("gate", "up", "down"):
         rows.append(Tensor(f"{h}mlp.{name}_proj.weight", f"blocks/{name}/kernel",
                            transpose=(1, 0)))
-    return Mapping(tuple(rows), ignore=(r"rotary_emb\.inv_freq$",))
+    tied = (r"^lm_head\.weight$",) if c.tie_head else ()
+    return Mapping(tuple(rows), ignore=(r"rotary_emb\.inv_freq$", *tied))
 
 
 def read_config(directory: str | os.PathLike) -> dict:
     """The model section of the demo's config from a Llama directory's config.json; what this
-    model does not compute (biases, a tied head, another activation, rope scaling) is refused."""
+    model does not compute (biases, another activation, another rope type) is refused."""
     path = pathlib.Path(directory) / "config.json"
     try:
         hf = json.loads(path.read_text())
@@ -168,13 +206,6 @@ def read_config(directory: str | os.PathLike) -> dict:
         if hf.get(key, want) != want:
             raise WeightsError(f"{path} has {key} {hf[key]!r}; this demo's Llama computes "
                                f"{want!r} only: pass a model with {key} {want!r}")
-    rope_params = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0)}
-    scaled = [f"rope_parameters.rope_type {rope_params['rope_type']!r}"] if rope_params.get(
-        "rope_type", "default") != "default" else []
-    scaled += [f"rope_scaling {hf['rope_scaling']!r}"] if hf.get("rope_scaling") else []
-    if scaled:
-        raise WeightsError(f"{path} has {scaled[0]}; this demo's Llama computes unscaled "
-                           "rotary positions only: pass a model without rope scaling")
     try:
         model = {ours: hf[theirs] for theirs, ours in HF_KEYS.items()}
     except KeyError as e:
@@ -183,14 +214,47 @@ def read_config(directory: str | os.PathLike) -> dict:
     if head_dim * model["n_heads"] != model["d_model"]:
         raise WeightsError(f"{path} has head_dim {head_dim} x {model['n_heads']} heads != "
                            f"hidden_size {model['d_model']}; this model needs them equal")
-    return {**model, "arch": "llama", "rope_theta": float(rope_params["rope_theta"])}
+    return {**model, "arch": "llama", "tie_head": bool(hf.get("tie_word_embeddings", False)),
+            **_rope(path, hf)}
+
+
+def _rope(path: pathlib.Path, hf: dict) -> dict:
+    """The rotary positions' keys of the model section, from transformers 5's
+    ``rope_parameters`` or the ``rope_theta`` and ``rope_scaling`` of earlier files (Llama 3's
+    on the Hub); ``rope_scaling`` wins where a file has both, as in transformers 5."""
+    params, scaling = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
+    where = "rope_scaling" if scaling else "rope_parameters"
+    rope = {**params, **scaling, "rope_theta": params.get("rope_theta",
+                                                          hf.get("rope_theta", 10000.0))}
+    kind = (scaling.get("rope_type", scaling.get("type")) if scaling
+            else params.get("rope_type", "default"))
+    if kind not in ROPE_TYPES:
+        raise WeightsError(f"{path} has {where}.rope_type {kind!r}; this demo's Llama computes "
+                           f"the rope types {', '.join(ROPE_TYPES)}: pass a model with one of "
+                           "them")
+    needs = {"default": (), "linear": ("factor",), "llama3": tuple(ROPE_KEYS)}[kind]
+    if missing := [k for k in needs if k not in rope]:
+        raise WeightsError(f"{path} has {where}.rope_type {kind!r} without {missing[0]}: pass "
+                           "a complete Llama config.json")
+    return {"rope_theta": float(rope["rope_theta"]), "rope_type": kind,
+            **{ROPE_KEYS[k]: type(DEFAULT_ROPE[ROPE_KEYS[k]])(rope[k]) for k in needs}}
+
+
+DEFAULT_ROPE = {f.name: f.default for f in dataclasses.fields(GPTConfig)
+                if f.name in ROPE_KEYS.values()}
 
 
 def write_config(directory: pathlib.Path, model: dict, dtype: str = "float32") -> None:
-    """A Llama config.json for the demo's ``model`` section, as transformers reads it."""
+    """A Llama config.json for the demo's ``model`` section, as transformers reads it (the
+    rope scaling in the ``rope_scaling`` form Llama 3's files use, which transformers 4 and 5
+    both read)."""
     c = GPTConfig(**model)
     hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
           **{theirs: getattr(c, ours) for theirs, ours in HF_KEYS.items()}, **HF_FIXED,
-          "num_key_value_heads": c.kv_heads, "head_dim": c.d_model // c.n_heads,
-          "rope_theta": c.rope_theta, "dtype": dtype}
+          "tie_word_embeddings": c.tie_head, "num_key_value_heads": c.kv_heads,
+          "head_dim": c.d_model // c.n_heads, "rope_theta": c.rope_theta, "dtype": dtype}
+    if c.rope_type != "default":
+        keys = ("factor",) if c.rope_type == "linear" else tuple(ROPE_KEYS)
+        hf["rope_scaling"] = {"rope_type": c.rope_type,
+                              **{k: getattr(c, ROPE_KEYS[k]) for k in keys}}
     (directory / "config.json").write_text(json.dumps(hf, indent=2))

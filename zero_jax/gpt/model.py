@@ -47,6 +47,13 @@ class GPTConfig:
     norm_eps: float = LN_EPS
     n_kv_heads: int = 0  # llama: key/value heads (grouped-query attention); 0: n_heads
     rope_theta: float = 10000.0  # llama: the rotary positions' base
+    # llama: their scaling, as Hugging Face's rope types "linear" and "llama3" (Llama 3.1, 3.2)
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 0
+    tie_head: bool = False  # llama: the head is the embedding's transpose (GPT-2's always is)
     attention: str = "auto"  # zero_jax.gpt.attention.IMPLEMENTATIONS
     vocab_multiple: int = 1  # the embedding (and head) padded to a multiple of this
 
@@ -64,9 +71,10 @@ class GPTConfig:
     @property
     def n_params(self) -> int:
         d, f, L, V = self.d_model, self.d_ff, self.n_layers, self.padded_vocab
-        if self.arch == "llama":  # untied head, no position table, no biases
+        if self.arch == "llama":  # no position table, no biases
             kv = d // self.n_heads * self.kv_heads
-            return 2 * V * d + d + L * (2 * d + 2 * d * d + 2 * d * kv + 3 * d * f)
+            head = 0 if self.tie_head else V * d
+            return V * d + head + d + L * (2 * d + 2 * d * d + 2 * d * kv + 3 * d * f)
         per_layer = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
         return V * d + self.seq_len * d + L * per_layer + 2 * d
 
@@ -179,9 +187,9 @@ def build(cfg: GPTConfig) -> nn.Module:
 
 def tensor_parallel(cfg: GPTConfig) -> tuple[Rule, ...]:
     if cfg.arch == "llama":
-        from zero_jax.gpt.llama import TENSOR_PARALLEL as LLAMA
+        from zero_jax.gpt import llama
 
-        return LLAMA
+        return llama.tensor_parallel(cfg)
     return TENSOR_PARALLEL
 
 
