@@ -546,44 +546,64 @@ def test_export_peak_memory_follows_the_largest_tensor_not_the_stack(tmp_path):
     assert peaks["model"] - peaks["tiny"] < layer + (16 << 20), peaks
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory) -> pathlib.Path:
-    """transformers' Llama (4 query heads sharing 2 key/value heads, untied head), every
-    tensor random."""
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-        tie_word_embeddings=False)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    path = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(path)
-    return path
-
-
+# Each family's decoder as transformers makes it: 4 query heads sharing 2 key/value heads.
+SMALL_LLAMA = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "max_position_embeddings": 16}
 # Llama 3.2's 1B and 3B: the head tied to the embedding, rotary positions scaled as "llama3"
 # (theta 500,000; these factors and a 256-token original context put one of the 4 frequencies
 # of a head of 8 below the band the scaling blends, one in it and two above it).
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+FAMILIES = {  # fixture: (class, config, torch seed)
+    "llama_dir": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        **SMALL_LLAMA, tie_word_embeddings=False), 0),
+    "llama3_dir": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        **SMALL_LLAMA, tie_word_embeddings=True,
+        rope_parameters={**LLAMA3_ROPE, "rope_theta": 5e5}), 1),
+    "mistral_dir": (transformers.MistralForCausalLM, transformers.MistralConfig(
+        **SMALL_LLAMA, head_dim=8, sliding_window=None), 2),
+    "qwen2_dir": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
+        **SMALL_LLAMA, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}), 3),
+}
+
+
+def _family(tmp_path_factory, name: str) -> pathlib.Path:
+    """transformers' model of that family saved, every tensor random."""
+    cls, config, seed = FAMILIES[name]
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> pathlib.Path:
+    """A Llama: untied head, plain rotary positions."""
+    return _family(tmp_path_factory, "llama_dir")
 
 
 @pytest.fixture(scope="module")
 def llama3_dir(tmp_path_factory) -> pathlib.Path:
-    """transformers' Llama as Llama 3.2 is made (tied head, llama3 rope scaling), random."""
-    torch.manual_seed(1)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-        tie_word_embeddings=True, rope_parameters={**LLAMA3_ROPE, "rope_theta": 5e5})).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    path = tmp_path_factory.mktemp("llama3")
-    model.save_pretrained(path)
-    return path
+    """A Llama made as Llama 3.2 is (tied head, llama3 rope scaling)."""
+    return _family(tmp_path_factory, "llama3_dir")
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory) -> pathlib.Path:
+    """A Mistral without its sliding window (as Mistral 7B from v0.2 on)."""
+    return _family(tmp_path_factory, "mistral_dir")
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory) -> pathlib.Path:
+    """A Qwen2 (biases on q, k and v; tied head, as Qwen2.5's small models)."""
+    return _family(tmp_path_factory, "qwen2_dir")
 
 
 @pytest.mark.parametrize("scaling", [{"rope_type": "linear", "factor": 4.0}, LLAMA3_ROPE])
@@ -614,6 +634,8 @@ LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does
     "rope_parameters.rope_type": {"rope_parameters": {"rope_type": "dynamic", "factor": 8.0,
                                                       "rope_theta": 10000.0}},
     "attention_bias": {"attention_bias": True},
+    "sliding_window": {"model_type": "mistral", "sliding_window": 4096},
+    "use_sliding_window": {"model_type": "qwen2", "use_sliding_window": True},
 }
 
 
@@ -621,8 +643,8 @@ LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does
 def test_a_llama_asking_for_what_the_model_lacks_is_refused_naming_the_key(
         llama_dir, gpt2, tmp_path, key, capsys):
     """train.py --init-from a Llama whose config.json asks for a rope type other than default,
-    linear and llama3 or for attention biases: one line naming the key, exit code 2, nothing
-    written."""
+    linear and llama3 or for attention biases, a Mistral or Qwen2 with a sliding window: one
+    line naming the key, exit code 2, nothing written."""
     import shutil
 
     bad = tmp_path / "bad"
@@ -639,20 +661,22 @@ def test_a_llama_asking_for_what_the_model_lacks_is_refused_naming_the_key(
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("which", ["llama_dir", "llama3_dir"])
+@pytest.mark.parametrize("which", list(FAMILIES))
 def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path, tp, request):
     """Read at stage 3 (x tensor parallel 2) through the Llama mapping (transposes, head
-    splits), untied with plain rotary positions, or as Llama 3.2 (tied head, llama3 rope
-    scaling): logits within 1e-5 of transformers'; written back through the same table as
-    shards with an index and a config.json, transformers loads it with the same logits."""
+    splits): a Llama untied with plain rotary positions, one as Llama 3.2 (tied head, llama3
+    rope scaling), a Mistral, a Qwen2 (q, k, v biases): logits within 1e-5 of transformers';
+    written back through the same table as shards with an index and a config.json (a Mistral
+    as the Llama it computes as), transformers loads it with the same logits."""
     from zero_jax.gpt import llama
     from zero_jax.tensorfiles import write_set
     from zero_jax.weights import export_arrays, export_specs
 
     llama_dir = request.getfixturevalue(which)
-    theirs = torch_logits_of(transformers.LlamaForCausalLM, llama_dir)
+    theirs = torch_logits_of(transformers.AutoModelForCausalLM, llama_dir)
     section = llama.read_config(llama_dir)
-    assert section["tie_head"] == (which == "llama3_dir")
+    assert section["tie_head"] == (which in ("llama3_dir", "qwen2_dir"))
+    assert section["qkv_bias"] == (which == "qwen2_dir")
     cfg = GPTConfig(**section, remat="none", vocab_multiple=128)  # 64 padded to 128
     model = llama.Llama(cfg)
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), TOKENS[:1, :-1])["params"])
@@ -673,13 +697,13 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
                                                          flat.__getitem__), 20_000)
     llama.write_config(out, section)
     assert (out / "model.safetensors.index.json").exists() and llama.read_config(out) == section
-    assert rel(torch_logits_of(transformers.LlamaForCausalLM, out), ours) < 1e-5
+    assert rel(torch_logits_of(transformers.AutoModelForCausalLM, out), ours) < 1e-5
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["llama_dir", "llama3_dir"])
+@pytest.mark.parametrize("which", ["llama_dir", "llama3_dir", "qwen2_dir"])
 def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, request):
-    """train.py --init-from a Llama directory (and one made as Llama 3.2 is): the model
+    """train.py --init-from a Llama directory (and one made as Llama 3.2 is, and a Qwen2): the model
     section from its config.json, its first loss transformers' on that batch; two SGD steps;
     the export loads in transformers with zero_jax's logits of the trained checkpoint."""
     from zero_jax.gpt import llama
@@ -694,7 +718,7 @@ def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, reque
     assert run.returncode == 0, run.stderr
     first = json.loads(metrics.read_text().splitlines()[0])["loss"]
     batch = data.batch(np.fromfile(gpt2["tokens"], np.uint16), 0, 8, 16, 0)
-    logits = torch.tensor(torch_logits_of(transformers.LlamaForCausalLM, llama_dir,
+    logits = torch.tensor(torch_logits_of(transformers.AutoModelForCausalLM, llama_dir,
                                           batch[:, :-1]))
     ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), torch.tensor(
         batch[:, 1:], dtype=torch.long).reshape(-1)).item()
@@ -708,7 +732,7 @@ def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, reque
     model = llama.Llama(GPTConfig(**llama.read_config(llama_dir), remat="none",
                                   vocab_multiple=128))
     ours = logits_of(model, trained)
-    theirs = torch_logits_of(transformers.LlamaForCausalLM, out)
+    theirs = torch_logits_of(transformers.AutoModelForCausalLM, out)
     assert rel(theirs, ours) < 1e-5
 
 

@@ -35,12 +35,14 @@ CONFIG_DIR = _shipped()
 DEFAULTS: dict[str, dict[str, Any]] = {
     # arch gpt2 (GPT-2's layer norms, learned positions, tied head) or llama (RMSNorm, rotary
     # positions of base rope_theta scaled as rope_type default, linear or llama3 says, SwiGLU,
-    # n_kv_heads key/value heads, 0: n_heads; the head tied to the embedding with tie_head).
+    # n_kv_heads key/value heads, 0: n_heads; the head tied to the embedding with tie_head;
+    # biases on q, k and v with qkv_bias, as Qwen2).
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512,
               "seq_len": 64, "remat": "auto", "arch": "gpt2", "norm_eps": 1e-5,
               "n_kv_heads": 0, "rope_theta": 10000.0, "rope_type": "default",
               "rope_factor": 1.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
-              "rope_original_max_positions": 0, "tie_head": False, "attention": "auto",
+              "rope_original_max_positions": 0, "tie_head": False, "qkv_bias": False,
+              "attention": "auto",
               "vocab_multiple": 128},
     # frozen_modules: not trained (no gradient, no optimizer state), e.g. ["wpe"].
     # schedule cosine: warmup, then cosine decay to 10% at decay_steps; constant: warmup, then

@@ -1,5 +1,6 @@
 """A Llama-family decoder (RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention,
-the head untied or tied to the embedding) with Hugging Face's tensor names, its layers under
+the head untied or tied to the embedding, biases on q, k and v or none: Llama, Mistral
+without its sliding window, Qwen2) with Hugging Face's tensor names, its layers under
 ``nn.scan`` as ``blocks``.
 
 Rotary positions rotate the two halves of each head (Hugging Face's ``rotate_half``), so its
@@ -41,8 +42,12 @@ TENSOR_PARALLEL = (
     Rule(r"^wte$", model_dim=0),
     Rule(r"^head/kernel$", model_dim=-1),
 )
-HF_FIXED = {"hidden_act": "silu", "attention_bias": False,
-            "mlp_bias": False}  # what this model computes; anything else refused
+# The families whose decoder this is, by config.json's model_type, and what each must say for
+# this model to compute it (anything else is refused): Mistral without its sliding window;
+# Qwen2 without its sliding window and with biases on q, k and v (``qkv_bias``).
+FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
+            "mistral": {"hidden_act": "silu", "sliding_window": None},
+            "qwen2": {"hidden_act": "silu", "use_sliding_window": False}}
 ROPE_TYPES = ("default", "linear", "llama3")
 # config.json's rope scaling keys -> the demo's model section
 ROPE_KEYS = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
@@ -51,8 +56,10 @@ ROPE_KEYS = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
 
 
 def tensor_parallel(c: GPTConfig) -> tuple[Rule, ...]:
-    """``TENSOR_PARALLEL``, less the head's rule where the head is the embedding's."""
-    return TENSOR_PARALLEL[:-1] if c.tie_head else TENSOR_PARALLEL
+    """``TENSOR_PARALLEL`` for the leaves ``c`` has: the q, k, v biases cut by heads as their
+    kernels, no head's rule where the head is the embedding's."""
+    bias = (Rule(r"^blocks/(q|k|v)/bias$", model_dim=-2),) if c.qkv_bias else ()
+    return (*bias, *TENSOR_PARALLEL[:-1], *(() if c.tie_head else TENSOR_PARALLEL[-1:]))
 
 
 def rope_frequencies(c: GPTConfig, dh: int) -> jax.Array:
@@ -119,13 +126,13 @@ class LlamaBlock(nn.Module):
         c = self.cfg
         b, t, d = x.shape
         dh = d // c.n_heads
-        dense = lambda features, name, **kw: nn.DenseGeneral(features, use_bias=False,
-                                                             name=name, **kw)
+        dense = lambda features, name, bias=False, **kw: nn.DenseGeneral(
+            features, use_bias=bias, name=name, **kw)
         h = nn.RMSNorm(epsilon=c.norm_eps, name="ln1")(x)
         inv = rope_frequencies(c, dh)
-        q = rope(dense((c.n_heads, dh), "q")(h), inv)
-        k = rope(dense((c.kv_heads, dh), "k")(h), inv)
-        v = dense((c.kv_heads, dh), "v")(h)
+        q = rope(dense((c.n_heads, dh), "q", c.qkv_bias)(h), inv)
+        k = rope(dense((c.kv_heads, dh), "k", c.qkv_bias)(h), inv)
+        v = dense((c.kv_heads, dh), "v", c.qkv_bias)(h)
         att = attention.causal(q, k, v, c.attention)  # query head i reads kv head i // rep
         x = x + dense(d, "o", axis=(-2, -1))(att)
         h = nn.RMSNorm(epsilon=c.norm_eps, name="ln2")(x)
@@ -185,6 +192,9 @@ def mapping(c: GPTConfig) -> Mapping:
     for name, heads in [("q", c.n_heads), ("k", c.kv_heads), ("v", c.kv_heads)]:
         rows.append(Tensor(f"{h}self_attn.{name}_proj.weight", f"blocks/{name}/kernel",
                            transpose=(1, 0), split=(1, (heads, -1))))
+        if c.qkv_bias:
+            rows.append(Tensor(f"{h}self_attn.{name}_proj.bias", f"blocks/{name}/bias",
+                               split=(0, (heads, -1))))
     for name in ("gate", "up", "down"):
         rows.append(Tensor(f"{h}mlp.{name}_proj.weight", f"blocks/{name}/kernel",
                            transpose=(1, 0)))
@@ -193,16 +203,17 @@ def mapping(c: GPTConfig) -> Mapping:
 
 
 def read_config(directory: str | os.PathLike) -> dict:
-    """The model section of the demo's config from a Llama directory's config.json; what this
-    model does not compute (biases, another activation, another rope type) is refused."""
+    """The model section of the demo's config from a Llama, Mistral or Qwen2 directory's
+    config.json; what this model does not compute (other biases, another activation, a
+    sliding window, another rope type) is refused."""
     path = pathlib.Path(directory) / "config.json"
     try:
         hf = json.loads(path.read_text())
-        assert isinstance(hf, dict) and hf.get("model_type") == "llama"
+        assert isinstance(hf, dict) and hf.get("model_type") in FAMILIES
     except (OSError, ValueError, AssertionError):
-        raise WeightsError(f"{path} is missing or not a Llama config.json: pass a Hugging Face "
-                           "Llama directory") from None
-    for key, want in HF_FIXED.items():
+        raise WeightsError(f"{path} is missing or not a Llama, Mistral or Qwen2 config.json: "
+                           "pass a Hugging Face directory of one") from None
+    for key, want in FAMILIES[hf["model_type"]].items():
         if hf.get(key, want) != want:
             raise WeightsError(f"{path} has {key} {hf[key]!r}; this demo's Llama computes "
                                f"{want!r} only: pass a model with {key} {want!r}")
@@ -215,7 +226,7 @@ def read_config(directory: str | os.PathLike) -> dict:
         raise WeightsError(f"{path} has head_dim {head_dim} x {model['n_heads']} heads != "
                            f"hidden_size {model['d_model']}; this model needs them equal")
     return {**model, "arch": "llama", "tie_head": bool(hf.get("tie_word_embeddings", False)),
-            **_rope(path, hf)}
+            "qkv_bias": hf["model_type"] == "qwen2", **_rope(path, hf)}
 
 
 def _rope(path: pathlib.Path, hf: dict) -> dict:
@@ -245,12 +256,15 @@ DEFAULT_ROPE = {f.name: f.default for f in dataclasses.fields(GPTConfig)
 
 
 def write_config(directory: pathlib.Path, model: dict, dtype: str = "float32") -> None:
-    """A Llama config.json for the demo's ``model`` section, as transformers reads it (the
-    rope scaling in the ``rope_scaling`` form Llama 3's files use, which transformers 4 and 5
-    both read)."""
+    """A config.json for the demo's ``model`` section, as transformers reads it: Qwen2's with
+    ``qkv_bias``, else Llama's (a Mistral without its window computes as one); the rope
+    scaling in the ``rope_scaling`` form Llama 3's files use, which transformers 4 and 5 both
+    read."""
     c = GPTConfig(**model)
-    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-          **{theirs: getattr(c, ours) for theirs, ours in HF_KEYS.items()}, **HF_FIXED,
+    family, architecture = ("qwen2", "Qwen2ForCausalLM") if c.qkv_bias else \
+        ("llama", "LlamaForCausalLM")
+    hf = {"architectures": [architecture], "model_type": family,
+          **{theirs: getattr(c, ours) for theirs, ours in HF_KEYS.items()}, **FAMILIES[family],
           "tie_word_embeddings": c.tie_head, "num_key_value_heads": c.kv_heads,
           "head_dim": c.d_model // c.n_heads, "rope_theta": c.rope_theta, "dtype": dtype}
     if c.rope_type != "default":

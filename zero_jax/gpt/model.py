@@ -54,6 +54,7 @@ class GPTConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 0
     tie_head: bool = False  # llama: the head is the embedding's transpose (GPT-2's always is)
+    qkv_bias: bool = False  # llama: biases on the q, k and v projections (Qwen2)
     attention: str = "auto"  # zero_jax.gpt.attention.IMPLEMENTATIONS
     vocab_multiple: int = 1  # the embedding (and head) padded to a multiple of this
 
@@ -74,7 +75,8 @@ class GPTConfig:
         if self.arch == "llama":  # no position table, no biases
             kv = d // self.n_heads * self.kv_heads
             head = 0 if self.tie_head else V * d
-            return V * d + head + d + L * (2 * d + 2 * d * d + 2 * d * kv + 3 * d * f)
+            bias = d + 2 * kv if self.qkv_bias else 0
+            return V * d + head + d + L * (2 * d + 2 * d * d + 2 * d * kv + 3 * d * f + bias)
         per_layer = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
         return V * d + self.seq_len * d + L * per_layer + 2 * d
 
