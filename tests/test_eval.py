@@ -123,3 +123,47 @@ def test_train_py_evaluates_on_the_held_out_tenth(tmp_path, capsys):
                           "--resume", "--set", "model.n_layers=1"]) == 2
     err = capsys.readouterr().err
     assert "trained on all but the held-out tenth of its data, this run on all" in err
+
+
+def test_train_py_evaluates_on_eval_data(tmp_path, capsys):
+    """``--eval-data``: training reads all of ``--data`` (its losses those of a run without
+    evaluation, to the bit), the eval loss is one device's mean loss over that file's batches
+    at the parameters the step saved, a resume without evaluation trains on the same data;
+    without ``train.eval_every``, or naming no file, one line and exit code 2."""
+    val = tmp_path / "val.txt"
+    val.write_bytes(data.stdlib_corpus(5 << 20)[4 << 20:].tobytes())  # past what --data reads
+    sets = ["model.n_layers=1", "train.eval_batches=2", "optimizer.decay_steps=20"]
+    flags = lambda *more: [a for s in [*sets, *more] for a in ("--set", s)]
+    ckpt, metrics, plain = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "plain.jsonl"
+    assert train_py.main(["--stage", "3", "--steps", "3", "--eval-data", str(val),
+                          "--metrics", str(metrics), "--checkpoint-dir", str(ckpt),
+                          *flags("train.eval_every=3")]) == 0
+    assert train_py.main(["--stage", "3", "--steps", "3", "--metrics", str(plain),
+                          *flags()]) == 0
+    rows, ref = ([json.loads(line) for line in f.read_text().splitlines()]
+                 for f in (metrics, plain))
+    assert [r["loss"] for r in rows] == [r["loss"] for r in ref]
+    cfg = config.load("tiny", ["zero.stage=3", "train.steps=3", *sets])
+    exp = Experiment.build(cfg, zj.make_mesh(8))
+    ckpts = zj.Checkpoints(ckpt)
+    try:
+        params = jax.device_get(ckpts.restore(zj.abstract_state(exp.plan, exp.tx), 3)[0].params)
+    finally:
+        ckpts.close()
+    m, tokens = exp.model, data.load_tokens(str(val))
+    loss_fn = jax.jit(lm_loss(build_model(m)))
+    one_device = np.mean([loss_fn(params, data.eval_batch(tokens, j, 32, m.seq_len))
+                          for j in range(2)])
+    assert rel(rows[-1]["eval_loss"], one_device) < 1e-5
+    capsys.readouterr()
+    assert train_py.main(["--stage", "3", "--steps", "4", "--checkpoint-dir", str(ckpt),
+                          "--resume", *flags()]) == 0
+    for args, message in [
+            (["--eval-data", str(val)], f"--eval-data {val} is evaluated every "
+                                        "train.eval_every steps, which is 0"),
+            (["--eval-data", str(tmp_path / "none.bin"), *flags("train.eval_every=2")],
+             f"data file {tmp_path / 'none.bin'} does not exist")]:
+        capsys.readouterr()
+        assert train_py.main(["--steps", "2", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err

@@ -83,6 +83,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "accelerator)")
     p.add_argument("--data", help="text file, directory of text files, or .bin of uint16 token "
                    "ids (default: the Python standard library's sources, as bytes)")
+    p.add_argument("--eval-data", metavar="FILE", help="evaluate on this file (as --data "
+                   "reads it) every train.eval_every steps, training on all of --data (default: "
+                   "--data's last tenth, held out)")
     p.add_argument("--metrics", help="write one JSON object per step to this file")
     p.add_argument("--report", help="write the memory/communication report as JSON here")
     p.add_argument("--init-from", metavar="DIR", help="start from a Hugging Face GPT-2, Llama, "
@@ -226,6 +229,7 @@ def check_args(args: argparse.Namespace) -> str | None:
     for flag, value, instead in [
             ("--config", args.config, "a YAML file or a name in configs/"),
             ("--data", args.data, "a file or directory, or leave it out for the default corpus"),
+            ("--eval-data", args.eval_data, "a file or directory, or leave it out"),
             ("--checkpoint-dir", args.checkpoint_dir, "a directory, or leave it out"),
             ("--metrics", args.metrics, "a file name, or leave it out"),
             ("--report", args.report, "a file name, or leave it out"),

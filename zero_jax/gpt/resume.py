@@ -31,7 +31,7 @@ class Start:
     records: list = dataclasses.field(default_factory=list)  # the metrics file, line by line
     overwrite: list[int] = dataclasses.field(default_factory=list)  # --overwrite deletes these
     corrupt: list[int] = dataclasses.field(default_factory=list)  # steps that did not read
-    held_out: object = None  # the tokens train.eval_every evaluates on
+    held_out: object = None  # the tokens train.eval_every evaluates on (or --eval-data's)
 
     def __enter__(self) -> Start:
         return self
@@ -50,7 +50,14 @@ def find_start(exp, cfg: dict, args: argparse.Namespace) -> Start:
     source = args.data or "the standard library corpus"
     data.check_tokens(tokens, m.vocab_size, m.seq_len, source)
     held = None
-    if cfg["train"]["eval_every"]:
+    if args.eval_data:
+        if not cfg["train"]["eval_every"]:
+            raise ValueError(f"--eval-data {args.eval_data} is evaluated every train.eval_every "
+                             "steps, which is 0: set --set train.eval_every=N, or leave "
+                             "--eval-data out")
+        held = data.load_tokens(args.eval_data)
+        data.check_tokens(held, m.vocab_size, m.seq_len, f"--eval-data {args.eval_data}")
+    elif cfg["train"]["eval_every"]:
         tokens, held = data.held_out(tokens, m.seq_len, source)
     start = Start(tokens, seed=cfg["train"]["seed"], held_out=held)
     try:
@@ -78,6 +85,12 @@ def find_start(exp, cfg: dict, args: argparse.Namespace) -> Start:
         start.__exit__()  # the lock: a refused run leaves the directory as it found it
         raise
     return start
+
+
+def held_out_share(cfg: dict, args: argparse.Namespace) -> float:
+    """The share of --data's stream held out from training: its last tenth with
+    train.eval_every, none when --eval-data holds the evaluation's tokens."""
+    return data.HELD_OUT if cfg["train"]["eval_every"] and not args.eval_data else 0.0
 
 
 def load_path(load: str):
@@ -112,13 +125,14 @@ def readable_step(start: Start, newest: int, cfg: dict, args: argparse.Namespace
             raise ValueError(f"the checkpoint was trained on --data {saved or '(the default)'} "
                              f"but this run reads {here or '(the default)'}: pass the same "
                              "--data, or --allow-other-data to go on with other data")
-        held = data.HELD_OUT if cfg["train"]["eval_every"] else 0.0
+        held = held_out_share(cfg, args)
         was = meta.get("data", {}).get("held_out", 0.0)
         if held != was and not args.allow_other_data:
             trains_on = lambda f: "all but the held-out tenth" if f else "all"
             raise ValueError(f"the checkpoint trained on {trains_on(was)} of its data, this run "
                              f"on {trains_on(held)} (train.eval_every holds out the last "
-                             f"tenth): set train.eval_every as it was, or pass "
+                             f"tenth, unless --eval-data gives the held-out data): set "
+                             "train.eval_every and --eval-data as they were, or pass "
                              "--allow-other-data to go on with other data")
         start.seed = meta["data"]["seed"]  # the data order goes on where it stopped
         return step
@@ -206,7 +220,7 @@ def checkpoint_meta(exp, cfg: dict, args: argparse.Namespace, seed: int, step: i
     source = os.path.abspath(args.data) if args.data else None
     return {"config": cfg,
             "data": {"source": source, "seed": seed, "next_batch": step,
-                     "held_out": data.HELD_OUT if cfg["train"]["eval_every"] else 0.0},
+                     "held_out": held_out_share(cfg, args)},
             "writer": {"stage": plan.stage, "devices": plan.mesh.size,
                        "processes": len({d.process_index for d in plan.mesh.devices.flat}),
                        "platform": plan.mesh.devices.flat[0].platform}}
