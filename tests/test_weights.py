@@ -629,6 +629,38 @@ def test_rope_frequencies_are_transformers(scaling):
     assert plain.min() < 0.3 and (plain.max() > 0.99) == (scaling["rope_type"] == "llama3")
 
 
+# Llama 3.2 1B's config.json as Meta publishes it on the Hugging Face Hub.
+LLAMA_3_2_1B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
+    "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "use_cache": True, "vocab_size": 128256}
+
+
+def test_the_shipped_llama_3_2_config_is_llama_3_2_1b(tmp_path):
+    """``configs/llama3.2-1b.yaml`` is the model section ``--init-from`` reads from Llama 3.2
+    1B's config.json (its training window aside), and its parameter count transformers'
+    (1,235,814,400: the head tied, counted once)."""
+    from zero_jax.gpt import config, llama
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_2_1B))
+    section = llama.read_config(tmp_path)
+    shipped = config.load("llama3.2-1b")["model"]
+    assert section.pop("seq_len") == 131072 and shipped["seq_len"] == 2048
+    assert {k: shipped[k] for k in section} == section
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(tmp_path))
+    n = sum(p.numel() for p in model.parameters())
+    assert GPTConfig(**shipped).n_params == n == 1_235_814_400
+
+
 LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does not compute
     "rope_scaling.rope_type": {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
     "rope_parameters.rope_type": {"rope_parameters": {"rope_type": "dynamic", "factor": 8.0,
