@@ -566,6 +566,9 @@ FAMILIES = {  # fixture: (class, config, torch seed)
     "qwen2_dir": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
         **SMALL_LLAMA, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}), 3),
+    # heads twice as wide as hidden_size / heads, as Qwen3's are
+    "qwen3_dir": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
+        **SMALL_LLAMA, head_dim=16, tie_word_embeddings=True), 4),
 }
 
 
@@ -604,6 +607,12 @@ def mistral_dir(tmp_path_factory) -> pathlib.Path:
 def qwen2_dir(tmp_path_factory) -> pathlib.Path:
     """A Qwen2 (biases on q, k and v; tied head, as Qwen2.5's small models)."""
     return _family(tmp_path_factory, "qwen2_dir")
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory) -> pathlib.Path:
+    """A Qwen3 (q and k normed per head, heads wider than hidden_size / heads; tied head)."""
+    return _family(tmp_path_factory, "qwen3_dir")
 
 
 @pytest.mark.parametrize("scaling", [{"rope_type": "linear", "factor": 4.0}, LLAMA3_ROPE])
@@ -697,7 +706,8 @@ def test_a_llama_asking_for_what_the_model_lacks_is_refused_naming_the_key(
 def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path, tp, request):
     """Read at stage 3 (x tensor parallel 2) through the Llama mapping (transposes, head
     splits): a Llama untied with plain rotary positions, one as Llama 3.2 (tied head, llama3
-    rope scaling), a Mistral, a Qwen2 (q, k, v biases): logits within 1e-5 of transformers';
+    rope scaling), a Mistral, a Qwen2 (q, k, v biases), a Qwen3 (q, k norms, wider heads):
+    logits within 1e-5 of transformers';
     written back through the same table as shards with an index and a config.json (a Mistral
     as the Llama it computes as), transformers loads it with the same logits."""
     from zero_jax.gpt import llama
@@ -707,8 +717,9 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     llama_dir = request.getfixturevalue(which)
     theirs = torch_logits_of(transformers.AutoModelForCausalLM, llama_dir)
     section = llama.read_config(llama_dir)
-    assert section["tie_head"] == (which in ("llama3_dir", "qwen2_dir"))
+    assert section["tie_head"] == (which in ("llama3_dir", "qwen2_dir", "qwen3_dir"))
     assert section["qkv_bias"] == (which == "qwen2_dir")
+    assert section["qk_norm"] == (which == "qwen3_dir") == (section["head_dim"] == 16)
     cfg = GPTConfig(**section, remat="none", vocab_multiple=128)  # 64 padded to 128
     model = llama.Llama(cfg)
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), TOKENS[:1, :-1])["params"])
@@ -733,11 +744,11 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["llama_dir", "llama3_dir", "qwen2_dir"])
+@pytest.mark.parametrize("which", ["llama_dir", "llama3_dir", "qwen2_dir", "qwen3_dir"])
 def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, request):
-    """train.py --init-from a Llama directory (and one made as Llama 3.2 is, and a Qwen2): the model
-    section from its config.json, its first loss transformers' on that batch; two SGD steps;
-    the export loads in transformers with zero_jax's logits of the trained checkpoint."""
+    """train.py --init-from a Llama directory (one made as Llama 3.2 is, a Qwen2, a Qwen3): the
+    model section from its config.json, its first loss transformers' on that batch; two SGD
+    steps; the export loads in transformers with zero_jax's logits of the trained checkpoint."""
     from zero_jax.gpt import llama
 
     llama_dir = request.getfixturevalue(which)

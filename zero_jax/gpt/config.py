@@ -36,13 +36,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # arch gpt2 (GPT-2's layer norms, learned positions, tied head) or llama (RMSNorm, rotary
     # positions of base rope_theta scaled as rope_type default, linear or llama3 says, SwiGLU,
     # n_kv_heads key/value heads, 0: n_heads; the head tied to the embedding with tie_head;
-    # biases on q, k and v with qkv_bias, as Qwen2).
+    # biases on q, k and v with qkv_bias, as Qwen2; q and k normed with qk_norm, as Qwen3;
+    # heads head_dim wide, 0: d_model / n_heads).
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512,
               "seq_len": 64, "remat": "auto", "arch": "gpt2", "norm_eps": 1e-5,
               "n_kv_heads": 0, "rope_theta": 10000.0, "rope_type": "default",
               "rope_factor": 1.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
               "rope_original_max_positions": 0, "tie_head": False, "qkv_bias": False,
-              "attention": "auto",
+              "qk_norm": False, "head_dim": 0, "attention": "auto",
               "vocab_multiple": 128},
     # frozen_modules: not trained (no gradient, no optimizer state), e.g. ["wpe"].
     # schedule cosine: warmup, then cosine decay to 10% at decay_steps; constant: warmup, then
@@ -297,7 +298,8 @@ def validate(config: dict) -> None:
     if m["vocab_size"] > INT32_MAX:
         raise ConfigError(f"model.vocab_size must be at most {INT32_MAX} (got "
                           f"{m['vocab_size']}): token ids are int32")
-    if m["d_model"] % m["n_heads"]:
+    _check_llama(m)
+    if not m["head_dim"] and m["d_model"] % m["n_heads"]:
         raise ConfigError(f"model.d_model {m['d_model']} is not divisible by model.n_heads "
                           f"{m['n_heads']}")
     for key in ("batch_size", "steps", "accum_steps"):
@@ -319,6 +321,19 @@ def validate(config: dict) -> None:
     _check_zero(config)
     _check_tensor_parallel(config)
     _check_precision(config)
+
+
+def _check_llama(m: dict) -> None:
+    """What only the Llama decoder computes, asked of it alone, and as one family has it."""
+    if m["head_dim"] < 0:
+        raise ConfigError(f"model.head_dim must be at least 0 (got {m['head_dim']}): 0 is "
+                          "d_model / n_heads")
+    if m["arch"] != "llama" and (m["head_dim"] or m["qkv_bias"] or m["qk_norm"]):
+        raise ConfigError("model.head_dim, model.qkv_bias and model.qk_norm are the llama "
+                          "arch's: set model.arch=llama, or leave them out")
+    if m["qkv_bias"] and m["qk_norm"]:
+        raise ConfigError("model.qkv_bias and model.qk_norm together are no Hugging Face "
+                          "family's decoder (Qwen2 has the one, Qwen3 the other): set one")
 
 
 def _check_rope(m: dict) -> None:

@@ -131,7 +131,7 @@ def resolved_model(model: dict, platform: str, compute) -> dict:
     matmuls' outputs (``dots``: with the attention fused, every remaining matmul is a
     projection without batch dimensions) and recomputes the rest, else saves nothing (``full``,
     the CPU mesh's default). cuDNN asked for where it cannot run is refused here."""
-    dh = model["d_model"] // model["n_heads"]
+    dh = model.get("head_dim") or model["d_model"] // model["n_heads"]
     impl = attention.resolve(model["attention"], platform, compute, dh)
     if impl == "cudnn" and (why := attention.cudnn_fits(platform, compute, dh)):
         raise ValueError(f"model.attention=cudnn cannot run here: {why}; use auto or xla")

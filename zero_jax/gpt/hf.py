@@ -61,7 +61,7 @@ def read_config(directory: str | os.PathLike) -> dict:
         return llama.read_config(directory)
     if hf.get("model_type") != "gpt2":
         raise WeightsError(f"{path} is model_type {hf.get('model_type')!r}; this demo reads "
-                           "gpt2, llama, mistral and qwen2: pass a directory of one")
+                           "gpt2, llama, mistral, qwen2 and qwen3: pass a directory of one")
     for key, want in GPT2_FIXED.items():
         if key in hf and hf[key] != want:
             raise WeightsError(f"{path} has {key} {hf[key]!r}; this demo's GPT-2 computes "
@@ -140,7 +140,7 @@ def saver(directory: str, step, model: dict, every: int, last: int, stop, guard)
 
 def export(checkpoint_dir: str, out: str, step: int | None = None, dtype: str = "fp32",
            max_shard_bytes: int | None = None) -> dict:
-    """A demo checkpoint as a Hugging Face GPT-2, Llama or Qwen2 directory: config.json (from the
+    """A demo checkpoint as a Hugging Face GPT-2, Llama or Qwen directory: config.json (from the
     model config the run stored) and model.safetensors (or shards and their index), streamed."""
     from zero_jax import export as library
 

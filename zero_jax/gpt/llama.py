@@ -1,6 +1,7 @@
 """A Llama-family decoder (RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention,
-the head untied or tied to the embedding, biases on q, k and v or none: Llama, Mistral
-without its sliding window, Qwen2) with Hugging Face's tensor names, its layers under
+the head untied or tied to the embedding, biases on q, k and v or an RMSNorm over each head's
+q and k, or neither: Llama, Mistral without its sliding window, Qwen2, Qwen3) with Hugging
+Face's tensor names, its layers under
 ``nn.scan`` as ``blocks``.
 
 Rotary positions rotate the two halves of each head (Hugging Face's ``rotate_half``), so its
@@ -47,7 +48,9 @@ TENSOR_PARALLEL = (
 # Qwen2 without its sliding window and with biases on q, k and v (``qkv_bias``).
 FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
             "mistral": {"hidden_act": "silu", "sliding_window": None},
-            "qwen2": {"hidden_act": "silu", "use_sliding_window": False}}
+            "qwen2": {"hidden_act": "silu", "use_sliding_window": False},
+            "qwen3": {"hidden_act": "silu", "attention_bias": False,
+                      "use_sliding_window": False}}
 ROPE_TYPES = ("default", "linear", "llama3")
 # config.json's rope scaling keys -> the demo's model section
 ROPE_KEYS = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
@@ -125,13 +128,17 @@ class LlamaBlock(nn.Module):
     def __call__(self, x: jax.Array, _) -> tuple[jax.Array, None]:
         c = self.cfg
         b, t, d = x.shape
-        dh = d // c.n_heads
+        dh = c.dh
         dense = lambda features, name, bias=False, **kw: nn.DenseGeneral(
             features, use_bias=bias, name=name, **kw)
         h = nn.RMSNorm(epsilon=c.norm_eps, name="ln1")(x)
         inv = rope_frequencies(c, dh)
-        q = rope(dense((c.n_heads, dh), "q", c.qkv_bias)(h), inv)
-        k = rope(dense((c.kv_heads, dh), "k", c.qkv_bias)(h), inv)
+        q, k = dense((c.n_heads, dh), "q", c.qkv_bias)(h), dense((c.kv_heads, dh), "k",
+                                                                  c.qkv_bias)(h)
+        if c.qk_norm:  # over each head's width, the one scale shared by the heads
+            q = nn.RMSNorm(epsilon=c.norm_eps, name="q_norm")(q)
+            k = nn.RMSNorm(epsilon=c.norm_eps, name="k_norm")(k)
+        q, k = rope(q, inv), rope(k, inv)
         v = dense((c.kv_heads, dh), "v", c.qkv_bias)(h)
         att = attention.causal(q, k, v, c.attention)  # query head i reads kv head i // rep
         x = x + dense(d, "o", axis=(-2, -1))(att)
@@ -195,6 +202,9 @@ def mapping(c: GPTConfig) -> Mapping:
         if c.qkv_bias:
             rows.append(Tensor(f"{h}self_attn.{name}_proj.bias", f"blocks/{name}/bias",
                                split=(0, (heads, -1))))
+    if c.qk_norm:
+        rows += [Tensor(f"{h}self_attn.{n}_norm.weight", f"blocks/{n}_norm/scale")
+                 for n in ("q", "k")]
     for name in ("gate", "up", "down"):
         rows.append(Tensor(f"{h}mlp.{name}_proj.weight", f"blocks/{name}/kernel",
                            transpose=(1, 0)))
@@ -203,7 +213,7 @@ def mapping(c: GPTConfig) -> Mapping:
 
 
 def read_config(directory: str | os.PathLike) -> dict:
-    """The model section of the demo's config from a Llama, Mistral or Qwen2 directory's
+    """The model section of the demo's config from a Llama, Mistral, Qwen2 or Qwen3 directory's
     config.json; what this model does not compute (other biases, another activation, a
     sliding window, another rope type) is refused."""
     path = pathlib.Path(directory) / "config.json"
@@ -211,7 +221,7 @@ def read_config(directory: str | os.PathLike) -> dict:
         hf = json.loads(path.read_text())
         assert isinstance(hf, dict) and hf.get("model_type") in FAMILIES
     except (OSError, ValueError, AssertionError):
-        raise WeightsError(f"{path} is missing or not a Llama, Mistral or Qwen2 config.json: "
+        raise WeightsError(f"{path} is missing or not a Llama, Mistral or Qwen config.json: "
                            "pass a Hugging Face directory of one") from None
     for key, want in FAMILIES[hf["model_type"]].items():
         if hf.get(key, want) != want:
@@ -222,11 +232,10 @@ def read_config(directory: str | os.PathLike) -> dict:
     except KeyError as e:
         raise WeightsError(f"{path} has no {e.args[0]}: pass a Llama config.json") from None
     head_dim = hf.get("head_dim") or model["d_model"] // model["n_heads"]
-    if head_dim * model["n_heads"] != model["d_model"]:
-        raise WeightsError(f"{path} has head_dim {head_dim} x {model['n_heads']} heads != "
-                           f"hidden_size {model['d_model']}; this model needs them equal")
     return {**model, "arch": "llama", "tie_head": bool(hf.get("tie_word_embeddings", False)),
-            "qkv_bias": hf["model_type"] == "qwen2", **_rope(path, hf)}
+            "qkv_bias": hf["model_type"] == "qwen2", "qk_norm": hf["model_type"] == "qwen3",
+            "head_dim": 0 if head_dim * model["n_heads"] == model["d_model"] else head_dim,
+            **_rope(path, hf)}
 
 
 def _rope(path: pathlib.Path, hf: dict) -> dict:
@@ -257,16 +266,17 @@ DEFAULT_ROPE = {f.name: f.default for f in dataclasses.fields(GPTConfig)
 
 def write_config(directory: pathlib.Path, model: dict, dtype: str = "float32") -> None:
     """A config.json for the demo's ``model`` section, as transformers reads it: Qwen2's with
-    ``qkv_bias``, else Llama's (a Mistral without its window computes as one); the rope
-    scaling in the ``rope_scaling`` form Llama 3's files use, which transformers 4 and 5 both
-    read."""
+    ``qkv_bias``, Qwen3's with ``qk_norm``, else Llama's (a Mistral without its window
+    computes as one); the rope scaling in the ``rope_scaling`` form Llama 3's files use, which
+    transformers 4 and 5 both read."""
     c = GPTConfig(**model)
-    family, architecture = ("qwen2", "Qwen2ForCausalLM") if c.qkv_bias else \
-        ("llama", "LlamaForCausalLM")
+    family = "qwen2" if c.qkv_bias else "qwen3" if c.qk_norm else "llama"
+    architecture = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                    "llama": "LlamaForCausalLM"}[family]
     hf = {"architectures": [architecture], "model_type": family,
           **{theirs: getattr(c, ours) for theirs, ours in HF_KEYS.items()}, **FAMILIES[family],
           "tie_word_embeddings": c.tie_head, "num_key_value_heads": c.kv_heads,
-          "head_dim": c.d_model // c.n_heads, "rope_theta": c.rope_theta, "dtype": dtype}
+          "head_dim": c.dh, "rope_theta": c.rope_theta, "dtype": dtype}
     if c.rope_type != "default":
         keys = ("factor",) if c.rope_type == "linear" else tuple(ROPE_KEYS)
         hf["rope_scaling"] = {"rope_type": c.rope_type,

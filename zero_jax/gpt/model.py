@@ -55,12 +55,19 @@ class GPTConfig:
     rope_original_max_positions: int = 0
     tie_head: bool = False  # llama: the head is the embedding's transpose (GPT-2's always is)
     qkv_bias: bool = False  # llama: biases on the q, k and v projections (Qwen2)
+    qk_norm: bool = False  # llama: an RMSNorm over each head's q and k before rotary (Qwen3)
+    head_dim: int = 0  # llama: each head's width; 0: d_model / n_heads
     attention: str = "auto"  # zero_jax.gpt.attention.IMPLEMENTATIONS
     vocab_multiple: int = 1  # the embedding (and head) padded to a multiple of this
 
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
+
+    @property
+    def dh(self) -> int:
+        """Each attention head's width."""
+        return self.head_dim or self.d_model // self.n_heads
 
     @property
     def padded_vocab(self) -> int:
@@ -72,11 +79,11 @@ class GPTConfig:
     @property
     def n_params(self) -> int:
         d, f, L, V = self.d_model, self.d_ff, self.n_layers, self.padded_vocab
-        if self.arch == "llama":  # no position table, no biases
-            kv = d // self.n_heads * self.kv_heads
+        if self.arch == "llama":  # no position table
+            q, kv = self.n_heads * self.dh, self.kv_heads * self.dh
             head = 0 if self.tie_head else V * d
-            bias = d + 2 * kv if self.qkv_bias else 0
-            return V * d + head + d + L * (2 * d + 2 * d * d + 2 * d * kv + 3 * d * f + bias)
+            extra = (q + 2 * kv if self.qkv_bias else 0) + (2 * self.dh if self.qk_norm else 0)
+            return V * d + head + d + L * (2 * d + 2 * d * q + 2 * d * kv + 3 * d * f + extra)
         per_layer = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
         return V * d + self.seq_len * d + L * per_layer + 2 * d
 
@@ -174,7 +181,7 @@ def block_remat(c: GPTConfig, dtype) -> str:
     if c.remat != "auto":
         return c.remat
     fused = attention.resolve(c.attention, jax.default_backend(), dtype,
-                              c.d_model // c.n_heads) == "cudnn"
+                              c.dh) == "cudnn"
     return "dots" if fused else "full"
 
 
