@@ -125,6 +125,7 @@ def test_train_py_evaluates_on_the_held_out_tenth(tmp_path, capsys):
     assert "trained on all but the held-out tenth of its data, this run on all" in err
 
 
+@pytest.mark.slow
 def test_train_py_evaluates_on_eval_data(tmp_path, capsys):
     """``--eval-data``: training reads all of ``--data`` (its losses those of a run without
     evaluation, to the bit), the eval loss is one device's mean loss over that file's batches
