@@ -309,7 +309,8 @@ ROWS = [
     ("attention cudnn on cpu", [*T, "--set", "model.attention=cudnn"], None,
      "model.attention=cudnn cannot run here: it runs on CUDA GPUs only (these devices are cpu)"),
     ("head_dim of gpt2", [*T, "--set", "model.head_dim=16"], None,
-     "model.head_dim, model.qkv_bias and model.qk_norm are the llama arch's"),
+     "model.head_dim, model.qkv_bias, model.qk_norm and model.max_positions are the llama "
+     "arch's"),
     ("qkv bias and qk norm", [*T, "--config", "llama", "--set", "model.qkv_bias=true", "--set",
                               "model.qk_norm=true"], None,
      "model.qkv_bias and model.qk_norm together are no Hugging Face family's decoder"),

@@ -709,7 +709,8 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     rope scaling), a Mistral, a Qwen2 (q, k, v biases), a Qwen3 (q, k norms, wider heads):
     logits within 1e-5 of transformers';
     written back through the same table as shards with an index and a config.json (a Mistral
-    as the Llama it computes as), transformers loads it with the same logits."""
+    as the Llama it computes as; the context it declared, whatever the training window),
+    transformers loads it with the same logits."""
     from zero_jax.gpt import llama
     from zero_jax.tensorfiles import write_set
     from zero_jax.weights import export_arrays, export_specs
@@ -738,7 +739,8 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     out.mkdir()
     write_set(out, [s for s, *_ in specs], export_arrays(llama.mapping(cfg), specs,
                                                          flat.__getitem__), 20_000)
-    llama.write_config(out, section)
+    # as trained at a shorter window: the context config.json declared is written back
+    llama.write_config(out, {**section, "seq_len": 8})
     assert (out / "model.safetensors.index.json").exists() and llama.read_config(out) == section
     assert rel(torch_logits_of(transformers.AutoModelForCausalLM, out), ours) < 1e-5
 

@@ -232,7 +232,8 @@ def read_config(directory: str | os.PathLike) -> dict:
     except KeyError as e:
         raise WeightsError(f"{path} has no {e.args[0]}: pass a Llama config.json") from None
     head_dim = hf.get("head_dim") or model["d_model"] // model["n_heads"]
-    return {**model, "arch": "llama", "tie_head": bool(hf.get("tie_word_embeddings", False)),
+    return {**model, "max_positions": model["seq_len"],
+            "arch": "llama", "tie_head": bool(hf.get("tie_word_embeddings", False)),
             "qkv_bias": hf["model_type"] == "qwen2", "qk_norm": hf["model_type"] == "qwen3",
             "head_dim": 0 if head_dim * model["n_heads"] == model["d_model"] else head_dim,
             **_rope(path, hf)}
@@ -276,7 +277,8 @@ def write_config(directory: pathlib.Path, model: dict, dtype: str = "float32") -
     hf = {"architectures": [architecture], "model_type": family,
           **{theirs: getattr(c, ours) for theirs, ours in HF_KEYS.items()}, **FAMILIES[family],
           "tie_word_embeddings": c.tie_head, "num_key_value_heads": c.kv_heads,
-          "head_dim": c.dh, "rope_theta": c.rope_theta, "dtype": dtype}
+          "head_dim": c.dh, "rope_theta": c.rope_theta, "dtype": dtype,
+          "max_position_embeddings": c.max_positions or c.seq_len}
     if c.rope_type != "default":
         keys = ("factor",) if c.rope_type == "linear" else tuple(ROPE_KEYS)
         hf["rope_scaling"] = {"rope_type": c.rope_type,

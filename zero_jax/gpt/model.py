@@ -57,6 +57,9 @@ class GPTConfig:
     qkv_bias: bool = False  # llama: biases on the q, k and v projections (Qwen2)
     qk_norm: bool = False  # llama: an RMSNorm over each head's q and k before rotary (Qwen3)
     head_dim: int = 0  # llama: each head's width; 0: d_model / n_heads
+    # llama: the context config.json declares (max_position_embeddings), written back on
+    # export whatever window seq_len trains at; 0: seq_len
+    max_positions: int = 0
     attention: str = "auto"  # zero_jax.gpt.attention.IMPLEMENTATIONS
     vocab_multiple: int = 1  # the embedding (and head) padded to a multiple of this
 
