@@ -675,6 +675,7 @@ LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does
     "rope_parameters.rope_type": {"rope_parameters": {"rope_type": "dynamic", "factor": 8.0,
                                                       "rope_theta": 10000.0}},
     "attention_bias": {"attention_bias": True},
+    "rope_scaling.factor": {"rope_scaling": {"rope_type": "linear", "factor": "eight"}},
     "sliding_window": {"model_type": "mistral", "sliding_window": 4096},
     "use_sliding_window": {"model_type": "qwen2", "use_sliding_window": True},
 }
@@ -684,8 +685,8 @@ LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does
 def test_a_llama_asking_for_what_the_model_lacks_is_refused_naming_the_key(
         llama_dir, gpt2, tmp_path, key, capsys):
     """train.py --init-from a Llama whose config.json asks for a rope type other than default,
-    linear and llama3 or for attention biases, a Mistral or Qwen2 with a sliding window: one
-    line naming the key, exit code 2, nothing written."""
+    linear and llama3, for attention biases or a scaling factor that is no number, a Mistral or
+    Qwen2 with a sliding window: one line naming the key, exit code 2, nothing written."""
     import shutil
 
     bad = tmp_path / "bad"

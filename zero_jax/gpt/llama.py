@@ -232,8 +232,11 @@ def read_config(directory: str | os.PathLike) -> dict:
     except KeyError as e:
         raise WeightsError(f"{path} has no {e.args[0]}: pass a Llama config.json") from None
     head_dim = hf.get("head_dim") or model["d_model"] // model["n_heads"]
+    if not isinstance(tied := hf.get("tie_word_embeddings", False), bool):
+        raise WeightsError(f"{path} has tie_word_embeddings {tied!r}, not true or false: pass a "
+                           "model whose config.json has one of them")
     return {**model, "max_positions": model["seq_len"],
-            "arch": "llama", "tie_head": bool(hf.get("tie_word_embeddings", False)),
+            "arch": "llama", "tie_head": tied,
             "qkv_bias": hf["model_type"] == "qwen2", "qk_norm": hf["model_type"] == "qwen3",
             "head_dim": 0 if head_dim * model["n_heads"] == model["d_model"] else head_dim,
             **_rope(path, hf)}
@@ -245,6 +248,9 @@ def _rope(path: pathlib.Path, hf: dict) -> dict:
     on the Hub); ``rope_scaling`` wins where a file has both, as in transformers 5."""
     params, scaling = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
     where = "rope_scaling" if scaling else "rope_parameters"
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise WeightsError(f"{path} has {where} {hf[where]!r}, not an object: pass a model "
+                           "whose config.json has one there")
     rope = {**params, **scaling, "rope_theta": params.get("rope_theta",
                                                           hf.get("rope_theta", 10000.0))}
     kind = (scaling.get("rope_type", scaling.get("type")) if scaling
@@ -257,8 +263,15 @@ def _rope(path: pathlib.Path, hf: dict) -> dict:
     if missing := [k for k in needs if k not in rope]:
         raise WeightsError(f"{path} has {where}.rope_type {kind!r} without {missing[0]}: pass "
                            "a complete Llama config.json")
-    return {"rope_theta": float(rope["rope_theta"]), "rope_type": kind,
-            **{ROPE_KEYS[k]: type(DEFAULT_ROPE[ROPE_KEYS[k]])(rope[k]) for k in needs}}
+    out = {"rope_type": kind}
+    for theirs, ours in [("rope_theta", "rope_theta"), *((k, ROPE_KEYS[k]) for k in needs)]:
+        value = rope[theirs]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            at = where if theirs in scaling or theirs in params else ""
+            raise WeightsError(f"{path} has {at + '.' if at else ''}{theirs} {value!r}, not a "
+                               "number: pass a model whose config.json has one there")
+        out[ours] = float(value) if ours == "rope_theta" else type(DEFAULT_ROPE[ours])(value)
+    return out
 
 
 DEFAULT_ROPE = {f.name: f.default for f in dataclasses.fields(GPTConfig)
