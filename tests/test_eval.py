@@ -82,6 +82,22 @@ def test_the_compiled_program_is_the_forward_alone(small, mesh, trained):
     assert 0.2 < step_flops(evaluate) / step_flops(step) < 0.4
 
 
+def one_device_eval(ckpt: pathlib.Path, sets: list[str], step: int, tokens) -> float:
+    """One device's mean loss over two held-out batches of ``tokens`` at the parameters that
+    ``train.py --stage 3`` with ``sets`` saved at ``step``."""
+    exp = Experiment.build(config.load("tiny", ["zero.stage=3", f"train.steps={step}", *sets]),
+                           zj.make_mesh(8))
+    ckpts = zj.Checkpoints(ckpt)
+    try:
+        state = ckpts.restore(zj.abstract_state(exp.plan, exp.tx), step)[0]
+    finally:
+        ckpts.close()
+    params, m = jax.device_get(state.params), exp.model
+    loss_fn = jax.jit(lm_loss(build_model(m)))
+    return float(np.mean([loss_fn(params, data.eval_batch(tokens, j, 32, m.seq_len))
+                          for j in range(2)]))
+
+
 @pytest.mark.slow
 def test_train_py_evaluates_on_the_held_out_tenth(tmp_path, capsys):
     """``train.eval_every``: ``eval_loss`` in the metrics file at every third step and the
@@ -99,19 +115,8 @@ def test_train_py_evaluates_on_the_held_out_tenth(tmp_path, capsys):
     held = rows[-1]["eval_loss"]
     assert f"held-out {held:.3f}" in out and f"step 7: eval loss {held:.4f}" in out
 
-    cfg = config.load("tiny", ["zero.stage=3", "train.steps=7", *sets])
-    exp = Experiment.build(cfg, zj.make_mesh(8))
-    ckpts = zj.Checkpoints(ckpt)
-    try:
-        params = jax.device_get(ckpts.restore(zj.abstract_state(exp.plan, exp.tx), 7)[0].params)
-    finally:
-        ckpts.close()
-    m = exp.model
-    _, tokens = data.held_out(data.load_tokens(None), m.seq_len, "")
-    loss_fn = jax.jit(lm_loss(build_model(m)))
-    one_device = np.mean([loss_fn(params, data.eval_batch(tokens, j, 32, m.seq_len))
-                          for j in range(2)])
-    assert rel(held, one_device) < 1e-5
+    _, tokens = data.held_out(data.load_tokens(None), 64, "")  # the tiny model's seq_len
+    assert rel(held, one_device_eval(ckpt, sets, 7, tokens)) < 1e-5
     # With two microbatches the same held-out windows, a microbatch at a time: the same loss.
     accum = tmp_path / "accum.jsonl"
     assert train_py.main(["--stage", "3", "--steps", "3", "--metrics", str(accum),
@@ -144,18 +149,8 @@ def test_train_py_evaluates_on_eval_data(tmp_path, capsys):
     rows, ref = ([json.loads(line) for line in f.read_text().splitlines()]
                  for f in (metrics, plain))
     assert [r["loss"] for r in rows] == [r["loss"] for r in ref]
-    cfg = config.load("tiny", ["zero.stage=3", "train.steps=3", *sets])
-    exp = Experiment.build(cfg, zj.make_mesh(8))
-    ckpts = zj.Checkpoints(ckpt)
-    try:
-        params = jax.device_get(ckpts.restore(zj.abstract_state(exp.plan, exp.tx), 3)[0].params)
-    finally:
-        ckpts.close()
-    m, tokens = exp.model, data.load_tokens(str(val))
-    loss_fn = jax.jit(lm_loss(build_model(m)))
-    one_device = np.mean([loss_fn(params, data.eval_batch(tokens, j, 32, m.seq_len))
-                          for j in range(2)])
-    assert rel(rows[-1]["eval_loss"], one_device) < 1e-5
+    assert rel(rows[-1]["eval_loss"], one_device_eval(ckpt, sets, 3, data.load_tokens(str(val)))
+               ) < 1e-5
     capsys.readouterr()
     assert train_py.main(["--stage", "3", "--steps", "4", "--checkpoint-dir", str(ckpt),
                           "--resume", *flags()]) == 0

@@ -555,19 +555,19 @@ SMALL_LLAMA = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
 # of a head of 8 below the band the scaling blends, one in it and two above it).
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
-FAMILIES = {  # fixture: (class, config, torch seed)
-    "llama_dir": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
+FAMILIES = {  # name: (class, config, torch seed)
+    "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
         **SMALL_LLAMA, tie_word_embeddings=False), 0),
-    "llama3_dir": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
+    "llama3": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
         **SMALL_LLAMA, tie_word_embeddings=True,
         rope_parameters={**LLAMA3_ROPE, "rope_theta": 5e5}), 1),
-    "mistral_dir": (transformers.MistralForCausalLM, transformers.MistralConfig(
+    "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig(
         **SMALL_LLAMA, head_dim=8, sliding_window=None), 2),
-    "qwen2_dir": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
+    "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
         **SMALL_LLAMA, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}), 3),
     # heads twice as wide as hidden_size / heads, as Qwen3's are
-    "qwen3_dir": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
+    "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         **SMALL_LLAMA, head_dim=16, tie_word_embeddings=True), 4),
 }
 
@@ -586,33 +586,21 @@ def _family(tmp_path_factory, name: str) -> pathlib.Path:
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory) -> pathlib.Path:
+def family_dir(tmp_path_factory):
+    """``family_dir(name)``: transformers' model of ``FAMILIES[name]``, saved once."""
+    made = {}
+
+    def get(name: str) -> pathlib.Path:
+        if name not in made:
+            made[name] = _family(tmp_path_factory, name)
+        return made[name]
+    return get
+
+
+@pytest.fixture(scope="module")
+def llama_dir(family_dir) -> pathlib.Path:
     """A Llama: untied head, plain rotary positions."""
-    return _family(tmp_path_factory, "llama_dir")
-
-
-@pytest.fixture(scope="module")
-def llama3_dir(tmp_path_factory) -> pathlib.Path:
-    """A Llama made as Llama 3.2 is (tied head, llama3 rope scaling)."""
-    return _family(tmp_path_factory, "llama3_dir")
-
-
-@pytest.fixture(scope="module")
-def mistral_dir(tmp_path_factory) -> pathlib.Path:
-    """A Mistral without its sliding window (as Mistral 7B from v0.2 on)."""
-    return _family(tmp_path_factory, "mistral_dir")
-
-
-@pytest.fixture(scope="module")
-def qwen2_dir(tmp_path_factory) -> pathlib.Path:
-    """A Qwen2 (biases on q, k and v; tied head, as Qwen2.5's small models)."""
-    return _family(tmp_path_factory, "qwen2_dir")
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory) -> pathlib.Path:
-    """A Qwen3 (q and k normed per head, heads wider than hidden_size / heads; tied head)."""
-    return _family(tmp_path_factory, "qwen3_dir")
+    return family_dir("llama")
 
 
 @pytest.mark.parametrize("scaling", [{"rope_type": "linear", "factor": 4.0}, LLAMA3_ROPE])
@@ -704,7 +692,8 @@ def test_a_llama_asking_for_what_the_model_lacks_is_refused_naming_the_key(
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("which", list(FAMILIES))
-def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path, tp, request):
+def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path, tp,
+                                                                family_dir):
     """Read at stage 3 (x tensor parallel 2) through the Llama mapping (transposes, head
     splits): a Llama untied with plain rotary positions, one as Llama 3.2 (tied head, llama3
     rope scaling), a Mistral, a Qwen2 (q, k, v biases), a Qwen3 (q, k norms, wider heads):
@@ -716,12 +705,12 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     from zero_jax.tensorfiles import write_set
     from zero_jax.weights import export_arrays, export_specs
 
-    llama_dir = request.getfixturevalue(which)
+    llama_dir = family_dir(which)
     theirs = torch_logits_of(transformers.AutoModelForCausalLM, llama_dir)
     section = llama.read_config(llama_dir)
-    assert section["tie_head"] == (which in ("llama3_dir", "qwen2_dir", "qwen3_dir"))
-    assert section["qkv_bias"] == (which == "qwen2_dir")
-    assert section["qk_norm"] == (which == "qwen3_dir") == (section["head_dim"] == 16)
+    assert section["tie_head"] == (which in ("llama3", "qwen2", "qwen3"))
+    assert section["qkv_bias"] == (which == "qwen2")
+    assert section["qk_norm"] == (which == "qwen3") == (section["head_dim"] == 16)
     cfg = GPTConfig(**section, remat="none", vocab_multiple=128)  # 64 padded to 128
     model = llama.Llama(cfg)
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), TOKENS[:1, :-1])["params"])
@@ -747,14 +736,14 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["llama_dir", "llama3_dir", "qwen2_dir", "qwen3_dir"])
-def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, request):
+@pytest.mark.parametrize("which", ["llama", "llama3", "qwen2", "qwen3"])
+def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, family_dir):
     """train.py --init-from a Llama directory (one made as Llama 3.2 is, a Qwen2, a Qwen3): the
     model section from its config.json, its first loss transformers' on that batch; two SGD
     steps; the export loads in transformers with zero_jax's logits of the trained checkpoint."""
     from zero_jax.gpt import llama
 
-    llama_dir = request.getfixturevalue(which)
+    llama_dir = family_dir(which)
 
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     run = run_train("--init-from", str(llama_dir), "--steps", "2", "--data",
