@@ -642,14 +642,15 @@ LLAMA_3_2_1B = {
 
 def test_the_shipped_llama_3_2_config_is_llama_3_2_1b(tmp_path):
     """``configs/llama3.2-1b.yaml`` is the model section ``--init-from`` reads from Llama 3.2
-    1B's config.json (its training window aside), and its parameter count transformers'
+    1B's config.json (its training window aside: 1,024 tokens from a directory, as Hugging
+    Face's run_clm starts, of the 131,072 it declares), and its parameter count transformers'
     (1,235,814,400: the head tied, counted once)."""
     from zero_jax.gpt import config, llama
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_2_1B))
     section = llama.read_config(tmp_path)
     shipped = config.load("llama3.2-1b")["model"]
-    assert section.pop("seq_len") == 131072 and shipped["seq_len"] == 2048
+    assert section.pop("seq_len") == 1024 and shipped["seq_len"] == 2048  # training windows
     assert {k: shipped[k] for k in section} == section
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(

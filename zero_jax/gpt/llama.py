@@ -52,6 +52,9 @@ FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias":
             "qwen3": {"hidden_act": "silu", "attention_bias": False,
                       "use_sliding_window": False}}
 ROPE_TYPES = ("default", "linear", "llama3")
+# The training window a directory's model starts with, where its declared context is longer
+# (Hugging Face's run_clm picks its block size so): Llama 3.2 declares 131,072 tokens.
+WINDOW = 1024
 # config.json's rope scaling keys -> the demo's model section
 ROPE_KEYS = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
              "high_freq_factor": "rope_high_freq_factor",
@@ -235,7 +238,7 @@ def read_config(directory: str | os.PathLike) -> dict:
     if not isinstance(tied := hf.get("tie_word_embeddings", False), bool):
         raise WeightsError(f"{path} has tie_word_embeddings {tied!r}, not true or false: pass a "
                            "model whose config.json has one of them")
-    return {**model, "max_positions": model["seq_len"],
+    return {**model, "seq_len": min(model["seq_len"], WINDOW), "max_positions": model["seq_len"],
             "arch": "llama", "tie_head": tied,
             "qkv_bias": hf["model_type"] == "qwen2", "qk_norm": hf["model_type"] == "qwen3",
             "head_dim": 0 if head_dim * model["n_heads"] == model["d_model"] else head_dim,
