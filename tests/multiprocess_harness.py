@@ -132,10 +132,7 @@ def run(out: pathlib.Path, reference_ckpt: str | None) -> dict:
 if __name__ == "__main__":
     simulate_cpu_devices(4)  # the launcher set the device count; this adds the CPU flags
     spec = distributed.settings()
-    # A peer waits this long at start-up and at the shutdown barrier: on a loaded 2-core machine
-    # (the reference run and another test file beside these two processes) process 0 once
-    # reached the barrier more than 60 s after process 1, which then aborted.
-    distributed.initialize(spec, timeout_s=300)
+    distributed.initialize(spec, timeout_s=60)
     out = pathlib.Path(sys.argv[1])
     results = run(out, sys.argv[2] if len(sys.argv) > 2 else None)
     if jax.process_index() == 0:

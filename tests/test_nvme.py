@@ -207,6 +207,25 @@ def test_refuses_bad_paths_and_unchunkable_optimizers(mesh, small, tmp_path, mon
                       w)
 
 
+def test_processes_sharing_the_path_check_it_at_once(tmp_path):
+    """The processes of a host share one NVMe path and check it as each starts: 8 checks at
+    once, 200 times each, all pass (with one probe name for all, one's removal of it failed
+    another's check as "not writable": 2 processes on the CPU mesh met it), nothing left."""
+    import concurrent.futures
+
+    from zero_jax.nvme import Tier
+
+    fake = SimpleNamespace(nvme=SimpleNamespace(path=str(tmp_path)), files=[], bytes=0)
+
+    def check(_):
+        for _ in range(200):
+            Tier.check_path(fake)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(check, range(8)))
+    assert not os.listdir(tmp_path)
+
+
 def test_a_file_lost_mid_run_is_one_line(mesh, small, tmp_path):
     nvme = plans(mesh, small, 3, tmp_path)[1]
     step, state, _ = train(nvme, small, steps=1)

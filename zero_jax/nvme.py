@@ -30,6 +30,7 @@ import json
 import math
 import os
 import shutil
+import tempfile
 import threading
 import weakref
 import zlib
@@ -255,13 +256,14 @@ class Tier:
             raise ValueError(f"NVMe path {path} is not an existing directory: create it on a "
                              f"local disk, or set another")
         try:  # root passes os.access everywhere; a read-only file system still refuses
-            os.close(fd := os.open(probe := os.path.join(path, ".zero_jax-probe"),
-                                   os.O_CREAT | os.O_WRONLY, 0o600))
+            # A name of this probe's own: the processes of a host share the path, and one's
+            # removal of a common name failed another's check.
+            fd, probe = tempfile.mkstemp(dir=path, prefix=".zero_jax-probe-")
+            os.close(fd)
             os.remove(probe)
         except OSError as e:
             raise ValueError(f"NVMe path {path} is not writable ({e.strerror}): set a "
                              f"directory you can write to") from None
-        del fd
         existing = sum(os.path.getsize(f) for f in self.files if os.path.exists(f))
         free = shutil.disk_usage(path).free + existing
         if free < self.bytes:
