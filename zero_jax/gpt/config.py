@@ -19,6 +19,7 @@ import yaml
 
 from zero_jax.blocks import GATHER, REMAT
 from zero_jax.gpt.attention import IMPLEMENTATIONS
+from zero_jax.gpt.llama import ROPE_TYPES
 from zero_jax.offload import Nvme
 
 
@@ -342,8 +343,8 @@ def _check_llama(m: dict) -> None:
 def _check_rope(m: dict) -> None:
     """The rotary positions' scaling, as Hugging Face's rope types check theirs."""
     kind = m["rope_type"]
-    if kind not in ("default", "linear", "llama3"):
-        raise ConfigError(f"model.rope_type must be one of default, linear, llama3 (got "
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"model.rope_type must be one of {', '.join(ROPE_TYPES)} (got "
                           f"{kind!r})")
     if kind != "default" and not m["rope_factor"] > 0:
         raise ConfigError(f"model.rope_factor must be above 0 (got {m['rope_factor']})")

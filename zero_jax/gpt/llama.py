@@ -1,8 +1,7 @@
 """A Llama-family decoder (RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention,
 the head untied or tied to the embedding, biases on q, k and v or an RMSNorm over each head's
 q and k, or neither: Llama, Mistral without its sliding window, Qwen2, Qwen3) with Hugging
-Face's tensor names, its layers under
-``nn.scan`` as ``blocks``.
+Face's tensor names, its layers under ``nn.scan`` as ``blocks``.
 
 Rotary positions rotate the two halves of each head (Hugging Face's ``rotate_half``), so its
 q and k projections are read as they are stored, with no permutation of their rows. Their
@@ -44,8 +43,9 @@ TENSOR_PARALLEL = (
     Rule(r"^head/kernel$", model_dim=-1),
 )
 # The families whose decoder this is, by config.json's model_type, and what each must say for
-# this model to compute it (anything else is refused): Mistral without its sliding window;
-# Qwen2 without its sliding window and with biases on q, k and v (``qkv_bias``).
+# this model to compute it (anything else is refused): Mistral and the Qwens without their
+# sliding windows; Qwen2 with biases on q, k and v (``qkv_bias``), Qwen3 with q and k normed
+# (``qk_norm``).
 FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
             "mistral": {"hidden_act": "silu", "sliding_window": None},
             "qwen2": {"hidden_act": "silu", "use_sliding_window": False},
