@@ -11,7 +11,6 @@ frequencies are scaled as Hugging Face's ``linear`` and ``llama3`` rope types sc
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -273,12 +272,8 @@ def _rope(path: pathlib.Path, hf: dict) -> dict:
             at = where if theirs in scaling or theirs in params else ""
             raise WeightsError(f"{path} has {at + '.' if at else ''}{theirs} {value!r}, not a "
                                "number: pass a model whose config.json has one there")
-        out[ours] = float(value) if ours == "rope_theta" else type(DEFAULT_ROPE[ours])(value)
+        out[ours] = int(value) if ours == "rope_original_max_positions" else float(value)
     return out
-
-
-DEFAULT_ROPE = {f.name: f.default for f in dataclasses.fields(GPTConfig)
-                if f.name in ROPE_KEYS.values()}
 
 
 def write_config(directory: pathlib.Path, model: dict, dtype: str = "float32") -> None:
