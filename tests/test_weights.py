@@ -9,6 +9,7 @@ import dataclasses
 import io
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -770,6 +771,106 @@ def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, famil
     ours = logits_of(model, trained)
     theirs = torch_logits_of(transformers.AutoModelForCausalLM, out)
     assert rel(theirs, ours) < 1e-5
+
+
+TEXTS = {"a.txt": "the quick brown fox jumps over the lazy dog. " * 20,
+         "b.txt": "pack my box with five dozen liquor jugs! " * 20}
+
+
+def save_tokenizer(path: pathlib.Path, vocab: int = 64) -> None:
+    """A BPE of ``vocab`` ids learned from TEXTS (the models' vocabulary is 64) that begins
+    each text with ``<s>``, as Llama's does."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(TEXTS.values(), trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<s>", "<unk>"], show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", 0)])
+    tok.save(str(path))
+
+
+@pytest.mark.slow
+def test_train_py_reads_text_with_the_directory_tokenizer(family_dir, tmp_path, capsys):
+    """train.py --init-from a directory with a tokenizer.json trains on a directory of text as
+    the ids transformers' tokenizer gives each file (its <s> included): the first loss is
+    transformers' on that batch; the export holds the tokenizer, which transformers loads. The
+    checkpoint names the tokenizer: a resume with another is refused; text without a
+    tokenizer.json is refused; ``python -m zero_jax.gpt.data`` writes the same ids to a .npy."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(family_dir("llama3"), model)
+    save_tokenizer(model / "tokenizer.json")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name, text in TEXTS.items():
+        (corpus / name).write_text(text)
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(model / "tokenizer.json"))
+    ids = np.concatenate([theirs(TEXTS[n])["input_ids"] for n in sorted(TEXTS)])
+    assert (ids == 0).sum() == 2 and ids.max() < 64  # each file begins with <s>
+
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    args = ["--init-from", str(model), "--data", str(corpus), "--checkpoint-dir", str(ckpt),
+            "--set", "optimizer.name=sgd", "--set", "train.batch_size=8"]
+    live = tmp_path / "live"  # saved at steps 1 and 2: the second replaces the first
+    run = run_train(*args, "--steps", "2", "--save-every", "1", "--save-safetensors", str(live),
+                    "--metrics", str(metrics))
+    assert run.returncode == 0, run.stderr
+    assert f"{len(ids):,} tokens by {model / 'tokenizer.json'}" in run.stdout
+    first = json.loads(metrics.read_text().splitlines()[0])["loss"]
+    batch = data.batch(ids, 0, 8, 16, 0)
+    logits = torch.tensor(torch_logits_of(transformers.AutoModelForCausalLM, model,
+                                          batch[:, :-1]))
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), torch.tensor(
+        batch[:, 1:], dtype=torch.long).reshape(-1)).item()
+    assert first == pytest.approx(ref, rel=1e-5)
+    out = tmp_path / "hf"  # the export carries the tokenizer: transformers loads it whole
+    assert hf.main([str(ckpt), str(out)]) == 0
+    for saved in (out, live):
+        loaded = transformers.AutoTokenizer.from_pretrained(saved)
+        assert loaded(TEXTS["b.txt"])["input_ids"] == theirs(TEXTS["b.txt"])["input_ids"]
+
+    save_tokenizer(model / "tokenizer.json", vocab=60)  # another tokenizer
+    capsys.readouterr()
+    assert train_py.main([*args, "--steps", "3", "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "another tokenizer" in err[0], err
+    (model / "tokenizer.json").unlink()
+    assert train_py.main([*args, "--steps", "3", "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds no tokenizer.json" in err[0], err
+    assert zj.Checkpoints(ckpt, read_only=True).steps() == [1, 2]
+
+    save_tokenizer(model / "tokenizer.json")
+    assert data.main([str(corpus), str(tmp_path / "ids.npy"), "--tokenizer", str(model)]) == 0
+    saved = np.load(tmp_path / "ids.npy")
+    assert saved.dtype == np.uint16 and np.array_equal(saved, ids)
+
+
+def test_token_files_of_large_vocabularies_and_bad_ones(tmp_path):
+    """A .npy of uint32 ids (a vocabulary past uint16's, as Llama 3's 128,256) reads as is,
+    memory-mapped; a .npy that holds no row of non-negative integers, and text that is not
+    UTF-8 read by a tokenizer, are refused naming the file."""
+    big = np.arange(65_000, 70_000, dtype=np.uint32)
+    np.save(tmp_path / "big.npy", big)
+    tokens = data.load_tokens(str(tmp_path / "big.npy"))
+    assert isinstance(tokens, np.memmap) and np.array_equal(tokens, big)
+    data.check_tokens(tokens, 70_000, 16, "big")
+    with pytest.raises(ValueError, match="token id 69999 but model.vocab_size is 65536"):
+        data.check_tokens(tokens, 65_536, 16, "big")
+    for name, array, message in [("rows", np.zeros((4, 8), np.uint16), "shape (4, 8)"),
+                                 ("floats", np.zeros(8, np.float32), "float32 array"),
+                                 ("negative", np.array([3, -1], np.int32), "negative token"),
+                                 ("objects", np.array([1, "a"], object), "does not read")]:
+        np.save(tmp_path / f"{name}.npy", array, allow_pickle=True)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            data.load_tokens(str(tmp_path / f"{name}.npy"))
+    save_tokenizer(tmp_path / "tokenizer.json")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(ValueError, match="latin1.txt is not UTF-8 text"):
+        data.load_tokens(str(tmp_path / "latin1.txt"), data.Tokenizer.of(tmp_path))
 
 
 @pytest.mark.slow

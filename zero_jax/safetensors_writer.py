@@ -97,6 +97,13 @@ class Layout:
                 written += _write_box(fds[place.file], place, cut, y)
         return written
 
+# A Hugging Face directory's tokenizer, in the formats its families ship (copied beside the
+# weights by a save's ``extra``, so that transformers and vLLM load the model whole), and
+# everything besides the weights that a save may replace.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+HF_FILES = ("config.json", *TOKENIZER_FILES)
+
 
 def _parts(row: Tensor, x: np.ndarray, box: list[range]) -> list:
     """One layer's block as the blocks of its fused parts (the fused axis taken out)."""
@@ -202,8 +209,8 @@ def save_safetensors(params: PyTree, directory: str | os.PathLike, mapping: Mapp
 
 def not_a_save(directory: str | os.PathLike) -> str | None:
     """Why ``directory`` may not be replaced by a save: something in it that no save writes
-    (safetensors files, their index, a config.json), which the replacement would delete with
-    it; None: it may (missing, empty, or an earlier save)."""
+    (safetensors files, their index, a config.json, a tokenizer's files), which the
+    replacement would delete with it; None: it may (missing, empty, or an earlier save)."""
     out = pathlib.Path(directory)
     if not out.exists():
         return None
@@ -211,7 +218,7 @@ def not_a_save(directory: str | os.PathLike) -> str | None:
         return f"{out} is a file: pass a directory"
     for entry in sorted(out.iterdir()):
         ours = entry.name.endswith((".safetensors", ".safetensors.index.json")) or \
-            entry.name == "config.json"
+            entry.name in HF_FILES
         if not ours or entry.is_symlink() or not entry.is_file():
             return (f"{out} holds {entry.name}, which a save there would delete with the "
                     "directory: pass a new directory, or one an earlier save wrote")

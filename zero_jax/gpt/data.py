@@ -2,11 +2,15 @@
 
 The default corpus is the Python standard library's own source, read as bytes: it ships with
 every Python, needs no download, and a byte-level model visibly learns its syntax in minutes.
+A pretrained model reads text as its own tokenizer's ids (``Tokenizer``); ``python -m
+zero_jax.gpt.data`` writes them once to a ``.npy`` for corpora too large to encode every run.
 Batch ``i`` depends only on the seed and ``i``, so a run can be replayed or resumed exactly.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import pathlib
 import sysconfig
 
@@ -14,42 +18,123 @@ import numpy as np
 
 DEFAULT_BYTES = 4 << 20
 HELD_OUT = 0.1  # the stream's last tenth, for evaluation (train.eval_every), as nanoGPT splits
+TOKEN_FILES = (".bin", ".npy")  # token ids; any other file is text
 EVAL_SEED = 2**32  # held-out windows drawn alike in every run: no train.seed is this large
+
+
+def stdlib_files(limit: int = DEFAULT_BYTES) -> list[bytes]:
+    """The standard library's top-level modules, sorted by name, until ``limit`` bytes."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files, size = [], 0
+    for path in sorted(root.glob("*.py")):
+        files.append(path.read_bytes())
+        size += len(files[-1])
+        if size >= limit:
+            break
+    return files
 
 
 def stdlib_corpus(limit: int = DEFAULT_BYTES) -> np.ndarray:
     """The first ``limit`` bytes of the standard library's top-level modules, sorted by name."""
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    chunks, size = [], 0
-    for path in sorted(root.glob("*.py")):
-        data = path.read_bytes()
-        chunks.append(data)
-        size += len(data)
-        if size >= limit:
-            break
-    return np.frombuffer(b"".join(chunks)[:limit], np.uint8)
+    return np.frombuffer(b"".join(stdlib_files(limit))[:limit], np.uint8)
 
 
-def load_tokens(path: str | None) -> np.ndarray:
+class Tokenizer:
+    """A Hugging Face ``tokenizer.json`` (what GPT-2, Llama, Mistral and Qwen directories
+    carry), read by the ``tokenizers`` package: a model trained from a pretrained directory
+    must read text as the ids it was trained on, not as bytes."""
+
+    FILE = "tokenizer.json"
+
+    def __init__(self, path: pathlib.Path):
+        try:
+            import tokenizers
+        except ImportError:
+            raise ValueError(f"reading text with {path} needs the tokenizers package: pip "
+                             "install 'zero_jax[hf]', or pass token ids (.bin, .npy)") from None
+        try:
+            self._tokenizer = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises plain Exceptions
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(f"{path} is not a tokenizers file ({first}): copy the model's "
+                             "tokenizer.json there again") from None
+        self.path = path
+        self.sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
+
+    @classmethod
+    def of(cls, directory: str | os.PathLike) -> Tokenizer | None:
+        """``directory``'s tokenizer, or None where it has no ``tokenizer.json``."""
+        path = pathlib.Path(directory) / cls.FILE
+        return cls(path) if path.is_file() else None
+
+    def __call__(self, documents: list[str]) -> np.ndarray:
+        """The documents' ids, one after another, each encoded as Hugging Face's ``run_clm``
+        encodes a text (with the tokenizer's special tokens: Llama's begin-of-text)."""
+        ids = [np.asarray(e.ids, np.uint32) for e in self._tokenizer.encode_batch(documents)]
+        return np.concatenate(ids) if ids else np.zeros(0, np.uint32)
+
+
+def is_text(path: str | None) -> bool:
+    """Whether ``load_tokens`` reads ``path`` as text (the default corpus included)."""
+    return (path is None or pathlib.Path(path).is_dir()
+            or pathlib.Path(path).suffix.lower() not in TOKEN_FILES)
+
+
+def text_tokens(files: list[tuple[str, bytes]], tokenizer: Tokenizer | None) -> np.ndarray:
+    """Text as bytes (ids 0-255), or as ``tokenizer``'s ids with each file one document."""
+    if tokenizer is None:
+        return np.frombuffer(b"".join(b for _, b in files), np.uint8)
+    texts = []
+    for name, raw in files:
+        try:
+            texts.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{name} is not UTF-8 text ({e.reason} at byte {e.start}), which "
+                             f"{tokenizer.path} reads: convert it to UTF-8, or pass token ids "
+                             "(.bin, .npy)") from None
+    return tokenizer(texts)
+
+
+def npy_tokens(path: pathlib.Path) -> np.ndarray:
+    """A ``.npy`` of integer ids, memory-mapped: any vocabulary (uint32 past uint16's 65,536)."""
+    fix = "save one row of token ids with numpy.save (uint16 or uint32)"
+    try:
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"data file {path} does not read as a .npy array "
+                         f"({str(e).splitlines()[0]}): {fix}") from None
+    if tokens.ndim != 1 or tokens.dtype.kind not in "ui" or not tokens.size:
+        raise ValueError(f"data file {path} holds a {tokens.dtype} array of shape "
+                         f"{tokens.shape}, not a row of integer token ids: {fix}")
+    if tokens.dtype.kind == "i" and tokens.min() < 0:
+        raise ValueError(f"data file {path} holds the negative token id {tokens.min()}: {fix}")
+    return tokens
+
+
+def load_tokens(path: str | None, tokenizer: Tokenizer | None = None) -> np.ndarray:
     """Token ids from ``path``: a ``.bin`` of uint16 ids (nanoGPT's format; ``.BIN`` too), a
-    text file, or a directory of text files (bytes as ids 0-255); the standard library when
-    ``path`` is None. Anything else (a FIFO, a device) is refused before it is opened: reading
-    one blocks, or never ends."""
+    ``.npy`` of integer ids, a text file, or a directory of text files (read as bytes, ids
+    0-255, or with ``tokenizer``); the standard library when ``path`` is None. Anything else
+    (a FIFO, a device) is refused before it is opened: reading one blocks, or never ends."""
     if path is None:
-        return stdlib_corpus()
+        return (stdlib_corpus() if tokenizer is None else
+                text_tokens([("the standard library corpus", b) for b in stdlib_files()],
+                            tokenizer))
     p = pathlib.Path(path)
     if not p.exists():
         raise FileNotFoundError(f"data file {path} does not exist: pass an existing text file, "
-                                "directory of text files, or .bin of uint16 token ids")
+                                "directory of text files, .bin of uint16 or .npy of token ids")
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file())
-        return np.frombuffer(b"".join(f.read_bytes() for f in files), np.uint8)
+        return text_tokens([(str(f), f.read_bytes()) for f in files], tokenizer)
     if not p.is_file():
         raise ValueError(f"data file {path} is not a regular file or directory (a FIFO or a "
                          "device, which would be read without end): pass a text file, a "
-                         "directory of text files, or a .bin of uint16 token ids")
-    if p.suffix.lower() != ".bin":
-        return np.frombuffer(p.read_bytes(), np.uint8)
+                         "directory of text files, a .bin of uint16 or .npy of token ids")
+    if p.suffix.lower() == ".npy":
+        return npy_tokens(p)
+    if is_text(path):
+        return text_tokens([(path, p.read_bytes())], tokenizer)
     size = p.stat().st_size
     if size == 0 or size % 2:
         raise ValueError(f"data file {path} holds {size} bytes, not a whole number of uint16 "
@@ -92,3 +177,48 @@ def held_out(tokens: np.ndarray, seq_len: int, source: str) -> tuple[np.ndarray,
 def eval_batch(held: np.ndarray, j: int, batch_size: int, seq_len: int) -> np.ndarray:
     """Held-out batch ``j``: the same windows whatever the run's seed, so that runs compare."""
     return batch(held, j, batch_size, seq_len, EVAL_SEED)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Text encoded once by a model directory's tokenizer, saved as a ``.npy`` of ids."""
+    import argparse
+    import sys
+    import time
+
+    parser = argparse.ArgumentParser(
+        prog="python -m zero_jax.gpt.data",
+        description="encode a text file or a directory of text files (each file one document) "
+                    "with a model directory's tokenizer.json, into a .npy of token ids that "
+                    "train.py --data reads")
+    parser.add_argument("text", help="text file or directory of text files")
+    parser.add_argument("out", help="the .npy to write (uint16 where every id fits, else uint32)")
+    parser.add_argument("--tokenizer", required=True, metavar="DIR",
+                        help="a Hugging Face model directory holding tokenizer.json")
+    args = parser.parse_args(argv)
+    try:
+        if not args.out.endswith(".npy"):
+            raise ValueError(f"{args.out} does not end in .npy, which train.py --data reads as "
+                             "token ids: name it .npy")
+        if not is_text(args.text):
+            raise ValueError(f"{args.text} holds token ids already (a {TOKEN_FILES} file): "
+                             "pass text")
+        tokenizer = Tokenizer.of(args.tokenizer)
+        if tokenizer is None:
+            raise ValueError(f"{args.tokenizer} holds no {Tokenizer.FILE}: pass the model's "
+                             "directory")
+        tick = time.perf_counter()
+        tokens = load_tokens(args.text, tokenizer)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    dtype = np.uint16 if tokens.size and tokens.max() < 2**16 else np.uint32
+    with open(args.out + ".partial", "wb") as f:  # a run killed while writing leaves no .npy
+        np.save(f, tokens.astype(dtype))
+    os.replace(args.out + ".partial", args.out)
+    print(f"{args.out}: {len(tokens):,} tokens ({np.dtype(dtype).name}) in "
+          f"{time.perf_counter() - tick:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -12,8 +12,11 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
+import sys
 
 from zero_jax.gpt.model import GPTConfig
+from zero_jax.safetensors_writer import TOKENIZER_FILES
 from zero_jax.tensorfiles import WeightsError
 from zero_jax.weights import Mapping, Tensor
 
@@ -125,7 +128,22 @@ def write_config(directory: pathlib.Path, model: dict, dtype: str) -> None:
     (directory / CONFIG).write_text(json.dumps(hf, indent=2))
 
 
-def saver(directory: str, step, model: dict, every: int, last: int, stop, guard):
+def copy_tokenizer(source: str | None, directory: pathlib.Path) -> None:
+    """``source``'s tokenizer files (the --init-from directory) into ``directory``; a source
+    gone since training is said, not fatal: the weights are what the export is for."""
+    if not source:
+        return
+    if not pathlib.Path(source).is_dir():
+        print(f"warning: {source}, which the model was initialized from, is gone: no "
+              "tokenizer files copied beside the weights", file=sys.stderr)
+        return
+    for name in TOKENIZER_FILES:
+        if (pathlib.Path(source) / name).is_file():
+            shutil.copyfile(pathlib.Path(source) / name, directory / name)
+
+
+def saver(directory: str, step, model: dict, every: int, last: int, stop, guard,
+          init_from: str | None = None):
     """The in-run save (``train.py --save-safetensors``): ``directory`` holds the latest
     trained parameters (the fp32 master where there is one) as a Hugging Face directory, each
     process writing its own shards' bytes (``zero_jax.save_safetensors``); ``step`` (a
@@ -135,13 +153,15 @@ def saver(directory: str, step, model: dict, every: int, last: int, stop, guard)
     return SafetensorsSaver(directory, every, last, stop, guard,
                             params=lambda state: trained_params(step.whole(state)),
                             mapping=mapping(model),
-                            extra=lambda d: write_config(pathlib.Path(d), model, "float32"))
+                            extra=lambda d: (write_config(pathlib.Path(d), model, "float32"),
+                                             copy_tokenizer(init_from, pathlib.Path(d))))
 
 
 def export(checkpoint_dir: str, out: str, step: int | None = None, dtype: str = "fp32",
            max_shard_bytes: int | None = None) -> dict:
     """A demo checkpoint as a Hugging Face GPT-2, Llama or Qwen directory: config.json (from the
-    model config the run stored) and model.safetensors (or shards and their index), streamed."""
+    model config the run stored) and model.safetensors (or shards and their index), streamed;
+    the tokenizer files of the directory the run was initialized from beside them."""
     from zero_jax import export as library
 
     def names(meta: dict) -> Mapping:
@@ -154,6 +174,7 @@ def export(checkpoint_dir: str, out: str, step: int | None = None, dtype: str = 
 
     def config(directory: pathlib.Path, meta: dict) -> None:
         write_config(directory, meta["config"]["model"], library.DTYPES[dtype])
+        copy_tokenizer(meta.get("init_from"), directory)
 
     return library.export(checkpoint_dir, out, step, dtype, {
         "mapping": names, "max_shard_bytes": max_shard_bytes, "extra": config})

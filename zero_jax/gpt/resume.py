@@ -32,6 +32,7 @@ class Start:
     overwrite: list[int] = dataclasses.field(default_factory=list)  # --overwrite deletes these
     corrupt: list[int] = dataclasses.field(default_factory=list)  # steps that did not read
     held_out: object = None  # the tokens train.eval_every evaluates on (or --eval-data's)
+    tokenizer: str | None = None  # the sha256 of the tokenizer.json that read text data
 
     def __enter__(self) -> Start:
         return self
@@ -46,20 +47,20 @@ def find_start(exp, cfg: dict, args: argparse.Namespace) -> Start:
     comes from --resume's latest checkpoint in --checkpoint-dir, else train.ckpt_load_path's
     latest, else a fresh initialization."""
     m = exp.model
-    tokens = data.load_tokens(args.data)
+    tokenizer = data.Tokenizer.of(args.init_from) if args.init_from else None
     source = args.data or "the standard library corpus"
-    data.check_tokens(tokens, m.vocab_size, m.seq_len, source)
+    tokens = read_tokens(args.data, source, m, args, tokenizer)
     held = None
     if args.eval_data:
         if not cfg["train"]["eval_every"]:
             raise ValueError(f"--eval-data {args.eval_data} is evaluated every train.eval_every "
                              "steps, which is 0: set --set train.eval_every=N, or leave "
                              "--eval-data out")
-        held = data.load_tokens(args.eval_data)
-        data.check_tokens(held, m.vocab_size, m.seq_len, f"--eval-data {args.eval_data}")
+        held = read_tokens(args.eval_data, f"--eval-data {args.eval_data}", m, args, tokenizer)
     elif cfg["train"]["eval_every"]:
         tokens, held = data.held_out(tokens, m.seq_len, source)
-    start = Start(tokens, seed=cfg["train"]["seed"], held_out=held)
+    start = Start(tokens, seed=cfg["train"]["seed"], held_out=held,
+                  tokenizer=tokenizer.sha256 if tokenizer and data.is_text(args.data) else None)
     try:
         if args.checkpoint_dir:
             start.ckpts = Checkpoints(args.checkpoint_dir, keep=args.keep)  # takes the lock
@@ -85,6 +86,25 @@ def find_start(exp, cfg: dict, args: argparse.Namespace) -> Start:
         start.__exit__()  # the lock: a refused run leaves the directory as it found it
         raise
     return start
+
+
+def read_tokens(path: str | None, source: str, model, args: argparse.Namespace,
+                tokenizer: data.Tokenizer | None):
+    """``path``'s token ids; text read by --init-from's tokenizer, and refused where that
+    directory has none: a pretrained model reads its tokenizer's ids, not bytes."""
+    text = data.is_text(path)
+    if text and args.init_from and tokenizer is None:
+        raise ValueError(f"{source} is text, but --init-from {args.init_from}'s model reads "
+                         f"its tokenizer's ids and the directory holds no {data.Tokenizer.FILE}: "
+                         "copy the model's tokenizer.json there, or pass token ids (.bin of "
+                         "uint16, .npy)")
+    tick = time.perf_counter()
+    tokens = data.load_tokens(path, tokenizer if text else None)
+    if text and tokenizer:
+        print(f"{source}: {len(tokens):,} tokens by {tokenizer.path} in "
+              f"{time.perf_counter() - tick:.1f} s")
+    data.check_tokens(tokens, model.vocab_size, model.seq_len, source)
+    return tokens
 
 
 def held_out_share(cfg: dict, args: argparse.Namespace) -> float:
@@ -125,6 +145,11 @@ def readable_step(start: Start, newest: int, cfg: dict, args: argparse.Namespace
             raise ValueError(f"the checkpoint was trained on --data {saved or '(the default)'} "
                              f"but this run reads {here or '(the default)'}: pass the same "
                              "--data, or --allow-other-data to go on with other data")
+        if meta.get("data", {}).get("tokenizer") != start.tokenizer and not args.allow_other_data:
+            raise ValueError("the checkpoint's text was read by another tokenizer than this "
+                             f"run's ({tokenizer_name(meta['data'].get('tokenizer'))} against "
+                             f"{tokenizer_name(start.tokenizer)}): pass the same --init-from "
+                             "directory, or --allow-other-data to go on with other data")
         held = held_out_share(cfg, args)
         was = meta.get("data", {}).get("held_out", 0.0)
         if held != was and not args.allow_other_data:
@@ -138,6 +163,10 @@ def readable_step(start: Start, newest: int, cfg: dict, args: argparse.Namespace
         return step
     raise ValueError(f"no checkpoint in {start.source.path} can be read (see the warnings "
                      "above): pass another --checkpoint-dir, or --overwrite without --resume")
+
+
+def tokenizer_name(sha256: str | None) -> str:
+    return f"tokenizer.json of sha256 {sha256[:12]}" if sha256 else "none, bytes as ids"
 
 
 def set_aside(start: Start, e) -> None:
@@ -214,13 +243,14 @@ def read_metrics(path: str) -> list[tuple[int, str]]:
     return records
 
 
-def checkpoint_meta(exp, cfg: dict, args: argparse.Namespace, seed: int, step: int) -> dict:
+def checkpoint_meta(exp, cfg: dict, args: argparse.Namespace, start: Start, step: int) -> dict:
     """What a checkpoint needs besides arrays to resume exactly and to be checked."""
     plan = exp.plan
     source = os.path.abspath(args.data) if args.data else None
     return {"config": cfg,
-            "data": {"source": source, "seed": seed, "next_batch": step,
-                     "held_out": held_out_share(cfg, args)},
+            "init_from": os.path.abspath(args.init_from) if args.init_from else None,
+            "data": {"source": source, "seed": start.seed, "next_batch": step,
+                     "held_out": held_out_share(cfg, args), "tokenizer": start.tokenizer},
             "writer": {"stage": plan.stage, "devices": plan.mesh.size,
                        "processes": len({d.process_index for d in plan.mesh.devices.flat}),
                        "platform": plan.mesh.devices.flat[0].platform}}

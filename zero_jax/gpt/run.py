@@ -168,11 +168,11 @@ def train(exp, cfg: dict, args: argparse.Namespace, start, stop, watchdog=None) 
     tally, saver = summary.Tally(bar, exp.tokens_per_step, keep_records=bool(args.plot)), None
     if start.ckpts:  # before the outputs: a step whose record cannot be written is saved
         saver = Checkpointer(start.ckpts, args.save_every, t["steps"], stop, guard,
-                             lambda n: resume.checkpoint_meta(exp, cfg, args, start.seed, n),
+                             lambda n: resume.checkpoint_meta(exp, cfg, args, start, n),
                              exp.step.whole, bar.write)
     if args.save_safetensors:  # every process writes its shards: not one of outputs()
         saver_st = hf.saver(args.save_safetensors, exp.step, cfg["model"], args.save_every,
-                            t["steps"], stop, guard)
+                            t["steps"], stop, guard, args.init_from)
     hooks = [*([Reached(watchdog)] if watchdog else []),
              *([evaluation(exp, start, bar.write)] if t["eval_every"] else []),
              tally, *([saver] if saver else []),
