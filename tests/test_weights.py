@@ -793,20 +793,21 @@ def save_tokenizer(path: pathlib.Path, vocab: int = 64) -> None:
 
 @pytest.mark.slow
 def test_train_py_reads_text_with_the_directory_tokenizer(family_dir, tmp_path, capsys):
-    """train.py --init-from a directory with a tokenizer.json trains on a directory of text as
-    the ids transformers' tokenizer gives each file (its <s> included): the first loss is
-    transformers' on that batch; the export holds the tokenizer, which transformers loads. The
-    checkpoint names the tokenizer: a resume with another is refused; text without a
-    tokenizer.json is refused; ``python -m zero_jax.gpt.data`` writes the same ids to a .npy."""
+    """train.py --init-from a directory with a tokenizer.json trains on a directory of text (a
+    file, a .jsonl record) as the ids transformers' tokenizer gives each (its <s> included):
+    the first loss is transformers' on that batch; the export holds the tokenizer, which
+    transformers loads. The checkpoint names the tokenizer: a resume with another is refused;
+    text without a tokenizer.json is refused; ``python -m zero_jax.gpt.data`` writes the same
+    ids to a .npy."""
     import shutil
 
     model = tmp_path / "model"
     shutil.copytree(family_dir("llama3"), model)
     save_tokenizer(model / "tokenizer.json")
-    corpus = tmp_path / "corpus"
+    corpus = tmp_path / "corpus"  # a text file and a .jsonl record, each one document
     corpus.mkdir()
-    for name, text in TEXTS.items():
-        (corpus / name).write_text(text)
+    (corpus / "a.txt").write_text(TEXTS["a.txt"])
+    (corpus / "b.jsonl").write_text(json.dumps({"text": TEXTS["b.txt"], "id": 7}) + "\n\n")
     theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(model / "tokenizer.json"))
     ids = np.concatenate([theirs(TEXTS[n])["input_ids"] for n in sorted(TEXTS)])
     assert (ids == 0).sum() == 2 and ids.max() < 64  # each file begins with <s>
@@ -851,8 +852,9 @@ def test_train_py_reads_text_with_the_directory_tokenizer(family_dir, tmp_path, 
 
 def test_token_files_of_large_vocabularies_and_bad_ones(tmp_path):
     """A .npy of uint32 ids (a vocabulary past uint16's, as Llama 3's 128,256) reads as is,
-    memory-mapped; a .npy that holds no row of non-negative integers, and text that is not
-    UTF-8 read by a tokenizer, are refused naming the file."""
+    memory-mapped; a .jsonl's records are its documents; a .npy that holds no row of
+    non-negative integers, a .jsonl line that is no {"text": ...} record, and text that is not
+    UTF-8 read by a tokenizer, are refused naming the file (and line)."""
     big = np.arange(65_000, 70_000, dtype=np.uint32)
     np.save(tmp_path / "big.npy", big)
     tokens = data.load_tokens(str(tmp_path / "big.npy"))
@@ -868,9 +870,19 @@ def test_token_files_of_large_vocabularies_and_bad_ones(tmp_path):
         with pytest.raises(ValueError, match=re.escape(message)):
             data.load_tokens(str(tmp_path / f"{name}.npy"))
     save_tokenizer(tmp_path / "tokenizer.json")
+    tokenizer = data.Tokenizer.of(tmp_path)
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     with pytest.raises(ValueError, match="latin1.txt is not UTF-8 text"):
-        data.load_tokens(str(tmp_path / "latin1.txt"), data.Tokenizer.of(tmp_path))
+        data.load_tokens(str(tmp_path / "latin1.txt"), tokenizer)
+    records = [json.dumps({"text": t}) for t in TEXTS.values()]
+    (tmp_path / "docs.jsonl").write_text("\n".join([records[0], "", records[1]]))
+    want = [i for t in TEXTS.values() for i in tokenizer([t])]
+    assert list(data.load_tokens(str(tmp_path / "docs.jsonl"), tokenizer)) == want
+    assert bytes(data.load_tokens(str(tmp_path / "docs.jsonl"))) == "".join(TEXTS.values()).encode()
+    for bad in ['{"content": "x"}', '["x"]', '{"text": 3}', "{not json"]:
+        (tmp_path / "bad.jsonl").write_text(f"{records[0]}\n{bad}\n")
+        with pytest.raises(ValueError, match="bad.jsonl line 2 is not a JSON object with a"):
+            data.load_tokens(str(tmp_path / "bad.jsonl"))
 
 
 @pytest.mark.slow

@@ -81,9 +81,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--devices", type=int, help="devices on the data axis, at most "
                    f"{MAX_DEVICES} (default: all; 8 simulated CPU devices when there is no "
                    "accelerator)")
-    p.add_argument("--data", help="text file, directory of text files (bytes as ids, or with "
-                   "--init-from its tokenizer.json's ids), .bin of uint16 or .npy of token ids "
-                   "(default: the Python standard library's sources)")
+    p.add_argument("--data", help="text file, .jsonl of {\"text\": ...} records, or a directory "
+                   "of them (bytes as ids, or with --init-from its tokenizer.json's ids), .bin of "
+                   "uint16 or .npy of token ids (default: the Python standard library's sources)")
     p.add_argument("--eval-data", metavar="FILE", help="evaluate on this file (as --data "
                    "reads it) every train.eval_every steps, training on all of --data (default: "
                    "--data's last tenth, held out)")

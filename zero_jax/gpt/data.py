@@ -10,6 +10,7 @@ Batch ``i`` depends only on the seed and ``i``, so a run can be replayed or resu
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pathlib
 import sysconfig
@@ -19,6 +20,7 @@ import numpy as np
 DEFAULT_BYTES = 4 << 20
 HELD_OUT = 0.1  # the stream's last tenth, for evaluation (train.eval_every), as nanoGPT splits
 TOKEN_FILES = (".bin", ".npy")  # token ids; any other file is text
+TEXT_KEY = "text"  # a .jsonl record's document, as Hugging Face datasets name it
 EVAL_SEED = 2**32  # held-out windows drawn alike in every run: no train.seed is this large
 
 
@@ -80,6 +82,27 @@ def is_text(path: str | None) -> bool:
             or pathlib.Path(path).suffix.lower() not in TOKEN_FILES)
 
 
+def documents(path: pathlib.Path) -> list[tuple[str, bytes]]:
+    """A text file as one document, or a ``.jsonl``'s records (Hugging Face datasets'
+    ``to_json``) each as one: its ``"text"`` field. Named for the errors they may raise."""
+    if path.suffix.lower() != ".jsonl":
+        return [(str(path), path.read_bytes())]
+    docs = []
+    for n, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            record = e
+        if not isinstance(record, dict) or not isinstance(record.get(TEXT_KEY), str):
+            raise ValueError(f"data file {path} line {n} is not a JSON object with a "
+                             f'"{TEXT_KEY}" string: each line of a .jsonl is one document, '
+                             f'{{"{TEXT_KEY}": "..."}}')
+        docs.append((f"{path} line {n}", record[TEXT_KEY].encode()))
+    return docs
+
+
 def text_tokens(files: list[tuple[str, bytes]], tokenizer: Tokenizer | None) -> np.ndarray:
     """Text as bytes (ids 0-255), or as ``tokenizer``'s ids with each file one document."""
     if tokenizer is None:
@@ -113,8 +136,9 @@ def npy_tokens(path: pathlib.Path) -> np.ndarray:
 
 def load_tokens(path: str | None, tokenizer: Tokenizer | None = None) -> np.ndarray:
     """Token ids from ``path``: a ``.bin`` of uint16 ids (nanoGPT's format; ``.BIN`` too), a
-    ``.npy`` of integer ids, a text file, or a directory of text files (read as bytes, ids
-    0-255, or with ``tokenizer``); the standard library when ``path`` is None. Anything else
+    ``.npy`` of integer ids, a text file, a ``.jsonl`` of ``{"text": ...}`` records, or a
+    directory of them (read as bytes, ids 0-255, or with ``tokenizer``, each file or record one
+    document); the standard library when ``path`` is None. Anything else
     (a FIFO, a device) is refused before it is opened: reading one blocks, or never ends."""
     if path is None:
         return (stdlib_corpus() if tokenizer is None else
@@ -126,7 +150,7 @@ def load_tokens(path: str | None, tokenizer: Tokenizer | None = None) -> np.ndar
                                 "directory of text files, .bin of uint16 or .npy of token ids")
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file())
-        return text_tokens([(str(f), f.read_bytes()) for f in files], tokenizer)
+        return text_tokens([d for f in files for d in documents(f)], tokenizer)
     if not p.is_file():
         raise ValueError(f"data file {path} is not a regular file or directory (a FIFO or a "
                          "device, which would be read without end): pass a text file, a "
@@ -134,7 +158,7 @@ def load_tokens(path: str | None, tokenizer: Tokenizer | None = None) -> np.ndar
     if p.suffix.lower() == ".npy":
         return npy_tokens(p)
     if is_text(path):
-        return text_tokens([(path, p.read_bytes())], tokenizer)
+        return text_tokens(documents(p), tokenizer)
     size = p.stat().st_size
     if size == 0 or size % 2:
         raise ValueError(f"data file {path} holds {size} bytes, not a whole number of uint16 "
