@@ -309,11 +309,16 @@ ROWS = [
     ("attention cudnn on cpu", [*T, "--set", "model.attention=cudnn"], None,
      "model.attention=cudnn cannot run here: it runs on CUDA GPUs only (these devices are cpu)"),
     ("head_dim of gpt2", [*T, "--set", "model.head_dim=16"], None,
-     "model.head_dim, model.qkv_bias, model.qk_norm and model.max_positions are the llama "
-     "arch's"),
+     "model.head_dim, model.qkv_bias, model.qk_norm, model.max_positions and "
+     "model.sliding_window are the llama arch's"),
     ("qkv bias and qk norm", [*T, "--config", "llama", "--set", "model.qkv_bias=true", "--set",
                               "model.qk_norm=true"], None,
-     "model.qkv_bias and model.qk_norm together are no Hugging Face family's decoder"),
+     "model.qkv_bias, model.qk_norm and model.sliding_window together are no Hugging Face "
+     "family's decoder"),
+    ("sequence past the window", [*T, "--config", "llama", "--set", "model.sliding_window=32",
+                                  "--set", "model.seq_len=64"], None,
+     "model.seq_len 64 is longer than model.sliding_window 32: the demo attends to the whole "
+     "sequence, which is the window's attention only within it; set model.seq_len at most 32"),
     ("rope type unknown", [*T, "--set", "model.rope_type=yarn"], None,
      "model.rope_type must be one of default, linear, llama3 (got 'yarn')"),
     ("llama3 rope without its context", [*T, "--set", "model.rope_type=llama3"], None,

@@ -563,7 +563,7 @@ FAMILIES = {  # name: (class, config, torch seed)
         **SMALL_LLAMA, tie_word_embeddings=True,
         rope_parameters={**LLAMA3_ROPE, "rope_theta": 5e5}), 1),
     "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig(
-        **SMALL_LLAMA, head_dim=8, sliding_window=None), 2),
+        **SMALL_LLAMA, head_dim=8, sliding_window=16), 2),  # TOKENS' 16: the window
     "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
         **SMALL_LLAMA, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}), 3),
@@ -666,7 +666,7 @@ LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does
                                                       "rope_theta": 10000.0}},
     "attention_bias": {"attention_bias": True},
     "rope_scaling.factor": {"rope_scaling": {"rope_type": "linear", "factor": "eight"}},
-    "sliding_window": {"model_type": "mistral", "sliding_window": 4096},
+    "sliding_window": {"model_type": "mistral", "sliding_window": "4096"},
     "use_sliding_window": {"model_type": "qwen2", "use_sliding_window": True},
 }
 
@@ -701,7 +701,9 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     rope scaling), a Mistral, a Qwen2 (q, k, v biases), a Qwen3 (q, k norms, wider heads):
     logits within 1e-5 of transformers';
     written back through the same table as shards with an index and a config.json (a Mistral
-    as the Llama it computes as; the context it declared, whatever the training window),
+    with its sliding window, which equals the whole sequence's attention at the sequence's
+    length and differs at a shorter window; the context it declared, whatever the training
+    window),
     transformers loads it with the same logits."""
     from zero_jax.gpt import llama
     from zero_jax.tensorfiles import write_set
@@ -713,6 +715,7 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     assert section["tie_head"] == (which in ("llama3", "qwen2", "qwen3"))
     assert section["qkv_bias"] == (which == "qwen2")
     assert section["qk_norm"] == (which == "qwen3") == (section["head_dim"] == 16)
+    assert section["sliding_window"] == (16 if which == "mistral" else 0)
     cfg = GPTConfig(**section, remat="none", vocab_multiple=128)  # 64 padded to 128
     model = llama.Llama(cfg)
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), TOKENS[:1, :-1])["params"])
@@ -723,6 +726,11 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     params = load_params(plan, llama_dir, llama.mapping(cfg))
     ours = logits_of(model, params)
     assert rel(ours, theirs) < 1e-5, rel(ours, theirs)
+    if which == "mistral":  # a window shorter than the sequence would attend otherwise
+        narrow = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, sliding_window=8)
+        with torch.no_grad():
+            windowed = narrow(torch.tensor(TOKENS[:, :-1], dtype=torch.long)).logits.numpy()
+        assert rel(windowed, theirs) > 1e-3
 
     flat = {zj.plan.path_str(p): np.asarray(v)
             for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}

@@ -39,14 +39,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # n_kv_heads key/value heads, 0: n_heads; the head tied to the embedding with tie_head;
     # biases on q, k and v with qkv_bias, as Qwen2; q and k normed with qk_norm, as Qwen3;
     # heads head_dim wide, 0: d_model / n_heads; max_positions the context it declares, which
-    # an export writes back, 0: seq_len).
+    # an export writes back, 0: seq_len; sliding_window Mistral's, 0: none, at least seq_len).
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512,
               "seq_len": 64, "remat": "auto", "arch": "gpt2", "norm_eps": 1e-5,
               "n_kv_heads": 0, "rope_theta": 10000.0, "rope_type": "default",
               "rope_factor": 1.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
               "rope_original_max_positions": 0, "tie_head": False, "qkv_bias": False,
-              "qk_norm": False, "head_dim": 0, "max_positions": 0, "attention": "auto",
-              "vocab_multiple": 128},
+              "qk_norm": False, "head_dim": 0, "max_positions": 0, "sliding_window": 0,
+              "attention": "auto", "vocab_multiple": 128},
     # frozen_modules: not trained (no gradient, no optimizer state), e.g. ["wpe"].
     # schedule cosine: warmup, then cosine decay to 10% at decay_steps; constant: warmup, then
     # lr (DeepSpeed's WarmupLR, whose default warmup_type is log: min + (lr - min) * log(t + 1)
@@ -327,17 +327,24 @@ def validate(config: dict) -> None:
 
 def _check_llama(m: dict) -> None:
     """What only the Llama decoder computes, asked of it alone, and as one family has it."""
-    for key, zero in (("head_dim", "d_model / n_heads"), ("max_positions", "seq_len")):
+    for key, zero in (("head_dim", "d_model / n_heads"), ("max_positions", "seq_len"),
+                      ("sliding_window", "none")):
         if m[key] < 0:
             raise ConfigError(f"model.{key} must be at least 0 (got {m[key]}): 0 is {zero}")
     if m["arch"] != "llama" and (m["head_dim"] or m["qkv_bias"] or m["qk_norm"]
-                                 or m["max_positions"]):
-        raise ConfigError("model.head_dim, model.qkv_bias, model.qk_norm and "
-                          "model.max_positions are the llama arch's: set model.arch=llama, or "
-                          "leave them out")
-    if m["qkv_bias"] and m["qk_norm"]:
-        raise ConfigError("model.qkv_bias and model.qk_norm together are no Hugging Face "
-                          "family's decoder (Qwen2 has the one, Qwen3 the other): set one")
+                                 or m["max_positions"] or m["sliding_window"]):
+        raise ConfigError("model.head_dim, model.qkv_bias, model.qk_norm, model.max_positions "
+                          "and model.sliding_window are the llama arch's: set "
+                          "model.arch=llama, or leave them out")
+    if m["qkv_bias"] + m["qk_norm"] + bool(m["sliding_window"]) > 1:
+        raise ConfigError("model.qkv_bias, model.qk_norm and model.sliding_window together are "
+                          "no Hugging Face family's decoder (Qwen2 has the first, Qwen3 the "
+                          "second, Mistral the third): set one")
+    if 0 < m["sliding_window"] < m["seq_len"]:
+        raise ConfigError(f"model.seq_len {m['seq_len']} is longer than model.sliding_window "
+                          f"{m['sliding_window']}: the demo attends to the whole sequence, "
+                          "which is the window's attention only within it; set model.seq_len "
+                          f"at most {m['sliding_window']}")
 
 
 def _check_rope(m: dict) -> None:

@@ -1,6 +1,6 @@
 """A Llama-family decoder (RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention,
 the head untied or tied to the embedding, biases on q, k and v or an RMSNorm over each head's
-q and k, or neither: Llama, Mistral without its sliding window, Qwen2, Qwen3) with Hugging
+q and k, or neither: Llama, Mistral within its sliding window, Qwen2, Qwen3) with Hugging
 Face's tensor names, its layers under ``nn.scan`` as ``blocks``.
 
 Rotary positions rotate the two halves of each head (Hugging Face's ``rotate_half``), so its
@@ -42,11 +42,11 @@ TENSOR_PARALLEL = (
     Rule(r"^head/kernel$", model_dim=-1),
 )
 # The families whose decoder this is, by config.json's model_type, and what each must say for
-# this model to compute it (anything else is refused): Mistral and the Qwens without their
-# sliding windows; Qwen2 with biases on q, k and v (``qkv_bias``), Qwen3 with q and k normed
-# (``qk_norm``).
+# this model to compute it (anything else is refused): the Qwens without their sliding
+# windows; Qwen2 with biases on q, k and v (``qkv_bias``), Qwen3 with q and k normed
+# (``qk_norm``); Mistral with its window or none (``sliding_window``: trained within it).
 FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
-            "mistral": {"hidden_act": "silu", "sliding_window": None},
+            "mistral": {"hidden_act": "silu"},
             "qwen2": {"hidden_act": "silu", "use_sliding_window": False},
             "qwen3": {"hidden_act": "silu", "attention_bias": False,
                       "use_sliding_window": False}}
@@ -216,8 +216,9 @@ def mapping(c: GPTConfig) -> Mapping:
 
 def read_config(directory: str | os.PathLike) -> dict:
     """The model section of the demo's config from a Llama, Mistral, Qwen2 or Qwen3 directory's
-    config.json; what this model does not compute (other biases, another activation, a
-    sliding window, another rope type) is refused."""
+    config.json; what this model does not compute (other biases, another activation, a Qwen's
+    sliding window, another rope type) is refused. A Mistral's window bounds the training
+    window (``seq_len``), within which the whole sequence's attention is the window's."""
     path = pathlib.Path(directory) / "config.json"
     try:
         hf = json.loads(path.read_text())
@@ -237,7 +238,13 @@ def read_config(directory: str | os.PathLike) -> dict:
     if not isinstance(tied := hf.get("tie_word_embeddings", False), bool):
         raise WeightsError(f"{path} has tie_word_embeddings {tied!r}, not true or false: pass a "
                            "model whose config.json has one of them")
-    return {**model, "seq_len": min(model["seq_len"], WINDOW), "max_positions": model["seq_len"],
+    window = hf.get("sliding_window") if hf["model_type"] == "mistral" else None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise WeightsError(f"{path} has sliding_window {window!r}, not a number of tokens: pass "
+                           "a model whose config.json has one, or null")
+    return {**model, "seq_len": min(model["seq_len"], WINDOW, window or WINDOW),
+            "max_positions": model["seq_len"], "sliding_window": window or 0,
             "arch": "llama", "tie_head": tied,
             "qkv_bias": hf["model_type"] == "qwen2", "qk_norm": hf["model_type"] == "qwen3",
             "head_dim": 0 if head_dim * model["n_heads"] == model["d_model"] else head_dim,
@@ -278,18 +285,20 @@ def _rope(path: pathlib.Path, hf: dict) -> dict:
 
 def write_config(directory: pathlib.Path, model: dict, dtype: str = "float32") -> None:
     """A config.json for the demo's ``model`` section, as transformers reads it: Qwen2's with
-    ``qkv_bias``, Qwen3's with ``qk_norm``, else Llama's (a Mistral without its window
-    computes as one); the rope scaling in the ``rope_scaling`` form Llama 3's files use, which
-    transformers 4 and 5 both read."""
+    ``qkv_bias``, Qwen3's with ``qk_norm``, Mistral's with ``sliding_window``, else Llama's (a
+    Mistral without its window computes as one); the rope scaling in the ``rope_scaling`` form
+    Llama 3's files use, which transformers 4 and 5 both read."""
     c = GPTConfig(**model)
-    family = "qwen2" if c.qkv_bias else "qwen3" if c.qk_norm else "llama"
+    family = ("qwen2" if c.qkv_bias else "qwen3" if c.qk_norm else
+              "mistral" if c.sliding_window else "llama")
     architecture = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                    "llama": "LlamaForCausalLM"}[family]
+                    "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM"}[family]
     hf = {"architectures": [architecture], "model_type": family,
           **{theirs: getattr(c, ours) for theirs, ours in HF_KEYS.items()}, **FAMILIES[family],
           "tie_word_embeddings": c.tie_head, "num_key_value_heads": c.kv_heads,
           "head_dim": c.dh, "rope_theta": c.rope_theta, "dtype": dtype,
-          "max_position_embeddings": c.max_positions or c.seq_len}
+          "max_position_embeddings": c.max_positions or c.seq_len,
+          **({"sliding_window": c.sliding_window} if c.sliding_window else {})}
     if c.rope_type != "default":
         keys = ("factor",) if c.rope_type == "linear" else tuple(ROPE_KEYS)
         hf["rope_scaling"] = {"rope_type": c.rope_type,
