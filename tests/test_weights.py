@@ -26,7 +26,7 @@ import zero_jax as zj
 from zero_jax.gpt import data, hf
 from zero_jax.gpt.model import GPT, LAYERS, TENSOR_PARALLEL, GPTConfig, lm_loss
 from zero_jax.tensorfiles import TensorFiles, WeightsError
-from zero_jax.weights import Mapping, Tensor, check, load_params
+from zero_jax.weights import Mapping, Tensor, check, export_specs, load_params
 
 sys.path.insert(0, str(ROOT))
 import train as train_py  # noqa: E402
@@ -570,6 +570,9 @@ FAMILIES = {  # name: (class, config, torch seed)
     # heads twice as wide as hidden_size / heads, as Qwen3's are
     "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         **SMALL_LLAMA, head_dim=16, tie_word_embeddings=True), 4),
+    # q, k, v in one tensor, gate and up in another (its pad token inside this vocabulary)
+    "phi3": (transformers.Phi3ForCausalLM, transformers.Phi3Config(
+        **SMALL_LLAMA, pad_token_id=0, tie_word_embeddings=False), 5),
 }
 
 
@@ -698,9 +701,11 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
                                                                 family_dir):
     """Read at stage 3 (x tensor parallel 2) through the Llama mapping (transposes, head
     splits): a Llama untied with plain rotary positions, one as Llama 3.2 (tied head, llama3
-    rope scaling), a Mistral, a Qwen2 (q, k, v biases), a Qwen3 (q, k norms, wider heads):
-    logits within 1e-5 of transformers';
-    written back through the same table as shards with an index and a config.json (a Mistral
+    rope scaling), a Mistral, a Qwen2 (q, k, v biases), a Qwen3 (q, k norms, wider heads), a
+    Phi-3 (q, k, v fused in one tensor, gate and up in another): logits within 1e-5 of
+    transformers';
+    written back through Llama's table as shards with an index and a config.json (a Phi-3 as
+    the Llama it computes as, a Mistral
     with its sliding window, which equals the whole sequence's attention at the sequence's
     length and differs at a shorter window; the context it declared, whatever the training
     window),
@@ -723,7 +728,9 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     mesh = zj.make_mesh(axes={"data": 8 // tp, **({"model": tp} if tp > 1 else {})})
     plan = zj.make_plan(shapes, mesh, stage=3, layers=LAYERS,
                         rules=list(llama.tensor_parallel(cfg)) if tp > 1 else [])
-    params = load_params(plan, llama_dir, llama.mapping(cfg))
+    files, mapping = hf.weights_source(llama_dir)  # Phi-3's: its fused tensors' rows
+    params = load_params(plan, files, mapping)
+    assert files.bytes_read == sum(i.nbytes for i in files.tensors.values())  # each byte once
     ours = logits_of(model, params)
     assert rel(ours, theirs) < 1e-5, rel(ours, theirs)
     if which == "mistral":  # a window shorter than the sequence would attend otherwise
@@ -743,6 +750,33 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     llama.write_config(out, {**section, "seq_len": 8})
     assert (out / "model.safetensors.index.json").exists() and llama.read_config(out) == section
     assert rel(torch_logits_of(transformers.AutoModelForCausalLM, out), ours) < 1e-5
+
+
+def test_a_tensor_taken_in_ranges_is_read_once_whole_and_not_exported(family_dir):
+    """Phi-3's fused tensors are taken in ranges that must tile them (an overlap or a gap is
+    refused, naming the tensor); an export writes whole tensors only, so such a mapping is
+    refused there in one line (a Phi-3 goes back out through Llama's table)."""
+    from zero_jax.gpt import llama
+
+    phi3 = family_dir("phi3")
+    cfg = GPTConfig(**llama.read_config(phi3), remat="none", vocab_multiple=128)
+    model = llama.Llama(cfg)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), TOKENS[:1, :-1])["params"])
+    plan = zj.make_plan(shapes, zj.make_mesh(), stage=3, layers=LAYERS)
+    _, mapping = hf.weights_source(phi3)
+    check(plan, TensorFiles(phi3), mapping)
+    for wrong in [(0, 0, cfg.dh * cfg.kv_heads), (0, 8, 8 + cfg.d_ff)]:  # k over q; a gap
+        rows = tuple(dataclasses.replace(t, take=wrong) if t.path == (
+            "blocks/k/kernel" if wrong[1] == 0 else "blocks/gate/kernel") else t
+            for t in mapping.tensors)
+        with pytest.raises(WeightsError, match=r"model\.layers\.0\.\S+ in .* is taken in "
+                                                "ranges .* do not cover its shape"):
+            check(plan, TensorFiles(phi3), dataclasses.replace(mapping, tensors=rows))
+    flat = {zj.plan.path_str(p): v.shape for p, v in jax.tree_util.tree_flatten_with_path(
+        shapes)[0]}
+    with pytest.raises(WeightsError, match="takes a range of its tensor, which an export does "
+                                           "not write back"):
+        export_specs(mapping, flat, np.float32)
 
 
 @pytest.mark.slow

@@ -41,7 +41,9 @@ class Tensor:
     ``(1, (heads, -1))`` for a Flax ``DenseGeneral``'s heads. ``pad`` ``(axis, n)``: the
     tensor fills the first n entries of that axis (after the transpose); the parameter may be
     longer there, its rest read as zeros and left out on export (a vocabulary padded to a
-    multiple of 128 for its GEMMs).
+    multiple of 128 for its GEMMs). ``take`` ``(axis, start, stop)``: the parameter is that
+    range of the tensor's axis, before anything else (one tensor holding several parameters,
+    as Phi-3's ``qkv_proj``); such rows read only, export writes whole tensors.
     """
 
     name: str | tuple[str, ...]
@@ -50,6 +52,7 @@ class Tensor:
     split: tuple[int, tuple[int, ...]] | None = None
     fuse_axis: int = 0
     pad: tuple[int, int] | None = None
+    take: tuple[int, int, int] | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -70,7 +73,14 @@ class Tensor:
         return [[n.replace(LAYER, str(i)) for n in self.names] for i in range(layers)]
 
     def forward_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """A checkpoint tensor's shape after the transpose and split (one layer, one part)."""
+        """A checkpoint tensor's shape after the take, transpose and split (one layer, one
+        part)."""
+        if self.take is not None:
+            axis, start, stop = self.take
+            if not (0 <= axis < len(shape) and 0 <= start < stop <= shape[axis]):
+                raise WeightsError(f"Tensor({self.name!r}).take {self.take} is not a range of "
+                                   f"an axis of its shape {shape}")
+            shape = shape[:axis] + (stop - start,) + shape[axis + 1:]
         if self.transpose is not None:
             if sorted(self.transpose) != list(range(len(shape))):
                 raise WeightsError(f"Tensor({self.name!r}).transpose {self.transpose} is not a "
@@ -90,6 +100,9 @@ class Tensor:
     def view(self, x: np.ndarray) -> np.ndarray:
         """``x`` transformed: a view of it (transposes and splits copy nothing)."""
         shape = self.forward_shape(x.shape)
+        if self.take is not None:
+            axis, start, stop = self.take
+            x = x[(slice(None),) * axis + (slice(start, stop),)]
         if self.transpose is not None:
             x = x.transpose(self.transpose)
         return x.reshape(shape)
@@ -197,7 +210,7 @@ def _unpadded(row: Tensor, want: tuple[int, ...], got: tuple[int, ...]) -> tuple
 def _sources(files: TensorFiles, mapping: Mapping, shapes: PyTree) -> dict[str, _Source]:
     """Every parameter's tensors, with every name, shape and dtype checked before any byte is
     read; every tensor of the files used or ignored."""
-    out, used, params = {}, set(), _paths(shapes)
+    out, used, params, taken = {}, set(), _paths(shapes), {}
     for path, row in mapping.rows(list(params)).items():
         want = params[path]
         layers = want.shape[0] if row.stacked and want.shape else 0
@@ -222,13 +235,32 @@ def _sources(files: TensorFiles, mapping: Mapping, shapes: PyTree) -> dict[str, 
                                    f"{path} is {np.dtype(want.dtype)}: pass floating-point "
                                    "weights")
             used.add(name)
+            if row.take is not None:
+                taken.setdefault(name, []).append(row.take)
         out[path] = _Source(row, names, tuple(per))
+    for name, ranges in taken.items():
+        _check_taken(name, files.tensors[name], ranges)
     ignore = [re.compile(p) for p in mapping.ignore]
     for name, info in files.tensors.items():
         if name not in used and not any(p.search(name) for p in ignore):
             raise WeightsError(f"tensor {name} in {info.file} is not used by the mapping: "
                                "pass the model's own weights, or map or ignore it")
     return out
+
+
+def _check_taken(name: str, info, ranges: list[tuple[int, int, int]]) -> None:
+    """A tensor read in ranges is read whole, each element once: its parameters tile it."""
+    at = 0
+    for axis, start, stop in sorted(ranges, key=lambda r: r[1]):
+        if axis != ranges[0][0] or start != at:
+            break
+        at = stop
+    else:
+        if at == info.shape[ranges[0][0]]:
+            return
+    raise WeightsError(f"tensor {name} in {info.file} is taken in ranges "
+                       f"{sorted(ranges, key=lambda r: r[1])} that do not cover its shape "
+                       f"{list(info.shape)} once: fix the mapping's take")
 
 
 def _floating(dtype) -> bool:
@@ -279,6 +311,10 @@ def export_specs(mapping: Mapping, shapes: dict[str, tuple[int, ...]], dtype
     order: ``(spec, path, layer, part)``; a checkpoint tensor's shape is the parameter's
     (per layer, per part) with the split merged and the transpose undone."""
     rows = mapping.rows(list(shapes))
+    if taken := [t for t in rows.values() if t.take is not None]:
+        raise WeightsError(f"Tensor({taken[0].name!r}) takes a range of its tensor, which an "
+                           "export does not write back: export with a mapping whose rows each "
+                           "write whole tensors")
     out = []
     for path, shape in shapes.items():
         row = rows[path]

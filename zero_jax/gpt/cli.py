@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--metrics", help="write one JSON object per step to this file")
     p.add_argument("--report", help="write the memory/communication report as JSON here")
     p.add_argument("--init-from", metavar="DIR", help="start from a Hugging Face GPT-2, Llama, "
-                   "Mistral, Qwen2 or Qwen3 directory's weights (config.json, safetensors; "
+                   "Mistral, Qwen2, Qwen3 or Phi-3 directory's weights (config.json, safetensors; "
                    "docs/guides/weights.md)")
     p.add_argument("--dry-run", action="store_true",
                    help="compile the step on abstract arrays, print the report, train nothing")

@@ -64,7 +64,8 @@ def read_config(directory: str | os.PathLike) -> dict:
         return llama.read_config(directory)
     if hf.get("model_type") != "gpt2":
         raise WeightsError(f"{path} is model_type {hf.get('model_type')!r}; this demo reads "
-                           "gpt2, llama, mistral, qwen2 and qwen3: pass a directory of one")
+                           "gpt2, llama, mistral, qwen2, qwen3 and phi3: pass a directory of "
+                           "one")
     for key, want in GPT2_FIXED.items():
         if key in hf and hf[key] != want:
             raise WeightsError(f"{path} has {key} {hf[key]!r}; this demo's GPT-2 computes "
@@ -89,6 +90,10 @@ def weights_source(directory: str | os.PathLike):
 
     model = read_config(directory)
     files = TensorFiles(directory)
+    if json.loads((pathlib.Path(directory) / CONFIG).read_text())["model_type"] == "phi3":
+        from zero_jax.gpt import llama
+
+        return files, llama.phi3_mapping(GPTConfig(**model))
     prefix = "transformer." if any(n.startswith("transformer.") for n in files.tensors) else ""
     return files, mapping(model, prefix)
 

@@ -44,9 +44,13 @@ TENSOR_PARALLEL = (
 # The families whose decoder this is, by config.json's model_type, and what each must say for
 # this model to compute it (anything else is refused): the Qwens without their sliding
 # windows; Qwen2 with biases on q, k and v (``qkv_bias``), Qwen3 with q and k normed
-# (``qk_norm``); Mistral with its window or none (``sliding_window``: trained within it).
+# (``qk_norm``); Mistral and Phi-3 with a window or none (``sliding_window``: trained within
+# it), Phi-3 with its q, k, v and its gate and up projections fused in two tensors, without
+# dropout and rotating whole heads.
 FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
             "mistral": {"hidden_act": "silu"},
+            "phi3": {"hidden_act": "silu", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                     "attention_dropout": 0.0, "partial_rotary_factor": 1.0},
             "qwen2": {"hidden_act": "silu", "use_sliding_window": False},
             "qwen3": {"hidden_act": "silu", "attention_bias": False,
                       "use_sliding_window": False}}
@@ -214,21 +218,45 @@ def mapping(c: GPTConfig) -> Mapping:
     return Mapping(tuple(rows), ignore=(r"rotary_emb\.inv_freq$", *tied))
 
 
+def phi3_mapping(c: GPTConfig) -> Mapping:
+    """Hugging Face's ``Phi3ForCausalLM`` tensors: Llama's, but for q, k and v in one
+    ``qkv_proj`` and the gate and up projections in one ``gate_up_proj``, each parameter
+    taking its rows. Read only: a trained Phi-3 is written back as the Llama it computes as."""
+    h = "model.layers.{layer}."
+    fused = {"q": (0, c.n_heads), "k": (c.n_heads, c.kv_heads),
+             "v": (c.n_heads + c.kv_heads, c.kv_heads)}
+    rows = [t for t in mapping(c).tensors if not any(
+        f"self_attn.{n}_proj" in t.names[0] or f"mlp.{n}_proj" in t.names[0]
+        for n in ("q", "k", "v", "gate", "up"))]
+    for name, (first, heads) in fused.items():
+        rows.append(Tensor(f"{h}self_attn.qkv_proj.weight", f"blocks/{name}/kernel",
+                           take=(0, first * c.dh, (first + heads) * c.dh), transpose=(1, 0),
+                           split=(1, (heads, -1))))
+    for name, first in (("gate", 0), ("up", c.d_ff)):
+        rows.append(Tensor(f"{h}mlp.gate_up_proj.weight", f"blocks/{name}/kernel",
+                           take=(0, first, first + c.d_ff), transpose=(1, 0)))
+    return Mapping(tuple(rows), ignore=mapping(c).ignore)
+
+
 def read_config(directory: str | os.PathLike) -> dict:
-    """The model section of the demo's config from a Llama, Mistral, Qwen2 or Qwen3 directory's
-    config.json; what this model does not compute (other biases, another activation, a Qwen's
-    sliding window, another rope type) is refused. A Mistral's window bounds the training
-    window (``seq_len``), within which the whole sequence's attention is the window's."""
+    """The model section of the demo's config from a Llama, Mistral, Qwen2, Qwen3 or Phi-3
+    directory's config.json; what this model does not compute (other biases, another
+    activation, a Qwen's sliding window, another rope type) is refused. A Mistral's or Phi-3's
+    window bounds the training window (``seq_len``), within which the whole sequence's
+    attention is the window's."""
     path = pathlib.Path(directory) / "config.json"
     try:
         hf = json.loads(path.read_text())
         assert isinstance(hf, dict) and hf.get("model_type") in FAMILIES
     except (OSError, ValueError, AssertionError):
-        raise WeightsError(f"{path} is missing or not a Llama, Mistral or Qwen config.json: "
-                           "pass a Hugging Face directory of one") from None
+        raise WeightsError(f"{path} is missing or not a Llama, Mistral, Qwen or Phi-3 "
+                           "config.json: pass a Hugging Face directory of one") from None
+    rope_parameters = hf.get("rope_parameters")
     for key, want in FAMILIES[hf["model_type"]].items():
-        if hf.get(key, want) != want:
-            raise WeightsError(f"{path} has {key} {hf[key]!r}; this demo's Llama computes "
+        got = hf.get(key, rope_parameters.get(key, want) if isinstance(rope_parameters, dict)
+                     else want)
+        if got != want:
+            raise WeightsError(f"{path} has {key} {got!r}; this demo's Llama computes "
                                f"{want!r} only: pass a model with {key} {want!r}")
     try:
         model = {ours: hf[theirs] for theirs, ours in HF_KEYS.items()}
@@ -238,7 +266,7 @@ def read_config(directory: str | os.PathLike) -> dict:
     if not isinstance(tied := hf.get("tie_word_embeddings", False), bool):
         raise WeightsError(f"{path} has tie_word_embeddings {tied!r}, not true or false: pass a "
                            "model whose config.json has one of them")
-    window = hf.get("sliding_window") if hf["model_type"] == "mistral" else None
+    window = hf.get("sliding_window") if hf["model_type"] in ("mistral", "phi3") else None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or window < 1):
         raise WeightsError(f"{path} has sliding_window {window!r}, not a number of tokens: pass "
