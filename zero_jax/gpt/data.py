@@ -42,9 +42,9 @@ def stdlib_corpus(limit: int = DEFAULT_BYTES) -> np.ndarray:
 
 
 class Tokenizer:
-    """A Hugging Face ``tokenizer.json`` (what GPT-2, Llama, Mistral and Qwen directories
-    carry), read by the ``tokenizers`` package: a model trained from a pretrained directory
-    must read text as the ids it was trained on, not as bytes."""
+    """A Hugging Face ``tokenizer.json`` (what GPT-2, Llama, Mistral, Qwen and Phi-3
+    directories carry), read by the ``tokenizers`` package: a model trained from a pretrained
+    directory must read text as the ids it was trained on, not as bytes."""
 
     FILE = "tokenizer.json"
 
@@ -211,10 +211,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="python -m zero_jax.gpt.data",
-        description="encode a text file or a directory of text files (each file one document) "
-                    "with a model directory's tokenizer.json, into a .npy of token ids that "
-                    "train.py --data reads")
-    parser.add_argument("text", help="text file or directory of text files")
+        description="encode a text file, a .jsonl of {\"text\": ...} records or a directory of "
+                    "them (each file or record one document) with a model directory's "
+                    "tokenizer.json, into a .npy of token ids that train.py --data reads")
+    parser.add_argument("text", help="text file, .jsonl, or a directory of them")
     parser.add_argument("out", help="the .npy to write (uint16 where every id fits, else uint32)")
     parser.add_argument("--tokenizer", required=True, metavar="DIR",
                         help="a Hugging Face model directory holding tokenizer.json")
