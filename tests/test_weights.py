@@ -874,6 +874,8 @@ def test_train_py_reads_text_with_the_directory_tokenizer(family_dir, tmp_path, 
     for saved in (out, live):
         loaded = transformers.AutoTokenizer.from_pretrained(saved)
         assert loaded(TEXTS["b.txt"])["input_ids"] == theirs(TEXTS["b.txt"])["input_ids"]
+        generation = (saved / "generation_config.json").read_bytes()  # transformers wrote it
+        assert generation == (model / "generation_config.json").read_bytes()
 
     save_tokenizer(model / "tokenizer.json", vocab=60)  # another tokenizer
     capsys.readouterr()

@@ -97,12 +97,14 @@ class Layout:
                 written += _write_box(fds[place.file], place, cut, y)
         return written
 
-# A Hugging Face directory's tokenizer, in the formats its families ship (copied beside the
-# weights by a save's ``extra``, so that transformers and vLLM load the model whole), and
+# What a Hugging Face directory holds beside its weights and config.json: the tokenizer, in the
+# formats its families ship, its chat template and the generation defaults (copied beside the
+# weights by a save's ``extra``, so that transformers and vLLM load the model whole); and
 # everything besides the weights that a save may replace.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
-HF_FILES = ("config.json", *TOKENIZER_FILES)
+COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "chat_template.jinja", "generation_config.json")
+HF_FILES = ("config.json", *COMPANION_FILES)
 
 
 def _parts(row: Tensor, x: np.ndarray, box: list[range]) -> list:
@@ -209,7 +211,7 @@ def save_safetensors(params: PyTree, directory: str | os.PathLike, mapping: Mapp
 
 def not_a_save(directory: str | os.PathLike) -> str | None:
     """Why ``directory`` may not be replaced by a save: something in it that no save writes
-    (safetensors files, their index, a config.json, a tokenizer's files), which the
+    (safetensors files, their index, a config.json, COMPANION_FILES), which the
     replacement would delete with it; None: it may (missing, empty, or an earlier save)."""
     out = pathlib.Path(directory)
     if not out.exists():

@@ -16,7 +16,7 @@ import shutil
 import sys
 
 from zero_jax.gpt.model import GPTConfig
-from zero_jax.safetensors_writer import TOKENIZER_FILES
+from zero_jax.safetensors_writer import COMPANION_FILES
 from zero_jax.tensorfiles import WeightsError
 from zero_jax.weights import Mapping, Tensor
 
@@ -134,15 +134,16 @@ def write_config(directory: pathlib.Path, model: dict, dtype: str) -> None:
 
 
 def copy_tokenizer(source: str | None, directory: pathlib.Path) -> None:
-    """``source``'s tokenizer files (the --init-from directory) into ``directory``; a source
-    gone since training is said, not fatal: the weights are what the export is for."""
+    """``source``'s tokenizer files, chat template and generation defaults (the --init-from
+    directory's) into ``directory``; a source gone since training is said, not fatal: the
+    weights are what the export is for."""
     if not source:
         return
     if not pathlib.Path(source).is_dir():
         print(f"warning: {source}, which the model was initialized from, is gone: no "
               "tokenizer files copied beside the weights", file=sys.stderr)
         return
-    for name in TOKENIZER_FILES:
+    for name in COMPANION_FILES:
         if (pathlib.Path(source) / name).is_file():
             shutil.copyfile(pathlib.Path(source) / name, directory / name)
 
