@@ -85,12 +85,13 @@ def config_overrides(directory: str | os.PathLike) -> list[str]:
 
 def weights_source(directory: str | os.PathLike):
     """The directory's tensors, and the mapping of their names (with or without the
-    ``transformer.`` prefix ``GPT2LMHeadModel`` saves)."""
+    ``transformer.`` prefix ``GPT2LMHeadModel`` saves; Phi-3's fused ``qkv_proj`` where the
+    files hold it)."""
     from zero_jax.tensorfiles import TensorFiles
 
     model = read_config(directory)
     files = TensorFiles(directory)
-    if json.loads((pathlib.Path(directory) / CONFIG).read_text())["model_type"] == "phi3":
+    if any(".self_attn.qkv_proj." in n for n in files.tensors):
         from zero_jax.gpt import llama
 
         return files, llama.phi3_mapping(GPTConfig(**model))

@@ -225,9 +225,9 @@ def phi3_mapping(c: GPTConfig) -> Mapping:
     h = "model.layers.{layer}."
     fused = {"q": (0, c.n_heads), "k": (c.n_heads, c.kv_heads),
              "v": (c.n_heads + c.kv_heads, c.kv_heads)}
-    rows = [t for t in mapping(c).tensors if not any(
-        f"self_attn.{n}_proj" in t.names[0] or f"mlp.{n}_proj" in t.names[0]
-        for n in ("q", "k", "v", "gate", "up"))]
+    llama = mapping(c)
+    taken = {f"blocks/{n}/kernel" for n in (*fused, "gate", "up")}
+    rows = [t for t in llama.tensors if t.path not in taken]
     for name, (first, heads) in fused.items():
         rows.append(Tensor(f"{h}self_attn.qkv_proj.weight", f"blocks/{name}/kernel",
                            take=(0, first * c.dh, (first + heads) * c.dh), transpose=(1, 0),
@@ -235,7 +235,7 @@ def phi3_mapping(c: GPTConfig) -> Mapping:
     for name, first in (("gate", 0), ("up", c.d_ff)):
         rows.append(Tensor(f"{h}mlp.gate_up_proj.weight", f"blocks/{name}/kernel",
                            take=(0, first, first + c.d_ff), transpose=(1, 0)))
-    return Mapping(tuple(rows), ignore=mapping(c).ignore)
+    return Mapping(tuple(rows), ignore=llama.ignore)
 
 
 def read_config(directory: str | os.PathLike) -> dict:
