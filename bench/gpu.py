@@ -4,7 +4,7 @@ compiled step beside it (H100 and H200), the compiled step's collectives, and wh
 collectives overlap compute.
 
     python bench/gpu.py [--config gpt2-124m] [--devices N] [--steps 10] [--rounds 5] [--set K=V]
-        [--json results.json]
+        [--runs '0;3'] [--json results.json]
     python bench/gpu.py --allow-cpu     # the same code path on 8 simulated CPU devices (tiny)
     python bench/gpu.py --compile-for h100 [--devices 8]   # no GPU needed: compile, not run
     python bench/gpu.py --compile-for h100 --devices 64 --nodes 8   # 8 nodes, hierarchical too
@@ -115,6 +115,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", metavar="PATH", help="also write the results here")
+    p.add_argument("--runs", metavar="LABEL;LABEL",
+                   help="only these rows, by their table labels (e.g. '0;3'): a large model's "
+                        "compiles take minutes each")
     p.add_argument("--allow-cpu", action="store_true",
                    help="no GPU: run on simulated CPU devices (to test this script)")
     p.add_argument("--compile-for", choices=sorted(TARGETS),
@@ -425,8 +428,13 @@ def main() -> None:
     print(harness.header(name, mesh, args.rounds, args.steps), flush=True)
 
     tokens = data.stdlib_corpus()
+    wanted = RUNS if not args.runs else [
+        (label, sets) for label, sets in RUNS if label in args.runs.split(";")]
+    if not wanted:
+        raise SystemExit(f"error: --runs {args.runs!r} names none of "
+                         f"{'; '.join(label for label, _ in RUNS)}")
     runs = []
-    for stage, sets in RUNS:
+    for stage, sets in wanted:
         cfg = config.load(name, [*args.set, *sets])
         if r := harness.try_build(f"stage {stage}", cfg, mesh, tokens, args.steps):
             r["stage"] = stage
