@@ -838,9 +838,9 @@ def test_train_py_reads_text_with_the_directory_tokenizer(family_dir, tmp_path, 
     """train.py --init-from a directory with a tokenizer.json trains on a directory of text (a
     file, a .jsonl record) as the ids transformers' tokenizer gives each (its <s> included):
     the first loss is transformers' on that batch; the export holds the tokenizer, which
-    transformers loads. The checkpoint names the tokenizer: a resume with another is refused;
-    text without a tokenizer.json is refused; ``python -m zero_jax.gpt.data`` writes the same
-    ids to a .npy."""
+    transformers loads. The checkpoint names the tokenizer: a resume or an export with another
+    is refused; text without a tokenizer.json is refused; ``python -m zero_jax.gpt.data``
+    writes the same ids to a .npy."""
     import shutil
 
     model = tmp_path / "model"
@@ -882,6 +882,10 @@ def test_train_py_reads_text_with_the_directory_tokenizer(family_dir, tmp_path, 
     assert train_py.main([*args, "--steps", "3", "--resume"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "another tokenizer" in err[0], err
+    other = tmp_path / "hf-other"  # nor is it exported beside the weights
+    assert hf.main([str(ckpt), str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has changed since step 2" in err[0] and not other.exists(), err
     (model / "tokenizer.json").unlink()
     assert train_py.main([*args, "--steps", "3", "--resume"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

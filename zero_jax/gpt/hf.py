@@ -9,6 +9,7 @@ head is tied to ``wte`` (not written by ``GPT2LMHeadModel``; ignored if present)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -149,6 +150,20 @@ def copy_tokenizer(source: str | None, directory: pathlib.Path) -> None:
             shutil.copyfile(pathlib.Path(source) / name, directory / name)
 
 
+def check_tokenizer(meta: dict) -> None:
+    """Refuse to export beside a tokenizer.json other than the one the run's text was read by
+    (its sha256 in the checkpoint): the weights' ids would be another tokenizer's."""
+    trained, source = (meta.get("data") or {}).get("tokenizer"), meta.get("init_from")
+    path = pathlib.Path(source or ".") / "tokenizer.json"
+    if trained and source and path.is_file():
+        now = hashlib.sha256(path.read_bytes()).hexdigest()
+        if now != trained:
+            raise WeightsError(f"{path} has changed since step {meta['step']} was trained "
+                               f"(sha256 {now[:12]}, the run read text with {trained[:12]}): "
+                               "the export would pair the weights with another tokenizer; put "
+                               "the run's tokenizer.json back there")
+
+
 def saver(directory: str, step, model: dict, every: int, last: int, stop, guard,
           init_from: str | None = None):
     """The in-run save (``train.py --save-safetensors``): ``directory`` holds the latest
@@ -177,6 +192,7 @@ def export(checkpoint_dir: str, out: str, step: int | None = None, dtype: str = 
             raise WeightsError(f"checkpoint step {meta['step']} in {checkpoint_dir} records no "
                                "model config: it was not written by train.py; export it with "
                                "python -m zero_jax.export --format safetensors")
+        check_tokenizer(meta)
         return mapping(model)
 
     def config(directory: pathlib.Path, meta: dict) -> None:
