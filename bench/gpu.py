@@ -4,7 +4,7 @@ compiled step beside it (H100 and H200), the compiled step's collectives, and wh
 collectives overlap compute.
 
     python bench/gpu.py [--config gpt2-124m] [--devices N] [--steps 10] [--rounds 5] [--set K=V]
-        [--runs '0;3'] [--json results.json]
+        [--runs '0;3'] [--json results.json] [--trace DIR] [--save-hlo DIR]
     python bench/gpu.py --allow-cpu     # the same code path on 8 simulated CPU devices (tiny)
     python bench/gpu.py --compile-for h100 [--devices 8]   # no GPU needed: compile, not run
     python bench/gpu.py --compile-for h100 --devices 64 --nodes 8   # 8 nodes, hierarchical too
@@ -127,7 +127,10 @@ def parse_args() -> argparse.Namespace:
                         "collectives estimated over the network): stages 0 and 3, hierarchical "
                         "ZeRO (zero3_size = one node) and the GSPMD FSDP baseline")
     p.add_argument("--save-hlo", metavar="DIR",
-                   help="with --compile-for: also write each compiled program's text, gzipped")
+                   help="also write each compiled program's text, gzipped")
+    p.add_argument("--trace", metavar="DIR",
+                   help="after timing, one more round of each run under jax.profiler, its "
+                        "kernels' timeline in DIR/<run>.trace.json.gz (Perfetto's format)")
     args = p.parse_args()
     if args.compile_for:  # the CUDA plugin without a driver: skip its checks, run nothing on it
         import jax
@@ -346,6 +349,27 @@ def _save(args: argparse.Namespace, name: str, compiled) -> None:
             f.write(compiled.as_text())
 
 
+def _trace(out: str, name: str, r: dict) -> None:
+    """One round of a run's steps under the profiler; its Perfetto trace copied to ``out``."""
+    import glob
+    import shutil
+    import tempfile
+
+    import jax
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            for b in r["batches"]:
+                r["state"], metrics = r["step"](r["state"], b)
+            jax.block_until_ready(metrics)
+        found = glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True)
+        os.makedirs(out, exist_ok=True)
+        for path in found[:1]:
+            shutil.copy(path, os.path.join(out, re.sub(r"[^\w.]+", "-", name) + ".trace.json.gz"))
+        if not found:
+            print(f"{name}: the profiler wrote no Perfetto trace", flush=True)
+
+
 def _cost_flops(compiled) -> float | None:
     """The compiled program's own FLOP count (None where XLA gives none)."""
     cost = compiled.cost_analysis()
@@ -442,6 +466,10 @@ def main() -> None:
     if not runs:
         raise SystemExit("error: no stage could run")
     harness.time_interleaved(runs, args.rounds)
+    for r in runs:
+        _save(args, f"{name}-stage-{r['stage']}", r["step"])
+        if args.trace:
+            _trace(args.trace, f"{name}-stage-{r['stage']}", r)
 
     model = runs[0]["exp"].model
     per_token = flops_per_token(model)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The runs of docs/benchmarks/gpu-run.md on whatever GPUs this machine has, in about ten
-# minutes on one H200: README's command, the stages at 124M beside their estimates, every
+# minutes on one H200: README's command, the stages at 124M and 1.3B beside their estimates, every
 # offload layout (tiny, with deterministic GPU kernels and SGD, so that losses compare),
 # offload's step time at 124M parameters with AdamW and with SGD, per-block stage 3 on an
 # unrolled GPT-2, and the NVMe tier's bandwidth; on several GPUs also, in up to ten minutes
@@ -21,6 +21,9 @@ timeout 120 python3 train.py --stage 3 > "$out/train.log" 2>&1
 tail -1 "$out/train.log"
 timeout 340 python3 bench/gpu.py --devices 1 --steps 5 --rounds 3 --set train.batch_size=32 \
     --json "$out/estimate-1gpu.json" 2>&1 | grep -v -E "^[WI][0-9]{4}" | tee "$out/estimate-1gpu.md"
+timeout 200 python3 bench/gpu.py --config gpt-1.3b --devices 1 --runs '0;3;3, by module' \
+    --steps 4 --rounds 3 --set train.batch_size=16 --json "$out/1.3b-1gpu.json" 2>&1 \
+    | grep -v -E "^[WI][0-9]{4}" | tee "$out/1.3b-1gpu.md"
 XLA_FLAGS=--xla_gpu_exclude_nondeterministic_ops=true timeout 120 python3 bench/offload.py \
     --stages 0,3 --steps 2 --rounds 1 --set optimizer.name=sgd 2>&1 \
     | grep -E "^\||failed|config" | tee "$out/offload-tiny-sgd.md"

@@ -124,6 +124,30 @@ def test_chunked_loss_equals_full_logits_with_gradients(vocab, valid, chunk):
     assert max_rel(scaled, jax.tree.map(lambda g: 3.0 * g, g_ref)) < 1e-5
 
 
+def test_embedding_gradient_sums_in_fp32():
+    """``take_rows``'s gradient is the plain lookup's, summed in fp32 and rounded once: a bf16
+    table's rows read 300 times each come back within bf16's rounding of the fp32 sum, where
+    the plain lookup's bf16 scatter-add drifts by tens of percent; and the gradient's program
+    scatters into an fp32 table."""
+    table = jax.random.normal(KEYS[0], (50, 8)).astype(jnp.bfloat16)
+    ids = jax.random.randint(KEYS[1], (4, 300), 0, 4)  # four rows, each read ~300 times
+
+    def loss(lookup):
+        return lambda t, i: jnp.sum(lookup(t, i).astype(jnp.float32) ** 2)
+    exact = jax.grad(loss(lambda t, i: t[i]))(table.astype(jnp.float32), ids)
+    grad = jax.jit(jax.grad(loss(zj.take_rows)))
+    ours, plain = grad(table, ids), jax.jit(jax.grad(loss(lambda t, i: t[i])))(table, ids)
+    assert ours.dtype == jnp.bfloat16
+    scale = float(jnp.abs(exact).max())
+    assert max_rel(ours.astype(jnp.float32), exact) < 2 ** -7
+    assert float(jnp.abs(plain.astype(jnp.float32) - exact).max()) > 0.05 * scale
+    text = grad.lower(table, ids).as_text(dialect="hlo")  # the CPU backend expands scatters
+    assert re.findall(r"(\w+)\[[\d,]+\]\{[\d,]+\} scatter\(", text) == ["f32"]
+    x = jax.random.normal(KEYS[2], (50, 8))  # fp32 tables: the plain lookup's gradient
+    np.testing.assert_allclose(jax.grad(loss(zj.take_rows))(x, ids),
+                               jax.grad(loss(lambda t, i: t[i]))(x, ids), rtol=1e-6)
+
+
 def test_chunked_loss_refuses_bad_shapes_in_one_line():
     x, head = jnp.zeros((4, 8)), jnp.zeros((8, 16))
     with pytest.raises(ValueError, match=r"hidden \(4, 8\) must be labels \(5,\)"):
@@ -203,9 +227,10 @@ def test_the_saved_h100_program_holds_no_scores_and_no_full_logits():
     """``gpt2-124m`` at batch 32 x 1024 on one H100, bf16 (``bench/gpu.py``'s compile, made with
     no GPU present: jax and its CUDA 13 plugin 0.10.2). Attention is cuDNN's flash attention
     (forward, its recompute, backward), no buffer holds a (batch, heads, t, t) score tensor or
-    the (tokens, vocabulary) logits, one 8,192-token chunk's at most; the estimate
-    (bench/estimate.py) reads at most 135 GB of HBM a step (127.7 in this program, 345 before
-    the fused attention and the chunked loss) and at least 53% MFU (56.2%; 24%) against the
+    the (tokens, vocabulary) logits, one 8,192-token chunk's at most; the one scatter, the
+    embedding's gradient, sums in fp32 (in bf16 it took 8.7 of 80 ms on an H200); the estimate
+    (bench/estimate.py) reads at most 135 GB of HBM a step (128.2 in this program, 345 before
+    the fused attention and the chunked loss) and at least 53% MFU (56.0%; 24%) against the
     model's FLOPs."""
     sys.path.insert(0, str(DATA.parent.parent / "bench"))
     import estimate
@@ -214,6 +239,7 @@ def test_the_saved_h100_program_holds_no_scores_and_no_full_logits():
     text = gzip.open(DATA / "gpt2-124m-stage-0-h100.hlo.gz", "rt").read()
     fmha = re.findall(r'custom_call_target="__cudnn\$(fmha\w*)"', text)
     assert sorted(fmha) == ["fmhaSoftmax", "fmhaSoftmax", "fmhaSoftmaxBackward"]
+    assert re.findall(r"(\w+)\[[\d,]+\]\{[\d,]+\} scatter\(", text) == ["f32"]
     model = GPTConfig(vocab_size=50257, vocab_multiple=128, d_model=768, n_layers=12,
                       n_heads=12, d_ff=3072, seq_len=1024)  # configs/gpt2-124m.yaml
     b, t, v = 32, model.seq_len, model.padded_vocab

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from zero_jax.blocks import remat_policy
+from zero_jax.embedding import take_rows
 from zero_jax.gpt import attention
 from zero_jax.gpt.model import GPTConfig, block_remat
 from zero_jax.plan import Rule
@@ -184,7 +185,7 @@ class Llama(nn.Module):
             block = nn.remat(block, prevent_cse=False, policy=policy)
         stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                         length=c.n_layers)
-        x, _ = stack(c, name="blocks")(wte[tokens], None)
+        x, _ = stack(c, name="blocks")(take_rows(wte, tokens), None)
         x = nn.RMSNorm(epsilon=c.norm_eps, name="ln_f")(x)
         return x, wte.T if c.tie_head else Head(c.padded_vocab, name="head")(c.d_model)
 

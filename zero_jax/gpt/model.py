@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from zero_jax.blocks import BLOCK_INPUT, remat_policy
+from zero_jax.embedding import take_rows
 from zero_jax.gpt import attention
 from zero_jax.losses import mean_cross_entropy
 from zero_jax.plan import Rule, modules_pattern
@@ -153,7 +154,7 @@ def embed(module: nn.Module, c: GPTConfig, tokens: jax.Array) -> tuple[jax.Array
     init = nn.initializers.normal(0.02)
     wte = module.param("wte", init, (c.padded_vocab, c.d_model))
     wpe = module.param("wpe", init, (c.seq_len, c.d_model))
-    return wte[tokens] + wpe[: tokens.shape[1]], wte
+    return take_rows(wte, tokens) + wpe[: tokens.shape[1]], wte
 
 
 class GPT(nn.Module):
