@@ -116,8 +116,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", metavar="PATH", help="also write the results here")
     p.add_argument("--runs", metavar="LABEL;LABEL",
-                   help="only these rows, by their table labels (e.g. '0;3'): a large model's "
-                        "compiles take minutes each")
+                   help="only these rows, by their table labels (e.g. '0;3'; with "
+                        "--compile-for, no baseline): a large model's compiles take minutes")
     p.add_argument("--allow-cpu", action="store_true",
                    help="no GPU: run on simulated CPU devices (to test this script)")
     p.add_argument("--compile-for", choices=sorted(TARGETS),
@@ -278,7 +278,7 @@ def compile_for(args: argparse.Namespace) -> None:
         (f"3, hierarchical (zero3_size {per_node})", ["zero.stage=3",
                                                       f"zero.zero3_size={per_node}"])]
     results = []
-    for stage, sets in runs:
+    for stage, sets in chosen(runs, args.runs):
         cfg = config.load(name, [*args.set, *sets])
         exp = Experiment.build(cfg, mesh_of(cfg))
         state = abstract_state(exp.plan, exp.tx)
@@ -290,6 +290,9 @@ def compile_for(args: argparse.Namespace) -> None:
                       _model_flops(exp, n))
         results.append(res)
         _row(res)
+    if args.runs:  # the rows named, not the baseline
+        details(results)
+        return estimates(exp.model, hw, n, nodes, results)
     import peers  # bench/peers.py: the same model and optimizer, as GSPMD FSDP
 
     cfg = config.load(name, args.set)
@@ -311,6 +314,15 @@ def compile_for(args: argparse.Namespace) -> None:
                        "device_kind": topology.devices[0].device_kind,
                        "stages": [*results, baseline]},
                       f, indent=1)
+
+
+def chosen(runs: list, names: str | None) -> list:
+    """``--runs``: the rows of ``runs`` whose labels it names (all, without it)."""
+    picked = [run for run in runs if not names or run[0] in names.split(";")]
+    if not picked:
+        raise SystemExit(f"error: --runs {names!r} names none of "
+                         f"{'; '.join(label for label, _ in runs)}")
+    return picked
 
 
 def program(stage: str, compiled, rep: dict, n_devices: int, hw=None,
@@ -452,13 +464,8 @@ def main() -> None:
     print(harness.header(name, mesh, args.rounds, args.steps), flush=True)
 
     tokens = data.stdlib_corpus()
-    wanted = RUNS if not args.runs else [
-        (label, sets) for label, sets in RUNS if label in args.runs.split(";")]
-    if not wanted:
-        raise SystemExit(f"error: --runs {args.runs!r} names none of "
-                         f"{'; '.join(label for label, _ in RUNS)}")
     runs = []
-    for stage, sets in wanted:
+    for stage, sets in chosen(RUNS, args.runs):
         cfg = config.load(name, [*args.set, *sets])
         if r := harness.try_build(f"stage {stage}", cfg, mesh, tokens, args.steps):
             r["stage"] = stage
