@@ -412,6 +412,20 @@ def test_prefetch_refused_where_it_cannot_run(mesh):
                            .params, batch)
 
 
+def test_no_block_ahead_where_one_device_holds_the_shards(mesh):
+    """Cut over one device, stage 3 gathers nothing, and a block prefetched ahead only costs
+    its loop's restructuring (the peeled layer's gradients concatenated into the stacks): the
+    plan leaves it out there, on one device or with the data axis one device wide beside
+    tensor parallelism; over more devices, and gathering by module, it stays."""
+    shapes = jax.eval_shape(init_fn(MODEL), KEY)
+    on = lambda gather: zj.Layers(LAYERS, prefetch=True, gather=gather)
+    plan = lambda m, gather="block": zj.make_plan(shapes, m, 3, layers=on(gather))
+    assert not plan(zj.make_mesh(1)).prefetch
+    assert not plan(zj.make_mesh(2, axes={"data": 1, "model": 2})).prefetch
+    assert plan(zj.make_mesh(1), "module").prefetch
+    assert plan(mesh).prefetch and plan(zj.make_mesh(4, axes={"data": 2, "model": 2})).prefetch
+
+
 class SharedBlocks(nnx.Module):
     """NNX: blocks/0 called twice, first and last. Its output is the mean of the last block's
     units: with their sum the loss rose from 12.6 to 488 in the test's three SGD steps, and
