@@ -290,10 +290,23 @@ def compile_for(args: argparse.Namespace) -> None:
                       _model_flops(exp, n))
         results.append(res)
         _row(res)
-    if args.runs:  # the rows named, not the baseline
-        details(results)
-        return estimates(exp.model, hw, n, nodes, results)
-    import peers  # bench/peers.py: the same model and optimizer, as GSPMD FSDP
+    # the baseline beside the rows, unless --runs names the rows to compile
+    baseline = [] if args.runs else [_baseline(args, name, n, hw, mesh_of)]
+    details(results)
+    estimates(exp.model, hw, n, nodes, [*results, *baseline])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": name, "devices": n, "nodes": nodes,
+                       "compiled_for": args.compile_for, "hardware": dataclasses.asdict(hw),
+                       "device_kind": topology.devices[0].device_kind,
+                       "stages": [*results, *baseline]}, f, indent=1)
+
+
+def _baseline(args: argparse.Namespace, name: str, n: int, hw, mesh_of) -> dict:
+    """The GSPMD FSDP baseline of ``bench/peers.py``, compiled as the rows are."""
+    import peers  # the same model and optimizer, as GSPMD FSDP
+
+    from zero_jax.gpt import config
 
     cfg = config.load(name, args.set)
     exp, lowered = peers.fsdp_lowered(cfg, mesh_of(cfg))
@@ -305,15 +318,7 @@ def compile_for(args: argparse.Namespace) -> None:
                 "collectives": harness.collectives_summary(text, n), "overlap": overlap(text),
                 "estimate": estimate.estimate(text, hw, n, _model_flops(exp, n))}
     _row(baseline)
-    details(results)
-    estimates(exp.model, hw, n, nodes, [*results, baseline])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": name, "devices": n, "nodes": nodes,
-                       "compiled_for": args.compile_for, "hardware": dataclasses.asdict(hw),
-                       "device_kind": topology.devices[0].device_kind,
-                       "stages": [*results, baseline]},
-                      f, indent=1)
+    return baseline
 
 
 def chosen(runs: list, names: str | None) -> list:
