@@ -61,7 +61,12 @@ class Tokenizer:
             raise ValueError(f"{path} is not a tokenizers file ({first}): copy the model's "
                              "tokenizer.json there again") from None
         self.path = path
-        self.sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
+        self.sha256 = self.digest(path)
+
+    @staticmethod
+    def digest(path: pathlib.Path) -> str:
+        """The sha256 a checkpoint records of the tokenizer.json its text was read by."""
+        return hashlib.sha256(path.read_bytes()).hexdigest()
 
     @classmethod
     def of(cls, directory: str | os.PathLike) -> Tokenizer | None:

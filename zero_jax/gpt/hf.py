@@ -9,13 +9,13 @@ head is tied to ``wte`` (not written by ``GPT2LMHeadModel``; ignored if present)
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
 import shutil
 import sys
 
+from zero_jax.gpt.data import Tokenizer
 from zero_jax.gpt.model import GPTConfig
 from zero_jax.safetensors_writer import COMPANION_FILES
 from zero_jax.tensorfiles import WeightsError
@@ -154,9 +154,9 @@ def check_tokenizer(meta: dict) -> None:
     """Refuse to export beside a tokenizer.json other than the one the run's text was read by
     (its sha256 in the checkpoint): the weights' ids would be another tokenizer's."""
     trained, source = (meta.get("data") or {}).get("tokenizer"), meta.get("init_from")
-    path = pathlib.Path(source or ".") / "tokenizer.json"
+    path = pathlib.Path(source or ".") / Tokenizer.FILE
     if trained and source and path.is_file():
-        now = hashlib.sha256(path.read_bytes()).hexdigest()
+        now = Tokenizer.digest(path)
         if now != trained:
             raise WeightsError(f"{path} has changed since step {meta['step']} was trained "
                                f"(sha256 {now[:12]}, the run read text with {trained[:12]}): "
