@@ -162,22 +162,6 @@ def assert_bytes_per_device(plan, state, tx):
 
 
 @pytest.fixture(scope="module")
-def data_only(gpt):
-    """The same training on the 1-D mesh data = 8, per (stage, optimizer), compiled once for
-    every 2-D layout that compares with it: (losses, final parameters)."""
-    init, loss_fn, batches, _ = gpt
-    runs = {}
-
-    def run(stage, opt):
-        if (stage, opt) not in runs:
-            plan = zj.make_plan(jax.eval_shape(init, KEY), zj.make_mesh(8), stage, layers=LAYERS)
-            losses, state, _ = train(plan, init, loss_fn, batches, OPTIMIZERS[opt]())
-            runs[stage, opt] = losses, jax.device_get(state.params)
-        return runs[stage, opt]
-    return run
-
-
-@pytest.fixture(scope="module")
 def tp_run(gpt):
     """The training on a 2-D layout, per (layout, stage, optimizer, gather), trained once for
     every test that reads it: (plan, losses, final state, compiled program text)."""
@@ -196,19 +180,21 @@ def tp_run(gpt):
 
 
 @pytest.mark.slow
+# Every stage with SGD (a gradient of the wrong scale shows) and clipped AdamW on 4 x 2; on
+# 2 x 4 SGD at every stage and AdamW where everything is cut (stage 3); hierarchical at stage 3.
 @pytest.mark.parametrize("layout, stage, opt, gather", [
     *((layout, stage, opt, "block") for layout in ("4x2", "2x4") for stage in range(4)
-      for opt in ("sgd", "adamw")),
+      for opt in ("sgd", "adamw") if layout == "4x2" or opt == "sgd" or stage == 3),
     ("hierarchical 2x2x2", 3, "sgd", "block"), ("hierarchical 2x2x2", 3, "adamw", "block"),
     ("hierarchical 2x2x2", 3, "sgd", "module"),
 ])
-def test_equals_one_device_with_collectives_in_their_axis(gpt, data_only, tp_run, layout, stage,
-                                                          opt, gather):
-    """Losses over 5 steps equal one-device optax and the 1-D data = 8 run within 1e-5. The
-    final parameters too for SGD; AdamW's to 1e-4: its update g / (sqrt(v) + eps) normalizes
-    each coordinate, so a rounding difference in a small gradient (the partitioner sums the
-    model axis's partial products in another order) becomes a full-size step difference.
-    Stage 3 gathering by module (``Layers.gather``) too."""
+def test_equals_one_device_with_collectives_in_their_axis(gpt, tp_run, layout, stage, opt,
+                                                          gather):
+    """Losses over 5 steps equal one-device optax within 1e-5. The final parameters too for
+    SGD; AdamW's to 1e-4: its update g / (sqrt(v) + eps) normalizes each coordinate, so a
+    rounding difference in a small gradient (the partitioner sums the model axis's partial
+    products in another order) becomes a full-size step difference. Stage 3 gathering by
+    module (``Layers.gather``) too."""
     refs = gpt[3]
     plan, losses, state, text = tp_run(layout, stage, opt, gather)
     assert plan.param_specs["blocks"]["qkv"]["kernel"] == (
@@ -217,9 +203,8 @@ def test_equals_one_device_with_collectives_in_their_axis(gpt, data_only, tp_run
     tx = OPTIMIZERS[opt]()
     params = jax.device_get(state.params)
     tolerance = 1e-5 if opt == "sgd" else 1e-4
-    for ref_losses, ref_params in (refs[opt], data_only(stage, opt)):
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-        assert max_rel(params, ref_params) < tolerance
+    np.testing.assert_allclose(losses, refs[opt][0], rtol=1e-5)
+    assert max_rel(params, refs[opt][1]) < tolerance
     assert_collectives_stay_in_their_axis(plan, text)
     moments = assert_bytes_per_device(plan, state, tx)
     assert moments == (2 * len(jax.tree.leaves(params)) if opt == "adamw" else 0)
