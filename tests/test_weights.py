@@ -4,6 +4,7 @@ reads it into its shards at several layouts, computes the same logits, fine-tune
 device's optax does, and exports files that ``transformers`` loads with the same logits.
 """
 
+import argparse
 import contextlib
 import dataclasses
 import io
@@ -12,6 +13,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from unittest import mock
 
 import jax
 import numpy as np
@@ -23,7 +25,7 @@ import transformers
 from conftest import ROOT, TRAIN_ENV, max_rel, optax_steps, rel
 
 import zero_jax as zj
-from zero_jax.gpt import data, hf
+from zero_jax.gpt import data, hf, resume
 from zero_jax.gpt.model import GPT, LAYERS, TENSOR_PARALLEL, GPTConfig, lm_loss
 from zero_jax.tensorfiles import TensorFiles, WeightsError
 from zero_jax.weights import Mapping, Tensor, check, export_specs, load_params
@@ -893,6 +895,13 @@ def test_train_py_reads_text_with_the_directory_tokenizer(family_dir, tmp_path, 
     assert zj.Checkpoints(ckpt, read_only=True).steps() == [1, 2]
 
     save_tokenizer(model / "tokenizer.json")
+    # Every process of a run reads the text; only process 0 says so.
+    capsys.readouterr()
+    cfg, ns = GPTConfig(vocab_size=64, seq_len=16), argparse.Namespace(init_from=str(model))
+    read = lambda: resume.read_tokens(str(corpus), "--data", cfg, ns, data.Tokenizer.of(model))
+    with mock.patch.object(jax, "process_index", return_value=1):
+        assert np.array_equal(read(), ids) and capsys.readouterr().out == ""
+    assert np.array_equal(read(), ids) and "tokens by" in capsys.readouterr().out
     assert data.main([str(corpus), str(tmp_path / "ids.npy"), "--tokenizer", str(model)]) == 0
     saved = np.load(tmp_path / "ids.npy")
     assert saved.dtype == np.uint16 and np.array_equal(saved, ids)

@@ -100,7 +100,7 @@ def read_tokens(path: str | None, source: str, model, args: argparse.Namespace,
                          "uint16, .npy)")
     tick = time.perf_counter()
     tokens = data.load_tokens(path, tokenizer if text else None)
-    if text and tokenizer:
+    if text and tokenizer and jax_primary():  # one line for the run, not one per process
         print(f"{source}: {len(tokens):,} tokens by {tokenizer.path} in "
               f"{time.perf_counter() - tick:.1f} s")
     data.check_tokens(tokens, model.vocab_size, model.seq_len, source)
