@@ -40,14 +40,15 @@ def test_fused_attention_equals_the_plain_one_with_gradients(kv_heads):
     q = jax.random.normal(KEYS[0], (2, 24, 4, 16))
     k, v = (jax.random.normal(key, (2, 24, kv_heads, 16)) for key in KEYS[1:3])
     w = jax.random.normal(KEYS[3], q.shape)  # a loss that weighs every output differently
+    # Jitted, here and below: op by op each operation is a program compiled of its own.
+    ref, g_ref = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(plain_attention(*a) * w),
+                                            (0, 1, 2)))(q, k, v)
     for impl in ("auto", "xla"):
         fused = lambda *a: jnp.sum(attention.causal(*a, impl) * w)  # noqa: B023
-        ours, g_ours = jax.value_and_grad(fused, (0, 1, 2))(q, k, v)
-        ref, g_ref = jax.value_and_grad(lambda *a: jnp.sum(plain_attention(*a) * w),
-                                        (0, 1, 2))(q, k, v)
+        ours, g_ours = jax.jit(jax.value_and_grad(fused, (0, 1, 2)))(q, k, v)
         assert abs(float(ours - ref)) <= 1e-5 * abs(float(ref))
-        np.testing.assert_allclose(attention.causal(q, k, v, impl), plain_attention(q, k, v),
-                                   atol=1e-5)
+        np.testing.assert_allclose(jax.jit(attention.causal, static_argnums=3)(q, k, v, impl),
+                                   jax.jit(plain_attention)(q, k, v), atol=1e-5)
         assert max_rel(g_ours, g_ref) < 1e-5
 
 
@@ -113,14 +114,14 @@ def test_chunked_loss_equals_full_logits_with_gradients(vocab, valid, chunk):
     def mean(x, head):  # the gradients from the forward pass, scaled by the cotangent
         return mean_cross_entropy(x, head, y, valid=valid, chunk=chunk)
 
-    ref, g_ref = jax.value_and_grad(plain, (0, 1))(x, head)
+    ref, g_ref = jax.jit(jax.value_and_grad(plain, (0, 1)))(x, head)
     for loss in (chunked, mean):
         ours, g_ours = jax.jit(jax.value_and_grad(loss, (0, 1)))(x, head)
         assert abs(float(ours - ref)) <= 1e-5 * float(ref)
         assert max_rel(g_ours, g_ref) < 1e-5
         assert not np.any(np.asarray(g_ours[1][:, valid:]))  # the padding learns nothing
     assert abs(float(jax.jit(mean)(x, head) - ref)) <= 1e-5 * float(ref)  # forward alone
-    scaled = jax.grad(lambda x, head: 3.0 * mean(x, head), (0, 1))(x, head)
+    scaled = jax.jit(jax.grad(lambda x, head: 3.0 * mean(x, head), (0, 1)))(x, head)
     assert max_rel(scaled, jax.tree.map(lambda g: 3.0 * g, g_ref)) < 1e-5
 
 
@@ -134,7 +135,7 @@ def test_embedding_gradient_sums_in_fp32():
 
     def loss(lookup):
         return lambda t, i: jnp.sum(lookup(t, i).astype(jnp.float32) ** 2)
-    exact = jax.grad(loss(lambda t, i: t[i]))(table.astype(jnp.float32), ids)
+    exact = jax.jit(jax.grad(loss(lambda t, i: t[i])))(table.astype(jnp.float32), ids)
     grad = jax.jit(jax.grad(loss(zj.take_rows)))
     ours, plain = grad(table, ids), jax.jit(jax.grad(loss(lambda t, i: t[i])))(table, ids)
     assert ours.dtype == jnp.bfloat16
@@ -144,8 +145,8 @@ def test_embedding_gradient_sums_in_fp32():
     text = grad.lower(table, ids).as_text(dialect="hlo")  # the CPU backend expands scatters
     assert re.findall(r"(\w+)\[[\d,]+\]\{[\d,]+\} scatter\(", text) == ["f32"]
     x = jax.random.normal(KEYS[2], (50, 8))  # fp32 tables: the plain lookup's gradient
-    np.testing.assert_allclose(jax.grad(loss(zj.take_rows))(x, ids),
-                               jax.grad(loss(lambda t, i: t[i]))(x, ids), rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(jax.grad(loss(zj.take_rows)))(x, ids),
+                               jax.jit(jax.grad(loss(lambda t, i: t[i])))(x, ids), rtol=1e-6)
 
 
 def test_chunked_loss_refuses_bad_shapes_in_one_line():
