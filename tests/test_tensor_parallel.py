@@ -179,9 +179,9 @@ def tp_run(gpt):
     return run
 
 
-@pytest.mark.slow
 # Every stage with SGD (a gradient of the wrong scale shows) and clipped AdamW on 4 x 2; on
 # 2 x 4 SGD at every stage and AdamW where everything is cut (stage 3); hierarchical at stage 3.
+@pytest.mark.slow
 @pytest.mark.parametrize("layout, stage, opt, gather", [
     *((layout, stage, opt, "block") for layout in ("4x2", "2x4") for stage in range(4)
       for opt in ("sgd", "adamw") if layout == "4x2" or opt == "sgd" or stage == 3),
