@@ -281,10 +281,13 @@ def test_stage2_accumulator_is_a_shard(mesh):
             (32, TINY.seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, P("data"))))
         compiled = lowered.compile()
         temp[stage] = compiled.memory_analysis().temp_size_in_bytes
-        # The report of a step of 4 microbatches: stage 2 reduce-scatters each one's gradient,
-        # (k + 1) Psi, and the compiled program moves that.
-        r = report.build(plan, state, lowered, compiled, accum_steps=4)
+        # The report of a step of 4 microbatches (read off the step: a report of the theory of
+        # one was the user's to avoid): stage 2 reduce-scatters each one's gradient, (k + 1)
+        # Psi, and the compiled program moves that.
+        r = report.build(plan, state, lowered, compiled)
         assert r["precision"]["accum_steps"] == 4
+        with pytest.raises(ValueError, match="made with 4 microbatches"):
+            report.build(plan, state, lowered, compiled, accum_steps=1)
         if stage == 2:
             assert r["comm_theory_formula"].startswith("5 Psi")
             assert r["comm_bytes_per_step"] == pytest.approx(r["comm_bytes_theory"], rel=0.02)

@@ -174,12 +174,12 @@ def mesh_axes(group: tuple[int, ...], mesh: Any) -> str:
 
 def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None,
           peak: dict | None = None, block_input: jax.ShapeDtypeStruct | None = None,
-          accum_steps: int = 1) -> dict:
+          accum_steps: int | None = None) -> dict:
     """The report of one step, from ``lowered = step.lower(state, batch)`` and its compilation;
     ``state`` is the (abstract or real) train state; ``peak``: what is live at the compiled
-    step's peak (``zero_jax.peak``), found here when the step is compiled here;
-    ``accum_steps`` as the step was made with (``make_train_step``)."""
-    k = accum_steps
+    step's peak (``zero_jax.peak``), found here when the step is compiled here. Microbatches:
+    the step's, read off ``lowered`` (lowered otherwise: ``accum_steps``, or one)."""
+    k = _microbatches(lowered, accum_steps)
     if compiled is None:
         compiled, peak = compile_with_peak(lowered)
     mesh, rule, prec = plan.mesh, plan.rule, plan.precision
@@ -232,6 +232,16 @@ def build(plan: Plan, state: PyTree, lowered: Any, compiled: Any | None = None,
         **layout(plan, state, found, held_whole(plan, peak, psi * prec.compute.itemsize), k),
         **saved_activations(plan, block_input, k),
     }
+
+
+def _microbatches(lowered: Any, given: int | None) -> int:
+    """The step's microbatches: ``lowered``'s (``TrainStep.lower`` sets them), else ``given``
+    or one; a ``given`` that contradicts the step is refused."""
+    own = getattr(lowered, "accum_steps", None)
+    if own is not None and given is not None and given != own:
+        raise ValueError(f"report.build: accum_steps={given}, but the step was made with "
+                         f"{own} microbatches; leave accum_steps out")
+    return own or given or 1
 
 
 def nvme_files(plan: Plan, host: dict, zero_host: dict) -> dict | None:

@@ -173,7 +173,7 @@ def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformat
 
     replicated = NamedSharding(plan.mesh, P())
     if plan.offload.nvme is not None:
-        return NvmeStep(plan, tx, gradients)
+        return NvmeStep(plan, tx, gradients, accum_steps=accum_steps)
     update = make_update(plan, tx)
 
     def step(state: TrainState, batch: PyTree, *, key: jax.Array | None = None):
@@ -189,7 +189,7 @@ def make_train_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformat
     # No in_shardings (jit refuses them beside a keyword argument): the state arrives in its
     # layout, and shard_map cuts the batch by ``batch_spec``; put it there to avoid a copy.
     return JitStep(jax.jit(step, out_shardings=(state_shardings(plan, tx), replicated),
-                           donate_argnums=(0,)))
+                           donate_argnums=(0,)), accum_steps)
 
 
 def make_eval_step(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
@@ -215,14 +215,17 @@ def make_eval_step(plan: Plan, loss_fn: Callable, batch_spec: PyTree = None,
 
 class TrainStep(Protocol):
     """What ``make_train_step`` returns, whichever kind: a loop, a checkpoint and the report
-    use these four and never ask which kind it is."""
+    use these and never ask which kind it is."""
+
+    accum_steps: int  # microbatches per step; ``lower``'s result carries it to the report
 
     def __call__(self, state: TrainState, batch: PyTree, *,
                  key: jax.Array | None = None) -> tuple[TrainState, dict]:
         """One optimizer step: the new state and the step's metrics."""
 
     def lower(self, state: TrainState, batch: PyTree, *, key: jax.Array | None = None) -> Any:
-        """Ahead of time: ``lower(state, batch).compile()`` is a step with the same call."""
+        """Ahead of time: ``lower(state, batch).compile()`` is a step with the same call. The
+        result's ``accum_steps`` is the step's, which ``report.build`` reads."""
 
     def whole(self, state: TrainState) -> TrainState:
         """``state`` as a checkpoint saves it: all of it on the devices or the host."""
@@ -235,15 +238,18 @@ class JitStep:
     """The step as one jitted program (stages 0-3, host offload): every state it returns is
     whole, and it holds nothing to release."""
 
-    def __init__(self, fn: Callable):
+    def __init__(self, fn: Callable, accum_steps: int = 1):
         self.fn = fn  # the jitted step, for what jax.jit offers beyond the contract
+        self.accum_steps = accum_steps
 
     def __call__(self, state: TrainState, batch: PyTree, *, key: jax.Array | None = None):
         return self.fn(state, batch) if key is None else self.fn(state, batch, key=key)
 
     def lower(self, state: TrainState, batch: PyTree, *, key: jax.Array | None = None):
-        return self.fn.lower(state, batch) if key is None else \
+        lowered = self.fn.lower(state, batch) if key is None else \
             self.fn.lower(state, batch, key=key)
+        lowered.accum_steps = self.accum_steps  # jax's Lowered: the report reads it there
+        return lowered
 
     def whole(self, state: TrainState) -> TrainState:
         return state
@@ -264,8 +270,9 @@ class NvmeStep:
 
     def __init__(self, plan: Plan, tx: optax.GradientTransformation, gradients: Callable,
                  grads_program: Callable | None = None, tier: Tier | None = None,
-                 compiler_options: dict | None = None):
+                 compiler_options: dict | None = None, accum_steps: int = 1):
         self.plan, self.tx, self.gradients = plan, tx, gradients
+        self.accum_steps = accum_steps
         self.tier = tier or Tier(plan, tx)
         self.grads_program = grads_program or jax.jit(gradients)
         self._opt = jax.tree.leaves(plan.shardings(plan.opt_specs))
@@ -315,6 +322,7 @@ class _Lowered:
 
     def __init__(self, lowered, step: NvmeStep):
         self._lowered, self._step = lowered, step
+        self.accum_steps = step.accum_steps
 
     def compile(self, compiler_options: dict | None = None) -> _Compiled:
         return _Compiled(self._lowered.compile(compiler_options), self._step, compiler_options)
@@ -331,7 +339,7 @@ class _Compiled:
         self._compiled, self.tier = compiled, step.tier
         self._step = NvmeStep(step.plan, step.tx, step.gradients,
                               lambda state, batch, key: compiled(state, batch, key), step.tier,
-                              compiler_options)
+                              compiler_options, step.accum_steps)
 
     def __call__(self, state: TrainState, batch: PyTree):
         return self._step(state, batch)

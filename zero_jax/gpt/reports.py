@@ -28,8 +28,7 @@ def compile_report(exp, state, peak: bool = True) -> tuple[dict, object]:
     buffers, asked for by a report file, the figures or a dry run only)."""
     lowered = exp.step.lower(state, exp.batch_shape)
     compiled, peak = compile_with_peak(lowered) if peak else (lowered.compile(), None)
-    r = report.build(exp.plan, state, lowered, compiled, peak, exp.block_input,
-                     exp.accum_steps)
+    r = report.build(exp.plan, state, lowered, compiled, peak, exp.block_input)
     print(report.format_table(r))
     return r, compiled
 
@@ -76,7 +75,7 @@ def compiled_stages(exp, r: dict) -> list[dict]:
         lowered = e.step.lower(state, e.batch_shape)
         compiled = lowered.compile(FAST_COMPILE if cpu else None)
         rows[stage] = report.stage_summary(report.build(
-            e.plan, state, lowered, compiled, block_input=e.block_input, accum_steps=e.accum_steps))
+            e.plan, state, lowered, compiled, block_input=e.block_input))
     rows = [rows[s] for s in sorted(rows)]
     print(report.format_compiled(rows))
     return rows
