@@ -947,7 +947,9 @@ def test_two_processes_each_read_and_write_half_the_file_at_stage_3(gpt2, tmp_pa
     """2 processes x 4 devices (zero_jax.launch) read the directory at stage 3: each reads
     exactly half of the tensors' bytes, and every shard it holds is its slice of the file;
     saved back (save_safetensors), each writes exactly half, and the file is byte for byte the
-    one a single process of 8 devices saves."""
+    one a single process of 8 devices saves. Saved where the processes see different
+    directories (as on disks of their own), both stop with an error that says so, rather than
+    waiting at a barrier for the other, and nothing is left behind."""
     from conftest import SUBPROCESS_ENV
 
     from zero_jax.launch import spawn, wait
@@ -968,6 +970,10 @@ def test_two_processes_each_read_and_write_half_the_file_at_stage_3(gpt2, tmp_pa
     assert one.bytes_written == runs[0]["tensor_bytes"]
     assert (tmp_path / "saved" / "model.safetensors").read_bytes() == \
         (tmp_path / "one" / "model.safetensors").read_bytes()
+    assert "process 1 does not see the files process 0 created: every process must see the " \
+        "directory" in runs[1]["apart"], runs[1]
+    assert runs[0]["apart"].startswith("process 1 could not write its shards in "), runs[0]
+    assert not [p.name for p in tmp_path.iterdir() if "apart" in p.name]
 
 
 def test_a_corrupted_checkpoint_exports_nothing(tmp_path, capsys):

@@ -5,7 +5,8 @@ run under ``zero_jax.launch`` by tests/test_weights.py:
 
 Writes ``OUT_DIR/process-<i>.json``: the bytes this process read of the files, their tensors'
 bytes, whether every shard it holds equals that slice read on its own, and the bytes it wrote
-of ``OUT_DIR/saved`` (``save_safetensors`` of the loaded parameters, every process its own).
+of ``OUT_DIR/saved`` (``save_safetensors`` of the loaded parameters, every process its own),
+and the error of a save into a directory of its own (``apart``: one the processes do not share).
 """
 
 import json
@@ -38,7 +39,12 @@ equal = all(
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
     for shard in x.addressable_shards)
 saved = zj.save_safetensors(params, out / "saved", mapping)
+try:  # a directory the processes do not share (each names its own, as on local disks)
+    zj.save_safetensors(params, out / f"apart-{jax.process_index()}", mapping)
+    apart = None
+except OSError as e:
+    apart = str(e)
 (out / f"process-{jax.process_index()}.json").write_text(json.dumps({
     "bytes_read": files.bytes_read, "tensor_bytes": sum(i.nbytes for i in files.tensors.values()),
     "local_devices": jax.local_device_count(), "equal": equal,
-    "bytes_written": saved.bytes_written}))
+    "bytes_written": saved.bytes_written, "apart": apart}))

@@ -186,12 +186,42 @@ def save_safetensors(params: PyTree, directory: str | os.PathLike, mapping: Mapp
         raise WeightsError(f"save_safetensors: {problem}")
     partial = out.with_name(f".{out.name}.partial")
     first = jax.process_index() == 0
+    files, failed = [], None
     if first:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        files = layout.create(partial)
-    _barrier("created")
-    fds = [os.open(partial / name, os.O_WRONLY) for name in layout.names]
+        try:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+            files = layout.create(partial)
+        except OSError as e:
+            failed = e
+    _together("create its files", partial, failed)
+    written, failed = 0, None
+    try:
+        written = _write(layout, partial, flat)
+        if first and extra is not None:
+            extra(partial)
+    except OSError as e:
+        failed = e
+    try:
+        _together("write its shards", partial, failed)
+    except OSError:
+        if first:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if first:
+        _replace(out, partial)
+    _together("replace the directory", partial, None)
+    return Saved([out / f.name for f in files] if first else [], written)
+
+
+def _write(layout: Layout, partial: pathlib.Path, flat: dict) -> int:
+    """This process's shards written into the files process 0 created; the bytes written."""
+    try:
+        fds = [os.open(partial / name, os.O_WRONLY) for name in layout.names]
+    except FileNotFoundError as e:
+        raise OSError(e.errno, f"process {jax.process_index()} does not see the files process 0 "
+                      "created: every process must see the directory (a file system they "
+                      "share, as for checkpoints)", e.filename) from None
     written = 0
     try:
         for path, x in flat.items():
@@ -200,13 +230,7 @@ def save_safetensors(params: PyTree, directory: str | os.PathLike, mapping: Mapp
     finally:
         for fd in fds:
             os.close(fd)
-    _barrier("written")
-    if first:
-        if extra is not None:
-            extra(partial)
-        _replace(out, partial)
-    _barrier("replaced")
-    return Saved([out / f.name for f in files] if first else [], written)
+    return written
 
 
 def not_a_save(directory: str | os.PathLike) -> str | None:
@@ -248,11 +272,20 @@ def _replace(out: pathlib.Path, new: pathlib.Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _barrier(name: str) -> None:
+def _together(what: str, partial: pathlib.Path, failed: OSError | None) -> None:
+    """A barrier that tells every process whether each reached it without error: the one that
+    failed raises its error, the others one naming it, where a plain barrier would leave them
+    waiting for a process that left."""
+    others: list[int] = []
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        multihost_utils.sync_global_devices(f"zero_jax save_safetensors {name}")
+        flags = multihost_utils.process_allgather(np.int32(failed is not None))
+        others = [i for i, f in enumerate(np.ravel(flags)) if f and i != jax.process_index()]
+    if failed is not None:
+        raise failed
+    if others:
+        raise OSError(f"process {others[0]} could not {what} in {partial} (its error says why)")
 
 
 def trained_params(state) -> PyTree:
