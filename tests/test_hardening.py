@@ -278,6 +278,8 @@ ROWS = [
      "(line 3, column 1)"),
     ("lr 'x'", [*T, "--set", "optimizer.lr=fast"], None,
      "config key optimizer.lr must be a float, got 'fast'"),
+    ("steps 'x'", [*T, "--set", "train.steps=many"], None,
+     "config key train.steps must be an int, got 'many'"),
     ("remat policy", [*T, "--set", "model.remat=some"], None,
      "model.remat must be one of auto, full"),
     ("gather unit", [*T, "--set", "zero.gather=layer"], None,

@@ -226,7 +226,8 @@ def _check_type(key: str, default: Any, value: Any) -> Any:
         ok = isinstance(value, type(default))
     if not ok:
         kind = "list of names" if isinstance(default, list) else type(default).__name__
-        raise ConfigError(f"config key {key} must be a {kind}, got {value!r}")
+        raise ConfigError(f"config key {key} must be {'an' if kind == 'int' else 'a'} {kind}, "
+                          f"got {value!r}")
     return value
 
 
