@@ -512,3 +512,37 @@ def test_planner_names_what_it_did_not_try_when_nothing_fits():
     assert ("nothing fits: more devices, a smaller model or train.batch_size; not tried in this "
             "search: zero.offload_optimizer.device=cpu, zero.offload_params=cpu, "
             "--tensor-parallel T\n") in run.stdout, run.stdout[-800:]
+
+
+def test_remat_auto_takes_full_where_dots_does_not_fit(tmp_path, monkeypatch):
+    """``model.remat: auto`` saves the matmuls' outputs (``dots``) where cuDNN attends, "where
+    memory allows": on a device that holds the step with ``full`` but not with ``dots`` (as
+    auto resolves on a GPU, made so here), the run says so in one line, compiles again with
+    ``full`` and trains exactly as a run that set ``model.remat=full`` (the default model at
+    stage 3 on the CPU mesh: 13.0 MB a device with ``dots``, 8.1 with ``full``)."""
+    from zero_jax import fit
+    from zero_jax.gpt import experiment
+
+    run = ["--steps", "3", "--stage", "3"]
+    full = main(*run, "--set", "model.remat=full", "--metrics", str(tmp_path / "full.jsonl"),
+                "--report", str(tmp_path / "full.json"))
+    assert full.returncode == 0, full.stderr
+    c = json.loads((tmp_path / "full.json").read_text())["compiled"]
+    capacity = c["argument_bytes"] + c["output_bytes"] - c["alias_bytes"] + c["temp_bytes"]
+    resolved = experiment.resolved_model
+    monkeypatch.setattr(experiment, "resolved_model", lambda model, *a: {
+        **resolved(model, *a), **({"remat": "dots"} if model["remat"] == "auto" else {})})
+    sizes = []
+
+    def check(compiled, devices):  # a device that holds the full step and no more
+        sizes.append(fit.step_bytes(compiled))
+        return None if sizes[-1] <= capacity else f"the step needs {sizes[-1]} bytes"
+    monkeypatch.setattr(fit, "check", check)
+    auto = main(*run, "--metrics", str(tmp_path / "auto.jsonl"))
+    assert auto.returncode == 0, auto.stderr
+    assert sizes[0] > capacity == sizes[1], sizes  # dots, then full
+    assert f"model.remat auto: with dots the step needs {sizes[0]} bytes; trying full\n" \
+        in auto.stdout
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / f"{n}.jsonl").read_text()
+               .splitlines()] for n in ("full", "auto")]
+    assert len(losses[0]) == 3 and losses[0] == losses[1]

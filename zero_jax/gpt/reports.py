@@ -8,7 +8,7 @@ import os
 
 import jax
 
-from zero_jax import planner, plot, report
+from zero_jax import distributed, planner, plot, report
 from zero_jax.gpt import layouts, sweep
 from zero_jax.gpt.cli import build
 from zero_jax.gpt.experiment import Experiment
@@ -31,6 +31,23 @@ def compile_report(exp, state, peak: bool = True) -> tuple[dict, object]:
     r = report.build(exp.plan, state, lowered, compiled, peak, exp.block_input)
     print(report.format_table(r))
     return r, compiled
+
+
+def without_dots(exp, cfg: dict, args: argparse.Namespace,
+                 problem: str | None) -> Experiment | None:
+    """``model.remat: auto`` promises ``dots`` where memory allows: where it chose ``dots``
+    (cuDNN's attention) and that step does not fit (``problem``), the run built again with
+    ``full``, which keeps only each block's input (the first run's NVMe tier, if any, released
+    first); else None. Every process must build the same step: one whose devices differ in
+    what fits stops them all (``distributed.agree``)."""
+    if cfg["model"]["remat"] != "auto" or exp.cfg["model"]["remat"] != "dots":
+        return None
+    distributed.agree("fit of remat dots", {"fits": problem is None}, args.peer_timeout)
+    if problem is None:
+        return None
+    print(f"model.remat auto: with dots {problem}; trying full", flush=True)
+    exp.step.close()
+    return build({**cfg, "model": {**cfg["model"], "remat": "full"}}, args)
 
 
 def write_json(path: str | None, obj: dict) -> None:

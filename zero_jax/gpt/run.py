@@ -121,14 +121,15 @@ def run_main(args: argparse.Namespace, watchdog=None) -> int:
             return fail(str(e), 1)
 
 
-def compile_checked(exp, target, stop, args: argparse.Namespace):
-    """``(report, compiled step)``, or the exit code: a signal during the compile (nothing
-    restored or initialized yet, nothing written), or a model that cannot fit. The peak's
+def compile_checked(exp, stop, args: argparse.Namespace):
+    """``(report, compiled step, why it does not fit or None)``, or the exit code of a signal
+    during the compile (nothing restored or initialized yet, nothing written). The peak's
     breakdown and the stages for the figures only when a report file or figures ask."""
     stop.compiling = True  # before the line that says so: a signal after it is answered
     print("compiling the train step", flush=True)
     try:
-        r, step = reports.compile_report(exp, target, peak=bool(args.report or args.plot))
+        r, step = reports.compile_report(exp, abstract_state(exp.plan, exp.tx),
+                                         peak=bool(args.report or args.plot))
         problem = fit.check(step, list(exp.mesh.devices.flat))
         if args.plot and not problem and exp.plan.outer is None:
             r["stages"] = report.stages_table(exp.plan, exp.tx, exp.accum_steps)
@@ -139,22 +140,40 @@ def compile_checked(exp, target, stop, args: argparse.Namespace):
         print(f"stopped by {signal.Signals(stop.signum).name} during compilation: nothing "
               "trained, nothing saved", file=sys.stderr)
         return SIGNAL_EXIT[stop.signum]
+    return r, step, problem
+
+
+def compile_fitting(exp, cfg: dict, stop, args: argparse.Namespace):
+    """``(experiment, report, compiled step)``, or the exit code: a signal, or a model that
+    cannot fit, also with ``full`` where ``model.remat: auto`` chose ``dots``."""
+    compiled = compile_checked(exp, stop, args)
+    if isinstance(compiled, tuple) and (
+            again := reports.without_dots(exp, cfg, args, compiled[2])):
+        exp, compiled = again, compile_checked(again, stop, args)
+    if isinstance(compiled, int):
+        return compiled
+    r, step, problem = compiled
     if problem:
         return fail(f"{problem}: use {'a higher --stage, ' * (exp.plan.stage < 3)}"
                     "precision.param_dtype=bf16, zero.offload_grads, a smaller model or "
                     "train.batch_size, or --dry-run to see the report")
-    return r, step
+    return exp, r, step
 
 
 def train(exp, cfg: dict, args: argparse.Namespace, start, stop, watchdog=None) -> int:
     """Compile, check the fit, start (restore or initialize), then the loop and its hooks."""
-    t = cfg["train"]
-    target = abstract_state(exp.plan, exp.tx)
-    compiled = compile_checked(exp, target, stop, args)
+    compiled = compile_fitting(exp, cfg, stop, args)
     if isinstance(compiled, int):
         return compiled
-    r, step = compiled
-    state = resume.initial_state(start, target, cfg, args, exp)
+    built, r, step = compiled
+    with contextlib.closing(built.step) if built is not exp else contextlib.nullcontext():
+        return trained(built, cfg, args, start, stop, watchdog, r, step)
+
+
+def trained(exp, cfg: dict, args: argparse.Namespace, start, stop, watchdog, r, step) -> int:
+    """``train`` once the step is compiled."""
+    t = cfg["train"]
+    state = resume.initial_state(start, abstract_state(exp.plan, exp.tx), cfg, args, exp)
     first = int(state.step)
     try:
         reports.write_json(args.report, r)
