@@ -646,7 +646,7 @@ LLAMA_3_2_1B = {
     "use_cache": True, "vocab_size": 128256}
 
 
-def test_the_shipped_llama_3_2_config_is_llama_3_2_1b(tmp_path):
+def test_the_shipped_llama_3_2_config_is_llama_3_2_1b(tmp_path, capsys):
     """``configs/llama3.2-1b.yaml`` is the model section ``--init-from`` reads from Llama 3.2
     1B's config.json (its training window aside: 1,024 tokens from a directory, as Hugging
     Face's run_clm starts, of the 131,072 it declares), and its parameter count transformers'
@@ -663,6 +663,15 @@ def test_the_shipped_llama_3_2_config_is_llama_3_2_1b(tmp_path):
             transformers.AutoConfig.from_pretrained(tmp_path))
     n = sum(p.numel() for p in model.parameters())
     assert GPTConfig(**shipped).n_params == n == 1_235_814_400
+    # train.py says so, unless the command line chose the windows
+    from zero_jax.gpt.cli import load_config, parse_args
+
+    for sets, line in [([], f"--init-from {tmp_path}: training on windows of 1,024 tokens of "
+                            "the 131,072 it declares; --set model.seq_len=N for longer ones\n"),
+                       (["--set", "model.seq_len=4096"], "")]:
+        cfg = load_config(parse_args(["--init-from", str(tmp_path), *sets]))
+        assert capsys.readouterr().out == line
+        assert cfg["model"]["seq_len"] == (4096 if sets else 1024)
 
 
 LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does not compute

@@ -363,6 +363,7 @@ def load_config(args: argparse.Namespace) -> dict:
         from zero_jax.gpt import hf
 
         overrides = hf.config_overrides(args.init_from) + overrides
+        window_notice(args, hf.read_config(args.init_from))
     for flag, key in [("stage", "zero.stage"), ("steps", "train.steps"),
                       ("seed", "train.seed"), ("zero3_size", "zero.zero3_size"),
                       ("tensor_parallel", "mesh.tensor_parallel")]:
@@ -383,6 +384,16 @@ def load_config(args: argparse.Namespace) -> dict:
         print("\n".join(lines), flush=True)
         overrides = mapped + overrides
     return configs.load(args.config, overrides)
+
+
+def window_notice(args: argparse.Namespace, model: dict) -> None:
+    """Say that --init-from trains on shorter windows than the model declares (a Llama's 1,024
+    tokens of its 131,072, as Hugging Face's run_clm starts), unless --set chose them."""
+    declared = model.get("max_positions", 0)
+    if model["seq_len"] < declared and not any(s.startswith("model.seq_len=") for s in args.set):
+        print(f"--init-from {args.init_from}: training on windows of {model['seq_len']:,} tokens "
+              f"of the {declared:,} it declares; --set model.seq_len=N for longer ones",
+              flush=True)
 
 
 def profile_window(args: argparse.Namespace, steps: int) -> str | None:
