@@ -186,25 +186,24 @@ def save_safetensors(params: PyTree, directory: str | os.PathLike, mapping: Mapp
         raise WeightsError(f"save_safetensors: {problem}")
     partial = out.with_name(f".{out.name}.partial")
     first = jax.process_index() == 0
-    files, failed = [], None
-    if first:
+    files, written, failed = [], 0, None
+    try:
+        if first:
+            try:
+                shutil.rmtree(partial, ignore_errors=True)
+                partial.mkdir(parents=True)
+                files = layout.create(partial)
+            except OSError as e:
+                failed = e
+        _together("create its files", partial, failed)
         try:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-            files = layout.create(partial)
+            written = _write(layout, partial, flat)
+            if first and extra is not None:
+                extra(partial)
         except OSError as e:
             failed = e
-    _together("create its files", partial, failed)
-    written, failed = 0, None
-    try:
-        written = _write(layout, partial, flat)
-        if first and extra is not None:
-            extra(partial)
-    except OSError as e:
-        failed = e
-    try:
         _together("write its shards", partial, failed)
-    except OSError:
+    except OSError:  # nothing of this save is left behind
         if first:
             shutil.rmtree(partial, ignore_errors=True)
         raise
