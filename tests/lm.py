@@ -36,6 +36,7 @@ class LMConfig:
     d_ff: int = 100
     seq_len: int = 12
     remat: str = "full"  # what each layer keeps for its backward ("none": the plan decides)
+    unroll: int = 1  # layers per iteration of nn.scan's loop
 
 
 SMALL = LMConfig()
@@ -73,7 +74,7 @@ class LM(nn.Module):
         layer = Layer if c.remat == "none" else nn.remat(
             Layer, prevent_cse=False, policy=remat_policy(c.remat))
         stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
-                        length=c.n_layers)
+                        length=c.n_layers, unroll=c.unroll)
         x_BxTxD, _ = stack(c, name="blocks")(wte[tokens_BxT] + wpe[: tokens_BxT.shape[1]], None)
         return nn.LayerNorm(name="ln_f")(x_BxTxD) @ wte.T  # the head tied to the embedding
 

@@ -97,6 +97,33 @@ def test_the_layer_loop_reads_what_its_layers_kept_past_no_barrier(problem, mesh
         assert unrolled and all(c for c, _ in unrolled)
 
 
+def test_the_layer_loops_keep_the_stacks_unroll(mesh):
+    """A stack scanned with ``nn.scan(unroll=2)``: prefetch's own loops, which take the place of
+    ``nn.scan``'s, run two layers an iteration as well (they ran one), and train bit-identically
+    to the stack without prefetch."""
+    model = LM(dataclasses.replace(SMALL, n_layers=5, unroll=2))
+    init, loss_fn, batches = init_fn(model), lm_loss(model), lm_batches(model.cfg, 2)
+    tx = optax.sgd(0.1)
+
+    def train(prefetch):
+        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,
+                            layers=zj.Layers(LAYERS, prefetch=prefetch))
+        step, state = zj.make_train_step(plan, loss_fn, tx), zj.init_state(plan, init, tx, KEY)
+        jaxpr = jax.make_jaxpr(step.fn)(state, batches[0]).jaxpr
+        unrolls = [e.params["unroll"] for e, _ in equations(jaxpr) if e.primitive.name == "scan"]
+        losses = []
+        for b in batches:
+            state, m = step(state, b)
+            losses.append(float(m["loss"]))
+        return unrolls, losses, jax.device_get(state.params)
+
+    plain, ahead = train(False), train(True)
+    assert plain[0] == [2, 2] and ahead[0] == [2, 2], (plain[0], ahead[0])  # forward, backward
+    assert plain[1] == ahead[1]
+    for a, b in zip(jax.tree.leaves(plain[2]), jax.tree.leaves(ahead[2]), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_prefetch_trains_bit_identically_and_gathers_a_layer_ahead(layout, problem):
     init, loss_fn, batches = problem

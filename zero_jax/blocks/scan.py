@@ -73,19 +73,20 @@ def _differentiable(cts: PyTree) -> PyTree:
     return jax.tree.map(lambda g: None if g.dtype == jax.dtypes.float0 else g, cts)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def run_stack(layer: Callable, saved: Saved, params_L: PyTree, carry: PyTree,
-              xs_L: PyTree, consts: PyTree, keys_L: PyTree) -> tuple[PyTree, PyTree]:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def run_stack(layer: Callable, saved: Saved, unroll: int | bool, params_L: PyTree,
+              carry: PyTree, xs_L: PyTree, consts: PyTree, keys_L: PyTree
+              ) -> tuple[PyTree, PyTree]:
     """``layer(params, carry, x, consts, keys) -> (carry, y)`` over the ``L`` layers of
     ``params_L`` (whose cut leaves are ``Shard``s), ``xs_L`` and ``keys_L`` (random keys by
     stream, one per layer), every layer seeing all of ``consts`` (a scan's broadcast arguments),
-    as ``jax.lax.scan``; each layer's weights gathered one layer ahead, its gradient reduced
-    one layer behind; what each layer keeps for its backward kept as ``saved`` says (its keys
-    too: the backward draws what the forward drew)."""
-    return _forward(layer, saved, params_L, carry, xs_L, consts, keys_L)[0]
+    as ``jax.lax.scan`` with ``unroll`` (the stack's own); each layer's weights gathered one
+    layer ahead, its gradient reduced one layer behind; what each layer keeps for its backward
+    kept as ``saved`` says (its keys too: the backward draws what the forward drew)."""
+    return _forward(layer, saved, unroll, params_L, carry, xs_L, consts, keys_L)[0]
 
 
-def _forward(layer, saved, params_L, carry, xs_L, consts, keys_L):
+def _forward(layer, saved, unroll, params_L, carry, xs_L, consts, keys_L):
     n = jax.tree.leaves(params_L)[0].shape[0]
     # The first gather of each loop waits for the loop's inputs, like every block's gather: else
     # the scheduler may start it anywhere, and XLA may merge the backward's with the forward's.
@@ -104,13 +105,14 @@ def _forward(layer, saved, params_L, carry, xs_L, consts, keys_L):
         ahead = materialize_tree(_slice(params_L, i + 1), after=(c, y))
         return (c, ahead), (saved.save(c), kept, y)  # saved: layer i+1's input
 
-    (c, whole), (inputs, kept, ys) = jax.lax.scan(body, (carry, whole), jnp.arange(n - 1))
+    (c, whole), (inputs, kept, ys) = jax.lax.scan(body, (carry, whole), jnp.arange(n - 1),
+                                                  unroll=unroll)
     c, y, last = one(whole, c, n - 1)
     return (c, _appended(ys, y)), (params_L, saved.save(carry), inputs, kept, last, xs_L,
                                    consts, keys_L)
 
 
-def _backward(layer, saved, residuals, cts):
+def _backward(layer, saved, unroll, residuals, cts):
     params_L, first, inputs, kept_L, last, xs_L, consts, keys_L = residuals
     dc, dys = cts
     n = jax.tree.leaves(params_L)[0].shape[0]
@@ -147,7 +149,8 @@ def _backward(layer, saved, residuals, cts):
         return (dc, behind, dw, _sum(dk, dk_i)), (reduced, dx)
 
     (dc, whole, pending, dk), (dps, dxs) = jax.lax.scan(body, (dc, behind, dw, dk),
-                                                        jnp.arange(1, n - 1), reverse=True)
+                                                        jnp.arange(1, n - 1), reverse=True,
+                                                        unroll=unroll)
     dw, dc, dx, dk_0 = one(whole, 0, first, _slice(kept_L, 0), dc)
     dps = _stacked(reduce(0, dw)[0], _stacked(reduce(1, pending)[0], dps))
     # No gradient for the keys.
@@ -184,7 +187,7 @@ def _stacked_args(in_axes: Any, n: int) -> tuple[bool, ...] | None:
 # The scan arguments ``_refusal`` reads from flax's own call (tests/test_internals.py checks
 # flax.core.lift.scan still takes them).
 _SCAN_ARGS = ("variable_axes", "variable_broadcast", "variable_carry", "in_axes", "out_axes",
-              "reverse")
+              "reverse", "unroll")
 
 
 def _refusal(scopes, carry, xs, how: dict) -> str | None:
@@ -261,7 +264,7 @@ def stacks(names: frozenset[str], seen: set[str], saved: Saved):
             per_layer = lambda s, c, *args: fn([s], c, *args)
             return flax.core.apply(per_layer)(
                 {"params": params}, c, *_merge_args(stacked, x, consts), rngs=keys or None)
-        return run_stack(layer, saved, scope.variables()["params"], carry,
+        return run_stack(layer, saved, how["unroll"], scope.variables()["params"], carry,
                          *_split_args(stacked, xs), _layer_keys(scope, how["split_rngs"], n))
     return _linen_scans(names, named)
 
@@ -340,7 +343,7 @@ def _run_nnx_stack(name: str, f: Callable, kwargs: dict, saved: Saved, args: tup
         after = jax.tree.leaves(nnx.state(call[at], nnx.Not(nnx.Param)))
         return (out[0], (out[1], after)) if ys_too else (out, after)
 
-    c, ys = run_stack(layer, saved, values, args[carry_at],
+    c, ys = run_stack(layer, saved, kwargs.get("unroll", 1), values, args[carry_at],
                       *_split_args(stacked, [args[j] for j in others]), state)
     ys, after = ys if ys_too else (None, ys)
     nnx.update(args[at], state_tree.unflatten(after))
