@@ -546,3 +546,14 @@ def test_remat_auto_takes_full_where_dots_does_not_fit(tmp_path, monkeypatch):
     losses = [[json.loads(line)["loss"] for line in (tmp_path / f"{n}.jsonl").read_text()
                .splitlines()] for n in ("full", "auto")]
     assert len(losses[0]) == 3 and losses[0] == losses[1]
+
+
+def test_the_layer_loop_unrolled_trains_as_the_loop(tmp_path):
+    """``model.scan_unroll``: the default model's 4 layers in one iteration of prefetch's layer
+    loops at stage 3 train as one layer an iteration does (nn.scan's own unroll is Flax's)."""
+    runs = [main("--steps", "2", "--stage", "3", "--set", f"model.scan_unroll={k}",
+                 "--metrics", str(tmp_path / f"{k}.jsonl")) for k in (1, 4)]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / f"{k}.jsonl").read_text()
+               .splitlines()] for k in (1, 4)]
+    assert len(losses[0]) == 2 and losses[0] == losses[1], losses

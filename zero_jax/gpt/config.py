@@ -46,7 +46,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
               "rope_factor": 1.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
               "rope_original_max_positions": 0, "tie_head": False, "qkv_bias": False,
               "qk_norm": False, "head_dim": 0, "max_positions": 0, "sliding_window": 0,
-              "attention": "auto", "vocab_multiple": 128},
+              "attention": "auto", "vocab_multiple": 128, "scan_unroll": 1},
     # frozen_modules: not trained (no gradient, no optimizer state), e.g. ["wpe"].
     # schedule cosine: warmup, then cosine decay to 10% at decay_steps; constant: warmup, then
     # lr (DeepSpeed's WarmupLR, whose default warmup_type is log: min + (lr - min) * log(t + 1)
@@ -291,6 +291,7 @@ def validate(config: dict) -> None:
         raise ConfigError(f"model.attention must be one of {', '.join(IMPLEMENTATIONS)} (got "
                           f"{m['attention']!r})")
     _at_least(config, "model", "vocab_multiple", 1)
+    _at_least(config, "model", "scan_unroll", 1)
     if m["arch"] not in ARCHS:
         raise ConfigError(f"model.arch must be one of {', '.join(ARCHS)} (got {m['arch']!r})")
     if not m["norm_eps"] > 0 or not m["rope_theta"] > 0 or m["n_kv_heads"] < 0 or \

@@ -184,7 +184,7 @@ class Llama(nn.Module):
             policy = remat_policy(block_remat(c, wte.dtype))
             block = nn.remat(block, prevent_cse=False, policy=policy)
         stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                        length=c.n_layers)
+                        length=c.n_layers, unroll=c.scan_unroll)
         x, _ = stack(c, name="blocks")(take_rows(wte, tokens), None)
         x = nn.RMSNorm(epsilon=c.norm_eps, name="ln_f")(x)
         return x, wte.T if c.tie_head else Head(c.padded_vocab, name="head")(c.d_model)

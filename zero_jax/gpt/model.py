@@ -66,6 +66,7 @@ class GPTConfig:
     sliding_window: int = 0
     attention: str = "auto"  # zero_jax.gpt.attention.IMPLEMENTATIONS
     vocab_multiple: int = 1  # the embedding (and head) padded to a multiple of this
+    scan_unroll: int = 1  # layers per iteration of the layer loop (nn.scan's unroll)
 
     @property
     def kv_heads(self) -> int:
@@ -175,7 +176,7 @@ class GPT(nn.Module):
         if c.remat != "none":
             block = nn.remat(block, prevent_cse=False, policy=remat_policy(block_remat(c, x.dtype)))
         stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                        length=c.n_layers)
+                        length=c.n_layers, unroll=c.scan_unroll)
         x, _ = stack(c, name="blocks")(x, None)
         x = nn.LayerNorm(epsilon=c.norm_eps, name="ln_f")(x)
         return x, wte.T  # output head tied to the embedding, as GPT-2
