@@ -135,13 +135,29 @@ def parse_args() -> argparse.Namespace:
     if args.compile_for:  # the CUDA plugin without a driver: skip its checks, run nothing on it
         import jax
 
+        from zero_jax.internals import CSE_BARRIER_PASS
+
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
         jax.config.update("jax_platforms", "cpu")
+        # import zero_jax keeps remat's barriers for a CPU run when JAX_PLATFORMS=cpu is set;
+        # the GPU compiler then meets them in its code generation ("Unsupported instruction
+        # opcode: opt-barrier", stage 3): its own pass must run.
+        os.environ["XLA_FLAGS"] = " ".join(_without_pass(f, CSE_BARRIER_PASS) for f in
+                                           os.environ.get("XLA_FLAGS", "").split())
     if args.allow_cpu:  # before jax starts a backend (harness.parse_args always does it)
         from zero_jax.mesh import simulate_cpu_devices
 
         simulate_cpu_devices(args.devices or 8)
     return args
+
+
+def _without_pass(flag: str, name: str) -> str:
+    """``flag``, less ``name`` if it is XLA's list of disabled passes."""
+    key, _, passes = flag.partition("=")
+    if key != "--xla_disable_hlo_passes":
+        return flag
+    kept = [p for p in passes.split(",") if p and p != name]
+    return f"{key}={','.join(kept)}" if kept else ""
 
 
 def peak_flops(device_kind: str) -> float | None:

@@ -43,6 +43,12 @@ for m in 24 32; do
     grep -E "^\||parameters,|INTERNAL" "$out/nvme$m.log" | cut -c1-200
     rm -rf "$out/nvme$m"
 done
+# The layer loop unrolled (model.scan_unroll) at stage 0: 47.94 against 50.86 ms by the
+# deviceless estimate, for 10.6 against 6.4 GB of temp (XLA merges remat's recompute away;
+# at stage 3 the estimate is worse: docs/benchmarks/history/gpu-compile-hbm.md).
+timeout 150 python3 bench/gpu.py --devices 1 --runs '0' --steps 5 --rounds 3 \
+    --set train.batch_size=32 --set model.scan_unroll=12 --json "$out/unrolled-1gpu.json" 2>&1 \
+    | grep -v -E "^[WI][0-9]{4}" | tee "$out/unrolled-1gpu.md"
 
 if [ "$(python3 -c 'import jax; print(jax.device_count())')" -gt 1 ]; then
     timeout 300 python3 bench/gpu.py --steps 5 --rounds 3 --json "$out/stages.json" 2>&1 \
