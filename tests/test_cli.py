@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ONE_LAYER, SUBPROCESS_ENV, TRAIN_ENV, check_files
+from conftest import ONE_LAYER, SUBPROCESS_ENV, TRAIN_ENV, check_files, equations
 
 from zero_jax import planner, plot
 from zero_jax.gpt import layouts
@@ -550,7 +550,21 @@ def test_remat_auto_takes_full_where_dots_does_not_fit(tmp_path, monkeypatch):
 
 def test_the_layer_loop_unrolled_trains_as_the_loop(tmp_path):
     """``model.scan_unroll``: the default model's 4 layers in one iteration of prefetch's layer
-    loops at stage 3 train as one layer an iteration does (nn.scan's own unroll is Flax's)."""
+    loops at stage 3 (the step's loops carry the unroll) train as one layer an iteration
+    does."""
+    import jax
+
+    from zero_jax.gpt import config
+    from zero_jax.gpt.experiment import Experiment, mesh_for
+    from zero_jax.state import abstract_state
+
+    for k in (1, 4):
+        cfg = config.load("tiny", ["zero.stage=3", f"model.scan_unroll={k}"])
+        exp = Experiment.build(cfg, mesh_for(cfg, None))
+        jaxpr = jax.make_jaxpr(exp.step.fn)(abstract_state(exp.plan, exp.tx), exp.batch_shape)
+        unrolls = [e.params["unroll"] for e, _ in equations(jaxpr.jaxpr)
+                   if e.primitive.name == "scan"]  # the layer loops, and the loss's chunks
+        assert [u for u in unrolls if u != 1] == ([] if k == 1 else [4, 4]), unrolls
     runs = [main("--steps", "2", "--stage", "3", "--set", f"model.scan_unroll={k}",
                  "--metrics", str(tmp_path / f"{k}.jsonl")) for k in (1, 4)]
     assert all(r.returncode == 0 for r in runs), runs[-1].stderr
