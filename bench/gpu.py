@@ -117,7 +117,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="also write the results here")
     p.add_argument("--runs", metavar="LABEL;LABEL",
                    help="only these rows, by their table labels (e.g. '0;3'; with "
-                        "--compile-for, no baseline): a large model's compiles take minutes")
+                        "--compile-for, no baseline): a large model's compiles take minutes; "
+                        "'0, unrolled' only when named")
     p.add_argument("--allow-cpu", action="store_true",
                    help="no GPU: run on simulated CPU devices (to test this script)")
     p.add_argument("--compile-for", choices=sorted(TARGETS),
@@ -294,7 +295,7 @@ def compile_for(args: argparse.Namespace) -> None:
         (f"3, hierarchical (zero3_size {per_node})", ["zero.stage=3",
                                                       f"zero.zero3_size={per_node}"])]
     results = []
-    for stage, sets in chosen(runs, args.runs):
+    for stage, sets in chosen(runs, args.runs, on_request(config.load(name, args.set))):
         cfg = config.load(name, [*args.set, *sets])
         exp = Experiment.build(cfg, mesh_of(cfg))
         state = abstract_state(exp.plan, exp.tx)
@@ -337,12 +338,21 @@ def _baseline(args: argparse.Namespace, name: str, n: int, hw, mesh_of) -> dict:
     return baseline
 
 
-def chosen(runs: list, names: str | None) -> list:
-    """``--runs``: the rows of ``runs`` whose labels it names (all, without it)."""
-    picked = [run for run in runs if not names or run[0] in names.split(";")]
+def on_request(cfg: dict) -> list:
+    """Rows made only where ``--runs`` names them: stage 0 with the config's layer loop unrolled
+    whole (``model.scan_unroll`` its layers: no stacks for ``dots`` to zero and copy into, and
+    XLA merges remat's recompute away; docs/benchmarks/history/gpu-compile-hbm.md)."""
+    return [("0, unrolled", ["zero.stage=0", f"model.scan_unroll={cfg['model']['n_layers']}"])]
+
+
+def chosen(runs: list, names: str | None, extra: list = ()) -> list:
+    """``--runs``: the rows of ``runs`` and ``extra`` whose labels it names (without it, all of
+    ``runs``)."""
+    wanted = names.split(";") if names else None
+    picked = list(runs) if wanted is None else [r for r in [*runs, *extra] if r[0] in wanted]
     if not picked:
         raise SystemExit(f"error: --runs {names!r} names none of "
-                         f"{'; '.join(label for label, _ in runs)}")
+                         f"{'; '.join(label for label, _ in [*runs, *extra])}")
     return picked
 
 
@@ -486,7 +496,7 @@ def main() -> None:
 
     tokens = data.stdlib_corpus()
     runs = []
-    for stage, sets in chosen(RUNS, args.runs):
+    for stage, sets in chosen(RUNS, args.runs, on_request(config.load(name, args.set))):
         cfg = config.load(name, [*args.set, *sets])
         if r := harness.try_build(f"stage {stage}", cfg, mesh, tokens, args.steps):
             r["stage"] = stage

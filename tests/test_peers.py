@@ -427,3 +427,17 @@ def test_stage3_needs_no_more_temp_than_the_gspmd_fsdp_peer_and_prefetchs_share(
     prefetch = report.layout(exp.plan, abstract_state(exp.plan, exp.tx), [])["prefetch_bytes"]
     assert prefetch == 2 * layer
     assert temp["block", True] <= peer.temp_size_in_bytes + 2 * layer, (temp, layer)
+
+
+def test_gpu_bench_unrolls_the_layer_loop_only_where_asked():
+    """``bench/gpu.py --runs``: the row with the layer loop unrolled whole is made only where
+    named, with ``model.scan_unroll`` the config's layers; without ``--runs``, every default
+    row and not it."""
+    import gpu
+
+    extra = gpu.on_request(config.load("gpt2-124m", []))
+    assert extra == [("0, unrolled", ["zero.stage=0", "model.scan_unroll=12"])]
+    assert gpu.chosen(gpu.RUNS, None, extra) == gpu.RUNS
+    assert gpu.chosen(gpu.RUNS, "3;0, unrolled", extra) == [gpu.RUNS[3], extra[0]]
+    with pytest.raises(SystemExit, match="names none of 0; 1; 2; 3; .*0, unrolled"):
+        gpu.chosen(gpu.RUNS, "9", extra)
