@@ -123,6 +123,20 @@ def test_chunked_loss_equals_full_logits_with_gradients(vocab, valid, chunk):
     assert abs(float(jax.jit(mean)(x, head) - ref)) <= 1e-5 * float(ref)  # forward alone
     scaled = jax.jit(jax.grad(lambda x, head: 3.0 * mean(x, head), (0, 1)))(x, head)
     assert max_rel(scaled, jax.tree.map(lambda g: 3.0 * g, g_ref)) < 1e-5
+    # Weighted: tokens left out (padding, prompts) and counted twice, against optax's mean of
+    # the weighted losses; the left-out tokens' hidden states get no gradient.
+    w = jax.random.randint(KEYS[3], (3, 40), 0, 3).astype(jnp.float32)
+
+    def plain_weighted(x, head):
+        ce = optax.softmax_cross_entropy_with_integer_labels((x @ head)[..., :valid], y)
+        return jnp.sum(ce * w) / jnp.sum(w)
+
+    ref, g_ref = jax.jit(jax.value_and_grad(plain_weighted, (0, 1)))(x, head)
+    ours, g_ours = jax.jit(jax.value_and_grad(
+        lambda x, head: mean_cross_entropy(x, head, y, valid=valid, chunk=chunk, weights=w),
+        (0, 1)))(x, head)
+    assert abs(float(ours - ref)) <= 1e-5 * float(ref) and max_rel(g_ours, g_ref) < 1e-5
+    assert not np.any(np.asarray(g_ours[0])[np.asarray(w) == 0])
 
 
 def test_embedding_gradient_sums_in_fp32():
@@ -155,6 +169,8 @@ def test_chunked_loss_refuses_bad_shapes_in_one_line():
         cross_entropy(x, head, jnp.zeros(5, jnp.int32))
     with pytest.raises(ValueError, match="valid 17 must be in 1..16"):
         cross_entropy(x, head, jnp.zeros(4, jnp.int32), valid=17)
+    with pytest.raises(ValueError, match=r"weights \(3,\) must be shaped as labels \(4,\)"):
+        mean_cross_entropy(x, head, jnp.zeros(4, jnp.int32), weights=jnp.ones(3))
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +218,45 @@ def test_stage_3_with_the_padded_vocabulary_equals_one_device(padded, mesh):
         ref = optax.apply_updates(ref, updates)
         assert abs(float(metrics["loss"]) - float(value)) <= 1e-5 * float(value)
     assert tree_rel(state.params, ref) < 1e-5  # over the tree: Adam magnifies noise leaves
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_a_masked_loss_trains_on_the_global_mean_at_stage_3(padded, mesh, opt):
+    """``mean_cross_entropy(weights=...)`` returned as ``zj.Weighted``: rows padded to 1-16
+    valid tokens, a row a device, so the devices' counts differ; stage 3's gradients equal
+    one device's of the mean over every valid token of the batch (a mean of the devices' means
+    would not), and two steps train as optax does."""
+    model, params, tokens = padded
+    lengths = jax.random.randint(KEYS[0], (tokens.shape[0], 1), 1, tokens.shape[1])
+    w = (jnp.arange(tokens.shape[1] - 1)[None, :] < lengths).astype(jnp.float32)
+
+    def loss_fn(p, batch):
+        toks, weights = batch
+        x, head = model.apply({"params": p}, toks[:, :-1], method="features")
+        mean = mean_cross_entropy(x, head, toks[:, 1:], valid=250, weights=weights)
+        return zj.Weighted(mean * jnp.sum(weights), jnp.sum(weights))
+
+    def plain(p, batch):  # one device: optax over every valid token of the batch
+        toks, weights = batch
+        logits = model.apply({"params": p}, toks[:, :-1])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, toks[:, 1:])
+        return jnp.sum(ce * weights) / jnp.sum(weights)
+
+    tx = {"sgd": optax.sgd(0.5), "adamw": optax.adamw(1e-2)}[opt]
+    plan = zj.make_plan(jax.eval_shape(lambda: params), mesh, stage=3, layers=LAYERS)
+    state = zj.init_state(plan, params, tx)
+    grad = jax.jit(jax.value_and_grad(plain))
+    value, grads = grad(params, (tokens, w))
+    sharded = zj.make_grad_fn(plan, loss_fn)(state.params, (tokens, w))[1]
+    assert tree_rel(sharded, grads) < 1e-5
+    step, ref, opt_state = zj.make_train_step(plan, loss_fn, tx), params, tx.init(params)
+    for _ in range(2):
+        state, metrics = step(state, (tokens, w))
+        value, grads = grad(ref, (tokens, w))
+        updates, opt_state = tx.update(grads, opt_state, ref)
+        ref = optax.apply_updates(ref, updates)
+        assert abs(float(metrics["loss"]) - float(value)) <= 1e-5 * float(value)
+    assert tree_rel(state.params, ref) < 1e-5
 
 
 def test_a_checkpoint_from_before_the_padding_resumes_only_unpadded():

@@ -43,8 +43,9 @@ def cross_entropy(hidden: jax.Array, head: jax.Array, labels: jax.Array, *,
 
 
 def mean_cross_entropy(hidden: jax.Array, head: jax.Array, labels: jax.Array, *,
-                       valid: int | None = None, chunk: int = CHUNK_TOKENS) -> jax.Array:
-    """``cross_entropy(...).mean()``, with the gradients computed in the forward pass.
+                       valid: int | None = None, chunk: int = CHUNK_TOKENS,
+                       weights: jax.Array | None = None) -> jax.Array:
+    """``cross_entropy(...)``'s mean, with the gradients computed in the forward pass.
 
     A mean's cotangent is one scalar for every token, so the gradients of the hidden states
     and of the head can be computed while each chunk's logits are at hand, and scaled by it
@@ -52,11 +53,24 @@ def mean_cross_entropy(hidden: jax.Array, head: jax.Array, labels: jax.Array, *,
     reads them again. Under ``jax.grad`` only; evaluated alone it is ``cross_entropy``'s
     forward. Holds the hidden states' gradient (the size of ``hidden``) and the head's (fp32)
     from the forward to the backward.
+
+    ``weights`` (shaped as ``labels``; default all ones): the mean is ``sum(w ce) / sum(w)``,
+    so that zeros leave tokens out (padding, a prompt that is not trained on). Each device
+    then means over its own tokens: for the mean over the whole batch, return
+    ``zero_jax.Weighted(mean * sum(w), sum(w))`` from the loss. With every weight 0 the mean
+    is nan (no token to average), as ``jnp.mean`` of nothing.
     """
     x, y, valid, n = _chunks(hidden, head, labels, valid, chunk)
     count, size = y.shape
-    token = jnp.arange(size)[None, :] * count + jnp.arange(count)[:, None]  # x[c, i]'s index
-    return _chunked_mean(x, head, y, (token < n).astype(jnp.float32), valid)
+    if weights is None:
+        token = jnp.arange(size)[None, :] * count + jnp.arange(count)[:, None]  # x[c, i]'s index
+        return _chunked_mean(x, head, y, (token < n).astype(jnp.float32), valid)
+    if weights.shape != labels.shape:
+        raise ValueError(f"mean_cross_entropy: weights {weights.shape} must be shaped as "
+                         f"labels {labels.shape}")
+    w = jnp.pad(weights.reshape(n).astype(jnp.float32), (0, count * size - n))
+    return _chunked_mean(x, head, y, jax.lax.stop_gradient(w.reshape(size, count).swapaxes(0, 1)),
+                         valid)
 
 
 def _chunks(hidden: jax.Array, head: jax.Array, labels: jax.Array, valid: int | None,
