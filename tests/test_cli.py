@@ -198,6 +198,44 @@ def test_user_data_files(tmp_path, monkeypatch):
                            for s in np.flatnonzero(want == row[0]))
 
 
+def test_prompt_completion_records_train_on_the_completions(tmp_path):
+    """A .jsonl of {"prompt", "completion"} records with train.completion_only: the first
+    step's loss is the mean over the batch's completion tokens alone (a prompt's are read,
+    not predicted), as optax computes it on one device from the same initialization; without
+    the key the records train whole, as text would; the key on data without prompts is
+    refused in one line."""
+    import jax
+    import optax
+
+    from zero_jax.gpt import config, data
+    from zero_jax.gpt.experiment import Experiment, mesh_for
+    from zero_jax.gpt.model import build
+
+    path = tmp_path / "sft.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"Q: what is {i} + {i}? ",
+                                          "completion": f"A: {2 * i}.\n"}) for i in range(300)))
+    for only in ("true", "false"):
+        sets = ["model.n_layers=1", f"train.completion_only={only}"]
+        run = main("--data", str(path), "--steps", "1", "--metrics", str(tmp_path / only),
+                   *[x for s in sets for x in ("--set", s)])
+        assert run.returncode == 0, run.stderr
+        first = json.loads((tmp_path / only).read_text())["loss"]
+        cfg = config.load("tiny", sets)
+        exp = Experiment.build(cfg, mesh_for(cfg, None))
+        tokens = data.load_tokens(str(path))
+        tokens = tokens if only == "true" else data.unprompted(tokens)
+        batch = data.batch(tokens, 0, cfg["train"]["batch_size"], exp.model.seq_len, 0)
+        ids = np.where(batch < 0, -1 - batch, batch)
+        logits = build(exp.model).apply({"params": exp.init(jax.random.key(0))}, ids[:, :-1])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:])
+        w = batch[:, 1:] >= 0
+        assert 0.1 < w.mean() < 0.5 if only == "true" else w.all()  # completions: ~27%
+        assert first == pytest.approx(float(np.sum(ce * w) / np.sum(w)), rel=1e-5)
+    refused = main("--steps", "1", "--set", "train.completion_only=true")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+    assert "train.completion_only trains on the completions" in refused.stderr
+
+
 # The planner sweeps' small model.
 SMALL = {"n_layers": 2, "d_model": 32, "d_ff": 64, "seq_len": 16}
 SMALL_SETS = [x for k, v in SMALL.items() for x in ("--set", f"model.{k}={v}")]

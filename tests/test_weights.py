@@ -918,9 +918,9 @@ def test_train_py_reads_text_with_the_directory_tokenizer(family_dir, tmp_path, 
 
 def test_token_files_of_large_vocabularies_and_bad_ones(tmp_path):
     """A .npy of uint32 ids (a vocabulary past uint16's, as Llama 3's 128,256) reads as is,
-    memory-mapped; a .jsonl's records are its documents; a .npy that holds no row of
-    non-negative integers, a .jsonl line that is no {"text": ...} record, and text that is not
-    UTF-8 read by a tokenizer, are refused naming the file (and line)."""
+    memory-mapped; a .jsonl's records are its documents; a .npy that holds no row of integers,
+    a .jsonl line that is no {"text": ...} nor {"prompt": ..., "completion": ...} record, and
+    text that is not UTF-8 read by a tokenizer, are refused naming the file (and line)."""
     big = np.arange(65_000, 70_000, dtype=np.uint32)
     np.save(tmp_path / "big.npy", big)
     tokens = data.load_tokens(str(tmp_path / "big.npy"))
@@ -930,7 +930,6 @@ def test_token_files_of_large_vocabularies_and_bad_ones(tmp_path):
         data.check_tokens(tokens, 65_536, 16, "big")
     for name, array, message in [("rows", np.zeros((4, 8), np.uint16), "shape (4, 8)"),
                                  ("floats", np.zeros(8, np.float32), "float32 array"),
-                                 ("negative", np.array([3, -1], np.int32), "negative token"),
                                  ("objects", np.array([1, "a"], object), "does not read")]:
         np.save(tmp_path / f"{name}.npy", array, allow_pickle=True)
         with pytest.raises(ValueError, match=re.escape(message)):
@@ -945,10 +944,38 @@ def test_token_files_of_large_vocabularies_and_bad_ones(tmp_path):
     want = [i for t in TEXTS.values() for i in tokenizer([t])]
     assert list(data.load_tokens(str(tmp_path / "docs.jsonl"), tokenizer)) == want
     assert bytes(data.load_tokens(str(tmp_path / "docs.jsonl"))) == "".join(TEXTS.values()).encode()
-    for bad in ['{"content": "x"}', '["x"]', '{"text": 3}', "{not json"]:
+    for bad in ['{"content": "x"}', '["x"]', '{"text": 3}', "{not json",
+                '{"prompt": "x", "completion": 3}']:
         (tmp_path / "bad.jsonl").write_text(f"{records[0]}\n{bad}\n")
         with pytest.raises(ValueError, match="bad.jsonl line 2 is not a JSON object with a"):
             data.load_tokens(str(tmp_path / "bad.jsonl"))
+
+
+def test_prompt_completion_records_mark_their_prompts(tmp_path):
+    """A .jsonl's {"prompt", "completion"} records, among {"text"} ones: each prompt's ids
+    stored as -1 - id, encoded as a text is (the tokenizer's <s> first), its completion after
+    it with no special token between; a text record as before. The one-time .npy keeps the
+    marks (int32), and reads back as they were."""
+    save_tokenizer(tmp_path / "tokenizer.json")
+    tokenizer = data.Tokenizer.of(tmp_path)
+    (a, b), c = TEXTS.values(), "def f(x):\n    return x\n"
+    (tmp_path / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": a, "completion": b}, {"text": c}]))
+    tokens = data.load_tokens(str(tmp_path / "sft.jsonl"), tokenizer)
+    prompt, completion = tokenizer.encode([a])[0], tokenizer.encode([b], special=False)[0]
+    assert prompt[0] == 0 and 0 not in completion  # <s> begins the prompt alone
+    want = np.concatenate([-1 - prompt.astype(np.int64), completion, tokenizer([c])])
+    assert tokens.dtype == np.int32 and np.array_equal(tokens, want)
+    assert data.prompted(tokens) and np.array_equal(
+        data.unprompted(tokens), np.concatenate([prompt, completion, tokenizer([c])]))
+    as_bytes = data.load_tokens(str(tmp_path / "sft.jsonl"))  # no tokenizer: bytes
+    assert np.array_equal(as_bytes, np.concatenate([
+        -1 - np.frombuffer(a.encode(), np.uint8).astype(np.int64),
+        np.frombuffer((b + c).encode(), np.uint8)]))
+    assert data.main([str(tmp_path / "sft.jsonl"), str(tmp_path / "ids.npy"),
+                      "--tokenizer", str(tmp_path)]) == 0
+    saved = data.load_tokens(str(tmp_path / "ids.npy"))
+    assert saved.dtype == np.int32 and np.array_equal(saved, want)
 
 
 @pytest.mark.slow

@@ -57,20 +57,20 @@ def mean_cross_entropy(hidden: jax.Array, head: jax.Array, labels: jax.Array, *,
     ``weights`` (shaped as ``labels``; default all ones): the mean is ``sum(w ce) / sum(w)``,
     so that zeros leave tokens out (padding, a prompt that is not trained on). Each device
     then means over its own tokens: for the mean over the whole batch, return
-    ``zero_jax.Weighted(mean * sum(w), sum(w))`` from the loss. With every weight 0 the mean
-    is nan (no token to average), as ``jnp.mean`` of nothing.
+    ``zero_jax.Weighted(mean * sum(w), sum(w))`` from the loss. With every weight 0 it is 0,
+    and so are its gradients: a device whose rows are all padding adds nothing to that sum.
     """
     x, y, valid, n = _chunks(hidden, head, labels, valid, chunk)
     count, size = y.shape
     if weights is None:
         token = jnp.arange(size)[None, :] * count + jnp.arange(count)[:, None]  # x[c, i]'s index
-        return _chunked_mean(x, head, y, (token < n).astype(jnp.float32), valid)
+        return _chunked_mean(x, head, y, (token < n).astype(jnp.float32), valid, False)
     if weights.shape != labels.shape:
         raise ValueError(f"mean_cross_entropy: weights {weights.shape} must be shaped as "
                          f"labels {labels.shape}")
     w = jnp.pad(weights.reshape(n).astype(jnp.float32), (0, count * size - n))
-    return _chunked_mean(x, head, y, jax.lax.stop_gradient(w.reshape(size, count).swapaxes(0, 1)),
-                         valid)
+    w = jax.lax.stop_gradient(w.reshape(size, count).swapaxes(0, 1))
+    return _chunked_mean(x, head, y, w, valid, True)
 
 
 def _chunks(hidden: jax.Array, head: jax.Array, labels: jax.Array, valid: int | None,
@@ -195,14 +195,20 @@ def _chunked_bwd(valid, res, g):
     return dx, dhead.astype(head.dtype), None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _chunked_mean(x: jax.Array, head: jax.Array, y: jax.Array, w: jax.Array, valid: int
-                  ) -> jax.Array:
+def _count(w: jax.Array, empty_is_zero: bool) -> jax.Array:
+    """The mean's divisor: the weights' sum (1 where they are all 0 and ``empty_is_zero``)."""
+    n = jnp.sum(w)
+    return jnp.where(n > 0, n, 1.0) if empty_is_zero else n
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _chunked_mean(x: jax.Array, head: jax.Array, y: jax.Array, w: jax.Array, valid: int,
+                  empty_is_zero: bool) -> jax.Array:
     loss, _ = _forward(x, head, y, valid)
-    return jnp.sum(loss * w) / jnp.sum(w)
+    return jnp.sum(loss * w) / _count(w, empty_is_zero)
 
 
-def _chunked_mean_fwd(x, head, y, w, valid):
+def _chunked_mean_fwd(x, head, y, w, valid, empty_is_zero):
     """The loss and, chunk by chunk, its gradients for a cotangent of 1 per token (0 for the
     padding), in fp32: the softmax's gradient unscaled, in [-1, 1], so that in fp16 it does not
     underflow where the loss scale would have kept it (the scale comes with the cotangent)."""
@@ -213,11 +219,11 @@ def _chunked_mean_fwd(x, head, y, w, valid):
         return dhead + dh, (jnp.sum(loss * wc), dx)
     dhead, (loss, dx) = jax.lax.scan(
         body, _varying(jnp.zeros(head.shape, jnp.float32), x, head, w), (x, y, w))
-    n = jnp.sum(w)
+    n = _count(w, empty_is_zero)
     return jnp.sum(loss) / n, (dx, dhead, n, jnp.zeros((), x.dtype), head)
 
 
-def _chunked_mean_bwd(valid, res, g):
+def _chunked_mean_bwd(valid, empty_is_zero, res, g):
     """The forward's gradients times the mean's cotangent over the token count."""
     dx, dhead, n, x_dtype, head = res
     return (dx * (g / n)).astype(x_dtype.dtype), (dhead * (g / n)).astype(head.dtype), None, None

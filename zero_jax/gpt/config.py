@@ -67,7 +67,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # batches of batch_size windows from the data's last tenth, which training then never
     # reads; 0: no evaluation, training reads all of it.
     "train": {"batch_size": 32, "accum_steps": 1, "steps": 400, "seed": 0,
-              "ckpt_load_path": "", "max_bad_steps": 5, "eval_every": 0, "eval_batches": 4},
+              "ckpt_load_path": "", "max_bad_steps": 5, "eval_every": 0, "eval_batches": 4,
+              "completion_only": False},
     # zero3_size > 0: hierarchical ZeRO, stage 3 within groups of that many devices.
     # transformer_layers: the layer stacks gathered one layer at a time ([]: the whole model
     # once per step); ignored_modules: left out of ZeRO, whole on every device;

@@ -21,6 +21,8 @@ DEFAULT_BYTES = 4 << 20
 HELD_OUT = 0.1  # the stream's last tenth, for evaluation (train.eval_every), as nanoGPT splits
 TOKEN_FILES = (".bin", ".npy")  # token ids; any other file is text
 TEXT_KEY = "text"  # a .jsonl record's document, as Hugging Face datasets name it
+# A record of a prompt and the completion to train on, as TRL's prompt-completion datasets.
+PROMPT_KEYS = ("prompt", "completion")
 EVAL_SEED = 2**32  # held-out windows drawn alike in every run: no train.seed is this large
 
 
@@ -77,8 +79,14 @@ class Tokenizer:
     def __call__(self, documents: list[str]) -> np.ndarray:
         """The documents' ids, one after another, each encoded as Hugging Face's ``run_clm``
         encodes a text (with the tokenizer's special tokens: Llama's begin-of-text)."""
-        ids = [np.asarray(e.ids, np.uint32) for e in self._tokenizer.encode_batch(documents)]
+        ids = self.encode(documents)
         return np.concatenate(ids) if ids else np.zeros(0, np.uint32)
+
+    def encode(self, texts: list[str], special: bool = True) -> list[np.ndarray]:
+        """Each text's ids; ``special``: with the tokenizer's special tokens (a completion,
+        which follows its prompt, goes without: no begin-of-text in the middle)."""
+        return [np.asarray(e.ids, np.uint32)
+                for e in self._tokenizer.encode_batch(texts, add_special_tokens=special)]
 
 
 def is_text(path: str | None) -> bool:
@@ -87,11 +95,13 @@ def is_text(path: str | None) -> bool:
             or pathlib.Path(path).suffix.lower() not in TOKEN_FILES)
 
 
-def documents(path: pathlib.Path) -> list[tuple[str, bytes]]:
+def documents(path: pathlib.Path) -> list[tuple[str, bytes, bytes]]:
     """A text file as one document, or a ``.jsonl``'s records (Hugging Face datasets'
-    ``to_json``) each as one: its ``"text"`` field. Named for the errors they may raise."""
+    ``to_json``) each as one: its ``"text"``, or its ``"prompt"`` and ``"completion"``. Each is
+    ``(name, prompt, text)``, the prompt empty but for prompt-completion records; named for the
+    errors they may raise."""
     if path.suffix.lower() != ".jsonl":
-        return [(str(path), path.read_bytes())]
+        return [(str(path), b"", path.read_bytes())]
     docs = []
     for n, line in enumerate(path.read_bytes().splitlines(), 1):
         if not line.strip():
@@ -100,31 +110,66 @@ def documents(path: pathlib.Path) -> list[tuple[str, bytes]]:
             record = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             record = e
+        if isinstance(record, dict) and all(isinstance(record.get(k), str) for k in PROMPT_KEYS):
+            docs.append((f"{path} line {n}", record["prompt"].encode(),
+                         record["completion"].encode()))
+            continue
         if not isinstance(record, dict) or not isinstance(record.get(TEXT_KEY), str):
             raise ValueError(f"data file {path} line {n} is not a JSON object with a "
-                             f'"{TEXT_KEY}" string: each line of a .jsonl is one document, '
-                             f'{{"{TEXT_KEY}": "..."}}')
-        docs.append((f"{path} line {n}", record[TEXT_KEY].encode()))
+                             f'"{TEXT_KEY}" string, nor "prompt" and "completion" strings: '
+                             f'each line of a .jsonl is one document, {{"{TEXT_KEY}": "..."}}, '
+                             '{"prompt": "...", "completion": "..."}')
+        docs.append((f"{path} line {n}", b"", record[TEXT_KEY].encode()))
     return docs
 
 
-def text_tokens(files: list[tuple[str, bytes]], tokenizer: Tokenizer | None) -> np.ndarray:
-    """Text as bytes (ids 0-255), or as ``tokenizer``'s ids with each file one document."""
-    if tokenizer is None:
-        return np.frombuffer(b"".join(b for _, b in files), np.uint8)
-    texts = []
-    for name, raw in files:
-        try:
-            texts.append(raw.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{name} is not UTF-8 text ({e.reason} at byte {e.start}), which "
-                             f"{tokenizer.path} reads: convert it to UTF-8, or pass token ids "
-                             "(.bin, .npy)") from None
-    return tokenizer(texts)
+def text_tokens(files: list[tuple[str, bytes, bytes]], tokenizer: Tokenizer | None
+                ) -> np.ndarray:
+    """Text as bytes (ids 0-255), or as ``tokenizer``'s ids with each file or record one
+    document. Where any document has a prompt, int32 ids with each prompt's stored as
+    ``-1 - id`` (``prompted``): the completions alone can then be trained on."""
+    if not any(prompt for _, prompt, _ in files):
+        if tokenizer is None:
+            return np.frombuffer(b"".join(b for _, _, b in files), np.uint8)
+        return tokenizer([_utf8(name, raw, tokenizer) for name, _, raw in files])
+
+    def encode(docs: list[tuple[str, bytes]], special: bool) -> list[np.ndarray]:
+        if tokenizer is None:
+            return [np.frombuffer(raw, np.uint8) for _, raw in docs]
+        return tokenizer.encode([_utf8(name, raw, tokenizer) for name, raw in docs], special)
+    pairs = [(name, prompt, text) for name, prompt, text in files if prompt]
+    prompts = iter(encode([(name, prompt) for name, prompt, _ in pairs], True))
+    # a completion follows its prompt: no special tokens between them; a text has its own
+    after = iter(encode([(name, text) for name, _, text in pairs], False))
+    alone = iter(encode([(name, text) for name, prompt, text in files if not prompt], True))
+    parts = []
+    for _, prompt, _ in files:
+        parts += [-1 - next(prompts).astype(np.int64), next(after)] if prompt else [next(alone)]
+    return np.concatenate([x.astype(np.int64) for x in parts]).astype(np.int32)
+
+
+def _utf8(name: str, raw: bytes, tokenizer: Tokenizer) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{name} is not UTF-8 text ({e.reason} at byte {e.start}), which "
+                         f"{tokenizer.path} reads: convert it to UTF-8, or pass token ids "
+                         "(.bin, .npy)") from None
+
+
+def prompted(tokens: np.ndarray) -> bool:
+    """Whether ``tokens`` marks prompt tokens (stored as ``-1 - id``: ``text_tokens``)."""
+    return tokens.dtype.kind == "i" and tokens.size > 0 and int(tokens.min()) < 0
+
+
+def unprompted(tokens: np.ndarray) -> np.ndarray:
+    """The ids alone, prompts and completions alike."""
+    return np.where(tokens < 0, -1 - tokens, tokens) if prompted(tokens) else tokens
 
 
 def npy_tokens(path: pathlib.Path) -> np.ndarray:
-    """A ``.npy`` of integer ids, memory-mapped: any vocabulary (uint32 past uint16's 65,536)."""
+    """A ``.npy`` of integer ids, memory-mapped: any vocabulary (uint32 past uint16's 65,536);
+    signed ones may mark prompts as ``text_tokens`` does."""
     fix = "save one row of token ids with numpy.save (uint16 or uint32)"
     try:
         tokens = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -134,9 +179,7 @@ def npy_tokens(path: pathlib.Path) -> np.ndarray:
     if tokens.ndim != 1 or tokens.dtype.kind not in "ui" or not tokens.size:
         raise ValueError(f"data file {path} holds a {tokens.dtype} array of shape "
                          f"{tokens.shape}, not a row of integer token ids: {fix}")
-    if tokens.dtype.kind == "i" and tokens.min() < 0:
-        raise ValueError(f"data file {path} holds the negative token id {tokens.min()}: {fix}")
-    return tokens
+    return tokens  # negative ids: a prompt's (``text_tokens``), written by ``main``
 
 
 def load_tokens(path: str | None, tokenizer: Tokenizer | None = None) -> np.ndarray:
@@ -147,7 +190,7 @@ def load_tokens(path: str | None, tokenizer: Tokenizer | None = None) -> np.ndar
     (a FIFO, a device) is refused before it is opened: reading one blocks, or never ends."""
     if path is None:
         return (stdlib_corpus() if tokenizer is None else
-                text_tokens([("the standard library corpus", b) for b in stdlib_files()],
+                text_tokens([("the standard library corpus", b"", b) for b in stdlib_files()],
                             tokenizer))
     p = pathlib.Path(path)
     if not p.exists():
@@ -176,7 +219,7 @@ def check_tokens(tokens: np.ndarray, vocab_size: int, seq_len: int, source: str)
     if len(tokens) < seq_len + 2:
         raise ValueError(f"{source} holds {len(tokens)} tokens, fewer than one sequence of "
                          f"{seq_len + 1}: use more data or a smaller model.seq_len")
-    top = int(tokens.max())
+    top = int(unprompted(tokens).max())
     if top >= vocab_size:
         raise ValueError(f"{source} has token id {top} but model.vocab_size is {vocab_size}: "
                          f"set --set model.vocab_size={top + 1} or larger")
@@ -216,11 +259,13 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="python -m zero_jax.gpt.data",
-        description="encode a text file, a .jsonl of {\"text\": ...} records or a directory of "
-                    "them (each file or record one document) with a model directory's "
-                    "tokenizer.json, into a .npy of token ids that train.py --data reads")
+        description="encode a text file, a .jsonl of {\"text\": ...} (or {\"prompt\": ..., "
+                    "\"completion\": ...}) records or a directory of them (each file or record "
+                    "one document) with a model directory's tokenizer.json, into a .npy of "
+                    "token ids that train.py --data reads")
     parser.add_argument("text", help="text file, .jsonl, or a directory of them")
-    parser.add_argument("out", help="the .npy to write (uint16 where every id fits, else uint32)")
+    parser.add_argument("out", help="the .npy to write (uint16 where every id fits, else "
+                                    "uint32; int32 with prompts marked, as -1 - id)")
     parser.add_argument("--tokenizer", required=True, metavar="DIR",
                         help="a Hugging Face model directory holding tokenizer.json")
     args = parser.parse_args(argv)
@@ -240,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    dtype = np.uint16 if tokens.size and tokens.max() < 2**16 else np.uint32
+    dtype = np.int32 if prompted(tokens) else np.uint16 if tokens.size and tokens.max() < 2**16 \
+        else np.uint32
     with open(args.out + ".partial", "wb") as f:  # a run killed while writing leaves no .npy
         np.save(f, tokens.astype(dtype))
     os.replace(args.out + ".partial", args.out)

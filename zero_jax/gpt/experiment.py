@@ -90,14 +90,15 @@ class Experiment:
                          rules=[*rules_from(cfg), *tensor_parallel(model_cfg)],
                          precision=precision, offload=offload_from(z),
                          comm=comm_from(z))
-        loss = lm_loss(model)
+        loss = lm_loss(model, t["completion_only"])
         step = make_train_step(plan, loss, tx, lr_schedule=schedule,
                                accum_steps=t["accum_steps"])
         return cls(cfg, mesh, model_cfg, init, tx, plan, step)
 
     def eval_step(self) -> Callable:
         """``make_eval_step`` for this run's model and plan (``train.eval_every``)."""
-        return make_eval_step(self.plan, lm_loss(build_model(self.model)))
+        return make_eval_step(self.plan, lm_loss(build_model(self.model),
+                                                 self.cfg["train"]["completion_only"]))
 
     @property
     def batch_sharding(self) -> NamedSharding:

@@ -17,6 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 from zero_jax.blocks import BLOCK_INPUT, remat_policy
 from zero_jax.embedding import take_rows
 from zero_jax.gpt import attention
+from zero_jax.grads import Weighted
 from zero_jax.losses import mean_cross_entropy
 from zero_jax.plan import Rule, modules_pattern
 
@@ -210,14 +211,26 @@ def tensor_parallel(cfg: GPTConfig) -> tuple[Rule, ...]:
     return TENSOR_PARALLEL
 
 
-def lm_loss(model: GPT):
+def lm_loss(model: GPT, completion_only: bool = False):
     """Mean next-token cross-entropy of a ``(batch, seq_len + 1)`` block of token ids, the
     logits never whole (``zero_jax.losses.mean_cross_entropy``: chunks, fp32 log-sum-exp, the
-    gradients computed in the forward pass), the vocabulary's padding out of the softmax."""
+    gradients computed in the forward pass), the vocabulary's padding out of the softmax.
+
+    ``completion_only``: ids stored as ``-1 - id`` (a prompt's, ``data.text_tokens``) are read
+    but not predicted, and the loss is the mean over the batch's other tokens, whichever device
+    holds them (``zero_jax.Weighted``)."""
     def loss_fn(params, tokens: jax.Array) -> jax.Array:
         x, head = model.apply({"params": params}, tokens[:, :-1], method="features")
         return mean_cross_entropy(x, head, tokens[:, 1:], valid=model.cfg.vocab_size)
-    return loss_fn
+
+    def completions(params, tokens: jax.Array) -> Weighted:
+        ids = jnp.where(tokens < 0, -1 - tokens, tokens)
+        x, head = model.apply({"params": params}, ids[:, :-1], method="features")
+        weights = (tokens[:, 1:] >= 0).astype(jnp.float32)
+        mean = mean_cross_entropy(x, head, ids[:, 1:], valid=model.cfg.vocab_size,
+                                  weights=weights)
+        return Weighted(mean * jnp.sum(weights), jnp.sum(weights))
+    return completions if completion_only else loss_fn
 
 
 def init_fn(model: GPT):

@@ -49,14 +49,17 @@ def find_start(exp, cfg: dict, args: argparse.Namespace) -> Start:
     m = exp.model
     tokenizer = data.Tokenizer.of(args.init_from) if args.init_from else None
     source = args.data or "the standard library corpus"
-    tokens = read_tokens(args.data, source, m, args, tokenizer)
+    only = cfg["train"]["completion_only"]
+    tokens = prompts_as_set(read_tokens(args.data, source, m, args, tokenizer), source, only)
     held = None
     if args.eval_data:
         if not cfg["train"]["eval_every"]:
             raise ValueError(f"--eval-data {args.eval_data} is evaluated every train.eval_every "
                              "steps, which is 0: set --set train.eval_every=N, or leave "
                              "--eval-data out")
-        held = read_tokens(args.eval_data, f"--eval-data {args.eval_data}", m, args, tokenizer)
+        source = f"--eval-data {args.eval_data}"
+        held = prompts_as_set(read_tokens(args.eval_data, source, m, args, tokenizer), source,
+                              only)
     elif cfg["train"]["eval_every"]:
         tokens, held = data.held_out(tokens, m.seq_len, source)
     start = Start(tokens, seed=cfg["train"]["seed"], held_out=held,
@@ -104,6 +107,19 @@ def read_tokens(path: str | None, source: str, model, args: argparse.Namespace,
         print(f"{source}: {len(tokens):,} tokens by {tokenizer.path} in "
               f"{time.perf_counter() - tick:.1f} s")
     data.check_tokens(tokens, model.vocab_size, model.seq_len, source)
+    return tokens
+
+
+def prompts_as_set(tokens, source: str, completion_only: bool):
+    """``tokens`` as train.completion_only trains on them: prompt-completion records' prompts
+    kept marked (their tokens are read, not predicted), or trained on like their completions;
+    completion_only on data without prompts is refused."""
+    if not completion_only:
+        return data.unprompted(tokens)
+    if not data.prompted(tokens):
+        raise ValueError(f"train.completion_only trains on the completions of a .jsonl's "
+                         f'{{"prompt": ..., "completion": ...}} records, and {source} has none: '
+                         "pass such records, or leave train.completion_only false")
     return tokens
 
 
