@@ -137,6 +137,9 @@ def test_chunked_loss_equals_full_logits_with_gradients(vocab, valid, chunk):
         (0, 1)))(x, head)
     assert abs(float(ours - ref)) <= 1e-5 * float(ref) and max_rel(g_ours, g_ref) < 1e-5
     assert not np.any(np.asarray(g_ours[0])[np.asarray(w) == 0])
+    none = jax.jit(jax.value_and_grad(lambda x, head: mean_cross_entropy(
+        x, head, y, valid=valid, chunk=chunk, weights=jnp.zeros_like(w)), (0, 1)))(x, head)
+    assert float(none[0]) == 0 and not any(np.any(np.asarray(g)) for g in none[1])
 
 
 def test_embedding_gradient_sums_in_fp32():
@@ -222,12 +225,13 @@ def test_stage_3_with_the_padded_vocabulary_equals_one_device(padded, mesh):
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 def test_a_masked_loss_trains_on_the_global_mean_at_stage_3(padded, mesh, opt):
-    """``mean_cross_entropy(weights=...)`` returned as ``zj.Weighted``: rows padded to 1-16
-    valid tokens, a row a device, so the devices' counts differ; stage 3's gradients equal
-    one device's of the mean over every valid token of the batch (a mean of the devices' means
-    would not), and two steps train as optax does."""
+    """``mean_cross_entropy(weights=...)`` returned as ``zj.Weighted``: rows padded to 0-16
+    valid tokens, a row a device, so the devices' counts differ (one has none); stage 3's
+    gradients equal one device's of the mean over every valid token of the batch (a mean of
+    the devices' means would not), and two steps train as optax does."""
     model, params, tokens = padded
     lengths = jax.random.randint(KEYS[0], (tokens.shape[0], 1), 1, tokens.shape[1])
+    lengths = lengths.at[0].set(0)  # one device's row all padding: it adds nothing
     w = (jnp.arange(tokens.shape[1] - 1)[None, :] < lengths).astype(jnp.float32)
 
     def loss_fn(p, batch):
