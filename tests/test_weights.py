@@ -976,6 +976,8 @@ def test_prompt_completion_records_mark_their_prompts(tmp_path):
                       "--tokenizer", str(tmp_path)]) == 0
     saved = data.load_tokens(str(tmp_path / "ids.npy"))
     assert saved.dtype == np.int32 and np.array_equal(saved, want)
+    with pytest.raises(ValueError, match="token id 299 but model.vocab_size is 256"):
+        data.check_tokens(np.array([-300, 5] * 8, np.int32), 256, 4, "a prompt's id")
 
 
 @pytest.mark.slow

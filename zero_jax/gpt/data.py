@@ -219,7 +219,9 @@ def check_tokens(tokens: np.ndarray, vocab_size: int, seq_len: int, source: str)
     if len(tokens) < seq_len + 2:
         raise ValueError(f"{source} holds {len(tokens)} tokens, fewer than one sequence of "
                          f"{seq_len + 1}: use more data or a smaller model.seq_len")
-    top = int(unprompted(tokens).max())
+    top = int(tokens.max())
+    if prompted(tokens):  # a prompt's id i stored as -1 - i; no copy of a large stream
+        top = max(top, -1 - int(tokens.min()))
     if top >= vocab_size:
         raise ValueError(f"{source} has token id {top} but model.vocab_size is {vocab_size}: "
                          f"set --set model.vocab_size={top + 1} or larger")

@@ -229,7 +229,8 @@ def lm_loss(model: GPT, completion_only: bool = False):
         weights = (tokens[:, 1:] >= 0).astype(jnp.float32)
         mean = mean_cross_entropy(x, head, ids[:, 1:], valid=model.cfg.vocab_size,
                                   weights=weights)
-        return Weighted(mean * jnp.sum(weights), jnp.sum(weights))
+        count = jnp.sum(weights)
+        return Weighted(mean * count, count)
     return completions if completion_only else loss_fn
 
 
