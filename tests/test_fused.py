@@ -223,12 +223,11 @@ def test_stage_3_with_the_padded_vocabulary_equals_one_device(padded, mesh):
     assert tree_rel(state.params, ref) < 1e-5  # over the tree: Adam magnifies noise leaves
 
 
-@pytest.mark.parametrize("opt", ["sgd", "adamw"])
-def test_a_masked_loss_trains_on_the_global_mean_at_stage_3(padded, mesh, opt):
-    """``mean_cross_entropy(weights=...)`` returned as ``zj.Weighted``: rows padded to 0-16
-    valid tokens, a row a device, so the devices' counts differ (one has none); stage 3's
-    gradients equal one device's of the mean over every valid token of the batch (a mean of
-    the devices' means would not), and two steps train as optax does."""
+@pytest.fixture(scope="module")
+def masked(padded, mesh):
+    """Rows padded to 0-16 valid tokens, a row a device, so the devices' counts differ (one has
+    none); ``mean_cross_entropy(weights=...)`` returned as ``zj.Weighted``, and one device's
+    optax mean over every valid token of the batch."""
     model, params, tokens = padded
     lengths = jax.random.randint(KEYS[0], (tokens.shape[0], 1), 1, tokens.shape[1])
     lengths = lengths.at[0].set(0)  # one device's row all padding: it adds nothing
@@ -240,23 +239,35 @@ def test_a_masked_loss_trains_on_the_global_mean_at_stage_3(padded, mesh, opt):
         mean = mean_cross_entropy(x, head, toks[:, 1:], valid=250, weights=weights)
         return zj.Weighted(mean * jnp.sum(weights), jnp.sum(weights))
 
-    def plain(p, batch):  # one device: optax over every valid token of the batch
+    def plain(p, batch):
         toks, weights = batch
         logits = model.apply({"params": p}, toks[:, :-1])
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, toks[:, 1:])
         return jnp.sum(ce * weights) / jnp.sum(weights)
 
-    tx = {"sgd": optax.sgd(0.5), "adamw": optax.adamw(1e-2)}[opt]
     plan = zj.make_plan(jax.eval_shape(lambda: params), mesh, stage=3, layers=LAYERS)
+    return plan, params, (tokens, w), loss_fn, jax.jit(jax.value_and_grad(plain))
+
+
+def test_a_masked_loss_gives_stage_3_the_global_means_gradient(masked):
+    """Stage 3's gradients equal one device's of the mean over every valid token of the batch
+    (a mean of the devices' means would not)."""
+    plan, params, batch, loss_fn, grad = masked
+    sharded = zj.make_grad_fn(plan, loss_fn)(zj.init_state(plan, params, optax.sgd(0.5)).params,
+                                             batch)[1]
+    assert tree_rel(sharded, grad(params, batch)[1]) < 1e-5
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_a_masked_loss_trains_on_the_global_mean_at_stage_3(masked, opt):
+    """Two steps of the masked loss at stage 3 train as optax does on one device."""
+    plan, params, batch, loss_fn, grad = masked
+    tx = {"sgd": optax.sgd(0.5), "adamw": optax.adamw(1e-2)}[opt]
     state = zj.init_state(plan, params, tx)
-    grad = jax.jit(jax.value_and_grad(plain))
-    value, grads = grad(params, (tokens, w))
-    sharded = zj.make_grad_fn(plan, loss_fn)(state.params, (tokens, w))[1]
-    assert tree_rel(sharded, grads) < 1e-5
     step, ref, opt_state = zj.make_train_step(plan, loss_fn, tx), params, tx.init(params)
     for _ in range(2):
-        state, metrics = step(state, (tokens, w))
-        value, grads = grad(ref, (tokens, w))
+        state, metrics = step(state, batch)
+        value, grads = grad(ref, batch)
         updates, opt_state = tx.update(grads, opt_state, ref)
         ref = optax.apply_updates(ref, updates)
         assert abs(float(metrics["loss"]) - float(value)) <= 1e-5 * float(value)
