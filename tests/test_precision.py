@@ -49,8 +49,8 @@ def bf16_stages(mesh):
         plan, init, tx, step = setup(mesh, stage)
         state = zj.init_state(plan, init, tx, KEY)
         lowered = step.lower(state, jax.ShapeDtypeStruct((32, TINY.seq_len + 1), jnp.int32))
-        out[stage] = dict(state=state, report=report.build(plan, state, lowered,
-                                                           lowered.compile()))
+        out[stage] = dict(state=state, lowered=lowered,
+                          report=report.build(plan, state, lowered, lowered.compile()))
     return out
 
 
@@ -104,23 +104,31 @@ def requested(lowered):
 
 
 @pytest.mark.parametrize("reduce_dtype, reduced", [(None, "bf16"), ("fp32", "f32")])
-def test_stage3_gathers_in_param_dtype_and_reduces_in_reduce_dtype(mesh, reduce_dtype, reduced):
+def test_stage3_gathers_in_param_dtype_and_reduces_in_reduce_dtype(mesh, reduce_dtype, reduced,
+                                                                  bf16_stages):
     """Checked on the program as lowered: the CPU backend then runs bf16 collectives in f32
-    (its compiled HLO shows f32), while GPU and TPU backends keep the requested dtype."""
-    plan, init, tx, step = setup(mesh, 3, Precision(param_dtype="bf16",
-                                                    reduce_dtype=reduce_dtype))
-    found = requested(step.lower(zj.abstract_state(plan, tx),
-                                 jax.ShapeDtypeStruct((32, TINY.seq_len + 1), jnp.int32)))
+    (its compiled HLO shows f32), while GPU and TPU backends keep the requested dtype. The
+    default reduce_dtype's step is the one ``bf16_stages`` lowered at stage 3 (``BF16``)."""
+    if reduce_dtype is None:
+        lowered = bf16_stages[3]["lowered"]
+    else:
+        plan, init, tx, step = setup(mesh, 3, Precision(param_dtype="bf16",
+                                                        reduce_dtype=reduce_dtype))
+        lowered = step.lower(zj.abstract_state(plan, tx),
+                             jax.ShapeDtypeStruct((32, TINY.seq_len + 1), jnp.int32))
+    found = requested(lowered)
     gathers = {d for k, d, loop in found if k == "all-gather" and loop}
     scatters = {d for k, d, loop in found if k == "reduce-scatter" and loop}
     assert gathers == {"bf16"} and scatters == {reduced}
 
 
 def train_losses(mesh, stage, precision, steps=50, accum_steps=1, batch=32, tx=None,
-                 loss_fn=None, batches=None, cfg=TINY, comm=None, long=False):
-    """``long``: the step compiled with LLVM's optimizations (``conftest.OPTIMIZED``)."""
+                 loss_fn=None, batches=None, cfg=TINY, comm=None, long=False, built=None):
+    """``long``: the step compiled with LLVM's optimizations (``conftest.OPTIMIZED``);
+    ``built``: ``setup``'s (plan, init, tx, step) for these arguments, made once for two runs."""
     from zero_jax.gpt import data
-    plan, init, tx, step = setup(mesh, stage, precision, accum_steps, cfg, tx, loss_fn, comm)
+    plan, init, tx, step = built or setup(mesh, stage, precision, accum_steps, cfg, tx, loss_fn,
+                                          comm)
     state = zj.init_state(plan, init, tx, KEY)
     tokens = data.stdlib_corpus(1 << 20)
     get = lambda i: batches[i] if batches else data.batch(tokens, i, batch, cfg.seq_len, seed=0)
@@ -199,10 +207,10 @@ def test_fp16_overflow_skips_that_step_and_halves_the_scale(mesh, stage=3):
     bad[0, 0] = 249
     sgd = optax.sgd(0.3)
     loss_fn = poisoned(GPT(cfg), 249)
-    state, got = train_losses(mesh, stage, fp16, 9, tx=sgd, loss_fn=loss_fn, cfg=cfg,
+    built = setup(mesh, stage, fp16, 1, cfg, sgd, loss_fn)  # one step, traced once for both
+    state, got = train_losses(mesh, stage, fp16, 9, built=built, cfg=cfg,
                               batches=batches[:3] + [bad] + batches[3:])
-    ref_state, ref = train_losses(mesh, stage, fp16, 8, tx=sgd, loss_fn=loss_fn, cfg=cfg,
-                                  batches=batches)
+    ref_state, ref = train_losses(mesh, stage, fp16, 8, built=built, cfg=cfg, batches=batches)
     assert [m["skipped"] for m in got] == [0, 0, 0, 1, 0, 0, 0, 0, 0]
     scales = [m["loss_scale"] for m in got]
     assert scales[:5] == [2.0 ** 12] * 4 + [2.0 ** 11]  # halved after the overflow

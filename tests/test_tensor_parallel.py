@@ -330,8 +330,10 @@ def test_prefetch_gathers_a_layer_ahead_within_each_tensor_parallel_rank():
         for b in batches:
             state, m = compiled(state, put(b))
             losses.append(float(m["loss"]))
+        # XLA's temp bytes, and the report (the prefetch bytes) of the step with prefetch.
         return (plan, losses, jax.device_get(state.params), compiled.as_text(),
-                report.build(plan, state, lowered, compiled))
+                compiled.memory_analysis().temp_size_in_bytes,
+                report.build(plan, state, lowered, compiled) if prefetch else None)
 
     plain, ahead = run(False), run(True)
     assert ahead[1] == plain[1]
@@ -346,8 +348,9 @@ def test_prefetch_gathers_a_layer_ahead_within_each_tensor_parallel_rank():
     assert volume(collectives(text, 8)) == volume(collectives(plain[3], 8))
     assert_collectives_stay_in_their_axis(ahead[0], text)
     layer = 7_550 * 4  # (4,800 + 120 + 1,600 + 4,000 + 100 + 4,000) / 2 cut, 240 whole
-    assert ahead[4]["prefetch_bytes"] == 2 * layer
-    assert ahead[4]["compiled"]["temp_bytes"] - plain[4]["compiled"]["temp_bytes"] <= 3 * layer
+    assert ahead[5]["prefetch_bytes"] == 2 * layer
+    assert ahead[5]["compiled"]["temp_bytes"] == ahead[4]
+    assert ahead[4] - plain[4] <= 3 * layer
     assert copied_bytes(text, loops) < layer // 2
 
 
@@ -439,8 +442,10 @@ def test_annotated_linen_model_needs_no_table(stage, opt):
 
 
 # Pa's tests: a step at sequence 256 runs as long as a compile here; the second step already
-# trains from parameters the first one updated.
-PA_STEPS = 2
+# trains from parameters the first one updated. 4 sequences: 2 per data rank (of 2) show the
+# batch dimension of what is saved as well as more would, in half the steps' time of 8.
+PA_STEPS, PA_BATCH = 2, 4
+PA_LOCAL = PA_BATCH // 2  # per data rank: the meshes here are 2 x 4
 
 
 @pytest.mark.slow
@@ -453,7 +458,7 @@ def test_partitioned_activations_keep_a_tp_slice_of_the_saved_inputs():
     1-3: the last runs after it), as well."""
     cfg = dataclasses.replace(CFG, vocab_size=64, d_model=32, n_layers=4, d_ff=64, seq_len=256,
                               remat="none")  # stage 3 remats the blocks itself
-    init, loss_fn, batches = gpt_problem(cfg, 8, PA_STEPS, corpus=1 << 16)
+    init, loss_fn, batches = gpt_problem(cfg, PA_BATCH, PA_STEPS, corpus=1 << 16)
     mesh = zj.make_mesh(8, axes=MESHES["2x4"])
     tx = OPTIMIZERS["sgd"]()
     runs, plans = {}, {}
@@ -469,23 +474,23 @@ def test_partitioned_activations_keep_a_tp_slice_of_the_saved_inputs():
             for eqn, _ in equations(runs[zj.Layers(LAYERS, "offload", partition=True)][2]
                                     .jaxpr.jaxpr)
             if eqn.primitive.name == "scan"]
-    stacked = lambda seq, n=cfg.n_layers: f"f32[{n},4,{seq},{cfg.d_model}]"  # batch 8 / data 2
+    stacked = lambda seq, n=cfg.n_layers: f"f32[{n},{PA_LOCAL},{seq},{cfg.d_model}]"
     assert stacked(256) in plain[1] and stacked(64) not in plain[1]
     # The report's saved block inputs (layers x local batch x sequence x d, /T with Pa) are
     # the compiled program's stacked ones; Megatron's all-reduces on model against its theory.
-    block_input = jax.ShapeDtypeStruct((8, cfg.seq_len, cfg.d_model), np.float32)
+    block_input = jax.ShapeDtypeStruct((PA_BATCH, cfg.seq_len, cfg.d_model), np.float32)
     for layers, seq in ((zj.Layers(LAYERS), 256), (zj.Layers(LAYERS, partition=True), 64)):
         _, state, _, lowered, compiled = runs[layers]
         plan = plans[layers]
         r = report.build(plan, state, lowered, compiled, None, block_input)
         saved = r["saved_activation_bytes"]
         assert saved["with_pa" if layers.partition else "without_pa"] == (
-            cfg.n_layers * 4 * seq * cfg.d_model * 4)
+            cfg.n_layers * PA_LOCAL * seq * cfg.d_model * 4)
         assert saved["with_pa"] * 4 == saved["without_pa"]
         if not layers.partition:  # 5 all-reduces per layer and 2 more, within 1% (softmax's)
             theory, measured = (r[k]["model"] for k in (
                 "comm_bytes_theory_by_axes", "comm_bytes_by_axes"))
-            assert theory == 2 * (5 * cfg.n_layers + 2) * 4 * 256 * cfg.d_model * 4
+            assert theory == 2 * (5 * cfg.n_layers + 2) * PA_LOCAL * 256 * cfg.d_model * 4
             assert theory <= measured < 1.01 * theory
     for run in (cut, offloaded):
         assert stacked(64) in run[1] and stacked(256) not in run[1]
@@ -508,10 +513,10 @@ def test_partitioned_activations_at_stages_without_gathers():
     base = dataclasses.replace(CFG, vocab_size=64, d_model=32, n_layers=4, d_ff=64,
                                seq_len=256, remat="full")
     mesh = zj.make_mesh(8, axes=MESHES["2x4"])
-    stacked = lambda seq: f"f32[{base.n_layers},4,{seq},{base.d_model}]"  # batch 8 / data 2
+    stacked = lambda seq: f"f32[{base.n_layers},{PA_LOCAL},{seq},{base.d_model}]"
 
     def run(cfg, stage, pa):
-        init, loss_fn, batches = gpt_problem(cfg, 8, PA_STEPS, corpus=1 << 16)
+        init, loss_fn, batches = gpt_problem(cfg, PA_BATCH, PA_STEPS, corpus=1 << 16)
         plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, rules=TENSOR_PARALLEL,
                             layers=zj.Layers(LAYERS, partition=pa))
         return train(plan, init, loss_fn, batches, OPTIMIZERS["sgd"]())
@@ -550,7 +555,8 @@ def test_partitioned_activations_with_prefetch_on_unrolled_blocks():
     training is the same as without Pa."""
     cfg = dataclasses.replace(CFG, vocab_size=64, d_model=32, n_layers=3, d_ff=64, seq_len=256,
                               remat="none")
-    init, loss_fn, batches = gpt_problem(cfg, 8, PA_STEPS, corpus=1 << 16, model=UnrolledGPT(cfg))
+    init, loss_fn, batches = gpt_problem(cfg, PA_BATCH, PA_STEPS, corpus=1 << 16,
+                                         model=UnrolledGPT(cfg))
     rules = [zj.Rule(r.pattern.replace("blocks", r"h_\d+"), model_dim=r.model_dim)
              for r in TENSOR_PARALLEL]
     mesh = zj.make_mesh(8, axes=MESHES["2x4"])
@@ -558,7 +564,7 @@ def test_partitioned_activations_with_prefetch_on_unrolled_blocks():
                                layers=zj.Layers(r"^h_\d+$", partition=pa, prefetch=True)),
                   init, loss_fn, batches, OPTIMIZERS["sgd"]())
              for pa in (False, True)]
-    saved = lambda seq: f"f32[4,{seq},{cfg.d_model}]"  # batch 8 / data 2
+    saved = lambda seq: f"f32[{PA_LOCAL},{seq},{cfg.d_model}]"
     (plain, _, plain_text), (cut, _, cut_text) = runs
     assert saved(64) in cut_text and saved(64) not in plain_text
     np.testing.assert_allclose(cut, plain, rtol=1e-6)
@@ -746,12 +752,11 @@ def test_partitioned_activations_on_nnx_blocks():
     saves, read from the step's jaxpr); without Pa it receives it whole. Same losses."""
     x, y, rules, init, loss_fn = annotated_nnx_problem()
 
-    def saves_cut_inputs(plan, batch) -> list[bool]:
-        """Per block recompute: whether one of its inputs of the block input's shape (16 of
-        the batch per data rank, 16 wide) is that input laid out cut over ``model``."""
-        jaxpr = jax.make_jaxpr(zj.make_train_step(plan, loss_fn, tx))(
-            zj.abstract_state(plan, tx), batch).jaxpr
-        eqns = [e for e, _ in equations(jaxpr)]
+    def saves_cut_inputs(traced) -> list[bool]:
+        """Per block recompute in the traced step: whether one of its inputs of the block
+        input's shape (16 of the batch per data rank, 16 wide) is that input laid out cut over
+        ``model``."""
+        eqns = [e for e, _ in equations(traced.jaxpr.jaxpr)]
         made = {id(v): e for e in eqns for v in e.outvars}
         cut = lambda e: e is not None and e.primitive.name == "sharding_constraint" and \
             MODEL in e.params["sharding"].spec
@@ -759,12 +764,12 @@ def test_partitioned_activations_on_nnx_blocks():
                 for e in eqns if e.primitive.name == "remat2"]
 
     mesh, tx = zj.make_mesh(8, axes=MESHES["2x4"]), optax.sgd(0.1)
-    batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
     losses = {}
     for stage, pa in ((3, False), (3, True), (2, True)):
         plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage, rules=rules,
                             layers=zj.Layers(r"^blocks/\d+$", partition=pa))
-        assert saves_cut_inputs(plan, batch) == [pa, pa]
-        losses[stage, pa] = train(plan, init, loss_fn, [(x, y)] * 3, tx)[0]
+        # The step that trains, traced once: its jaxpr read, then compiled and run.
+        losses[stage, pa], _, traced, _, _ = train_traced(plan, init, loss_fn, [(x, y)] * 3, tx)
+        assert saves_cut_inputs(traced) == [pa, pa]
     for run in losses.values():
         np.testing.assert_allclose(run, losses[3, False], rtol=1e-6)
