@@ -147,10 +147,11 @@ def test_mismatched_restores_name_the_path_and_change_nothing(saved):
     assert listing(ckpts.path) == before
 
 
-def user_states(mesh) -> dict:
+def user_plans(mesh) -> dict:
     """A user's states that are not plain dicts of arrays: an NNX model's ``State`` (lists
     keyed by integers, ``Variable``s) with AdamW and with plain SGD, whose state holds no
-    array, and the linen model with plain SGD. Each after one step at stage 3."""
+    array, and the linen model with plain SGD; each case's stage-3 plan and optimizer, and
+    what trains it (a restoring process needs the plans alone)."""
     from functools import partial
 
     from test_nnx import Listed, data, problem
@@ -160,9 +161,15 @@ def user_states(mesh) -> dict:
     cases = {"nnx-adamw": (nnx_init, nnx_loss, optax.adamw(1e-2), r"^blocks/\d+$", data(0)),
              "nnx-sgd": (nnx_init, nnx_loss, optax.sgd(0.1), r"^blocks/\d+$", data(0)),
              "linen-sgd": (linen_init, linen_loss, optax.sgd(0.1), LAYERS, batches[0])}
+    return {name: (zj.make_plan(jax.eval_shape(init, jax.random.key(0)), mesh, 3, layers=layers),
+                   tx, (init, loss_fn, batch))
+            for name, (init, loss_fn, tx, layers, batch) in cases.items()}
+
+
+def user_states(mesh) -> dict:
+    """``user_plans``' cases, each after one step at stage 3."""
     out = {}
-    for name, (init, loss_fn, tx, layers, batch) in cases.items():
-        plan = zj.make_plan(jax.eval_shape(init, jax.random.key(0)), mesh, 3, layers=layers)
+    for name, (plan, tx, (init, loss_fn, batch)) in user_plans(mesh).items():
         state = zj.init_state(plan, init, tx, jax.random.key(0))
         state, _ = zj.make_train_step(plan, loss_fn, tx)(state, batch)
         out[name] = (plan, tx, state)
@@ -172,8 +179,8 @@ def user_states(mesh) -> dict:
 RESTORE = """
 import sys; sys.path.insert(0, {tests!r})
 import conftest, jax, numpy as np, zero_jax as zj
-from test_checkpoint import user_states
-for name, (plan, tx, _) in user_states(conftest.make_mesh(8)).items():
+from test_checkpoint import user_plans
+for name, (plan, tx, _) in user_plans(conftest.make_mesh(8)).items():
     ckpts = zj.Checkpoints({root!r} + "/" + name, read_only=True)
     state, meta = ckpts.restore(zj.abstract_state(plan, tx))
     print(name, jax.tree.structure(state), sorted(meta))
