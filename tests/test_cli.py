@@ -214,20 +214,24 @@ def test_prompt_completion_records_train_on_the_completions(tmp_path):
     path = tmp_path / "sft.jsonl"
     path.write_text("\n".join(json.dumps({"prompt": f"Q: what is {i} + {i}? ",
                                           "completion": f"A: {2 * i}.\n"}) for i in range(300)))
+    # One device's cross-entropy from the runs' initialization, jitted (op by op, each operation
+    # is a program compiled of its own); the model is the same with the key or without.
+    cfg = config.load("tiny", ["model.n_layers=1"])
+    exp = Experiment.build(cfg, mesh_for(cfg, None))
+    model = build(exp.model)
+    cross_entropy = jax.jit(lambda ids: optax.softmax_cross_entropy_with_integer_labels(
+        model.apply({"params": exp.init(jax.random.key(0))}, ids[:, :-1]), ids[:, 1:]))
     for only in ("true", "false"):
         sets = ["model.n_layers=1", f"train.completion_only={only}"]
         run = main("--data", str(path), "--steps", "1", "--metrics", str(tmp_path / only),
                    *[x for s in sets for x in ("--set", s)])
         assert run.returncode == 0, run.stderr
         first = json.loads((tmp_path / only).read_text())["loss"]
-        cfg = config.load("tiny", sets)
-        exp = Experiment.build(cfg, mesh_for(cfg, None))
         tokens = data.load_tokens(str(path))
         tokens = tokens if only == "true" else data.unprompted(tokens)
         batch = data.batch(tokens, 0, cfg["train"]["batch_size"], exp.model.seq_len, 0)
         ids = np.where(batch < 0, -1 - batch, batch)
-        logits = build(exp.model).apply({"params": exp.init(jax.random.key(0))}, ids[:, :-1])
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:])
+        ce = cross_entropy(ids)
         w = batch[:, 1:] >= 0
         assert 0.1 < w.mean() < 0.5 if only == "true" else w.all()  # completions: ~27%
         assert first == pytest.approx(float(np.sum(ce * w) / np.sum(w)), rel=1e-5)
@@ -467,21 +471,42 @@ TRILLION = {"d_model": 25600, "n_layers": 128, "n_heads": 160, "d_ff": 102400,
             "vocab_size": 51200, "seq_len": 2048}
 
 
+@pytest.fixture(scope="module")
+def trillion(tmp_path_factory):
+    """The test below's two dry runs, T = 1 and T = 8, in one process of 1024 devices (a
+    start-up less): each run's output and its planner's report, by T."""
+    d = tmp_path_factory.mktemp("trillion")
+    sets = [x for k, v in TRILLION.items() for x in ("--set", f"model.{k}={v}")]
+    argv = {tp: ["--dry-run", "--devices", "1024", "--stage", "3", "--tensor-parallel", str(tp),
+                 *sets, "--set", "train.batch_size=1024", "--set", "precision.param_dtype=bf16",
+                 "--set", "model.remat=full", "--set", "zero.offload_optimizer.device=none",
+                 "--set", f"zero.partition_activations={'true' if tp > 1 else 'false'}",
+                 "--device-memory", "80GB", "--host-memory", "2TB", "--devices-per-host", "8",
+                 "--report", str(d / f"{tp}.json")] for tp in (1, 8)}
+    code = ("import contextlib, sys, train\n"
+            f"for tp, argv in {argv!r}.items():\n"
+            f"    with open({str(d)!r} + f'/{{tp}}.txt', 'w') as out, "
+            "contextlib.redirect_stdout(out):\n"
+            "        code = train.main(argv)\n"
+            "    if code:\n"
+            "        sys.exit(code)\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(["--dry-run"]),
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr
+    return {tp: (subprocess.CompletedProcess(["train.py", *a], 0, (d / f"{tp}.txt").read_text(),
+                                             run.stderr),
+                 json.loads((d / f"{tp}.json").read_text())) for tp, a in argv.items()}
+
+
 @pytest.mark.parametrize("tp", [1, 8])
-def test_a_trillion_parameters_fit_80gb_tiled_or_tensor_parallel(tp, tmp_path):
+def test_a_trillion_parameters_fit_80gb_tiled_or_tensor_parallel(tp, trillion):
     """Stage 3, no offload, remat full, compiled on abstract arrays for 1024 devices (seconds
     each): untiled at T = 1 nothing fits (a layer is 7.9 B parameters), gathered by block or by
     module, and the planner's tiling does; at T = 8 with partitioned activations the layout
     fits as it is. Beside each, ZeRO's accounting of the model states: (2 + 2 + 12) Psi / 1024
     per device, the paper's 1T row (16 TB over 1024 devices, 15.6 GB each), within the few
     leaves that stay whole."""
-    sets = [x for k, v in TRILLION.items() for x in ("--set", f"model.{k}={v}")]
-    run, r = dry_run(tmp_path, "--devices", "1024", "--stage", "3", "--tensor-parallel", str(tp),
-                     *sets, "--set", "train.batch_size=1024", "--set", "precision.param_dtype=bf16",
-                     "--set", "model.remat=full", "--set", "zero.offload_optimizer.device=none",
-                     "--set", f"zero.partition_activations={'true' if tp > 1 else 'false'}",
-                     "--device-memory", "80GB", "--host-memory", "2TB", "--devices-per-host",
-                     "8", timeout=600)
+    run, r = trillion[tp]
     psi = GPTConfig(**TRILLION).n_params
     assert psi == 1_008_038_758_400
     for c in r["candidates"]:
@@ -586,26 +611,27 @@ def test_remat_auto_takes_full_where_dots_does_not_fit(tmp_path, monkeypatch):
     assert len(losses[0]) == 3 and losses[0] == losses[1]
 
 
-def test_the_layer_loop_unrolled_trains_as_the_loop(tmp_path):
+def test_the_layer_loop_unrolled_trains_as_the_loop(tmp_path, monkeypatch):
     """``model.scan_unroll``: the default model's 4 layers in one iteration of prefetch's layer
     loops at stage 3 (the step's loops carry the unroll) train as one layer an iteration
     does."""
     import jax
 
-    from zero_jax.gpt import config
-    from zero_jax.gpt.experiment import Experiment, mesh_for
+    from zero_jax.gpt.experiment import Experiment
     from zero_jax.state import abstract_state
 
+    built, build = [], Experiment.build  # each run's experiment, to read its step's jaxpr
+    monkeypatch.setattr(Experiment, "build",
+                        classmethod(lambda cls, *a: built.append(build(*a)) or built[-1]))
     for k in (1, 4):
-        cfg = config.load("tiny", ["zero.stage=3", f"model.scan_unroll={k}"])
-        exp = Experiment.build(cfg, mesh_for(cfg, None))
+        run = main("--steps", "2", "--stage", "3", "--set", f"model.scan_unroll={k}",
+                   "--metrics", str(tmp_path / f"{k}.jsonl"))
+        assert run.returncode == 0, run.stderr
+        exp = built[-1]  # its trace, from jit's cache: the program the run compiled
         jaxpr = jax.make_jaxpr(exp.step.fn)(abstract_state(exp.plan, exp.tx), exp.batch_shape)
         unrolls = [e.params["unroll"] for e, _ in equations(jaxpr.jaxpr)
                    if e.primitive.name == "scan"]  # the layer loops, and the loss's chunks
         assert [u for u in unrolls if u != 1] == ([] if k == 1 else [4, 4]), unrolls
-    runs = [main("--steps", "2", "--stage", "3", "--set", f"model.scan_unroll={k}",
-                 "--metrics", str(tmp_path / f"{k}.jsonl")) for k in (1, 4)]
-    assert all(r.returncode == 0 for r in runs), runs[-1].stderr
     losses = [[json.loads(line)["loss"] for line in (tmp_path / f"{k}.jsonl").read_text()
                .splitlines()] for k in (1, 4)]
     assert len(losses[0]) == 2 and losses[0] == losses[1], losses
