@@ -390,9 +390,13 @@ def test_planner_compiles_only_what_can_change_the_answer(tmp_path):
     to and from the host: the sweep above) are not compiled, nor tensor parallelism, which was
     not asked for: 1 compile of the 9 (T = 1, 2, 4 with each offload) the full sweep made.
     Asked for T = 2 (the stage open), every stage of it fits and each communicates more than
-    the layout chosen without it (Megatron's activations on top of ZeRO's)."""
+    the layout chosen without it (Megatron's activations on top of ZeRO's). With the sweeps'
+    collectives per leaf and no prefetch: stage 3's layouts without offload at T = 1 and 2
+    are theirs, loaded from the persistent cache."""
+    per_leaf = ["--set", "zero.bucket_mb=0", "--set", "zero.prefetch=false",
+                "--set", "zero.gather=block"]
     sets = ["--host-memory", "1GB", "--stage", "3", "--set", "model.remat=full",
-            "--set", "train.batch_size=8", *SMALL_SETS]
+            "--set", "train.batch_size=8", *SMALL_SETS, *per_leaf]
     run, r = dry_run(tmp_path, "--device-memory", "1GB", *sets)
     assert [(c["stage"], c["offload"], c["tp"]) for c in r["candidates"]] == [(3, "none", 1)]
     assert r["best"] == {"stage": 3, "offload": "none", "remat": "full", "tp": 1}
@@ -401,7 +405,8 @@ def test_planner_compiles_only_what_can_change_the_answer(tmp_path):
         "T plans them): 6\n" in run.stdout
     assert len(re.findall(r"^\[\d+/\d+\] ", run.stdout, re.M)) == 1
     _, t2 = dry_run(tmp_path, "--device-memory", "1GB", "--tensor-parallel", "2", *sets[:2],
-                    "--set", "model.remat=full", "--set", "train.batch_size=8", *SMALL_SETS)
+                    "--set", "model.remat=full", "--set", "train.batch_size=8", *SMALL_SETS,
+                    *per_leaf)
     assert sorted(c["stage"] for c in t2["candidates"]) == [0, 1, 2, 3]
     assert all(c["fits"] and c["tp"] == 2 and c["comm_bytes"] > r["candidates"][0]["comm_bytes"]
                for c in t2["candidates"])
@@ -445,14 +450,16 @@ def test_planner_tiles_when_nothing_fits_untiled(tmp_path):
 
 
 def test_planner_gathers_by_module_when_blocks_do_not_fit(tmp_path):
-    """The default model with d_ff 2048, zero.gather left open: gathering by block needs about
-    18.8 MiB per device with prefetch, 15.6 without; with 16.5 MiB (14.85 usable) neither fits,
-    so the planner compiles the layout again gathering by module (about 14.0 MiB: one module's
-    weights whole, not a block's), which fits and is named; it moves more than by block (the
-    matrices gathered again in their backward), and nothing is tiled."""
-    run, r = dry_run(tmp_path, "--device-memory", "16.5MiB", "--host-memory", "1GB", "--stage", "3",
+    """The tiling test's model and device (its untiled layouts, loaded from the persistent
+    cache), zero.gather left open: gathering by block needs about 25.0 MiB per device with
+    prefetch, 17.7 without; with 19 MiB (17.1 usable) neither fits, so the planner compiles the
+    layout again gathering by module (about 15.0 MiB: one module's weights whole, not a
+    block's), which fits and is named; it moves more than by block (the matrices gathered
+    again in their backward), and nothing is tiled."""
+    run, r = dry_run(tmp_path, "--device-memory", "19MiB", "--host-memory", "1GB", "--stage", "3",
                      "--tensor-parallel", "1", "--set", "model.remat=full",
-                     "--set", "zero.offload_optimizer.device=none", "--set", "model.d_ff=2048")
+                     "--set", "zero.offload_optimizer.device=none", "--set", "model.d_ff=4096",
+                     "--set", "train.batch_size=8")
     rows = {(c.get("prefetch", True), c.get("gather", "block")): c for c in r["candidates"]}
     assert set(rows) == {(True, "block"), (False, "block"), (True, "module")}
     block, module = rows[True, "block"], rows[True, "module"]
@@ -567,10 +574,14 @@ def test_planner_puts_the_optimizer_on_nvme_when_the_host_is_too_small(tmp_path)
 
 def test_planner_names_what_it_did_not_try_when_nothing_fits():
     """One layout fixed (stage 3, T = 1, no offload, remat full, tiled) and too small a device:
-    the advice names the flags the command line kept from the search."""
-    run = main("--dry-run", "--device-memory", "2MiB", "--host-memory", "1GB", "--stage", "3",
+    the advice names the flags the command line kept from the search. The layout is the tiling
+    test's smaller tile (14.7 MiB, loaded from the persistent cache), the device 12 MiB: its
+    model state (6.5 MiB) fits, so it is compiled, not left out."""
+    run = main("--dry-run", "--device-memory", "12MiB", "--host-memory", "1GB", "--stage", "3",
                "--tensor-parallel", "1", "--set", "model.remat=full",
-               "--set", "zero.offload_optimizer.device=none", "--set", "zero.tile_mb=0.0625")
+               "--set", "zero.offload_optimizer.device=none", "--set", "zero.tile_mb=0.125",
+               "--set", "zero.gather=block", "--set", "model.d_ff=4096",
+               "--set", "train.batch_size=8")
     assert run.returncode == 0, run.stderr
     assert ("nothing fits: more devices, a smaller model or train.batch_size; not tried in this "
             "search: zero.offload_optimizer.device=cpu, zero.offload_params=cpu, "
