@@ -65,9 +65,9 @@ class NNXBlock(nnx.Module):
 
 
 class NNXListed(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
+    def __init__(self, rngs: nnx.Rngs, n_blocks: int = CFG.n_layers):
         self.embed = nnx.Embed(CFG.vocab_size, CFG.d_model, rngs=rngs)
-        self.blocks = nnx.List([NNXBlock(rngs) for _ in range(CFG.n_layers)])
+        self.blocks = nnx.List([NNXBlock(rngs) for _ in range(n_blocks)])
 
     def __call__(self, tokens):
         x = self.embed(tokens)
@@ -81,13 +81,14 @@ def ce(logits, tokens):
 
 
 def problems(remat: str | None = None, n_blocks: int = CFG.n_layers):
-    """(init, loss, layers) per kind of block; ``remat``, ``n_blocks``: the unrolled model's."""
+    """(init, loss, layers) per kind of block; ``remat``: the unrolled model's; ``n_blocks``:
+    the unrolled and the NNX model's."""
     unrolled = Unrolled(remat, n_blocks)
     gpt = GPT(dataclasses.replace(CFG, n_layers=8))  # a scan compiles once whatever its length
-    graphdef, _ = nnx.split(NNXListed(nnx.Rngs(0)))
+    graphdef, _ = nnx.split(NNXListed(nnx.Rngs(0), n_blocks))
     yield "unrolled", (lambda k: unrolled.init(k, jnp.zeros((1, CFG.seq_len), jnp.int32))[
         "params"], lambda p, t: ce(unrolled.apply({"params": p}, t[:, :-1]), t), r"h_\d+")
-    yield "nnx", (lambda k: nnx.state(NNXListed(nnx.Rngs(k))),
+    yield "nnx", (lambda k: nnx.state(NNXListed(nnx.Rngs(k), n_blocks)),
                   lambda p, t: ce(zj.nnx_merge(graphdef, p)(t[:, :-1]), t), r"blocks/\d+")
     yield "scanned", (init_fn(gpt), lm_loss(gpt), "blocks")
 
