@@ -163,8 +163,8 @@ def test_stage3_holds_one_block_at_a_time(mesh):
     _, _, stage2 = compile_memory(mesh, 8, 2)
     assert stage3 <= 0.6 * stage2, (stage3, stage2)
     # 4 -> 8 blocks: per added block, one block's shard of parameters and Adam moments in the
-    # arguments (3 x 4 bytes / N per parameter), not a whole block. (The shallower model, not
-    # a deeper one: 16 blocks took 2.5x the CPU of 4 to trace and compile.)
+    # arguments (3 x 4 bytes / N per parameter), not a whole block. (A shallower model beside
+    # the 8 blocks, not a deeper one: 4 blocks to trace and compile instead of 16.)
     _, _, shallower = compile_memory(mesh, 4, 3)
     block = 4 * sum(math.prod(x.shape) for x in jax.tree.leaves(plan.shapes["h_0"]))
     per_block = (stage3 - shallower) / 4

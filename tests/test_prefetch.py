@@ -648,7 +648,7 @@ def test_prefetch_keeps_what_the_remat_policy_saves(kind, remat, mesh):
     for blocks (a whole recompute adds about a third); for a scanned stack, whose loops XLA's
     cost analysis counts once and prefetch runs layers outside, well below prefetch's with
     remat ``full``."""
-    init, loss, layers = dict(regather.problems())[kind]
+    init, loss, layers = dict(regather.problems(n_blocks=DEPTH))[kind]
     if kind == "scanned":  # a stack without its own remat (as the demo's at stage 3)
         lm = LM(dataclasses.replace(SMALL, n_layers=8, remat="none"))
         init, loss = init_fn(lm), lm_loss(lm)
