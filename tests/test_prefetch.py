@@ -108,12 +108,9 @@ def test_the_layer_loops_keep_the_stacks_unroll(mesh):
     def train(prefetch):
         plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, 3,
                             layers=zj.Layers(LAYERS, prefetch=prefetch))
-        state = zj.init_state(plan, init, tx, KEY)
-        # Traced once: the jaxpr read, and the same trace lowered and run.
-        traced = zj.make_train_step(plan, loss_fn, tx).fn.trace(state, batches[0])
-        unrolls = [e.params["unroll"] for e, _ in equations(traced.jaxpr.jaxpr)
-                   if e.primitive.name == "scan"]
-        step = traced.lower().compile()
+        step, state = zj.make_train_step(plan, loss_fn, tx), zj.init_state(plan, init, tx, KEY)
+        jaxpr = jax.make_jaxpr(step.fn)(state, batches[0]).jaxpr
+        unrolls = [e.params["unroll"] for e, _ in equations(jaxpr) if e.primitive.name == "scan"]
         losses = []
         for b in batches:
             state, m = step(state, b)

@@ -40,15 +40,14 @@ def runs(mesh, small):
         init, loss_fn, tx = init_fn(model), lm_loss(model), optax.sgd(0.5)
         plan = make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=Layers(LAYERS, policy))
         state = init_state(plan, init, tx, KEY)
+        step = make_train_step(plan, loss_fn, tx)
         put = lambda b: jax.device_put(b, NamedSharding(mesh, P("data")))
-        # Traced once: the jaxpr read, and the same trace lowered, compiled and run.
-        traced = make_train_step(plan, loss_fn, tx).fn.trace(state, put(batches[0]))
-        compiled = traced.lower().compile()
+        compiled = step.lower(state, put(batches[0])).compile()
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         layout = {"stage": 3, "offload": "none", "remat": policy, "tp": 1}
         candidate = planner.measure(layout, plan, state, compiled)
-        host = scan_outputs_in_host_memory(traced.jaxpr.jaxpr)
+        host = scan_outputs_in_host_memory(jax.make_jaxpr(step)(state, put(batches[0])).jaxpr)
         losses = []
         for b in batches:
             state, m = compiled(state, put(b))
