@@ -189,18 +189,22 @@ def test_backward_gathers_again_with_no_flag_set():
     set an XLA flag that names an HLO pass (``tests/regather.py``): each block is gathered in
     the forward and again in the backward, and stage 3 holds at most 0.6x stage 2. With the
     CPU compiler's barrier pass back on, XLA merges the two gathers and the report says so."""
+    import regather
+
     run = subprocess.run([sys.executable, str(ROOT / "tests" / "regather.py")],
                          env={**SUBPROCESS_ENV, "XLA_FLAGS": ""}, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout)
-    for kind, blocks in (("unrolled", 4), ("nnx", 4), ("scanned", 8)):
+    for kind, blocks in (("unrolled", regather.MEASURED), ("nnx", regather.MEASURED),
+                         ("scanned", 8)):
         stage2, stage3 = out[kind]["2"], out[kind]["3"]
         assert stage3["weight_gathers"] == 2 * blocks, (kind, stage3)
         assert stage3["bytes"] <= 0.6 * stage2["bytes"], (kind, stage3, stage2)
         assert stage3["warnings"] == [], (kind, stage3)
     merged = out["merged"]
-    assert merged["weight_gathers"] == 4 and merged["bytes"] > out["unrolled"]["2"]["bytes"]
+    assert merged["weight_gathers"] == regather.MEASURED
+    assert merged["bytes"] > out["unrolled"]["2"]["bytes"]
     assert len(merged["warnings"]) == 1 and re.fullmatch(
         r"stage 3 gathers the blocks' [\d,]+ parameters 1\.00 times per step, not twice "
         r"\(forward and backward\): the compiler kept each block's whole weights from its "
