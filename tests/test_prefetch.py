@@ -536,7 +536,7 @@ def exact_steps(plan, init, loss, tx, batches, has_aux=False, split=False, **kwa
 
 # Three unrolled or NNX blocks (``regather.problems(n_blocks=3)``): the middle one is both handed
 # its weights by the block before and hands the block after its own, in the forward and the
-# backward; a fourth adds one more pair of the same (the file: 4 blocks took ~25% more CPU).
+# backward; a fourth adds one more pair of the same (with 4 these tests took ~25% more CPU).
 DEPTH = 3
 BLOCKS = {"unrolled": [f"h_{i}" for i in range(DEPTH)],
           "nnx": [f"blocks/{i}" for i in range(DEPTH)]}
