@@ -86,8 +86,9 @@ def save(path: pathlib.Path, arrays: dict[str, np.ndarray]) -> None:
 
 
 def run(out: pathlib.Path, reference_ckpt: str | None) -> dict:
-    """Train every layout; save, and resume from the other process count's checkpoint
-    (``reference_ckpt``, waited for: the other side may still be running). Returns results."""
+    """Train every layout; save, and resume from ``reference_ckpt`` (the other process count's
+    checkpoint, waited for: the other side may still be running; or this side's own). Returns
+    results."""
     tokens = data.stdlib_corpus(1 << 16)
     results: dict = {"losses": {}}
     hosts = {}  # the initial parameters, once per model: each layout only places them
