@@ -8,7 +8,9 @@ failed files and unchunkable optimizers refused with one line; one writer per di
 damaged band stopping the step that reads it, naming its file, before anything is trained on it.
 """
 
+import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -36,7 +38,8 @@ from zero_jax.state import abstract_state, state_shardings
 
 pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
 
-STEPS = 5
+# 3 steps: the second and third update through the moments the tier wrote and read back
+STEPS = 3
 BUFFERS = 3
 CHUNK_MB = 1 / 128  # 8 KiB: the small model's state is read in many bands
 ADAMW = optax.adamw(3e-3, weight_decay=0.1)
@@ -170,7 +173,7 @@ def test_checkpoints_cross_between_the_tiers(mesh, small, tmp_path):
     host, nvme = plans(mesh, small, 3, tmp_path / "nvme")
     os.mkdir(tmp_path / "nvme")
     _, want_losses = host_run(mesh, small, 3, tmp_path)
-    step, state, losses = train(nvme, small, steps=3)
+    step, state, losses = train(nvme, small, steps=1)  # moments set: what the checkpoint holds
     with pytest.raises(CheckpointError, match="live in the NVMe tier's files"):
         Checkpoints(tmp_path / "refused").save(state, {})
     ckpts = Checkpoints(tmp_path / "ckpt")
@@ -179,7 +182,7 @@ def test_checkpoints_cross_between_the_tiers(mesh, small, tmp_path):
     step.tier.close()  # the directory is free for the next step's tier
     for plan in (host, nvme):  # restored into host memory, and into the files again
         restored, _ = ckpts.restore(abstract_state(plan, ADAMW))
-        _, _, more = train(plan, small, restored, 3, 2)
+        _, _, more = train(plan, small, restored, 1, 2)
         assert losses + more == want_losses
     ckpts.close()
 
@@ -317,30 +320,50 @@ def _full():
     raise OSError(28, "No space left on device")
 
 
-def test_train_py_trains_resumes_and_reports_with_the_tier(tmp_path, monkeypatch, capsys):
+sys.path.insert(0, str(ROOT))
+import train as cli  # noqa: E402
+
+# train.py with the NVMe tier's directory ``nvme`` (relative: the run's working directory)
+BASE = ["--config", "tiny", *ONE_LAYER, *FIXED_SCHEDULE, "--set", "optimizer.clip_norm=0",
+        "--set", "zero.offload_optimizer.nvme_path=nvme"]
+NVME = ["--set", "zero.offload_optimizer.device=nvme"]
+
+
+@pytest.fixture(scope="module")
+def nvme_run(tmp_path_factory):
+    """train.py with the NVMe tier, 4 uninterrupted steps saved every 2: its checkpoint
+    directory and its losses, which both train.py tests below start from or compare with."""
+    d = tmp_path_factory.mktemp("nvme-run")
+    (d / "nvme").mkdir()
+    with contextlib.chdir(d):
+        assert cli.main([*BASE, *NVME, "--steps", "4", "--checkpoint-dir", "ckpt",
+                         "--save-every", "2", "--metrics", "m.jsonl"]) == 0
+    return d / "ckpt", [json.loads(line)["loss"] for line in (d / "m.jsonl").open()]
+
+
+def test_train_py_trains_resumes_and_reports_with_the_tier(tmp_path, monkeypatch, capsys,
+                                                           nvme_run):
     """``zero.offload_optimizer.device nvme``: the same losses as ``cpu``; a checkpoint of it
     resumes into either tier with the same losses; the report names the files."""
-    sys.path.insert(0, str(ROOT))
-    import train as cli
-
     monkeypatch.chdir(tmp_path)
     (tmp_path / "nvme").mkdir()
-    base = ["--config", "tiny", *ONE_LAYER, *FIXED_SCHEDULE, "--set", "optimizer.clip_norm=0",
-            "--set", "zero.offload_optimizer.nvme_path=nvme"]
-    losses = {}
+    base = BASE
+    names = itertools.count()
 
     def run(device, steps, *more):
-        out = tmp_path / f"{device}-{steps}.jsonl"
+        out = tmp_path / f"{device}-{steps}-{next(names)}.jsonl"
         assert cli.main([*base, "--set", f"zero.offload_optimizer.device={device}", "--steps",
                          str(steps), "--metrics", str(out), *more]) == 0
         return [json.loads(line)["loss"] for line in out.read_text().splitlines()]
 
-    for device in ("cpu", "nvme"):
-        losses[device] = run(device, 4, "--checkpoint-dir", f"ck-{device}", "--save-every", "2")
-    assert losses["nvme"] == losses["cpu"] and len(losses["cpu"]) == 4
-    want = run("cpu", 6, "--checkpoint-dir", "ck-cpu", "--resume")  # steps 5-6
+    # the uninterrupted cpu run: its steps 1-4 the NVMe run's (the schedule does not depend on
+    # --steps: FIXED_SCHEDULE), its steps 5-6 what a resume from checkpoint 4 must give
+    cpu = run("cpu", 6)
+    ckpt, nvme = nvme_run
+    assert nvme == cpu[:4] and len(nvme) == 4
+    want = cpu[4:]
     for device in ("cpu", "nvme"):  # the NVMe run's checkpoint 4, into each tier
-        shutil.copytree(tmp_path / "ck-nvme", tmp_path / f"from-nvme-{device}")
+        shutil.copytree(ckpt, tmp_path / f"from-nvme-{device}")
         assert run(device, 6, "--checkpoint-dir", f"from-nvme-{device}", "--resume") == want
     assert len(want) == 2
     # a disk that fills mid-run: one line, exit 1, the last checkpoint kept
@@ -362,20 +385,17 @@ def test_train_py_trains_resumes_and_reports_with_the_tier(tmp_path, monkeypatch
     assert report["swapped_bytes_per_step"] == 2 * sum(report["file_bytes"].values()) > 0
 
 
-def test_train_py_stops_on_a_damaged_tier_and_resumes_exactly(tmp_path, monkeypatch, capsys):
+def test_train_py_stops_on_a_damaged_tier_and_resumes_exactly(tmp_path, monkeypatch, capsys,
+                                                              nvme_run):
     """Through ``train.py`` (4 steps, a checkpoint every 2): a band flipped just after
     checkpoint 2, and every file zeroed in the middle of step 3's update, each stop the run at
     once with one line naming the file (exit 1): no checkpoint after 2 is written, 2 is kept,
     and ``--resume`` gives the uninterrupted run's losses bit for bit. A second run on the
     tier's directory is refused in one line (exit 2) before it writes anything."""
-    sys.path.insert(0, str(ROOT))
-    import train as cli
-
     monkeypatch.chdir(tmp_path)
     (tmp_path / "nvme").mkdir()
-    base = ["--config", "tiny", *ONE_LAYER, *FIXED_SCHEDULE, "--set", "optimizer.clip_norm=0",
-            "--set", "zero.offload_optimizer.device=nvme", "--set",
-            "zero.offload_optimizer.nvme_path=nvme", "--save-every", "2"]
+    base = [*BASE, *NVME, "--save-every", "2"]
+    whole = nvme_run[1]  # the same run uninterrupted
 
     def run(name, *more):
         capsys.readouterr()
@@ -388,7 +408,6 @@ def test_train_py_stops_on_a_damaged_tier_and_resumes_exactly(tmp_path, monkeypa
     def losses(name):
         return [json.loads(line)["loss"] for line in (tmp_path / f"{name}.jsonl").open()]
 
-    assert run("whole")[0] == 0
     real_give, real_update, real_write = tiers.Tier.give, tiers.Tier.update, tiers.Tier._write
 
     def give_then_flip(self, *args):  # the checkpoint's state is read back, then damaged
@@ -419,9 +438,9 @@ def test_train_py_stops_on_a_damaged_tier_and_resumes_exactly(tmp_path, monkeypa
             rf"newest checkpoint, from before it, is 2 in {tmp_path / name}: continue from it "
             r"with --resume", err[-1]), err
         assert Checkpoints(tmp_path / name, read_only=True).steps() == [2]
-        assert losses(name) == losses("whole")[:2]  # step 3 stopped before its record
+        assert losses(name) == whole[:2]  # step 3 stopped before its record
         assert run(name, "--resume")[0] == 0
-        assert losses(name) == losses("whole"), name
+        assert losses(name) == whole, name
     before = {p: p.read_bytes() for p in (tmp_path / "nvme" / "process0").glob("*.bin")}
     holder = lock.WriterLock(tmp_path / "nvme" / "process0")  # another run's, in effect
     try:
