@@ -673,14 +673,27 @@ def test_metrics_records_are_strict_json():
     assert loop.finite_record({"step": 1, "loss": 2.0}) == {"step": 1, "loss": 2.0}
 
 
-def test_a_metrics_line_cut_short_does_not_block_resume(reference, tmp_path):
-    """SIGKILL while a record is written leaves half a line: --resume drops it with a warning,
-    and the file goes on as the uninterrupted run's."""
-    ckpt, ref = reference
-    c, m = tmp_path / "ckpt", tmp_path / "m.jsonl"
+@pytest.fixture(scope="module")
+def resumed(reference, tmp_path_factory):
+    """A copy of the reference resumed to step 42: its metrics file's last line cut short (a
+    run SIGKILLed while writing it), and --profile-steps 2:4, behind the step it resumes from.
+    One run for the two tests below: the profiler traces nothing here, and the metrics file is
+    not the profile's (returns the run, the metrics file and the profile directory)."""
+    ckpt, _ = reference
+    d = tmp_path_factory.mktemp("resumed")
+    c, m, p = d / "ckpt", d / "m.jsonl", d / "prof"
     shutil.copytree(ckpt, c)
     m.write_text((ckpt.parent / "ref.jsonl").read_text() + '{"step": 41, "loss": 2.2')
-    run = run_train("--steps", REF_STEPS + 2, "--checkpoint-dir", c, "--resume", "--metrics", m)
+    run = run_train("--steps", REF_STEPS + 2, "--checkpoint-dir", c, "--resume", "--metrics", m,
+                    "--profile", p, "--profile-steps", "2:4")
+    return run, m, p
+
+
+def test_a_metrics_line_cut_short_does_not_block_resume(reference, resumed):
+    """SIGKILL while a record is written leaves half a line: --resume drops it with a warning,
+    and the file goes on as the uninterrupted run's."""
+    _, ref = reference
+    run, m, _ = resumed
     assert run.returncode == 0, run.stderr
     assert (f"warning: --metrics {m}: its last line (line 41) was cut short, by a run killed "
             "while writing it: dropped") in run.stderr
@@ -955,17 +968,14 @@ def test_a_stop_signal_saves_and_resumes_exactly(sig, code, tmp_path, reference)
     stop_and_resume(proc, tmp_path, reference, sig, code)
 
 
-def test_a_resumed_run_says_its_profile_window_is_behind_it(reference, tmp_path, capsys):
+def test_a_resumed_run_says_its_profile_window_is_behind_it(resumed):
     """--profile-steps before the step a run resumes from traces nothing: a warning says so,
     and the run trains on (exit 0)."""
-    c, p = tmp_path / "ckpt", tmp_path / "prof"
-    shutil.copytree(reference[0], c)
-    code = train.main([*MODEL, "--steps", "41", "--checkpoint-dir", str(c), "--resume",
-                       "--profile", str(p), "--profile-steps", "2:4"])
-    err = capsys.readouterr().err
-    assert code == 0, err
+    run, _, p = resumed
+    assert run.returncode == 0, run.stderr
     assert ("warning: --profile-steps 2:4 starts at step 2, but this run resumes after step 40: "
-            "nothing is traced; pass --profile-steps A:B with A above 40") in err, err
+            "nothing is traced; pass --profile-steps A:B with A above 40") in run.stderr, \
+        run.stderr
     assert not list(p.rglob("*.xplane.pb"))
 
 
