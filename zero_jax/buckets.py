@@ -32,11 +32,17 @@ class Comm:
     quantize_weights: bool = False  # stage 3's parameter all-gathers in int8
     quantize_grads: bool = False  # gradient reduce-scatters in int8 (all-to-all, fp32 sum)
     quantize_block: int = 64  # elements per int8 scale
+    # Each device's piece of a gathered bucket padded to a multiple of this many elements; 0:
+    # by the devices (``make_plan``): 128 on TPUs, whose compiler turns an all-gather of pieces
+    # that end inside a 128-element tile into an all-reduce of the whole bucket (twice the
+    # bytes; docs/benchmarks/tpu-compile.md), else 1.
+    align: int = 0
 
     def __post_init__(self):
-        if self.quantize_block < 1 or self.bucket_bytes < 0:
-            raise ValueError(f"Comm: quantize_block must be at least 1 and bucket_bytes at "
-                             f"least 0 (got {self.quantize_block}, {self.bucket_bytes})")
+        if self.quantize_block < 1 or self.bucket_bytes < 0 or self.align < 0:
+            raise ValueError(f"Comm: quantize_block must be at least 1, bucket_bytes and align "
+                             f"at least 0 (got {self.quantize_block}, {self.bucket_bytes}, "
+                             f"{self.align})")
 
 
 def buckets(sizes: list[int], bound: int) -> list[list[int]]:
@@ -137,8 +143,10 @@ def all_gather(xs: list[jax.Array], axes: list[int], mesh_axis: AxisName, comm: 
             moved.append((jax.lax.all_gather(q, mesh_axis, axis=0, tiled=False, to=to),
                           jax.lax.all_gather(scale, mesh_axis, axis=0, tiled=False, to=to)))
         else:
-            moved.append(jax.lax.all_gather(jnp.concatenate([xs[i].reshape(-1) for i in group]),
-                                            mesh_axis, axis=0, tiled=False, to=to))  # n x L
+            flat = jnp.concatenate([xs[i].reshape(-1) for i in group])
+            if pad := -flat.size % max(comm.align, 1):  # never read back: _cut slices it off
+                flat = jnp.pad(flat, (0, pad))
+            moved.append(jax.lax.all_gather(flat, mesh_axis, axis=0, tiled=False, to=to))  # n x L
     if after:
         moved = jax.lax.optimization_barrier((moved, after))[0]
     out: list[jax.Array] = [None] * len(xs)

@@ -186,6 +186,7 @@ class Rule:
 
 FIELDS = {"shard": True, "frozen": False, "min_shard_elems": 0,  # what no rule sets
           "model_dim": None}
+TPU_TILE = 128  # elements of a TPU's tile along an array's last dimension (Comm.align)
 
 
 def match_rules(rules: tuple[Rule, ...] | list[Rule], paths: list[str]) -> dict[str, dict]:
@@ -547,6 +548,7 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *,
     axis, outer = data_axes(mesh)
     t = mesh.shape[MODEL] if MODEL in mesh.axis_names else 1
     layers = Layers(layers) if isinstance(layers, str) else layers
+    comm = _aligned(comm, mesh)
     _check_combination(stage, layers, offload, comm, outer, t > 1)
     n = mesh.shape[axis] * (mesh.shape[outer] if outer else 1)
     flat = {path_str(p): tuple(x.shape)
@@ -582,6 +584,14 @@ def make_plan(params_shape: PyTree, mesh: Mesh, stage: int, *,
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_shape)
     return _warned(Plan(stage, mesh, axis, leaves, shapes, precision, outer, offload, comm,
                         layers))
+
+
+def _aligned(comm: Comm, mesh: Mesh) -> Comm:
+    """``comm`` with ``align`` 0 resolved by the devices: whole tiles on TPUs."""
+    if comm.align:
+        return comm
+    tpu = mesh.devices.flat[0].platform == "tpu"
+    return dataclasses.replace(comm, align=TPU_TILE if tpu else 1)
 
 
 def held_once(plan: Plan) -> list[str]:
