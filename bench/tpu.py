@@ -83,10 +83,11 @@ def main() -> None:
 
     try:
         topology = topologies.get_topology_desc(topology_name=args.topology, platform="tpu")
-    except Exception as e:  # noqa: BLE001  (no libtpu, or a name it does not know)
+    except Exception as e:  # noqa: BLE001  (no libtpu, a name it does not know, its lock)
         raise SystemExit(f"error: cannot compile for TPU {args.topology} here "
-                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); install "
-                         'libtpu into this environment: pip install "jax[tpu]"') from e
+                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); libtpu "
+                         'comes with pip install "jax[tpu]", and one process at a time holds '
+                         "it (/tmp/libtpu_lockfile)") from e
     devices = np.array(topology.devices)
     n = devices.size
     print(f"{args.config} config, compiled (not run) for {args.topology}: {n} x "
