@@ -232,8 +232,14 @@ def overlap(hlo_text: str) -> dict[str, dict[str, int]]:
     return out
 
 
+# A fusion that runs a collective, as libtpu makes them: "calls=%all-reduce-scatter.3".
+_FUSED = re.compile(r"\bcalls=%?((?:all-reduce-scatter|all-gather|reduce-scatter|all-reduce)"
+                    r"[\w-]*?)(?:\.\d+)?[,\s]")
+
+
 def forms(hlo_text: str) -> dict[str, int]:
-    """How often each collective opcode form appears in the text (static count)."""
+    """How often each collective opcode form appears in the text (static count), with the
+    async wrappers and fusions that run one."""
     bodies = parsed(computations(hlo_text)[0])
     count: dict[str, int] = collections.Counter()
     for body in bodies.values():
@@ -243,6 +249,8 @@ def forms(hlo_text: str) -> dict[str, int]:
             elif op.startswith("async-") and (kind := _collective_of(bodies, "async-start",
                                                                       rest)):
                 count[f"{op} ({kind})"] += 1
+            elif op == "fusion" and (m := _FUSED.search(rest + " ")):
+                count[f"{m.group(1)} fusion"] += 1
     return dict(count)
 
 
@@ -301,7 +309,7 @@ def compile_for(args: argparse.Namespace) -> None:
         state = abstract_state(exp.plan, exp.tx)
         lowered = exp.step.lower(state, exp.batch_shape)
         compiled = lowered.compile()
-        _save(args, f"{name}-stage-{stage}", compiled)
+        save_hlo(args, f"{name}-stage-{stage}", compiled)
         res = program(stage, compiled, report.build(exp.plan, state, lowered, compiled,
                                                      accum_steps=exp.accum_steps), n, hw,
                       _model_flops(exp, n))
@@ -328,7 +336,7 @@ def _baseline(args: argparse.Namespace, name: str, n: int, hw, mesh_of) -> dict:
     cfg = config.load(name, args.set)
     exp, lowered = peers.fsdp_lowered(cfg, mesh_of(cfg))
     compiled = lowered.compile()
-    _save(args, f"{name}-gspmd-fsdp", compiled)
+    save_hlo(args, f"{name}-gspmd-fsdp", compiled)
     text = compiled.as_text()
     baseline = {"stage": "GSPMD FSDP (MaxText style)", "temp_bytes":
                 compiled.memory_analysis().temp_size_in_bytes,
@@ -382,7 +390,7 @@ def _row(res: dict) -> None:
           f"| {pairs or 'no async collectives'} |", flush=True)
 
 
-def _save(args: argparse.Namespace, name: str, compiled) -> None:
+def save_hlo(args: argparse.Namespace, name: str, compiled) -> None:
     """``--save-hlo``: the compiled program's text, gzipped."""
     if args.save_hlo:
         os.makedirs(args.save_hlo, exist_ok=True)
@@ -505,7 +513,7 @@ def main() -> None:
         raise SystemExit("error: no stage could run")
     harness.time_interleaved(runs, args.rounds)
     for r in runs:
-        _save(args, f"{name}-stage-{r['stage']}", r["step"])
+        save_hlo(args, f"{name}-stage-{r['stage']}", r["step"])
         if args.trace:
             _trace(args.trace, f"{name}-stage-{r['stage']}", r)
 

@@ -15,43 +15,21 @@ compiled; per run:
   state (the report's ``per_device_bytes`` of parameters, master copy and optimizer state: the
   shards' sizes) and their ratio;
 * temp: the program's temporary bytes per chip (``memory_analysis()``);
-* collectives: how often each collective form appears in the program's text, counting the
-  fusions the TPU compiler makes of them (``all-reduce-scatter``): the forms differ from the
-  GPU's and the CPU's (docs/benchmarks/tpu-compile.md), and ``zero_jax.hlo`` reads bytes and
-  overlap from those, not from these.
+* collectives: how often each collective form appears in the program's text (``gpu.forms``),
+  counting the fusions the TPU compiler makes of them (``all-reduce-scatter``): the forms
+  differ from the GPU's and the CPU's (docs/benchmarks/tpu-compile.md), and ``zero_jax.hlo``
+  reads bytes and overlap from those, not from these.
 """
 
 from __future__ import annotations
 
-import collections
 import json
-import re
 import sys
 
 import gpu  # bench/gpu.py, beside this script (its runs; it puts the repository on sys.path)
 
-from zero_jax.hlo import KINDS, computations, instruction  # noqa: E402
-
 MiB = 2 ** 20
 STATE = ("params", "master", "opt_state")  # what the step takes in (the gradient it makes)
-# a TPU compiler's fusion that runs a collective: "calls=%all-reduce-scatter.3"
-_FUSED = re.compile(r"\bcalls=%?((?:all-reduce-scatter|all-gather|reduce-scatter|all-reduce)"
-                    r"[\w-]*?)(?:\.\d+)?[,\s]")
-
-
-def forms(hlo_text: str) -> dict[str, int]:
-    """Each collective form's count in the text: opcodes, and fusions that run one."""
-    count: collections.Counter = collections.Counter()
-    for lines in computations(hlo_text)[0].values():
-        for line in lines:
-            if not (inst := instruction(line)):
-                continue
-            op, rest = inst[2], inst[3]
-            if re.sub(r"-(start|update|done)$", "", op) in KINDS:
-                count[op] += 1
-            elif op == "fusion" and (m := _FUSED.search(rest + " ")):
-                count[f"{m.group(1)} fusion"] += 1
-    return dict(count)
 
 
 def parse_args():
@@ -103,12 +81,12 @@ def main() -> None:
         state = abstract_state(exp.plan, exp.tx)
         lowered = exp.step.lower(state, exp.batch_shape)
         compiled = lowered.compile()
-        gpu._save(args, f"{args.config}-stage-{label}-{args.topology}", compiled)
+        gpu.save_hlo(args, f"{args.config}-stage-{label}-{args.topology}", compiled)
         rep = report.build(exp.plan, state, lowered, compiled, accum_steps=exp.accum_steps)
         memory = compiled.memory_analysis()
         row = {"run": label, "arguments": memory.argument_size_in_bytes,
                "per_device": sum(rep["per_device_bytes"][k] for k in STATE),
-               "temp": memory.temp_size_in_bytes, "forms": forms(compiled.as_text())}
+               "temp": memory.temp_size_in_bytes, "forms": gpu.forms(compiled.as_text())}
         rows.append(row)
         print(f"| {label} | {row['arguments'] / MiB:.1f} | {row['per_device'] / MiB:.1f} "
               f"| {row['arguments'] / row['per_device']:.3f} | {row['temp'] / MiB:.1f} | "
