@@ -25,31 +25,39 @@ DATA = pathlib.Path(__file__).resolve().parent / "data"
 KEYS = jax.random.split(jax.random.key(0), 4)
 
 
-def plain_attention(q, k, v):
-    """The models' attention before: scores, a causal mask, softmax, fp32 throughout here."""
+def plain_attention(q, k, v, window=0):
+    """The models' attention before: scores, a causal mask, softmax, fp32 throughout here;
+    with a ``window`` each query sees the ``window`` keys up to its own (Mistral's)."""
     rep = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
     scores = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
     t = q.shape[1]
-    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, jnp.finfo(scores.dtype).min)
+    seen = jnp.tril(jnp.ones((t, t), bool))
+    if window:
+        seen &= ~jnp.tril(seen, -window)
+    scores = jnp.where(seen, scores, jnp.finfo(scores.dtype).min)
     return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), v)
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2])  # GPT-2's heads, Llama's grouped-query
-def test_fused_attention_equals_the_plain_one_with_gradients(kv_heads):
+# GPT-2's heads, Llama's grouped-query, and a sliding window of 7 of the 24 tokens
+@pytest.mark.parametrize("kv_heads, window", [(4, 0), (2, 0), (2, 7)])
+def test_fused_attention_equals_the_plain_one_with_gradients(kv_heads, window):
     q = jax.random.normal(KEYS[0], (2, 24, 4, 16))
     k, v = (jax.random.normal(key, (2, 24, kv_heads, 16)) for key in KEYS[1:3])
     w = jax.random.normal(KEYS[3], q.shape)  # a loss that weighs every output differently
+    plain = lambda *a: plain_attention(*a, window)
     # Jitted, here and below: op by op each operation is a program compiled of its own.
-    ref, g_ref = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(plain_attention(*a) * w),
+    ref, g_ref = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(plain(*a) * w),
                                             (0, 1, 2)))(q, k, v)
     for impl in ("auto", "xla"):
-        fused = lambda *a: jnp.sum(attention.causal(*a, impl) * w)  # noqa: B023
+        fused = lambda *a: jnp.sum(attention.causal(*a, impl, window) * w)  # noqa: B023
         ours, g_ours = jax.jit(jax.value_and_grad(fused, (0, 1, 2)))(q, k, v)
         assert abs(float(ours - ref)) <= 1e-5 * abs(float(ref))
-        np.testing.assert_allclose(jax.jit(attention.causal, static_argnums=3)(q, k, v, impl),
-                                   jax.jit(plain_attention)(q, k, v), atol=1e-5)
+        np.testing.assert_allclose(jax.jit(attention.causal, static_argnums=(3, 4))(
+            q, k, v, impl, window), jax.jit(plain)(q, k, v), atol=1e-5)
         assert max_rel(g_ours, g_ref) < 1e-5
+    if window:  # the window changes what is attended to
+        assert abs(float(ref) - float(jnp.sum(plain_attention(q, k, v) * w))) > 1e-2
 
 
 def test_gelu_and_its_written_gradient_equal_flax_gelu():
@@ -321,3 +329,16 @@ def test_the_saved_h100_program_holds_no_scores_and_no_full_logits():
     assert largest <= 8192 * v < b * t * v  # one chunk of logits at most
     e = estimate.estimate(text, estimate.H100, 1, gpu.flops_per_token(model) * b * t)
     assert e["hbm_bytes"] <= 135e9 and e["mfu"] >= 0.53, e
+
+
+def test_the_saved_h100_program_attends_in_the_sliding_window():
+    """``configs/llama.yaml`` at 1,024 tokens with a 256-token sliding window, batch 8 on one
+    H100 (the deviceless compile above): cuDNN's flash attention takes the window (forward,
+    its recompute, backward), and no buffer holds a t x t mask or score tensor."""
+    text = gzip.open(DATA / "llama-window-256-stage-0-h100.hlo.gz", "rt").read()
+    fmha = re.findall(r'custom_call_target="__cudnn\$(fmha\w*)"', text)
+    assert sorted(fmha) == ["fmhaSoftmax", "fmhaSoftmax", "fmhaSoftmaxBackward"]
+    assert re.findall(r'"sliding_window_length":\s*(\d+)', text) == ["256"] * 3
+    shapes = {tuple(int(d) for d in dims.split(",")) for dims in
+              re.findall(r"(?:pred|bf16|f32|f16)\[([\d,]+)\]", text)}
+    assert not {s for s in shapes if s.count(1024) >= 2}

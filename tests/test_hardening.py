@@ -317,10 +317,6 @@ ROWS = [
                               "model.qk_norm=true"], None,
      "model.qkv_bias, model.qk_norm and model.sliding_window together are no Hugging Face "
      "family's decoder"),
-    ("sequence past the window", [*T, "--config", "llama", "--set", "model.sliding_window=32",
-                                  "--set", "model.seq_len=64"], None,
-     "model.seq_len 64 is longer than model.sliding_window 32: the demo attends to the whole "
-     "sequence, which is the window's attention only within it; set model.seq_len at most 32"),
     ("rope type unknown", [*T, "--set", "model.rope_type=yarn"], None,
      "model.rope_type must be one of default, linear, llama3 (got 'yarn')"),
     ("llama3 rope without its context", [*T, "--set", "model.rope_type=llama3"], None,

@@ -37,8 +37,8 @@ HF = {"vocab_size": 64, "n_positions": 16, "n_embd": 32, "n_layer": 2, "n_head":
 TOKENS = np.random.default_rng(0).integers(0, 64, (8, 17)).astype(np.int32)
 
 
-def torch_logits_of(cls, directory, tokens=TOKENS[:, :-1]) -> np.ndarray:
-    model = cls.from_pretrained(directory).eval()
+def torch_logits_of(cls, directory, tokens=TOKENS[:, :-1], **config) -> np.ndarray:
+    model = cls.from_pretrained(directory, **config).eval()
     with torch.no_grad():
         return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
@@ -717,9 +717,9 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     transformers';
     written back through Llama's table as shards with an index and a config.json (a Phi-3 as
     the Llama it computes as, a Mistral
-    with its sliding window, which equals the whole sequence's attention at the sequence's
-    length and differs at a shorter window; the context it declared, whatever the training
-    window),
+    with its sliding window; the context it declared, whatever the training window); a
+    Mistral's and a Phi-3's window of 5 tokens, shorter than the sequence, as transformers
+    computes it),
     transformers loads it with the same logits."""
     from zero_jax.gpt import llama
     from zero_jax.tensorfiles import write_set
@@ -744,11 +744,13 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     assert files.bytes_read == sum(i.nbytes for i in files.tensors.values())  # each byte once
     ours = logits_of(model, params)
     assert rel(ours, theirs) < 1e-5, rel(ours, theirs)
-    if which == "mistral":  # a window shorter than the sequence would attend otherwise
-        narrow = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, sliding_window=8)
+    if which in ("mistral", "phi3"):  # a window shorter than the sequence: 5 of 16 tokens
+        narrow = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, sliding_window=5)
         with torch.no_grad():
             windowed = narrow(torch.tensor(TOKENS[:, :-1], dtype=torch.long)).logits.numpy()
-        assert rel(windowed, theirs) > 1e-3
+        ours_windowed = logits_of(llama.Llama(dataclasses.replace(cfg, sliding_window=5)),
+                                  params)
+        assert rel(ours_windowed, windowed) < 1e-5 < 1e-3 < rel(windowed, theirs)
 
     flat = {zj.plan.path_str(p): np.asarray(v)
             for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
@@ -791,25 +793,28 @@ def test_a_tensor_taken_in_ranges_is_read_once_whole_and_not_exported(family_dir
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["llama", "llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("which", ["llama", "llama3", "qwen2", "qwen3", "mistral"])
 def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, family_dir):
-    """train.py --init-from a Llama directory (one made as Llama 3.2 is, a Qwen2, a Qwen3): the
-    model section from its config.json, its first loss transformers' on that batch; two SGD
-    steps; the export loads in transformers with zero_jax's logits of the trained checkpoint."""
+    """train.py --init-from a Llama directory (one made as Llama 3.2 is, a Qwen2, a Qwen3, a
+    Mistral whose sliding window is set to 5 of the 16 tokens): the model section from its
+    config.json, its first loss transformers' on that batch; two SGD steps; the export loads in
+    transformers with zero_jax's logits of the trained checkpoint."""
     from zero_jax.gpt import llama
 
     llama_dir = family_dir(which)
+    window = {"sliding_window": 5} if which == "mistral" else {}
 
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     run = run_train("--init-from", str(llama_dir), "--steps", "2", "--data",
                     str(gpt2["tokens"]), "--checkpoint-dir", str(ckpt), "--save-every", "2",
                     "--metrics", str(metrics), "--set", "optimizer.name=sgd",
-                    "--set", "train.batch_size=8")
+                    "--set", "train.batch_size=8",
+                    *[f"--set=model.{k}={v}" for k, v in window.items()])
     assert run.returncode == 0, run.stderr
     first = json.loads(metrics.read_text().splitlines()[0])["loss"]
     batch = data.batch(np.fromfile(gpt2["tokens"], np.uint16), 0, 8, 16, 0)
     logits = torch.tensor(torch_logits_of(transformers.AutoModelForCausalLM, llama_dir,
-                                          batch[:, :-1]))
+                                          batch[:, :-1], **window))
     ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), torch.tensor(
         batch[:, 1:], dtype=torch.long).reshape(-1)).item()
     assert first == pytest.approx(ref, rel=1e-5)
@@ -819,8 +824,9 @@ def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, famil
     ckpts = zj.Checkpoints(ckpt, read_only=True)
     trained = ckpts.read_params()
     ckpts.close()
-    model = llama.Llama(GPTConfig(**llama.read_config(llama_dir), remat="none",
+    model = llama.Llama(GPTConfig(**{**llama.read_config(llama_dir), **window}, remat="none",
                                   vocab_multiple=128))
+    assert llama.read_config(out)["sliding_window"] == model.cfg.sliding_window
     ours = logits_of(model, trained)
     theirs = torch_logits_of(transformers.AutoModelForCausalLM, out)
     assert rel(theirs, ours) < 1e-5

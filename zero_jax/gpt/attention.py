@@ -36,15 +36,21 @@ def resolve(choice: str, platform: str, dtype, head_dim: int) -> str:
     return choice
 
 
-def causal(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str) -> jax.Array:
+def causal(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str,
+           window: int = 0) -> jax.Array:
     """Causal attention of ``(batch, t, heads, head_dim)`` queries over keys and values with
-    ``heads`` or fewer heads (grouped-query: query head i reads key head i // (heads / kv))."""
+    ``heads`` or fewer heads (grouped-query: query head i reads key head i // (heads / kv)).
+    ``window``: each query reads its own and the ``window - 1`` keys before it (Mistral's and
+    Phi-3's sliding window, as Hugging Face masks it); 0, or a window the sequence fits in,
+    is the whole causal attention, with no window passed down (the same program)."""
     impl = resolve(implementation, jax.default_backend(), q.dtype, q.shape[-1])
     if impl == "cudnn" and jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in CUDNN_DTYPES]:
         impl = "xla"  # the fp32 trace of init, shapes only (a bf16 step was checked to fit)
+    local = (window - 1, 0) if 0 < window < q.shape[1] else None
+    attend = lambda *qkv: jax.nn.dot_product_attention(*qkv, is_causal=True,
+                                                       local_window_size=local,
+                                                       implementation=impl)
     if impl == "xla" and q.dtype == jnp.float16 and jax.default_backend() == "cpu":
         # XLA's form asks for fp32 scores, which the CPU backend has no fp16 dot for
-        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-        return jax.nn.dot_product_attention(*f32, is_causal=True,
-                                            implementation=impl).astype(q.dtype)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+        return attend(*[x.astype(jnp.float32) for x in (q, k, v)]).astype(q.dtype)
+    return attend(q, k, v)

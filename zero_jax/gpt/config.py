@@ -39,7 +39,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # n_kv_heads key/value heads, 0: n_heads; the head tied to the embedding with tie_head;
     # biases on q, k and v with qkv_bias, as Qwen2; q and k normed with qk_norm, as Qwen3;
     # heads head_dim wide, 0: d_model / n_heads; max_positions the context it declares, which
-    # an export writes back, 0: seq_len; sliding_window Mistral's, 0: none, at least seq_len).
+    # an export writes back, 0: seq_len; sliding_window Mistral's, 0: none).
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512,
               "seq_len": 64, "remat": "auto", "arch": "gpt2", "norm_eps": 1e-5,
               "n_kv_heads": 0, "rope_theta": 10000.0, "rope_type": "default",
@@ -343,11 +343,6 @@ def _check_llama(m: dict) -> None:
         raise ConfigError("model.qkv_bias, model.qk_norm and model.sliding_window together are "
                           "no Hugging Face family's decoder (Qwen2 has the first, Qwen3 the "
                           "second, Mistral the third): set one")
-    if 0 < m["sliding_window"] < m["seq_len"]:
-        raise ConfigError(f"model.seq_len {m['seq_len']} is longer than model.sliding_window "
-                          f"{m['sliding_window']}: the demo attends to the whole sequence, "
-                          "which is the window's attention only within it; set model.seq_len "
-                          f"at most {m['sliding_window']}")
 
 
 def _check_rope(m: dict) -> None:

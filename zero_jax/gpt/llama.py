@@ -1,7 +1,7 @@
 """A Llama-family decoder (RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention,
 the head untied or tied to the embedding, biases on q, k and v or an RMSNorm over each head's
-q and k, or neither: Llama, Mistral within its sliding window, Qwen2, Qwen3) with Hugging
-Face's tensor names, its layers under ``nn.scan`` as ``blocks``.
+q and k, or neither: Llama, Mistral and Phi-3 with their sliding windows, Qwen2, Qwen3) with
+Hugging Face's tensor names, its layers under ``nn.scan`` as ``blocks``.
 
 Rotary positions rotate the two halves of each head (Hugging Face's ``rotate_half``), so its
 q and k projections are read as they are stored, with no permutation of their rows. Their
@@ -45,8 +45,8 @@ TENSOR_PARALLEL = (
 # The families whose decoder this is, by config.json's model_type, and what each must say for
 # this model to compute it (anything else is refused): the Qwens without their sliding
 # windows; Qwen2 with biases on q, k and v (``qkv_bias``), Qwen3 with q and k normed
-# (``qk_norm``); Mistral and Phi-3 with a window or none (``sliding_window``: trained within
-# it), Phi-3 with its q, k, v and its gate and up projections fused in two tensors, without
+# (``qk_norm``); Mistral and Phi-3 with a window or none (``sliding_window``), Phi-3 with
+# its q, k, v and its gate and up projections fused in two tensors, without
 # dropout and rotating whole heads.
 FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
             "mistral": {"hidden_act": "silu"},
@@ -147,7 +147,8 @@ class LlamaBlock(nn.Module):
             k = nn.RMSNorm(epsilon=c.norm_eps, name="k_norm")(k)
         q, k = rope(q, inv), rope(k, inv)
         v = dense((c.kv_heads, dh), "v", c.qkv_bias)(h)
-        att = attention.causal(q, k, v, c.attention)  # query head i reads kv head i // rep
+        # query head i reads kv head i // rep
+        att = attention.causal(q, k, v, c.attention, c.sliding_window)
         x = x + dense(d, "o", axis=(-2, -1))(att)
         h = nn.RMSNorm(epsilon=c.norm_eps, name="ln2")(x)
         return x + dense(d, "down")(swiglu(dense(c.d_ff, "gate")(h), dense(c.d_ff, "up")(h))), None
@@ -243,8 +244,8 @@ def read_config(directory: str | os.PathLike) -> dict:
     """The model section of the demo's config from a Llama, Mistral, Qwen2, Qwen3 or Phi-3
     directory's config.json; what this model does not compute (other biases, another
     activation, a Qwen's sliding window, another rope type) is refused. A Mistral's or Phi-3's
-    window bounds the training window (``seq_len``), within which the whole sequence's
-    attention is the window's."""
+    sliding window is read as ``sliding_window``, which the attention keeps whatever the
+    training window (``seq_len``)."""
     path = pathlib.Path(directory) / "config.json"
     try:
         hf = json.loads(path.read_text())
@@ -272,7 +273,7 @@ def read_config(directory: str | os.PathLike) -> dict:
                                or window < 1):
         raise WeightsError(f"{path} has sliding_window {window!r}, not a number of tokens: pass "
                            "a model whose config.json has one, or null")
-    return {**model, "seq_len": min(model["seq_len"], WINDOW, window or WINDOW),
+    return {**model, "seq_len": min(model["seq_len"], WINDOW),
             "max_positions": model["seq_len"], "sliding_window": window or 0,
             "arch": "llama", "tie_head": tied,
             "qkv_bias": hf["model_type"] == "qwen2", "qk_norm": hf["model_type"] == "qwen3",

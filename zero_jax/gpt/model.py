@@ -62,8 +62,8 @@ class GPTConfig:
     # llama: the context config.json declares (max_position_embeddings), written back on
     # export whatever window seq_len trains at; 0: seq_len
     max_positions: int = 0
-    # llama: Mistral's sliding window, which attends as the whole sequence does up to its
-    # length (the config keeps seq_len within it); written back on export; 0: none
+    # llama: Mistral's and Phi-3's sliding window: each token attends to itself and the
+    # sliding_window - 1 before it (attention.causal); written back on export; 0: none
     sliding_window: int = 0
     attention: str = "auto"  # zero_jax.gpt.attention.IMPLEMENTATIONS
     vocab_multiple: int = 1  # the embedding (and head) padded to a multiple of this
