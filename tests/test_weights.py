@@ -575,7 +575,25 @@ FAMILIES = {  # name: (class, config, torch seed)
     # q, k, v in one tensor, gate and up in another (its pad token inside this vocabulary)
     "phi3": (transformers.Phi3ForCausalLM, transformers.Phi3Config(
         **SMALL_LLAMA, pad_token_id=0, tie_word_embeddings=False), 5),
+    # as Phi-3.5 mini: longrope past an original context of 8 tokens (``longrope_file``)
+    "phi3.5": (transformers.Phi3ForCausalLM, transformers.Phi3Config(
+        **SMALL_LLAMA, pad_token_id=0, tie_word_embeddings=False,
+        original_max_position_embeddings=8, rope_parameters={
+            "rope_type": "longrope", "short_factor": [1.0, 1.25, 1.5, 2.0],
+            "long_factor": [1.0, 3.0, 9.0, 27.0]}), 6),
 }
+
+
+def longrope_file(path: pathlib.Path) -> None:
+    """The config.json that transformers 5 wrote, in the form Phi-3.5 mini's has on the Hub:
+    ``rope_scaling`` of ``type`` longrope with the two lists only, the original context and
+    ``rope_theta`` beside it."""
+    hf = json.loads((path / "config.json").read_text())
+    rope = hf.pop("rope_parameters")
+    hf.update(rope_scaling={"type": "longrope", "short_factor": rope["short_factor"],
+                            "long_factor": rope["long_factor"]}, rope_theta=rope["rope_theta"],
+              original_max_position_embeddings=8)
+    (path / "config.json").write_text(json.dumps(hf))
 
 
 def _family(tmp_path_factory, name: str) -> pathlib.Path:
@@ -588,6 +606,8 @@ def _family(tmp_path_factory, name: str) -> pathlib.Path:
             p.normal_(0, 0.3)
     path = tmp_path_factory.mktemp(name)
     model.save_pretrained(path)
+    if name == "phi3.5":
+        longrope_file(path)
     return path
 
 
@@ -609,27 +629,43 @@ def llama_dir(family_dir) -> pathlib.Path:
     return family_dir("llama")
 
 
-@pytest.mark.parametrize("scaling", [{"rope_type": "linear", "factor": 4.0}, LLAMA3_ROPE])
-def test_rope_frequencies_are_transformers(scaling):
+# Phi-3's "longrope" (as Phi-3.5 mini's config.json: the original context beside the scaling,
+# no factor: the declared context over it) for heads of 64: a factor per rotary pair.
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + i / 64 for i in range(32)],
+            "long_factor": [1.0 + i for i in range(32)]}
+
+
+@pytest.mark.parametrize("scaling, t", [({"rope_type": "linear", "factor": 4.0}, 64),
+                                        (LLAMA3_ROPE, 64), (LONGROPE, 256), (LONGROPE, 257)])
+def test_rope_frequencies_are_transformers(scaling, t):
     """The rotary frequencies of each rope type the demo's Llama reads from a config.json
     (as ``rope_scaling``, transformers 4's form) equal transformers' own (fp32, each within
-    1e-6)."""
+    1e-6), and the factor on cos and sin too: longrope's within its original 256 tokens and
+    past them."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from zero_jax.gpt import llama
 
+    kind = scaling["rope_type"]
+    beside = {"original_max_position_embeddings": 256} if kind == "longrope" else {}
     theirs = transformers.LlamaConfig(hidden_size=128, num_attention_heads=2,
-                                      max_position_embeddings=512,
-                                      rope_scaling=scaling, rope_theta=5e5)
-    want, attention_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](theirs, "cpu")
-    section = llama._rope(pathlib.Path("config.json"), {"rope_theta": 5e5,
-                                                         "rope_scaling": scaling})
-    ours = llama.rope_frequencies(GPTConfig(**section), 64)
+                                      max_position_embeddings=512, rope_theta=5e5,
+                                      rope_scaling={**scaling, **beside})
+    want, attention_factor = ROPE_INIT_FUNCTIONS[kind](theirs, "cpu", seq_len=t)
+    section = llama._rope(pathlib.Path("config.json"), {
+        "rope_theta": 5e5, "rope_scaling": scaling, "max_position_embeddings": 512, **beside}, 64)
+    cfg = GPTConfig(**section)
+    ours = llama.rope_frequencies(cfg, 64, t)
     ratio = np.asarray(ours) / want.numpy()
-    assert attention_factor == 1.0 and np.abs(ratio - 1).max() < 1e-6, ratio
+    assert np.abs(ratio - 1).max() < 1e-6, ratio
+    assert llama.rope_scale(cfg) == pytest.approx(attention_factor, rel=1e-12)
+    assert (attention_factor == 1.0) == (kind != "longrope")  # longrope's: sqrt(1 + ln 2 / ln 256)
     plain = np.asarray(ours) * 5e5 ** (np.arange(0, 64, 2) / 64)
-    # linear scales every frequency, llama3 the low ones and not the highest
-    assert plain.min() < 0.3 and (plain.max() > 0.99) == (scaling["rope_type"] == "llama3")
+    if kind != "longrope":  # linear scales every frequency, llama3 the low ones, not the highest
+        assert plain.min() < 0.3 and (plain.max() > 0.99) == (kind == "llama3")
+    else:  # the short factors within the original context, the long ones past it
+        np.testing.assert_allclose(1 / plain, scaling["long_factor" if t > 256 else
+                                                       "short_factor"], rtol=1e-6)
 
 
 # Llama 3.2 1B's config.json as Meta publishes it on the Hugging Face Hub.
@@ -680,6 +716,9 @@ LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does
                                                       "rope_theta": 10000.0}},
     "attention_bias": {"attention_bias": True},
     "rope_scaling.factor": {"rope_scaling": {"rope_type": "linear", "factor": "eight"}},
+    "rope_scaling.long_factor": {"rope_scaling": {  # 2 factors for heads of 4 rotary pairs
+        "rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.0, 2.0],
+        "original_max_position_embeddings": 8}},
     "sliding_window": {"model_type": "mistral", "sliding_window": "4096"},
     "use_sliding_window": {"model_type": "qwen2", "use_sliding_window": True},
 }
@@ -689,7 +728,8 @@ LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does
 def test_a_llama_asking_for_what_the_model_lacks_is_refused_naming_the_key(
         llama_dir, gpt2, tmp_path, key, capsys):
     """train.py --init-from a Llama whose config.json asks for a rope type other than default,
-    linear and llama3, for attention biases or a scaling factor that is no number, a Mistral or
+    linear, llama3 and longrope, for attention biases or a scaling factor that is no number,
+    longrope factors that are not one per rotary pair, a Mistral or
     Qwen2 with a sliding window: one line naming the key, exit code 2, nothing written."""
     import shutil
 
@@ -713,7 +753,8 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     """Read at stage 3 (x tensor parallel 2) through the Llama mapping (transposes, head
     splits): a Llama untied with plain rotary positions, one as Llama 3.2 (tied head, llama3
     rope scaling), a Mistral, a Qwen2 (q, k, v biases), a Qwen3 (q, k norms, wider heads), a
-    Phi-3 (q, k, v fused in one tensor, gate and up in another): logits within 1e-5 of
+    Phi-3 (q, k, v fused in one tensor, gate and up in another), one as Phi-3.5 mini (longrope,
+    its long factors past the original context, its short ones within): logits within 1e-5 of
     transformers';
     written back through Llama's table as shards with an index and a config.json (a Phi-3 as
     the Llama it computes as, a Mistral
@@ -751,6 +792,13 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
         ours_windowed = logits_of(llama.Llama(dataclasses.replace(cfg, sliding_window=5)),
                                   params)
         assert rel(ours_windowed, windowed) < 1e-5 < 1e-3 < rel(windowed, theirs)
+    if which == "phi3.5":  # longrope's long factors at 16 tokens, its short ones at 8
+        short = TOKENS[:, :8]
+        within = np.asarray(jax.jit(lambda p: model.apply({"params": p}, short))(params))
+        assert rel(within, torch_logits_of(transformers.AutoModelForCausalLM, llama_dir,
+                                           short)) < 1e-5
+        unscaled = logits_of(llama.Llama(dataclasses.replace(cfg, rope_type="default")), params)
+        assert rel(unscaled, theirs) > 1e-3
 
     flat = {zj.plan.path_str(p): np.asarray(v)
             for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
@@ -793,12 +841,12 @@ def test_a_tensor_taken_in_ranges_is_read_once_whole_and_not_exported(family_dir
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["llama", "llama3", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("which", ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3.5"])
 def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, family_dir):
     """train.py --init-from a Llama directory (one made as Llama 3.2 is, a Qwen2, a Qwen3, a
-    Mistral whose sliding window is set to 5 of the 16 tokens): the model section from its
-    config.json, its first loss transformers' on that batch; two SGD steps; the export loads in
-    transformers with zero_jax's logits of the trained checkpoint."""
+    Mistral whose sliding window is set to 5 of the 16 tokens, a Phi-3.5 with longrope): the
+    model section from its config.json, its first loss transformers' on that batch; two SGD
+    steps; the export loads in transformers with zero_jax's logits of the trained checkpoint."""
     from zero_jax.gpt import llama
 
     llama_dir = family_dir(which)

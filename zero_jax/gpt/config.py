@@ -35,7 +35,8 @@ CONFIG_DIR = _shipped()
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     # arch gpt2 (GPT-2's layer norms, learned positions, tied head) or llama (RMSNorm, rotary
-    # positions of base rope_theta scaled as rope_type default, linear or llama3 says, SwiGLU,
+    # positions of base rope_theta scaled as rope_type default, linear, llama3 or longrope
+    # (Phi-3's: a factor per rotary pair, short and long, cos and sin scaled) says, SwiGLU,
     # n_kv_heads key/value heads, 0: n_heads; the head tied to the embedding with tie_head;
     # biases on q, k and v with qkv_bias, as Qwen2; q and k normed with qk_norm, as Qwen3;
     # heads head_dim wide, 0: d_model / n_heads; max_positions the context it declares, which
@@ -44,9 +45,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
               "seq_len": 64, "remat": "auto", "arch": "gpt2", "norm_eps": 1e-5,
               "n_kv_heads": 0, "rope_theta": 10000.0, "rope_type": "default",
               "rope_factor": 1.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
-              "rope_original_max_positions": 0, "tie_head": False, "qkv_bias": False,
-              "qk_norm": False, "head_dim": 0, "max_positions": 0, "sliding_window": 0,
-              "attention": "auto", "vocab_multiple": 128, "scan_unroll": 1},
+              "rope_original_max_positions": 0, "rope_short_factor": [],
+              "rope_long_factor": [], "rope_attention_factor": 0.0, "tie_head": False,
+              "qkv_bias": False, "qk_norm": False, "head_dim": 0, "max_positions": 0,
+              "sliding_window": 0, "attention": "auto", "vocab_multiple": 128, "scan_unroll": 1},
     # frozen_modules: not trained (no gradient, no optimizer state), e.g. ["wpe"].
     # schedule cosine: warmup, then cosine decay to 10% at decay_steps; constant: warmup, then
     # lr (DeepSpeed's WarmupLR, whose default warmup_type is log: min + (lr - min) * log(t + 1)
@@ -208,6 +210,9 @@ def _merge(base: dict, update: dict, where: str = "") -> None:
             base[key] = _check_type(dotted, base[key], value)
 
 
+NUMBER_LISTS = ("model.rope_short_factor", "model.rope_long_factor")
+
+
 def _check_type(key: str, default: Any, value: Any) -> Any:
     if isinstance(default, bool):
         ok = isinstance(value, bool)
@@ -221,12 +226,17 @@ def _check_type(key: str, default: Any, value: Any) -> Any:
                 pass
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
+    elif key in NUMBER_LISTS:
+        ok = isinstance(value, list) and all(isinstance(v, (int, float))
+                                             and not isinstance(v, bool) for v in value)
+        value = [float(v) for v in value] if ok else value
     elif isinstance(default, list):  # lists of names
         ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
     else:
         ok = isinstance(value, type(default))
     if not ok:
-        kind = "list of names" if isinstance(default, list) else type(default).__name__
+        kind = ("list of numbers" if key in NUMBER_LISTS else "list of names"
+                if isinstance(default, list) else type(default).__name__)
         raise ConfigError(f"config key {key} must be {'an' if kind == 'int' else 'a'} {kind}, "
                           f"got {value!r}")
     return value
@@ -359,6 +369,15 @@ def _check_rope(m: dict) -> None:
                           f"model.rope_high_freq_factor and model.rope_original_max_positions "
                           f">= 1 (got {m['rope_low_freq_factor']}, "
                           f"{m['rope_high_freq_factor']}, {m['rope_original_max_positions']})")
+    pairs = (m["head_dim"] or m["d_model"] // m["n_heads"]) // 2
+    if kind == "longrope" and not (m["rope_original_max_positions"] >= 1
+                                   and m["rope_attention_factor"] >= 0 and all(
+                                       len(f) == pairs and min(f) > 0 for f in
+                                       (m["rope_short_factor"], m["rope_long_factor"]))):
+        raise ConfigError(f"rope_type longrope needs model.rope_short_factor and "
+                          f"model.rope_long_factor, {pairs} positive numbers each (one per "
+                          f"rotary pair), model.rope_original_max_positions >= 1 and "
+                          f"model.rope_attention_factor >= 0")
 
 
 def _check_optimizer(config: dict) -> None:

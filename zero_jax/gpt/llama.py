@@ -55,7 +55,7 @@ FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias":
             "qwen2": {"hidden_act": "silu", "use_sliding_window": False},
             "qwen3": {"hidden_act": "silu", "attention_bias": False,
                       "use_sliding_window": False}}
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 # The training window a directory's model starts with, where its declared context is longer
 # (Hugging Face's run_clm picks its block size so): Llama 3.2 declares 131,072 tokens.
 WINDOW = 1024
@@ -72,12 +72,18 @@ def tensor_parallel(c: GPTConfig) -> tuple[Rule, ...]:
     return (*bias, *TENSOR_PARALLEL[:-1], *(() if c.tie_head else TENSOR_PARALLEL[-1:]))
 
 
-def rope_frequencies(c: GPTConfig, dh: int) -> jax.Array:
-    """Each rotary pair's angular frequency, as Hugging Face's rope type computes it:
-    ``linear`` divides every one by ``rope_factor``; ``llama3`` only those whose wavelength is
-    beyond the original context over ``rope_low_freq_factor``, keeps those below it over
-    ``rope_high_freq_factor``, and blends the two between."""
+def rope_frequencies(c: GPTConfig, dh: int, t: int) -> jax.Array:
+    """Each rotary pair's angular frequency at a sequence of ``t`` tokens, as Hugging Face's
+    rope type computes it: ``linear`` divides every one by ``rope_factor``; ``llama3`` only
+    those whose wavelength is beyond the original context over ``rope_low_freq_factor``, keeps
+    those below it over ``rope_high_freq_factor``, and blends the two between; ``longrope``
+    (Phi-3) divides each by its own factor, ``rope_long_factor``'s for sequences longer than
+    the original context, else ``rope_short_factor``'s."""
     inv = 1.0 / c.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh)
+    if c.rope_type == "longrope":
+        long = t > c.rope_original_max_positions
+        return inv / jnp.asarray(c.rope_long_factor if long else c.rope_short_factor,
+                                 jnp.float32)
     if c.rope_type == "linear":
         return inv / c.rope_factor
     if c.rope_type == "llama3":
@@ -91,14 +97,30 @@ def rope_frequencies(c: GPTConfig, dh: int) -> jax.Array:
     return inv
 
 
-def rope(x: jax.Array, inv: jax.Array) -> jax.Array:
+def rope_scale(c: GPTConfig) -> float:
+    """What ``longrope`` multiplies the rotation's cosines and sines by (1 for the other
+    types): ``rope_attention_factor``, or where it is 0, Hugging Face's default from the
+    context's extension ``rope_factor``: sqrt(1 + ln(factor) / ln(original context))."""
+    if c.rope_type != "longrope":
+        return 1.0
+    if c.rope_attention_factor:
+        return c.rope_attention_factor
+    if c.rope_factor <= 1:
+        return 1.0
+    return math.sqrt(1 + math.log(c.rope_factor) / math.log(c.rope_original_max_positions))
+
+
+def rope(x: jax.Array, inv: jax.Array, scale: float = 1.0) -> jax.Array:
     """Rotary positions on ``(batch, seq, heads, head_dim)`` at frequencies ``inv``, halves
-    rotated as HF does."""
+    rotated as HF does, cosines and sines times ``scale`` (``rope_scale``)."""
     t, dh = x.shape[1], x.shape[-1]
     angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv[None]
     angles = jnp.concatenate([angles, angles], -1)[None, :, None]
     half = jnp.concatenate([-x[..., dh // 2:], x[..., :dh // 2]], -1)
-    return (x * jnp.cos(angles) + half * jnp.sin(angles)).astype(x.dtype)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return (x * cos + half * sin).astype(x.dtype)
 
 
 @jax.custom_vjp
@@ -139,13 +161,13 @@ class LlamaBlock(nn.Module):
         dense = lambda features, name, bias=False, **kw: nn.DenseGeneral(
             features, use_bias=bias, name=name, **kw)
         h = nn.RMSNorm(epsilon=c.norm_eps, name="ln1")(x)
-        inv = rope_frequencies(c, dh)
+        inv, scale = rope_frequencies(c, dh, t), rope_scale(c)
         q, k = dense((c.n_heads, dh), "q", c.qkv_bias)(h), dense((c.kv_heads, dh), "k",
                                                                   c.qkv_bias)(h)
         if c.qk_norm:  # over each head's width, the one scale shared by the heads
             q = nn.RMSNorm(epsilon=c.norm_eps, name="q_norm")(q)
             k = nn.RMSNorm(epsilon=c.norm_eps, name="k_norm")(k)
-        q, k = rope(q, inv), rope(k, inv)
+        q, k = rope(q, inv, scale), rope(k, inv, scale)
         v = dense((c.kv_heads, dh), "v", c.qkv_bias)(h)
         # query head i reads kv head i // rep
         att = attention.causal(q, k, v, c.attention, c.sliding_window)
@@ -278,10 +300,10 @@ def read_config(directory: str | os.PathLike) -> dict:
             "arch": "llama", "tie_head": tied,
             "qkv_bias": hf["model_type"] == "qwen2", "qk_norm": hf["model_type"] == "qwen3",
             "head_dim": 0 if head_dim * model["n_heads"] == model["d_model"] else head_dim,
-            **_rope(path, hf)}
+            **_rope(path, hf, head_dim)}
 
 
-def _rope(path: pathlib.Path, hf: dict) -> dict:
+def _rope(path: pathlib.Path, hf: dict, dh: int) -> dict:
     """The rotary positions' keys of the model section, from transformers 5's
     ``rope_parameters`` or the ``rope_theta`` and ``rope_scaling`` of earlier files (Llama 3's
     on the Hub); ``rope_scaling`` wins where a file has both, as in transformers 5."""
@@ -298,7 +320,8 @@ def _rope(path: pathlib.Path, hf: dict) -> dict:
         raise WeightsError(f"{path} has {where}.rope_type {kind!r}; this demo's Llama computes "
                            f"the rope types {', '.join(ROPE_TYPES)}: pass a model with one of "
                            "them")
-    needs = {"default": (), "linear": ("factor",), "llama3": tuple(ROPE_KEYS)}[kind]
+    needs = {"default": (), "linear": ("factor",), "llama3": tuple(ROPE_KEYS),
+             "longrope": ()}[kind]
     if missing := [k for k in needs if k not in rope]:
         raise WeightsError(f"{path} has {where}.rope_type {kind!r} without {missing[0]}: pass "
                            "a complete Llama config.json")
@@ -310,7 +333,37 @@ def _rope(path: pathlib.Path, hf: dict) -> dict:
             raise WeightsError(f"{path} has {at + '.' if at else ''}{theirs} {value!r}, not a "
                                "number: pass a model whose config.json has one there")
         out[ours] = int(value) if ours == "rope_original_max_positions" else float(value)
-    return out
+    return {**out, **_longrope(path, where, rope, hf, dh)} if kind == "longrope" else out
+
+
+def _longrope(path: pathlib.Path, where: str, rope: dict, hf: dict, dh: int) -> dict:
+    """longrope's keys (Phi-3's): its two lists of ``dh / 2`` factors; the original context, in
+    the rope keys or beside them (as Phi-3's files have it); the context's extension
+    ``factor``, else the declared context over the original (as transformers takes it); the
+    attention factor, 0 where the file has none (``rope_scale`` derives it)."""
+    original = rope.get("original_max_position_embeddings",
+                        hf.get("original_max_position_embeddings"))
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise WeightsError(f"{path} has longrope's original_max_position_embeddings "
+                           f"{original!r}, not a number of tokens: pass a model whose "
+                           "config.json has it")
+    out: dict = {"rope_original_max_positions": original}
+    number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+    for theirs in ("short_factor", "long_factor"):
+        got = rope.get(theirs)
+        if not (isinstance(got, list) and len(got) == dh // 2 and all(map(number, got))):
+            raise WeightsError(f"{path} has {where}.{theirs} {str(got)[:40]}, not a list of "
+                               f"{dh // 2} positive numbers (one per rotary pair of its "
+                               f"{dh}-wide heads): pass a model whose config.json has them")
+        out[f"rope_{theirs}"] = [float(x) for x in got]
+    factor = rope.get("factor")
+    factor = hf["max_position_embeddings"] / original if factor is None else factor
+    attention = rope.get("attention_factor")
+    for key, value in (("factor", factor), ("attention_factor", attention or 1.0)):
+        if not number(value):
+            raise WeightsError(f"{path} has {where}.{key} {value!r}, not a positive number: "
+                               "pass a model whose config.json has one there")
+    return {**out, "rope_factor": float(factor), "rope_attention_factor": float(attention or 0)}
 
 
 def write_config(directory: pathlib.Path, model: dict, dtype: str = "float32") -> None:
@@ -329,7 +382,13 @@ def write_config(directory: pathlib.Path, model: dict, dtype: str = "float32") -
           "head_dim": c.dh, "rope_theta": c.rope_theta, "dtype": dtype,
           "max_position_embeddings": c.max_positions or c.seq_len,
           **({"sliding_window": c.sliding_window} if c.sliding_window else {})}
-    if c.rope_type != "default":
+    if c.rope_type == "longrope":
+        hf["rope_scaling"] = {"rope_type": "longrope", "short_factor": list(c.rope_short_factor),
+                              "long_factor": list(c.rope_long_factor), "factor": c.rope_factor,
+                              "original_max_position_embeddings": c.rope_original_max_positions,
+                              **({"attention_factor": c.rope_attention_factor}
+                                 if c.rope_attention_factor else {})}
+    elif c.rope_type != "default":
         keys = ("factor",) if c.rope_type == "linear" else tuple(ROPE_KEYS)
         hf["rope_scaling"] = {"rope_type": c.rope_type,
                               **{k: getattr(c, ROPE_KEYS[k]) for k in keys}}

@@ -55,6 +55,9 @@ class GPTConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 0
+    rope_short_factor: tuple[float, ...] = ()  # longrope (Phi-3): a factor per rotary pair
+    rope_long_factor: tuple[float, ...] = ()  # the same, for sequences past the original
+    rope_attention_factor: float = 0.0  # longrope: cos and sin scaled; 0: from rope_factor
     tie_head: bool = False  # llama: the head is the embedding's transpose (GPT-2's always is)
     qkv_bias: bool = False  # llama: biases on the q, k and v projections (Qwen2)
     qk_norm: bool = False  # llama: an RMSNorm over each head's q and k before rotary (Qwen3)
@@ -68,6 +71,11 @@ class GPTConfig:
     attention: str = "auto"  # zero_jax.gpt.attention.IMPLEMENTATIONS
     vocab_multiple: int = 1  # the embedding (and head) padded to a multiple of this
     scan_unroll: int = 1  # layers per iteration of the layer loop (nn.scan's unroll)
+
+    def __post_init__(self):
+        # a config's lists (YAML, config.json) as tuples: the config is hashed as a module's
+        for key in ("rope_short_factor", "rope_long_factor"):
+            object.__setattr__(self, key, tuple(getattr(self, key)))
 
     @property
     def kv_heads(self) -> int:
