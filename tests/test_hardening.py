@@ -317,8 +317,8 @@ ROWS = [
                               "model.qk_norm=true"], None,
      "model.qkv_bias, model.qk_norm and model.sliding_window together are no Hugging Face "
      "family's decoder"),
-    ("rope type unknown", [*T, "--set", "model.rope_type=yarn"], None,
-     "model.rope_type must be one of default, linear, llama3, longrope (got 'yarn')"),
+    ("rope type unknown", [*T, "--set", "model.rope_type=dynamic"], None,
+     "model.rope_type must be one of default, linear, llama3, longrope, yarn (got 'dynamic')"),
     ("llama3 rope without its context", [*T, "--set", "model.rope_type=llama3"], None,
      "rope_type llama3 needs 0 < model.rope_low_freq_factor < model.rope_high_freq_factor and "
      "model.rope_original_max_positions >= 1 (got 1.0, 4.0, 0)"),
@@ -326,6 +326,8 @@ ROWS = [
                                       "model.rope_type=longrope"], None,
      "rope_type longrope needs model.rope_short_factor and model.rope_long_factor, 16 positive "
      "numbers each (one per rotary pair)"),
+    ("yarn without its context", [*T, "--config", "llama", "--set", "model.rope_type=yarn"],
+     None, "rope_type yarn needs model.rope_original_max_positions >= 1"),
     ("longrope factors not numbers", [*T, "--set", "model.rope_long_factor=[1, a]"], None,
      "config key model.rope_long_factor must be a list of numbers, got [1, 'a']"),
     ("vocab multiple 0", [*T, "--set", "model.vocab_multiple=0"], None,

@@ -581,6 +581,11 @@ FAMILIES = {  # name: (class, config, torch seed)
         original_max_position_embeddings=8, rope_parameters={
             "rope_type": "longrope", "short_factor": [1.0, 1.25, 1.5, 2.0],
             "long_factor": [1.0, 3.0, 9.0, 27.0]}), 6),
+    # as Qwen3's model card extends its context: yarn, 4 times an original 4 tokens
+    "qwen3-yarn": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
+        **SMALL_LLAMA, head_dim=16, tie_word_embeddings=True, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+            "original_max_position_embeddings": 4}), 7),
 }
 
 
@@ -635,13 +640,18 @@ LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + i / 64 for i in rang
             "long_factor": [1.0 + i for i in range(32)]}
 
 
+# yarn as Qwen3's model card enables it (factor 4 over its original context)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+
+
 @pytest.mark.parametrize("scaling, t", [({"rope_type": "linear", "factor": 4.0}, 64),
-                                        (LLAMA3_ROPE, 64), (LONGROPE, 256), (LONGROPE, 257)])
+                                        (LLAMA3_ROPE, 64), (LONGROPE, 256), (LONGROPE, 257),
+                                        (YARN, 64)])
 def test_rope_frequencies_are_transformers(scaling, t):
     """The rotary frequencies of each rope type the demo's Llama reads from a config.json
     (as ``rope_scaling``, transformers 4's form) equal transformers' own (fp32, each within
     1e-6), and the factor on cos and sin too: longrope's within its original 256 tokens and
-    past them."""
+    past them, yarn's."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from zero_jax.gpt import llama
@@ -659,10 +669,11 @@ def test_rope_frequencies_are_transformers(scaling, t):
     ratio = np.asarray(ours) / want.numpy()
     assert np.abs(ratio - 1).max() < 1e-6, ratio
     assert llama.rope_scale(cfg) == pytest.approx(attention_factor, rel=1e-12)
-    assert (attention_factor == 1.0) == (kind != "longrope")  # longrope's: sqrt(1 + ln 2 / ln 256)
+    # longrope's: sqrt(1 + ln 2 / ln 256); yarn's: 0.1 ln 4 + 1
+    assert (attention_factor == 1.0) == (kind not in ("longrope", "yarn"))
     plain = np.asarray(ours) * 5e5 ** (np.arange(0, 64, 2) / 64)
-    if kind != "longrope":  # linear scales every frequency, llama3 the low ones, not the highest
-        assert plain.min() < 0.3 and (plain.max() > 0.99) == (kind == "llama3")
+    if kind != "longrope":  # linear scales every frequency, llama3 and yarn the low ones only
+        assert plain.min() < 0.3 and (plain.max() > 0.99) == (kind != "linear")
     else:  # the short factors within the original context, the long ones past it
         np.testing.assert_allclose(1 / plain, scaling["long_factor" if t > 256 else
                                                        "short_factor"], rtol=1e-6)
@@ -711,7 +722,7 @@ def test_the_shipped_llama_3_2_config_is_llama_3_2_1b(tmp_path, capsys):
 
 
 LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does not compute
-    "rope_scaling.rope_type": {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
+    "rope_scaling.rope_type": {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
     "rope_parameters.rope_type": {"rope_parameters": {"rope_type": "dynamic", "factor": 8.0,
                                                       "rope_theta": 10000.0}},
     "attention_bias": {"attention_bias": True},
@@ -719,6 +730,9 @@ LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does
     "rope_scaling.long_factor": {"rope_scaling": {  # 2 factors for heads of 4 rotary pairs
         "rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.0, 2.0],
         "original_max_position_embeddings": 8}},
+    "rope_scaling.mscale": {"rope_scaling": {  # DeepSeek's yarn
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+        "mscale": 0.707, "mscale_all_dim": 0.707}},
     "sliding_window": {"model_type": "mistral", "sliding_window": "4096"},
     "use_sliding_window": {"model_type": "qwen2", "use_sliding_window": True},
 }
@@ -728,8 +742,8 @@ LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does
 def test_a_llama_asking_for_what_the_model_lacks_is_refused_naming_the_key(
         llama_dir, gpt2, tmp_path, key, capsys):
     """train.py --init-from a Llama whose config.json asks for a rope type other than default,
-    linear, llama3 and longrope, for attention biases or a scaling factor that is no number,
-    longrope factors that are not one per rotary pair, a Mistral or
+    linear, llama3, longrope and yarn, for attention biases or a scaling factor that is no
+    number, longrope factors that are not one per rotary pair, DeepSeek's yarn, a Mistral or
     Qwen2 with a sliding window: one line naming the key, exit code 2, nothing written."""
     import shutil
 
@@ -754,8 +768,8 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     splits): a Llama untied with plain rotary positions, one as Llama 3.2 (tied head, llama3
     rope scaling), a Mistral, a Qwen2 (q, k, v biases), a Qwen3 (q, k norms, wider heads), a
     Phi-3 (q, k, v fused in one tensor, gate and up in another), one as Phi-3.5 mini (longrope,
-    its long factors past the original context, its short ones within): logits within 1e-5 of
-    transformers';
+    its long factors past the original context, its short ones within), a Qwen3 with yarn:
+    logits within 1e-5 of transformers';
     written back through Llama's table as shards with an index and a config.json (a Phi-3 as
     the Llama it computes as, a Mistral
     with its sliding window; the context it declared, whatever the training window); a
@@ -769,9 +783,10 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     llama_dir = family_dir(which)
     theirs = torch_logits_of(transformers.AutoModelForCausalLM, llama_dir)
     section = llama.read_config(llama_dir)
-    assert section["tie_head"] == (which in ("llama3", "qwen2", "qwen3"))
-    assert section["qkv_bias"] == (which == "qwen2")
-    assert section["qk_norm"] == (which == "qwen3") == (section["head_dim"] == 16)
+    family = which.split("-")[0]
+    assert section["tie_head"] == (family in ("llama3", "qwen2", "qwen3"))
+    assert section["qkv_bias"] == (family == "qwen2")
+    assert section["qk_norm"] == (family == "qwen3") == (section["head_dim"] == 16)
     assert section["sliding_window"] == (16 if which == "mistral" else 0)
     cfg = GPTConfig(**section, remat="none", vocab_multiple=128)  # 64 padded to 128
     model = llama.Llama(cfg)
@@ -792,13 +807,14 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
         ours_windowed = logits_of(llama.Llama(dataclasses.replace(cfg, sliding_window=5)),
                                   params)
         assert rel(ours_windowed, windowed) < 1e-5 < 1e-3 < rel(windowed, theirs)
+    if which in ("phi3.5", "qwen3-yarn"):  # the scaling counts
+        unscaled = logits_of(llama.Llama(dataclasses.replace(cfg, rope_type="default")), params)
+        assert rel(unscaled, theirs) > 1e-3
     if which == "phi3.5":  # longrope's long factors at 16 tokens, its short ones at 8
         short = TOKENS[:, :8]
         within = np.asarray(jax.jit(lambda p: model.apply({"params": p}, short))(params))
         assert rel(within, torch_logits_of(transformers.AutoModelForCausalLM, llama_dir,
                                            short)) < 1e-5
-        unscaled = logits_of(llama.Llama(dataclasses.replace(cfg, rope_type="default")), params)
-        assert rel(unscaled, theirs) > 1e-3
 
     flat = {zj.plan.path_str(p): np.asarray(v)
             for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}

@@ -35,8 +35,8 @@ CONFIG_DIR = _shipped()
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     # arch gpt2 (GPT-2's layer norms, learned positions, tied head) or llama (RMSNorm, rotary
-    # positions of base rope_theta scaled as rope_type default, linear, llama3 or longrope
-    # (Phi-3's: a factor per rotary pair, short and long, cos and sin scaled) says, SwiGLU,
+    # positions of base rope_theta scaled as rope_type default, linear, llama3, longrope
+    # (Phi-3's: a factor per rotary pair, short and long, cos and sin scaled) or yarn says, SwiGLU,
     # n_kv_heads key/value heads, 0: n_heads; the head tied to the embedding with tie_head;
     # biases on q, k and v with qkv_bias, as Qwen2; q and k normed with qk_norm, as Qwen3;
     # heads head_dim wide, 0: d_model / n_heads; max_positions the context it declares, which
@@ -378,6 +378,10 @@ def _check_rope(m: dict) -> None:
                           f"model.rope_long_factor, {pairs} positive numbers each (one per "
                           f"rotary pair), model.rope_original_max_positions >= 1 and "
                           f"model.rope_attention_factor >= 0")
+    if kind == "yarn" and not (m["rope_original_max_positions"] >= 1
+                               and m["rope_attention_factor"] >= 0):
+        raise ConfigError("rope_type yarn needs model.rope_original_max_positions >= 1 and "
+                          "model.rope_attention_factor >= 0")
 
 
 def _check_optimizer(config: dict) -> None:

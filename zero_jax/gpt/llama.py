@@ -55,7 +55,10 @@ FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias":
             "qwen2": {"hidden_act": "silu", "use_sliding_window": False},
             "qwen3": {"hidden_act": "silu", "attention_bias": False,
                       "use_sliding_window": False}}
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
+# yarn as the Qwens use it: these of its keys at transformers' defaults (DeepSeek's mscale not)
+YARN_FIXED = {"beta_fast": 32, "beta_slow": 1, "mscale": None, "mscale_all_dim": None,
+              "truncate": True}
 # The training window a directory's model starts with, where its declared context is longer
 # (Hugging Face's run_clm picks its block size so): Llama 3.2 declares 131,072 tokens.
 WINDOW = 1024
@@ -78,8 +81,17 @@ def rope_frequencies(c: GPTConfig, dh: int, t: int) -> jax.Array:
     those whose wavelength is beyond the original context over ``rope_low_freq_factor``, keeps
     those below it over ``rope_high_freq_factor``, and blends the two between; ``longrope``
     (Phi-3) divides each by its own factor, ``rope_long_factor``'s for sequences longer than
-    the original context, else ``rope_short_factor``'s."""
+    the original context, else ``rope_short_factor``'s; ``yarn`` divides those turning less
+    than once in the original context by ``rope_factor``, keeps those turning over 32 times,
+    and ramps between."""
     inv = 1.0 / c.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh)
+    if c.rope_type == "yarn":  # slow pairs divided by the factor, fast ones kept, a ramp between
+        fast, slow = (dh * math.log(c.rope_original_max_positions / (turns * 2 * math.pi))
+                      / (2 * math.log(c.rope_theta)) for turns in (32, 1))
+        low, high = max(math.floor(fast), 0), min(math.ceil(slow), dh - 1)
+        ramp = jnp.clip((jnp.arange(dh // 2, dtype=jnp.float32) - low)
+                        / ((high - low) or 0.001), 0, 1)
+        return inv / c.rope_factor * ramp + inv * (1 - ramp)
     if c.rope_type == "longrope":
         long = t > c.rope_original_max_positions
         return inv / jnp.asarray(c.rope_long_factor if long else c.rope_short_factor,
@@ -98,15 +110,18 @@ def rope_frequencies(c: GPTConfig, dh: int, t: int) -> jax.Array:
 
 
 def rope_scale(c: GPTConfig) -> float:
-    """What ``longrope`` multiplies the rotation's cosines and sines by (1 for the other
-    types): ``rope_attention_factor``, or where it is 0, Hugging Face's default from the
-    context's extension ``rope_factor``: sqrt(1 + ln(factor) / ln(original context))."""
-    if c.rope_type != "longrope":
+    """What ``longrope`` and ``yarn`` multiply the rotation's cosines and sines by (1 for the
+    other types): ``rope_attention_factor``, or where it is 0, Hugging Face's default from the
+    context's extension ``rope_factor``: sqrt(1 + ln(factor) / ln(original context)) and
+    0.1 ln(factor) + 1."""
+    if c.rope_type not in ("longrope", "yarn"):
         return 1.0
     if c.rope_attention_factor:
         return c.rope_attention_factor
     if c.rope_factor <= 1:
         return 1.0
+    if c.rope_type == "yarn":
+        return 0.1 * math.log(c.rope_factor) + 1
     return math.sqrt(1 + math.log(c.rope_factor) / math.log(c.rope_original_max_positions))
 
 
@@ -320,8 +335,8 @@ def _rope(path: pathlib.Path, hf: dict, dh: int) -> dict:
         raise WeightsError(f"{path} has {where}.rope_type {kind!r}; this demo's Llama computes "
                            f"the rope types {', '.join(ROPE_TYPES)}: pass a model with one of "
                            "them")
-    needs = {"default": (), "linear": ("factor",), "llama3": tuple(ROPE_KEYS),
-             "longrope": ()}[kind]
+    needs = {"default": (), "linear": ("factor",), "llama3": tuple(ROPE_KEYS), "longrope": (),
+             "yarn": ()}[kind]
     if missing := [k for k in needs if k not in rope]:
         raise WeightsError(f"{path} has {where}.rope_type {kind!r} without {missing[0]}: pass "
                            "a complete Llama config.json")
@@ -333,29 +348,39 @@ def _rope(path: pathlib.Path, hf: dict, dh: int) -> dict:
             raise WeightsError(f"{path} has {at + '.' if at else ''}{theirs} {value!r}, not a "
                                "number: pass a model whose config.json has one there")
         out[ours] = int(value) if ours == "rope_original_max_positions" else float(value)
-    return {**out, **_longrope(path, where, rope, hf, dh)} if kind == "longrope" else out
+    if kind in ("longrope", "yarn"):
+        out.update(_extended(path, where, rope, hf, dh))
+    return out
 
 
-def _longrope(path: pathlib.Path, where: str, rope: dict, hf: dict, dh: int) -> dict:
-    """longrope's keys (Phi-3's): its two lists of ``dh / 2`` factors; the original context, in
-    the rope keys or beside them (as Phi-3's files have it); the context's extension
-    ``factor``, else the declared context over the original (as transformers takes it); the
-    attention factor, 0 where the file has none (``rope_scale`` derives it)."""
-    original = rope.get("original_max_position_embeddings",
-                        hf.get("original_max_position_embeddings"))
+def _extended(path: pathlib.Path, where: str, rope: dict, hf: dict, dh: int) -> dict:
+    """The keys of longrope (Phi-3's) and yarn (the Qwens' long contexts): the original
+    context, beside the rope keys (where Phi-3's files have it, and where transformers prefers
+    it) or among them, else the declared context; the context's extension ``factor``, else the
+    declared context over the original; the attention factor, 0 where the file has none
+    (``rope_scale`` derives it); longrope's two lists of ``dh / 2`` factors."""
+    kind = rope.get("rope_type", rope.get("type"))
+    default = 4096 if hf.get("model_type") == "phi3" else hf["max_position_embeddings"]
+    original = hf.get("original_max_position_embeddings",
+                      rope.get("original_max_position_embeddings", default))
     if isinstance(original, bool) or not isinstance(original, int) or original < 1:
-        raise WeightsError(f"{path} has longrope's original_max_position_embeddings "
+        raise WeightsError(f"{path} has {kind}'s original_max_position_embeddings "
                            f"{original!r}, not a number of tokens: pass a model whose "
                            "config.json has it")
     out: dict = {"rope_original_max_positions": original}
     number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
-    for theirs in ("short_factor", "long_factor"):
+    for theirs in ("short_factor", "long_factor") if kind == "longrope" else ():
         got = rope.get(theirs)
         if not (isinstance(got, list) and len(got) == dh // 2 and all(map(number, got))):
             raise WeightsError(f"{path} has {where}.{theirs} {str(got)[:40]}, not a list of "
                                f"{dh // 2} positive numbers (one per rotary pair of its "
                                f"{dh}-wide heads): pass a model whose config.json has them")
         out[f"rope_{theirs}"] = [float(x) for x in got]
+    for key, want in YARN_FIXED.items() if kind == "yarn" else ():
+        if rope.get(key) not in (None, want):
+            only = f"{key} {want!r} only" if want is not None else f"no {key}"
+            raise WeightsError(f"{path} has {where}.{key} {rope[key]!r}; this demo's yarn "
+                               f"computes {only}: pass a model with {only}")
     factor = rope.get("factor")
     factor = hf["max_position_embeddings"] / original if factor is None else factor
     attention = rope.get("attention_factor")
@@ -385,6 +410,11 @@ def write_config(directory: pathlib.Path, model: dict, dtype: str = "float32") -
     if c.rope_type == "longrope":
         hf["rope_scaling"] = {"rope_type": "longrope", "short_factor": list(c.rope_short_factor),
                               "long_factor": list(c.rope_long_factor), "factor": c.rope_factor,
+                              "original_max_position_embeddings": c.rope_original_max_positions,
+                              **({"attention_factor": c.rope_attention_factor}
+                                 if c.rope_attention_factor else {})}
+    elif c.rope_type == "yarn":
+        hf["rope_scaling"] = {"rope_type": "yarn", "factor": c.rope_factor,
                               "original_max_position_embeddings": c.rope_original_max_positions,
                               **({"attention_factor": c.rope_attention_factor}
                                  if c.rope_attention_factor else {})}
