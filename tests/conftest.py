@@ -196,3 +196,24 @@ def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(HEAVIEST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
 
+
+
+def figures_follow(r: dict) -> dict:
+    """--plot's figures of report ``r`` (its own stage compiled, as a hierarchical or tensor-
+    parallel run's is): communication as a pair of bars per mesh axes, each the report's
+    collectives over those axes beside ZeRO's theory for them; memory as the stage compiled,
+    its state from the shardings. The communication groups, by axes."""
+    from zero_jax import plot
+
+    _, data = plot.communication(r)
+    groups = {g["axes"]: g for g in data["groups"]}
+    for axes, g in groups.items():
+        assert g["measured_total"] == sum(c["volume"] for c in r["collectives"]
+                                          if c["axes"] == axes)
+        assert g["theory_bytes"] == r["comm_bytes_theory_by_axes"].get(axes, 0)
+    _, data = plot.memory_by_stage(r)
+    (bar,) = data["bars"]
+    parts = ("params", "master", "opt_state")
+    assert bar["stage"] == r["stage"] and data["counts"] == "compiled"
+    assert {k: bar[k] for k in parts} == {k: r["per_device_bytes"][k] for k in parts}
+    return groups

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import KEY, OPTIMIZERS, max_rel, tree_rel
+from conftest import KEY, OPTIMIZERS, figures_follow, max_rel, tree_rel
 from jax.sharding import PartitionSpec as P
 from lm import LAYERS
 
@@ -92,6 +92,9 @@ def test_layouts_collectives_and_report(adamw, small):
         plan.leaves, is_leaf=lambda x: isinstance(x, zj.plan.Leaf)) if leaf.axis is not None)
     assert r["comm_bytes_by_axes"]["replica"] == cut // 4 * (4 + 4)
     assert r["comm_bytes_theory_by_axes"]["replica"] == r["n_params"] // 4 * (4 + 4)
+    groups = figures_follow(r)  # --plot of this report
+    assert {"data", "replica"} <= set(groups), set(groups)
+    assert groups["replica"]["measured_total"] == r["comm_bytes_by_axes"]["replica"]
 
 
 def host_carried_scans(jaxpr) -> list[list]:

@@ -167,3 +167,29 @@ def test_run_steps_queues_the_next_step_before_reading_one(bad_from):
     assert last == (bad_from or 7) and [n for n, _ in saves.seen] == list(range(1, last + 1))
     assert [(n, s) for n, s in saves.seen if s is not None] == \
         [(n, n) for n in (3, 6, 7) if n <= last]
+
+
+def test_tensorboard_of_a_resumed_run_hides_the_steps_trained_again(tmp_path):
+    """A run that wrote steps 1-6 and resumed from its checkpoint at step 4: TensorBoard reads
+    steps 1-4 of the first run and 5-8 of the second, not the first run's 5 and 6 beside the
+    second's (``TensorBoard``'s ``purge_step``); the summary text at the resumed step too."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from zero_jax.loop import TensorBoard
+
+    first = TensorBoard(str(tmp_path))
+    for n in range(1, 7):
+        first(n, None, {}, {"step": n, "loss": 10.0 + n, "eval_loss": 20.0 + n})
+    first.close()
+    resumed = TensorBoard(str(tmp_path), first=4, text="resumed at 4")
+    for n in range(5, 9):
+        resumed(n, None, {}, {"step": n, "loss": 100.0 + n})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0, "scalars": 0})
+    events.Reload()
+    read = {name: [(e.step, e.value) for e in events.Scalars(name)]
+            for name in events.Tags()["scalars"]}
+    assert read["train/loss"] == [(1, 11.0), (2, 12.0), (3, 13.0), (4, 14.0), (5, 105.0),
+                                  (6, 106.0), (7, 107.0), (8, 108.0)]
+    assert read["eval/loss"] == [(1, 21.0), (2, 22.0), (3, 23.0), (4, 24.0)]
+    assert [e.step for e in events.Tensors("report/text_summary")] == [4]

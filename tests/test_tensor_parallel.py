@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import KEY, OPTIMIZERS, equations, max_rel, optax_steps, tree_rel
+from conftest import KEY, OPTIMIZERS, equations, figures_follow, max_rel, optax_steps, tree_rel
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -349,6 +349,8 @@ def test_prefetch_gathers_a_layer_ahead_within_each_tensor_parallel_rank():
     assert ahead[4]["prefetch_bytes"] == 2 * layer
     assert ahead[4]["compiled"]["temp_bytes"] - plain[4]["compiled"]["temp_bytes"] <= 3 * layer
     assert copied_bytes(text, loops) < layer // 2
+    groups = figures_follow(ahead[4])  # --plot of a tensor-parallel report
+    assert {"data", "model"} <= set(groups), set(groups)
 
 
 SMALL_MODELS = [(3, "sgd"), (2, "adamw")]  # stage, optimizer: each a few seconds

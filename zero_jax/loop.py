@@ -281,9 +281,11 @@ class TensorBoard(Hook):
     def __init__(self, directory: str, first: int = 0, text: str | None = None):
         from tensorboardX import SummaryWriter
 
-        # A resumed run hides the old events past its checkpoint (trained again).
+        # A resumed run hides the old events past its checkpoint (trained again). Its file is
+        # named by the step it starts from too: a file's name is the second it was opened in,
+        # and a run resumed within the same second would otherwise write over the first's.
         self.writer = SummaryWriter(directory, purge_step=first + 1 if first else None,
-                                    flush_secs=10)
+                                    flush_secs=10, filename_suffix=f".from-{first:010d}")
         if text:
             self.writer.add_text("report", text, first)
 
