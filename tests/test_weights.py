@@ -897,6 +897,41 @@ def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, famil
     assert rel(theirs, ours) < 1e-5
 
 
+@pytest.mark.slow
+def test_init_from_a_hub_id_reads_it_from_the_hubs_cache(gpt2, tmp_path, family_dir,
+                                                         monkeypatch):
+    """--init-from org/name, no such path here: the snapshot huggingface_hub gives, here from
+    a Hub cache laid out as it lays one out (offline): the first loss of the directory itself.
+    A name neither here nor in the cache: one line, exit code 2, nothing written."""
+    import shutil
+
+    import huggingface_hub.constants as hub
+
+    repo = tmp_path / "hub" / "models--acme--tiny-llama"
+    shutil.copytree(family_dir("llama3"), repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    losses = {}
+    for source in ("acme/tiny-llama", str(family_dir("llama3"))):
+        metrics = tmp_path / f"{len(losses)}.jsonl"
+        run = run_train("--init-from", source, "--steps", "1", "--data", str(gpt2["tokens"]),
+                        "--metrics", str(metrics), "--set", "train.batch_size=8")
+        assert run.returncode == 0, run.stderr
+        losses[source] = json.loads(metrics.read_text())["loss"]
+    assert len(set(losses.values())) == 1, losses
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "absent.jsonl"
+    run = run_train("--init-from", "acme/absent", "--steps", "1", "--data",
+                    str(gpt2["tokens"]), "--checkpoint-dir", str(ckpt), "--metrics", str(metrics))
+    err = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(err) == 1, err
+    assert err[0].startswith("error: --init-from acme/absent is no directory here, and the "
+                             "Hugging Face Hub did not give it"), err
+    assert not ckpt.exists() and not metrics.exists()
+
+
 TEXTS = {"a.txt": "the quick brown fox jumps over the lazy dog. " * 20,
          "b.txt": "pack my box with five dozen liquor jugs! " * 20}
 

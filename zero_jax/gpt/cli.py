@@ -91,7 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--report", help="write the memory/communication report as JSON here")
     p.add_argument("--init-from", metavar="DIR", help="start from a Hugging Face GPT-2, Llama, "
                    "Mistral, Qwen2, Qwen3 or Phi-3 directory's weights (config.json, safetensors; "
-                   "docs/guides/weights.md)")
+                   "docs/guides/weights.md), or a Hub model id (org/name) downloaded into the "
+                   "Hub's cache (zero_jax[hf])")
     p.add_argument("--dry-run", action="store_true",
                    help="compile the step on abstract arrays, print the report, train nothing")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -362,6 +363,7 @@ def load_config(args: argparse.Namespace) -> dict:
     if args.init_from:  # the model section from config.json, before --set
         from zero_jax.gpt import hf
 
+        args.init_from = hub_directory(args.init_from, configs.ConfigError)
         overrides = hf.config_overrides(args.init_from) + overrides
         window_notice(args, hf.read_config(args.init_from))
     for flag, key in [("stage", "zero.stage"), ("steps", "train.steps"),
@@ -384,6 +386,32 @@ def load_config(args: argparse.Namespace) -> dict:
         print("\n".join(lines), flush=True)
         overrides = mapped + overrides
     return configs.load(args.config, overrides)
+
+
+# A Hugging Face Hub model id, org/name (a path that does not exist here)
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def hub_directory(source: str, error: type[Exception]) -> str:
+    """--init-from's directory: ``source`` itself, or for a Hub model id where no such path
+    exists, the snapshot ``huggingface_hub`` downloads into its cache (config, safetensors and
+    tokenizer files only; fetched once, then read from the cache; ``HF_HUB_OFFLINE=1``: the
+    cache alone). ``error``: raised with one line where it cannot."""
+    if os.path.exists(source) or not HUB_ID.fullmatch(source):
+        return source
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise error(f"--init-from {source} is no directory here; reading it from the Hugging "
+                    "Face Hub needs huggingface_hub: pip install 'zero_jax[hf]'") from None
+    try:
+        return snapshot_download(source, allow_patterns=["*.json", "*.safetensors",
+                                                         "tokenizer.model"])
+    except Exception as e:  # the Hub's errors: not found, gated, offline, network
+        why = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:200]
+        raise error(f"--init-from {source} is no directory here, and the Hugging Face Hub did "
+                    f"not give it ({type(e).__name__}: {why}): pass a local directory, or a "
+                    "model id the Hub has (a gated one after huggingface-cli login)") from None
 
 
 def window_notice(args: argparse.Namespace, model: dict) -> None:
