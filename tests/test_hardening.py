@@ -326,6 +326,10 @@ ROWS = [
                                       "model.rope_type=longrope"], None,
      "rope_type longrope needs model.rope_short_factor and model.rope_long_factor, 16 positive "
      "numbers each (one per rotary pair)"),
+    ("partial rotary odd", [*T, "--config", "llama", "--set", "model.partial_rotary_factor=0.3"],
+     None, "model.partial_rotary_factor 0.3 must rotate an even part of each 32-wide head"),
+    ("partial rotary of gpt2", [*T, "--set", "model.partial_rotary_factor=0.5"], None,
+     "model.partial_rotary_factor below 1 is Phi-3's"),
     ("yarn without its context", [*T, "--config", "llama", "--set", "model.rope_type=yarn"],
      None, "rope_type yarn needs model.rope_original_max_positions >= 1"),
     ("longrope factors not numbers", [*T, "--set", "model.rope_long_factor=[1, a]"], None,

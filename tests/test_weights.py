@@ -581,6 +581,12 @@ FAMILIES = {  # name: (class, config, torch seed)
         original_max_position_embeddings=8, rope_parameters={
             "rope_type": "longrope", "short_factor": [1.0, 1.25, 1.5, 2.0],
             "long_factor": [1.0, 3.0, 9.0, 27.0]}), 6),
+    # as Phi-4-mini: half of each head rotated (its 0.75 of 128 here 0.5 of 8), longrope, tied
+    "phi4-mini": (transformers.Phi3ForCausalLM, transformers.Phi3Config(
+        **SMALL_LLAMA, pad_token_id=0, tie_word_embeddings=True, partial_rotary_factor=0.5,
+        original_max_position_embeddings=8, rope_parameters={
+            "rope_type": "longrope", "short_factor": [1.0, 1.5], "long_factor": [2.0, 8.0]}),
+        8),
     # as Qwen3's model card extends its context: yarn, 4 times an original 4 tokens
     "qwen3-yarn": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         **SMALL_LLAMA, head_dim=16, tie_word_embeddings=True, rope_parameters={
@@ -597,7 +603,8 @@ def longrope_file(path: pathlib.Path) -> None:
     rope = hf.pop("rope_parameters")
     hf.update(rope_scaling={"type": "longrope", "short_factor": rope["short_factor"],
                             "long_factor": rope["long_factor"]}, rope_theta=rope["rope_theta"],
-              original_max_position_embeddings=8)
+              original_max_position_embeddings=8,
+              partial_rotary_factor=rope.get("partial_rotary_factor", 1.0))
     (path / "config.json").write_text(json.dumps(hf))
 
 
@@ -611,7 +618,7 @@ def _family(tmp_path_factory, name: str) -> pathlib.Path:
             p.normal_(0, 0.3)
     path = tmp_path_factory.mktemp(name)
     model.save_pretrained(path)
-    if name == "phi3.5":
+    if name in ("phi3.5", "phi4-mini"):
         longrope_file(path)
     return path
 
@@ -777,14 +784,13 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     computes it),
     transformers loads it with the same logits."""
     from zero_jax.gpt import llama
-    from zero_jax.tensorfiles import write_set
-    from zero_jax.weights import export_arrays, export_specs
 
     llama_dir = family_dir(which)
     theirs = torch_logits_of(transformers.AutoModelForCausalLM, llama_dir)
     section = llama.read_config(llama_dir)
     family = which.split("-")[0]
-    assert section["tie_head"] == (family in ("llama3", "qwen2", "qwen3"))
+    assert section["tie_head"] == (family in ("llama3", "qwen2", "qwen3", "phi4"))
+    assert section["partial_rotary_factor"] == (0.5 if family == "phi4" else 1.0)
     assert section["qkv_bias"] == (family == "qwen2")
     assert section["qk_norm"] == (family == "qwen3") == (section["head_dim"] == 16)
     assert section["sliding_window"] == (16 if which == "mistral" else 0)
@@ -807,7 +813,7 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
         ours_windowed = logits_of(llama.Llama(dataclasses.replace(cfg, sliding_window=5)),
                                   params)
         assert rel(ours_windowed, windowed) < 1e-5 < 1e-3 < rel(windowed, theirs)
-    if which in ("phi3.5", "qwen3-yarn"):  # the scaling counts
+    if which in ("phi3.5", "phi4-mini", "qwen3-yarn"):  # the scaling counts
         unscaled = logits_of(llama.Llama(dataclasses.replace(cfg, rope_type="default")), params)
         assert rel(unscaled, theirs) > 1e-3
     if which == "phi3.5":  # longrope's long factors at 16 tokens, its short ones at 8
@@ -816,23 +822,22 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
         assert rel(within, torch_logits_of(transformers.AutoModelForCausalLM, llama_dir,
                                            short)) < 1e-5
 
-    flat = {zj.plan.path_str(p): np.asarray(v)
-            for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
-    specs = export_specs(llama.mapping(cfg), {p: v.shape for p, v in flat.items()}, np.float32)
-    out = tmp_path / "out"
-    out.mkdir()
-    write_set(out, [s for s, *_ in specs], export_arrays(llama.mapping(cfg), specs,
-                                                         flat.__getitem__), 20_000)
+    out = tmp_path / "out"  # straight from the shards (Phi-4-mini's as Phi-3's fused tensors)
+    zj.save_safetensors(params, out, hf.mapping(section), np.float32, 20_000)
     # as trained at a shorter window: the context config.json declared is written back
     llama.write_config(out, {**section, "seq_len": 8})
     assert (out / "model.safetensors.index.json").exists() and llama.read_config(out) == section
     assert rel(torch_logits_of(transformers.AutoModelForCausalLM, out), ours) < 1e-5
 
 
-def test_a_tensor_taken_in_ranges_is_read_once_whole_and_not_exported(family_dir):
+def test_a_tensor_taken_in_ranges_is_read_once_whole_and_written_back_whole(family_dir,
+                                                                             tmp_path):
     """Phi-3's fused tensors are taken in ranges that must tile them (an overlap or a gap is
-    refused, naming the tensor); an export writes whole tensors only, so such a mapping is
-    refused there in one line (a Phi-3 goes back out through Llama's table)."""
+    refused, naming the tensor); saved through the same mapping, each parameter is written into
+    its range of the fused tensor: every tensor of the file, bit for bit (fp32), from the
+    parameters' shards at stage 3."""
+    import safetensors.numpy
+
     from zero_jax.gpt import llama
 
     phi3 = family_dir("phi3")
@@ -849,21 +854,30 @@ def test_a_tensor_taken_in_ranges_is_read_once_whole_and_not_exported(family_dir
         with pytest.raises(WeightsError, match=r"model\.layers\.0\.\S+ in .* is taken in "
                                                 "ranges .* do not cover its shape"):
             check(plan, TensorFiles(phi3), dataclasses.replace(mapping, tensors=rows))
-    flat = {zj.plan.path_str(p): v.shape for p, v in jax.tree_util.tree_flatten_with_path(
-        shapes)[0]}
-    with pytest.raises(WeightsError, match="takes a range of its tensor, which an export does "
-                                           "not write back"):
-        export_specs(mapping, flat, np.float32)
+        flat = {zj.plan.path_str(p): v.shape for p, v in jax.tree_util.tree_flatten_with_path(
+            shapes)[0]}
+        with pytest.raises(WeightsError, match=r"model\.layers\.0\.\S+ in the export is "
+                                                "taken in ranges"):
+            export_specs(dataclasses.replace(mapping, tensors=rows), flat, np.float32)
+    params = load_params(plan, phi3, mapping)
+    zj.save_safetensors(params, tmp_path / "out", mapping)
+    want = safetensors.numpy.load_file(str(phi3 / "model.safetensors"))
+    got = safetensors.numpy.load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(got) == set(want) - ({"lm_head.weight"} if cfg.tie_head else set())
+    assert any(".qkv_proj." in n for n in got) and any(".gate_up_proj." in n for n in got)
+    for name, x in got.items():
+        np.testing.assert_array_equal(x, want[name], err_msg=name)
 
 
 @pytest.mark.slow
 # (the plain Llama's untied head and rotary positions are the Mistral's, trained here too)
-@pytest.mark.parametrize("which", ["llama3", "qwen2", "qwen3", "mistral", "phi3.5"])
+@pytest.mark.parametrize("which", ["llama3", "qwen2", "qwen3", "mistral", "phi4-mini"])
 def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, family_dir):
     """train.py --init-from a Llama directory (one made as Llama 3.2 is, a Qwen2, a Qwen3, a
-    Mistral whose sliding window is set to 5 of the 16 tokens, a Phi-3.5 with longrope): the
-    model section from its config.json, its first loss transformers' on that batch; two SGD
-    steps; the export loads in transformers with zero_jax's logits of the trained checkpoint."""
+    Mistral whose sliding window is set to 5 of the 16 tokens, one as Phi-4-mini: longrope,
+    heads rotated in half, written back as Phi-3's fused tensors): the model section from its
+    config.json, its first loss transformers' on that batch; two SGD steps; the export loads in
+    transformers with zero_jax's logits of the trained checkpoint."""
     from zero_jax.gpt import llama
 
     llama_dir = family_dir(which)

@@ -44,24 +44,28 @@ class Layout:
     def __init__(self, mapping: Mapping, shapes: dict[str, tuple[int, ...]], dtype: Any,
                  max_shard_bytes: int | None = None, metadata: dict[str, str] | None = None):
         specs = export_specs(mapping, shapes, dtype)
-        names = [s.name for s, *_ in specs]
-        if len(set(names)) < len(names):
-            twice = next(n for n in names if names.count(n) > 1)
-            raise WeightsError(f"the mapping writes tensor {twice} twice: give each row its "
-                               "own name")
         self.shapes, self.rows = shapes, {t.path: t for t in mapping.tensors}
-        self.groups = plan_files([s for s, *_ in specs], max_shard_bytes)
+        tensors: dict[str, Spec] = {}  # each once: rows that take ranges share their tensor
+        for spec, path, *_ in specs:
+            if spec.name in tensors and self.rows[path].take is None:
+                raise WeightsError(f"the mapping writes tensor {spec.name} twice: give each "
+                                   "row its own name")
+            tensors.setdefault(spec.name, spec)
+        self.groups = plan_files(list(tensors.values()), max_shard_bytes)
         self.names = shard_names(len(self.groups))
         self.headers = [header(g, metadata) for g in self.groups]
-        where, k = {}, 0
+        at = {}
         for file, group in enumerate(self.groups):
             offset = len(self.headers[file])
             for spec in group:
-                _, path, layer, part = specs[k]
-                where[path, layer, part] = _Place(file, offset, spec,
-                                                  _strides(self.rows[path], spec.shape))
-                offset, k = offset + spec.nbytes, k + 1
-        self.where: dict[tuple, _Place] = where
+                at[spec.name], offset = (file, offset), offset + spec.nbytes
+        self.where: dict[tuple, _Place] = {}
+        for spec, path, layer, part in specs:
+            row, (file, offset) = self.rows[path], at[spec.name]
+            if row.take is not None:  # its range of the tensor, whose rows it cuts
+                axis, start, _ = row.take
+                offset += start * math.prod(spec.shape[axis + 1:]) * spec.dtype.itemsize
+            self.where[path, layer, part] = _Place(file, offset, spec, _strides(row, spec.shape))
 
     def create(self, directory: pathlib.Path) -> list[pathlib.Path]:
         """Each file with its header, sized to hold every tensor; the index of several."""

@@ -16,7 +16,7 @@ import math
 import os
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -43,7 +43,8 @@ class Tensor:
     longer there, its rest read as zeros and left out on export (a vocabulary padded to a
     multiple of 128 for its GEMMs). ``take`` ``(axis, start, stop)``: the parameter is that
     range of the tensor's axis, before anything else (one tensor holding several parameters,
-    as Phi-3's ``qkv_proj``); such rows read only, export writes whole tensors.
+    as Phi-3's ``qkv_proj``); the rows that share such a tensor must tile it, and an export
+    writes each parameter into its range.
     """
 
     name: str | tuple[str, ...]
@@ -309,12 +310,10 @@ def export_specs(mapping: Mapping, shapes: dict[str, tuple[int, ...]], dtype
                  ) -> list[tuple[Spec, str, int | None, int | None]]:
     """The tensors the mapping writes for parameters of ``shapes`` (by path), in parameter
     order: ``(spec, path, layer, part)``; a checkpoint tensor's shape is the parameter's
-    (per layer, per part) with the split merged and the transpose undone."""
+    (per layer, per part) with the split merged and the transpose undone. A tensor that rows
+    take ranges of is the spec of each of them (the whole tensor's shape), their ranges
+    checked to tile it."""
     rows = mapping.rows(list(shapes))
-    if taken := [t for t in rows.values() if t.take is not None]:
-        raise WeightsError(f"Tensor({taken[0].name!r}) takes a range of its tensor, which an "
-                           "export does not write back: export with a mapping whose rows each "
-                           "write whole tensors")
     out = []
     for path, shape in shapes.items():
         row = rows[path]
@@ -334,13 +333,45 @@ def export_specs(mapping: Mapping, shapes: dict[str, tuple[int, ...]], dtype
             for part, name in enumerate(names):
                 out.append((Spec(mapping.prefix + name, np.dtype(dtype), per), path,
                             layer if row.stacked else None, part if row.fused else None))
-    return out
+    return _whole_taken(out, rows)
+
+
+class _Exported(NamedTuple):
+    """A tensor an export writes, as ``_check_taken`` names one."""
+    shape: tuple[int, ...]
+    file: str = "the export"
+
+
+def _whole_taken(specs: list, rows: dict[str, Tensor]) -> list:
+    """``export_specs``' rows that take ranges of one tensor, each given the whole tensor's
+    spec: its shape theirs with the taken axis as long as their ranges, which must tile it."""
+    taken: dict[str, list] = {}
+    for spec, path, *_ in specs:
+        if rows[path].take is not None:
+            taken.setdefault(spec.name, []).append((rows[path].take, spec.shape))
+    whole = {}
+    for name, parts in taken.items():
+        (axis, *_), shape = parts[0]
+        full = shape[:axis] + (max(t[2] for t, _ in parts),) + shape[axis + 1:]
+        _check_taken(name, _Exported(full), [t for t, _ in parts])
+        if any(s[:axis] + s[axis + 1:] != shape[:axis] + shape[axis + 1:] or t[2] - t[1]
+               != s[axis] for t, s in parts):
+            raise WeightsError(f"the rows that take ranges of tensor {name} give it parts of "
+                               f"shapes {[s for _, s in parts]}, which do not fit together: "
+                               "fix the mapping's take")
+        whole[name] = full
+    return [(Spec(s.name, s.dtype, whole[s.name]), *rest) if s.name in whole else (s, *rest)
+            for s, *rest in specs]
 
 
 def export_arrays(mapping: Mapping, specs: list, leaf: Any) -> Iterator[np.ndarray]:
     """Each tensor of ``specs`` (``export_specs``), cut from its parameter: ``leaf(path)``
     reads a parameter whole; it is called once per parameter, in order, and only one is held."""
     rows = {t.path: t for t in mapping.tensors}
+    if taken := [t for t in rows.values() if t.take is not None]:
+        raise WeightsError(f"Tensor({taken[0].name!r}) takes a range of its tensor, which "
+                           "export_arrays does not write: save with save_safetensors, which "
+                           "writes each range in place")
     current = value = x = None
     for spec, path, layer, part in specs:
         if path != current:

@@ -46,7 +46,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
               "n_kv_heads": 0, "rope_theta": 10000.0, "rope_type": "default",
               "rope_factor": 1.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
               "rope_original_max_positions": 0, "rope_short_factor": [],
-              "rope_long_factor": [], "rope_attention_factor": 0.0, "tie_head": False,
+              "rope_long_factor": [], "rope_attention_factor": 0.0,
+              "partial_rotary_factor": 1.0, "tie_head": False,
               "qkv_bias": False, "qk_norm": False, "head_dim": 0, "max_positions": 0,
               "sliding_window": 0, "attention": "auto", "vocab_multiple": 128, "scan_unroll": 1},
     # frozen_modules: not trained (no gradient, no optimizer state), e.g. ["wpe"].
@@ -369,7 +370,16 @@ def _check_rope(m: dict) -> None:
                           f"model.rope_high_freq_factor and model.rope_original_max_positions "
                           f">= 1 (got {m['rope_low_freq_factor']}, "
                           f"{m['rope_high_freq_factor']}, {m['rope_original_max_positions']})")
-    pairs = (m["head_dim"] or m["d_model"] // m["n_heads"]) // 2
+    dh = m["head_dim"] or m["d_model"] // m["n_heads"]
+    rotary = int(dh * m["partial_rotary_factor"])
+    if not (0 < m["partial_rotary_factor"] <= 1 and rotary >= 2 and rotary % 2 == 0):
+        raise ConfigError(f"model.partial_rotary_factor {m['partial_rotary_factor']} must rotate "
+                          f"an even part of each {dh}-wide head: a share in (0, 1] of it")
+    if m["partial_rotary_factor"] < 1 and (m["arch"] != "llama" or m["qkv_bias"]
+                                           or m["qk_norm"]):
+        raise ConfigError("model.partial_rotary_factor below 1 is Phi-3's (the llama arch, "
+                          "without qkv_bias or qk_norm): set it to 1")
+    pairs = rotary // 2
     if kind == "longrope" and not (m["rope_original_max_positions"] >= 1
                                    and m["rope_attention_factor"] >= 0 and all(
                                        len(f) == pairs and min(f) > 0 for f in

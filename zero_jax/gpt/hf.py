@@ -105,7 +105,8 @@ def mapping(model: dict, prefix: str = "transformer.") -> Mapping:
     if model.get("arch", "gpt2") == "llama":
         from zero_jax.gpt import llama
 
-        return llama.mapping(GPTConfig(**model))
+        c = GPTConfig(**model)  # heads rotated in part are Phi-3's, written as its tensors
+        return llama.phi3_mapping(c) if c.rotary_dim < c.dh else llama.mapping(c)
     return gpt2_mapping(model, prefix)
 
 

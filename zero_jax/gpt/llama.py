@@ -46,12 +46,12 @@ TENSOR_PARALLEL = (
 # this model to compute it (anything else is refused): the Qwens without their sliding
 # windows; Qwen2 with biases on q, k and v (``qkv_bias``), Qwen3 with q and k normed
 # (``qk_norm``); Mistral and Phi-3 with a window or none (``sliding_window``), Phi-3 with
-# its q, k, v and its gate and up projections fused in two tensors, without
-# dropout and rotating whole heads.
+# its q, k, v and its gate and up projections fused in two tensors, without dropout, rotating
+# whole heads or a share of each (``partial_rotary_factor``, Phi-4-mini's).
 FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
             "mistral": {"hidden_act": "silu"},
             "phi3": {"hidden_act": "silu", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-                     "attention_dropout": 0.0, "partial_rotary_factor": 1.0},
+                     "attention_dropout": 0.0},
             "qwen2": {"hidden_act": "silu", "use_sliding_window": False},
             "qwen3": {"hidden_act": "silu", "attention_bias": False,
                       "use_sliding_window": False}}
@@ -76,8 +76,9 @@ def tensor_parallel(c: GPTConfig) -> tuple[Rule, ...]:
 
 
 def rope_frequencies(c: GPTConfig, dh: int, t: int) -> jax.Array:
-    """Each rotary pair's angular frequency at a sequence of ``t`` tokens, as Hugging Face's
-    rope type computes it: ``linear`` divides every one by ``rope_factor``; ``llama3`` only
+    """Each rotary pair's angular frequency at a sequence of ``t`` tokens, for heads whose
+    first ``dh`` are rotated (``GPTConfig.rotary_dim``), as Hugging Face's rope type computes
+    it: ``linear`` divides every one by ``rope_factor``; ``llama3`` only
     those whose wavelength is beyond the original context over ``rope_low_freq_factor``, keeps
     those below it over ``rope_high_freq_factor``, and blends the two between; ``longrope``
     (Phi-3) divides each by its own factor, ``rope_long_factor``'s for sequences longer than
@@ -127,7 +128,11 @@ def rope_scale(c: GPTConfig) -> float:
 
 def rope(x: jax.Array, inv: jax.Array, scale: float = 1.0) -> jax.Array:
     """Rotary positions on ``(batch, seq, heads, head_dim)`` at frequencies ``inv``, halves
-    rotated as HF does, cosines and sines times ``scale`` (``rope_scale``)."""
+    rotated as HF does, cosines and sines times ``scale`` (``rope_scale``); only the first
+    ``2 len(inv)`` of each head where that is less than its width (partial rotary)."""
+    if 2 * inv.shape[0] < x.shape[-1]:
+        rotated = rope(x[..., :2 * inv.shape[0]], inv, scale)
+        return jnp.concatenate([rotated, x[..., 2 * inv.shape[0]:]], -1)
     t, dh = x.shape[1], x.shape[-1]
     angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv[None]
     angles = jnp.concatenate([angles, angles], -1)[None, :, None]
@@ -176,7 +181,7 @@ class LlamaBlock(nn.Module):
         dense = lambda features, name, bias=False, **kw: nn.DenseGeneral(
             features, use_bias=bias, name=name, **kw)
         h = nn.RMSNorm(epsilon=c.norm_eps, name="ln1")(x)
-        inv, scale = rope_frequencies(c, dh, t), rope_scale(c)
+        inv, scale = rope_frequencies(c, c.rotary_dim, t), rope_scale(c)
         q, k = dense((c.n_heads, dh), "q", c.qkv_bias)(h), dense((c.kv_heads, dh), "k",
                                                                   c.qkv_bias)(h)
         if c.qk_norm:  # over each head's width, the one scale shared by the heads
@@ -260,7 +265,8 @@ def mapping(c: GPTConfig) -> Mapping:
 def phi3_mapping(c: GPTConfig) -> Mapping:
     """Hugging Face's ``Phi3ForCausalLM`` tensors: Llama's, but for q, k and v in one
     ``qkv_proj`` and the gate and up projections in one ``gate_up_proj``, each parameter
-    taking its rows. Read only: a trained Phi-3 is written back as the Llama it computes as."""
+    taking its rows (and an export writing it there). A trained Phi-3 is written back as the
+    Llama it computes as, unless its heads rotate in part (``write_config``)."""
     h = "model.layers.{layer}."
     fused = {"q": (0, c.n_heads), "k": (c.n_heads, c.kv_heads),
              "v": (c.n_heads + c.kv_heads, c.kv_heads)}
@@ -302,6 +308,7 @@ def read_config(directory: str | os.PathLike) -> dict:
     except KeyError as e:
         raise WeightsError(f"{path} has no {e.args[0]}: pass a Llama config.json") from None
     head_dim = hf.get("head_dim") or model["d_model"] // model["n_heads"]
+    partial = _partial_rotary(path, hf, head_dim)
     if not isinstance(tied := hf.get("tie_word_embeddings", False), bool):
         raise WeightsError(f"{path} has tie_word_embeddings {tied!r}, not true or false: pass a "
                            "model whose config.json has one of them")
@@ -315,7 +322,22 @@ def read_config(directory: str | os.PathLike) -> dict:
             "arch": "llama", "tie_head": tied,
             "qkv_bias": hf["model_type"] == "qwen2", "qk_norm": hf["model_type"] == "qwen3",
             "head_dim": 0 if head_dim * model["n_heads"] == model["d_model"] else head_dim,
-            **_rope(path, hf, head_dim)}
+            "partial_rotary_factor": partial, **_rope(path, hf, int(head_dim * partial))}
+
+
+def _partial_rotary(path: pathlib.Path, hf: dict, dh: int) -> float:
+    """The share of each head a Phi-3 rotates (Phi-4-mini: 0.75), beside the rope keys or among
+    them; 1 for the other families, whose transformers classes rotate whole heads."""
+    if hf["model_type"] != "phi3":
+        return 1.0
+    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    factor = hf.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    if (isinstance(factor, bool) or not isinstance(factor, (int, float))
+            or not 0 < factor <= 1 or int(dh * factor) % 2 or int(dh * factor) < 2):
+        raise WeightsError(f"{path} has partial_rotary_factor {factor!r}, not a share of its "
+                           f"{dh}-wide heads that rotates pairs: pass a model whose "
+                           "config.json has one")
+    return float(factor)
 
 
 def _rope(path: pathlib.Path, hf: dict, dh: int) -> dict:
@@ -392,21 +414,28 @@ def _extended(path: pathlib.Path, where: str, rope: dict, hf: dict, dh: int) -> 
 
 
 def write_config(directory: pathlib.Path, model: dict, dtype: str = "float32") -> None:
-    """A config.json for the demo's ``model`` section, as transformers reads it: Qwen2's with
-    ``qkv_bias``, Qwen3's with ``qk_norm``, Mistral's with ``sliding_window``, else Llama's (a
-    Mistral without its window computes as one); the rope scaling in the ``rope_scaling`` form
+    """A config.json for the demo's ``model`` section, as transformers reads it: Phi-3's where
+    heads rotate in part (``partial_rotary_factor``, which only its class computes; its
+    tensors then ``phi3_mapping``'s), Qwen2's with ``qkv_bias``, Qwen3's with ``qk_norm``,
+    Mistral's with ``sliding_window``, else Llama's (a Mistral without its window computes as
+    one); the rope scaling in the ``rope_scaling`` form
     Llama 3's files use, which transformers 4 and 5 both read."""
     c = GPTConfig(**model)
-    family = ("qwen2" if c.qkv_bias else "qwen3" if c.qk_norm else
-              "mistral" if c.sliding_window else "llama")
+    family = ("phi3" if c.rotary_dim < c.dh else "qwen2" if c.qkv_bias else "qwen3"
+              if c.qk_norm else "mistral" if c.sliding_window else "llama")
     architecture = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                    "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM"}[family]
+                    "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
+                    "phi3": "Phi3ForCausalLM"}[family]
     hf = {"architectures": [architecture], "model_type": family,
           **{theirs: getattr(c, ours) for theirs, ours in HF_KEYS.items()}, **FAMILIES[family],
           "tie_word_embeddings": c.tie_head, "num_key_value_heads": c.kv_heads,
           "head_dim": c.dh, "rope_theta": c.rope_theta, "dtype": dtype,
           "max_position_embeddings": c.max_positions or c.seq_len,
           **({"sliding_window": c.sliding_window} if c.sliding_window else {})}
+    if family == "phi3":  # its original context beside the rope keys, where Phi3Config reads it
+        hf.update(partial_rotary_factor=c.partial_rotary_factor, pad_token_id=None,
+                  original_max_position_embeddings=c.rope_original_max_positions
+                  or c.max_positions or c.seq_len)
     if c.rope_type == "longrope":
         hf["rope_scaling"] = {"rope_type": "longrope", "short_factor": list(c.rope_short_factor),
                               "long_factor": list(c.rope_long_factor), "factor": c.rope_factor,

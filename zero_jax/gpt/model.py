@@ -58,6 +58,7 @@ class GPTConfig:
     rope_short_factor: tuple[float, ...] = ()  # longrope (Phi-3): a factor per rotary pair
     rope_long_factor: tuple[float, ...] = ()  # the same, for sequences past the original
     rope_attention_factor: float = 0.0  # longrope: cos and sin scaled; 0: from rope_factor
+    partial_rotary_factor: float = 1.0  # llama: the share of each head rotated (Phi-4-mini's)
     tie_head: bool = False  # llama: the head is the embedding's transpose (GPT-2's always is)
     qkv_bias: bool = False  # llama: biases on the q, k and v projections (Qwen2)
     qk_norm: bool = False  # llama: an RMSNorm over each head's q and k before rotary (Qwen3)
@@ -85,6 +86,12 @@ class GPTConfig:
     def dh(self) -> int:
         """Each attention head's width."""
         return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """The width of each head's first part that rotary positions rotate (the rest passes
+        through), as Hugging Face rounds it."""
+        return int(self.dh * self.partial_rotary_factor)
 
     @property
     def padded_vocab(self) -> int:
