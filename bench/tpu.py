@@ -15,10 +15,12 @@ compiled; per run:
   state (the report's ``per_device_bytes`` of parameters, master copy and optimizer state: the
   shards' sizes) and their ratio;
 * temp: the program's temporary bytes per chip (``memory_analysis()``);
+* communication: the bytes each chip moves per step (``zero_jax.hlo``, which reads libtpu's
+  loop trip counts from their conditions and its collective fusions), beside ZeRO's theory;
 * collectives: how often each collective form appears in the program's text (``gpu.forms``),
   counting the fusions the TPU compiler makes of them (``all-reduce-scatter``): the forms
-  differ from the GPU's and the CPU's (docs/benchmarks/tpu-compile.md), and ``zero_jax.hlo``
-  reads bytes and overlap from those, not from these.
+  differ from the GPU's and the CPU's (docs/benchmarks/tpu-compile.md). Overlap is not read
+  from a TPU program.
 """
 
 from __future__ import annotations
@@ -71,8 +73,9 @@ def main() -> None:
     print(f"{args.config} config, compiled (not run) for {args.topology}: {n} x "
           f"{devices.flat[0].device_kind} (libtpu, no TPU present); jax {jax.__version__}\n")
     print("| run | arguments MiB per chip (compiled) | zero_jax's per-device MiB | ratio "
-          "| temp MiB | collective forms in the program |")
-    print("|---|---|---|---|---|---|")
+          "| temp MiB | MiB moved per chip and step (ZeRO's theory) | collective forms in the "
+          "program |")
+    print("|---|---|---|---|---|---|---|")
     rows = []
     for label, sets in gpu.chosen(gpu.RUNS, args.runs, gpu.VARIANTS):
         cfg = config.load(args.config, [*args.set, *sets])
@@ -86,10 +89,12 @@ def main() -> None:
         memory = compiled.memory_analysis()
         row = {"run": label, "arguments": memory.argument_size_in_bytes,
                "per_device": sum(rep["per_device_bytes"][k] for k in STATE),
-               "temp": memory.temp_size_in_bytes, "forms": gpu.forms(compiled.as_text())}
+               "temp": memory.temp_size_in_bytes, "forms": gpu.forms(compiled.as_text()),
+               "comm": rep["comm_bytes_per_step"], "theory": rep["comm_bytes_theory"]}
         rows.append(row)
         print(f"| {label} | {row['arguments'] / MiB:.1f} | {row['per_device'] / MiB:.1f} "
               f"| {row['arguments'] / row['per_device']:.3f} | {row['temp'] / MiB:.1f} | "
+              f"{row['comm'] / MiB:,.1f} ({row['theory'] / MiB:,.1f}) | "
               + ", ".join(f"{k} x{v}" for k, v in sorted(row["forms"].items())) + " |",
               flush=True)
     if args.json:

@@ -154,6 +154,33 @@ def _payload(kind: str, op: str, shape: str) -> str:
     return parts[0] if kind == "reduce-scatter" else parts[1]
 
 
+# libtpu writes a reduce-scatter as a fusion of this name: an all-reduce of the whole buffer
+# and a slice, which its emitter runs as a reduce-scatter (backend_config's strategy).
+_TPU_REDUCE_SCATTER = "all-reduce-scatter"
+# libtpu runs an asynchronous collective in steps beside computation, each step a fusion whose
+# text holds the whole collective (the same channel): counted once.
+_TPU_FUSIONS = ("async_collective_fusion", "fused_computation")
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+_CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
+_COMPARE = re.compile(r"compare\(%?([\w.\-]+), %?([\w.\-]+)\), direction=LT")
+_CONSTANT = re.compile(r"^\s*%?([\w.\-]+) = s32\[\]\S* constant\((\d+)\)")
+
+
+def trip_count(line: str, bodies: dict[str, list[str]]) -> int:
+    """A while loop's iterations: XLA's ``known_trip_count`` (the CPU and GPU compilers write
+    it), else its condition's ``counter < N`` against a constant (libtpu's loops, whose
+    counters start at 0 as a scan's do); 1 where neither is there."""
+    if trip := _TRIP.search(line):
+        return int(trip.group(1))
+    condition = _CONDITION.search(line)
+    lines = bodies.get(condition.group(1), []) if condition else []
+    constants = {m.group(1): int(m.group(2)) for m in map(_CONSTANT.match, lines) if m}
+    for ln in lines:
+        if ln.lstrip().startswith("ROOT") and (m := _COMPARE.search(ln)):
+            return constants.get(m.group(2).lstrip("%"), 1)
+    return 1
+
+
 def collectives(hlo_text: str, n_devices: int) -> list[Collective]:
     """Every collective instruction in ``hlo_text`` (async ``-start`` forms included)."""
     bodies, entry = computations(hlo_text)
@@ -167,10 +194,9 @@ def collectives(hlo_text: str, n_devices: int) -> list[Collective]:
         looped[name] = looped.get(name, False) or in_loop
         for line in bodies.get(name, ()):
             body = _BODY.search(line)
-            trip = _TRIP.search(line)
             for callee in _callees(line):
                 if body and callee == body.group(1):
-                    visit(callee, times * (int(trip.group(1)) if trip else 1), True)
+                    visit(callee, times * trip_count(line, bodies), True)
                 elif callee in bodies:
                     visit(callee, times, in_loop)
 
@@ -178,7 +204,7 @@ def collectives(hlo_text: str, n_devices: int) -> list[Collective]:
         return []
     visit(entry, 1, False)
 
-    found = []
+    found, channels = [], set()
     for name, lines in bodies.items():
         if name not in runs:
             continue
@@ -190,12 +216,18 @@ def collectives(hlo_text: str, n_devices: int) -> list[Collective]:
             kind = op.removesuffix("-start")
             if kind not in KINDS:
                 continue
+            if name.startswith(_TPU_FUSIONS) and (channel := _CHANNEL.search(rest)):
+                if channel.group(1) in channels:  # one collective, its steps in several fusions
+                    continue
+                channels.add(channel.group(1))
             groups = _groups(rest, n_devices)
             group = groups[0]
             arrays = _arrays(_payload(kind, op, shape))
             size = sum(b for _, b in arrays)
             if kind == "reduce-scatter" and not op.endswith("-start"):
                 size *= len(group)  # the instruction's shape is the scattered result
+            if kind == "all-reduce" and name.startswith(_TPU_REDUCE_SCATTER):
+                kind = "reduce-scatter"  # libtpu's, whose all-reduce is the full-size side
             found.append(Collective(kind, arrays[0][0] if arrays else "?", size, group,
                                     looped[name], runs[name], name, groups))
     return found
