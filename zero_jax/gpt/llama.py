@@ -78,9 +78,9 @@ def tensor_parallel(c: GPTConfig) -> tuple[Rule, ...]:
 def rope_frequencies(c: GPTConfig, dh: int, t: int) -> jax.Array:
     """Each rotary pair's angular frequency at a sequence of ``t`` tokens, for heads whose
     first ``dh`` are rotated (``GPTConfig.rotary_dim``), as Hugging Face's rope type computes
-    it: ``linear`` divides every one by ``rope_factor``; ``llama3`` only
-    those whose wavelength is beyond the original context over ``rope_low_freq_factor``, keeps
-    those below it over ``rope_high_freq_factor``, and blends the two between; ``longrope``
+    it: ``linear`` divides every one by ``rope_factor``; ``llama3`` only those whose wavelength
+    is beyond the original context over ``rope_low_freq_factor``, keeps those below it over
+    ``rope_high_freq_factor``, and blends the two between; ``longrope``
     (Phi-3) divides each by its own factor, ``rope_long_factor``'s for sequences longer than
     the original context, else ``rope_short_factor``'s; ``yarn`` divides those turning less
     than once in the original context by ``rope_factor``, keeps those turning over 32 times,
