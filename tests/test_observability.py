@@ -391,6 +391,35 @@ def test_curves_draw_the_fp16_loss_scale_and_gaps(runs):
     assert data["loss"][1] is None and data["loss_scale"] == scales
 
 
+def test_plot_reads_the_capacity_from_a_device_that_reports_it(runs, tmp_path, monkeypatch,
+                                                                capsys):
+    """``--plot`` asks the first device for its memory (``memory_stats``, which a GPU or TPU
+    answers and the CPU mesh does not) and draws its ``bytes_limit`` as the capacity line;
+    a device that answers nothing gets no line."""
+    import argparse
+
+    from zero_jax.gpt import reports
+
+    d, _ = runs
+    r = json.loads((d / "r.json").read_text())
+
+    class Device:  # what a GPU says of itself (jax.Device.memory_stats)
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    for stats, limit in (({"bytes_limit": 16 * MiB, "bytes_in_use": MiB}, 16 * MiB),
+                         (None, None)):
+        monkeypatch.setattr(reports.jax, "devices", lambda stats=stats: [Device(stats)])
+        out = tmp_path / str(limit)
+        reports.draw(argparse.Namespace(plot=str(out), metrics=None), r)
+        data = json.loads((out / "memory_by_stage.json").read_text())
+        assert data["capacity_bytes"] == limit and data["capacity_drawn"] == bool(limit)
+    assert "figures: memory_by_stage.png, communication.png" in capsys.readouterr().out
+
+
 def test_memory_figure_draws_the_capacity(runs):
     """The device's capacity as a line among the bars; one that would flatten them (a GPU's
     beside a small model) named in the title instead."""
