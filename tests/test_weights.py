@@ -839,6 +839,7 @@ def test_a_tensor_taken_in_ranges_is_read_once_whole_and_written_back_whole(fami
     import safetensors.numpy
 
     from zero_jax.gpt import llama
+    from zero_jax.weights import export_arrays
 
     phi3 = family_dir("phi3")
     cfg = GPTConfig(**llama.read_config(phi3), remat="none", vocab_multiple=128)
@@ -860,6 +861,19 @@ def test_a_tensor_taken_in_ranges_is_read_once_whole_and_written_back_whole(fami
                                                 "taken in ranges"):
             export_specs(dataclasses.replace(mapping, tensors=rows), flat, np.float32)
     params = load_params(plan, phi3, mapping)
+    flat = {zj.plan.path_str(p): v for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    with pytest.raises(WeightsError, match="export_arrays does not write: save with "
+                                           "save_safetensors"):
+        next(export_arrays(mapping, export_specs(mapping, {p: v.shape for p, v in flat.items()},
+                                                 np.float32), flat.__getitem__))
+    # a whole tensor (down's, written before gate and up) named as the one they take ranges
+    # of: refused, as any tensor written twice
+    up = mapping.tensors[-1]
+    twice = dataclasses.replace(mapping, tensors=tuple(
+        dataclasses.replace(t, name=up.name) if t.path == "blocks/down/kernel" else t
+        for t in mapping.tensors))
+    with pytest.raises(WeightsError, match="writes tensor .* twice"):
+        zj.save_safetensors(params, tmp_path / "twice", twice)
     zj.save_safetensors(params, tmp_path / "out", mapping)
     want = safetensors.numpy.load_file(str(phi3 / "model.safetensors"))
     got = safetensors.numpy.load_file(str(tmp_path / "out" / "model.safetensors"))

@@ -45,13 +45,14 @@ class Layout:
                  max_shard_bytes: int | None = None, metadata: dict[str, str] | None = None):
         specs = export_specs(mapping, shapes, dtype)
         self.shapes, self.rows = shapes, {t.path: t for t in mapping.tensors}
-        tensors: dict[str, Spec] = {}  # each once: rows that take ranges share their tensor
+        tensors: dict[str, tuple[Spec, bool]] = {}  # once each: rows taking ranges share one
         for spec, path, *_ in specs:
-            if spec.name in tensors and self.rows[path].take is None:
+            taken = self.rows[path].take is not None
+            if spec.name in tensors and not (taken and tensors[spec.name][1]):
                 raise WeightsError(f"the mapping writes tensor {spec.name} twice: give each "
                                    "row its own name")
-            tensors.setdefault(spec.name, spec)
-        self.groups = plan_files(list(tensors.values()), max_shard_bytes)
+            tensors.setdefault(spec.name, (spec, taken))
+        self.groups = plan_files([spec for spec, _ in tensors.values()], max_shard_bytes)
         self.names = shard_names(len(self.groups))
         self.headers = [header(g, metadata) for g in self.groups]
         at = {}
