@@ -916,9 +916,18 @@ def start(*args) -> subprocess.Popen:
 
 def wait_for_lines(path: pathlib.Path, n: int, proc: subprocess.Popen) -> None:
     deadline = time.time() + 120
-    while not (path.exists() and len(path.read_text().splitlines()) >= n):
+    while lines(path) < n:
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
         time.sleep(0.05)
+
+
+def lines(path: pathlib.Path) -> int:
+    """The lines of a file train.py writes; none while it is missing, as it is again after
+    train.py's start-up check of the path (created, then removed, before the run writes it)."""
+    try:
+        return len(path.read_text().splitlines())
+    except FileNotFoundError:
+        return 0
 
 
 def stop_and_resume(proc, tmp_path, reference, sig: int, code: int, keep: int = 1) -> None:
