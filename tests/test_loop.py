@@ -193,3 +193,34 @@ def test_tensorboard_of_a_resumed_run_hides_the_steps_trained_again(tmp_path):
                                   (6, 106.0), (7, 107.0), (8, 108.0)]
     assert read["eval/loss"] == [(1, 21.0), (2, 22.0), (3, 23.0), (4, 24.0)]
     assert [e.step for e in events.Tensors("report/text_summary")] == [4]
+
+
+class _Stopper(_Saves):
+    """A hook that, asked whether it needs step 3 alone, delivers a stop signal: one that
+    arrives after the loop's check and before the saver's (``Checkpointer.sync`` says yes
+    once a signal has come)."""
+
+    def __init__(self, stop: zj.loop.Preemption):
+        super().__init__()
+        self.stop = stop
+
+    def sync(self, n: int) -> bool:
+        self.stop.signum = self.stop.signum or (signal.SIGTERM if n == 3 else None)
+        return bool(self.stop.signum)
+
+
+def test_a_stop_signal_during_a_read_saves_that_step_alone():
+    """The signal came while step 3 was read for a save: step 3 is the run's last, no step 4
+    is queued (its state would have been saved again at the stop)."""
+    log = []
+
+    def step(state, batch):
+        log.append(batch)
+        return state + 1, {"loss": 1.0, "grad_norm": 1.0, "skipped": 0}
+
+    with zj.loop.Preemption(enabled=False) as stop:
+        saver = _Stopper(stop)
+        last = zj.loop.run_steps(step, 0, ((n, n) for n in range(1, 8)), [saver],
+                                 zj.loop.DivergenceGuard(), stop)
+    assert last == 3 and log == [1, 2, 3]
+    assert [(n, s) for n, s in saver.seen if s is not None] == [(3, 3)]

@@ -146,12 +146,12 @@ def run_steps(step: Callable, state: Any, batches: Iterable[tuple[int, Any]],
         return stop_now
 
     for n, batch in batches:
-        if stop.signum:
-            break
         if pending and any(hook.sync(pending[0]) for hook in hooks):
             (last, m), pending = pending, None
             if report(last, m, state):
                 return last
+        if stop.signum:  # checked after the report: a signal that came in it saved that step
+            break
         for hook in hooks:
             hook.before(n)
         state, m = step(state, batch)
