@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -19,6 +20,7 @@ from lm import LAYERS
 
 import zero_jax as zj
 from zero_jax.checkpoint import CheckpointError, Checkpoints
+from zero_jax.precision import LossScaleConfig
 
 pytestmark = pytest.mark.slow  # the tiers: docs/testing.md
 
@@ -239,19 +241,68 @@ def test_meta_that_would_not_come_back_is_refused_before_writing(mesh, tmp_path,
     np.testing.assert_array_equal(np.asarray(restored.params["w"]), w)
 
 
-def test_a_restore_across_optimizer_offload_names_it(mesh, tmp_path):
-    """In fp32 an offloaded optimizer keeps a master copy, which a state saved without offload
-    lacks: the refusal names offload, not only the optimizer and precision policy."""
+POLICIES = {"fp32": {}, "bf16": {"precision": zj.Precision("bf16")},
+            "fp16": {"precision": zj.Precision("fp16", loss_scale=LossScaleConfig())},
+            "fp32-offload": {"offload": zj.Offload(optimizer=1.0)}}
+
+
+def policy_run(mesh, policy: str, stage: int):
+    """A linear model's plan, state after one AdamW step, and step, under ``policy``."""
     shapes = {"w": jax.ShapeDtypeStruct((8, 4), np.float32)}
-    plan = zj.make_plan(shapes, mesh, 1)
-    state = zj.init_state(plan, {"w": np.ones((8, 4), np.float32)}, optax.adam(0.1))
+    x, y = jax.random.normal(jax.random.key(1), (16, 8)), jax.random.normal(jax.random.key(2),
+                                                                            (16, 4))
+    loss_fn = lambda p, b: jnp.mean((b[0] @ p["w"] - b[1]) ** 2)  # noqa: E731
+    plan = zj.make_plan(shapes, mesh, stage, **POLICIES[policy])
+    step = zj.make_train_step(plan, loss_fn, optax.adam(0.1))
+    w = {"w": np.asarray(jax.random.normal(jax.random.key(0), (8, 4)))}
+    state, _ = step(zj.init_state(plan, w, optax.adam(0.1)), (x, y))
+    return plan, state, step, (x, y)
+
+
+@pytest.mark.parametrize("source, target", [("fp32", "bf16"), ("bf16", "fp32"),
+                                            ("fp16", "bf16"), ("fp32", "fp32-offload"),
+                                            ("fp32-offload", "fp32")])
+def test_a_state_restores_under_another_precision_policy(mesh, tmp_path, source, target):
+    """A checkpoint of one precision policy restores under another (fp32 keeps its parameters
+    alone; bf16 and fp16, and an offloaded optimizer in fp32, an fp32 master copy beside the
+    compute copy): the fp32 values become the target's master, or its parameters, bit for
+    bit, its compute copy their cast; the optimizer state as saved. It trains on as a state
+    the target's policy made from those values does."""
+    _, saved, _, _ = policy_run(mesh, source, 3)
     ckpts = Checkpoints(tmp_path)
-    ckpts.save(state, {})
+    ckpts.save(saved, {})
     ckpts.finish()
-    offloaded = zj.make_plan(shapes, mesh, 1, offload=zj.Offload(optimizer=1.0))
-    with pytest.raises(CheckpointError, match=r"master is only in the state being restored \(a "
-                       r"different optimizer or precision policy, or optimizer offload"):
-        ckpts.restore(zj.abstract_state(offloaded, optax.adam(0.1)))
+    plan, _, step, batch = policy_run(mesh, target, 1)
+    got, _ = ckpts.restore(zj.abstract_state(plan, optax.adam(0.1)))
+    ckpts.close()
+    fp32 = np.asarray((saved.master or saved.params)["w"])
+    want = zj.init_state(plan, {"w": fp32}, optax.adam(0.1))
+    put = lambda a, t: jax.device_put(a, t.sharding)  # noqa: E731  (the target's memories)
+    want = want._replace(**{k: jax.tree.map(put, getattr(saved, k), getattr(want, k))
+                            for k in ("step", "opt_state", "skipped")})
+    assert (got.master is None) == (want.master is None)
+    np.testing.assert_array_equal(np.asarray((got.master or got.params)["w"]), fp32)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == b.dtype and a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    (after, m), (ref, m_ref) = step(got, batch), step(want, batch)
+    assert float(m["loss"]) == float(m_ref["loss"])
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_an_fp16_run_refuses_a_state_without_a_loss_scale(mesh, tmp_path):
+    """fp16's loss scale is state of its own, which no other policy keeps: refused, naming
+    the policies that resume it."""
+    _, saved, _, _ = policy_run(mesh, "bf16", 3)
+    ckpts = Checkpoints(tmp_path)
+    ckpts.save(saved, {})
+    ckpts.finish()
+    plan = zj.make_plan({"w": jax.ShapeDtypeStruct((8, 4), np.float32)}, mesh, 3,
+                        **POLICIES["fp16"])
+    with pytest.raises(CheckpointError, match=r"holds no loss scale \(written without fp16\): "
+                       r"an fp16 run cannot resume it; resume it in bf16 or fp32"):
+        ckpts.restore(zj.abstract_state(plan, optax.adam(0.1)))
     ckpts.close()
 
 

@@ -359,8 +359,6 @@ ROWS = [
      "--device-memory '80XB' is not a memory size"),
     ("planner one size", [*T, "--dry-run", "--device-memory", "80GB"], None,
      "--device-memory and --host-memory plan layouts: pass both"),
-    ("resume offload", [*R, "--set", "zero.offload_optimizer.device=cpu"], None,
-     "written with zero.offload_optimizer off"),
     ("config dir", [*T, "--config", "{w}/dir"], a_dir, "is a directory: pass a YAML file"),
     ("config missing", [*T, "--config", "nope"], None, "config nope not found"),
     ("data missing", [*T, "--data", "{w}/none.txt"], None, "none.txt does not exist"),
@@ -428,8 +426,9 @@ ROWS = [
      "holds checkpoints of another run (steps 24, 32, 40): pass --resume"),
     ("foreign step dir", [*R], foreign, "holds 30/, which is not a zero_jax checkpoint"),
     ("locked", [*R], "lock", f"is being written by process {os.getpid()}"),
-    ("resume bf16", [*R, "--set", "precision.param_dtype=bf16"], None,
-     "written with precision.param_dtype=fp32 but this run computes in bf16"),
+    ("resume fp16", [*R, "--set", "precision.param_dtype=fp16"], None,
+     "written with precision.param_dtype=fp32, without fp16's loss scale, which an fp16 run "
+     "keeps in its state: resume it with --set precision.param_dtype=bf16 or fp32"),
     ("resume no clip", [*R, "--set", "optimizer.clip_norm=0"], None,
      "trained with optimizer.clip_norm=1.0 but the config says 0.0"),
     ("resume d_model", [*R, "--set", "model.d_model=64"], None,
@@ -950,6 +949,24 @@ def stop_and_resume(proc, tmp_path, reference, sig: int, code: int, keep: int = 
     assert run.returncode == 0, run.stderr
     ref = reference[1]
     assert losses(m) == {s: ref[s] for s in range(1, n + 3)}  # bit for bit, the whole run
+
+
+def test_an_fp32_run_goes_on_in_bf16(tmp_path, reference, resumed):
+    """The reference's fp32 checkpoint as the start of a bf16 run (train.ckpt_load_path): its
+    parameters become the fp32 master copy, and steps 41-42 are the fp32 run's (``resumed``)
+    but for bf16's compute, not an untrained model's (5.3); the bf16 run's own checkpoint
+    holds the master."""
+    c, m = tmp_path / "bf16", tmp_path / "m.jsonl"
+    run = run_train("--steps", REF_STEPS + 2, "--checkpoint-dir", c, "--metrics", m,
+                    "--set", f"train.ckpt_load_path={reference[0]}",
+                    "--set", "precision.param_dtype=bf16")
+    assert run.returncode == 0, run.stderr
+    assert f"resumed from step {REF_STEPS}" in run.stdout
+    got, fp32 = losses(m), losses(resumed[1])
+    assert sorted(got) == [REF_STEPS + 1, REF_STEPS + 2]
+    for s in got:  # bf16's compute moves the loss a little
+        assert abs(got[s] - fp32[s]) < 0.02, (got, fp32)
+    assert (c / str(REF_STEPS + 2) / "master").is_dir()
 
 
 def test_resume_is_bit_identical(tmp_path, reference):

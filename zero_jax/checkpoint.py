@@ -44,6 +44,7 @@ from zero_jax.internals import (
     ORBAX_WRITE_COROUTINE,
 )
 from zero_jax.lock import LockedError, WriterLock
+from zero_jax.offload import DEVICE, in_host_memory
 from zero_jax.state import TrainState
 
 PyTree = Any
@@ -140,6 +141,14 @@ def _flat(tree: PyTree, prefix: str = "") -> dict[str, Any]:
             out.update(_flat(value, f"{prefix}{key}/"))
         return out
     return {prefix.rstrip("/"): tree}
+
+
+def _cast(master: PyTree, like: PyTree) -> PyTree:
+    """``master`` in ``like``'s dtypes and shardings (memory kinds too)."""
+    def one(x, t):
+        return (jax.device_put(x, DEVICE) if in_host_memory(x) else x).astype(t.dtype)
+    return jax.jit(lambda m: jax.tree.map(one, m, like),
+                   out_shardings=jax.tree.map(lambda t: t.sharding, like))(master)
 
 
 def first_mismatch(stored: dict[str, Any], wanted: dict[str, Any]) -> str | None:
@@ -295,7 +304,8 @@ class Checkpoints:
         check every array against the digest recorded at save.
 
         ``target`` is a ``TrainState`` of ``jax.ShapeDtypeStruct``s with shardings, e.g.
-        ``abstract_state(plan, tx)`` of any stage on any mesh. Nothing on disk is changed.
+        ``abstract_state(plan, tx)`` of any stage on any mesh, under any precision policy but
+        fp16 from another (its loss scale is state no other keeps). Nothing on disk is changed.
         Raises ``CorruptCheckpointError`` for missing, unreadable or altered files.
         """
         ocp = _orbax()
@@ -303,21 +313,10 @@ class Checkpoints:
         meta = self.meta(step)
         wanted = _items(target)
         self._check_present(step, meta, wanted)
-        # The items the checkpoint holds arrays of (an optimizer without state writes none).
-        have = {path.split("/")[0] for path in meta["digests"]} if "digests" in meta else \
-            {name for name in ITEMS if (self.path / str(step) / name).exists()}
-        for name in sorted(have ^ set(wanted)):
-            if name in have and getattr(target, name) is not None:  # held here, but empty
-                with self._reading(step, name):
-                    stored = _tree_of(self.manager.item_metadata(step)[name])
-                raise CheckpointError(f"checkpoint step {step} in {self.path} does not fit: "
-                                      f"{first_mismatch(_flat(stored), {})}")
-            where = "the checkpoint" if name in have else "the state being restored"
-            raise CheckpointError(f"checkpoint step {step} in {self.path} does not fit: {name} "
-                                  f"is only in {where} (a different optimizer or precision "
-                                  "policy, or optimizer offload, which keeps a master copy even "
-                                  "in fp32?)")
-        for name, tree in wanted.items():
+        sources = self._sources(step, meta, target, wanted)
+        reads = {sources[name]: {sources[name]: tree[name]} for name, tree in wanted.items()
+                 if sources[name]}
+        for name, tree in reads.items():
             with self._reading(step, name):
                 stored = _tree_of(self.manager.item_metadata(step)[name])
             if problem := first_mismatch(_flat(stored), _flat(tree)):
@@ -325,22 +324,64 @@ class Checkpoints:
                                       f"{problem}")
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
-                **{k: ocp.args.StandardRestore(v) for k, v in wanted.items()}))
+                **{k: ocp.args.StandardRestore(v) for k, v in reads.items()}))
         except Exception as e:  # find the item that fails, to name it
-            for name, tree in wanted.items():
+            for name, tree in reads.items():
                 with self._reading(step, name):
                     self.manager.restore(step, args=ocp.args.Composite(
                         **{name: ocp.args.StandardRestore(tree)}))
-            with self._reading(step, "/".join(sorted(wanted))):
+            with self._reading(step, "/".join(sorted(reads))):
                 raise e
-        restored = {name: restored[name] for name in wanted}
+        restored = {name: restored[name] for name in reads}
         self._verify(step, meta, restored)
-        fields = {name: _unflat(getattr(target, name), _flat(restored[name][name]))
-                  for name in wanted}
+        fields = {name: _unflat(getattr(target, name), _flat(restored[source][source]))
+                  for name, source in sources.items() if source}
+        if "params" not in fields:  # another policy's checkpoint: cast from the fp32 copy
+            fields["params"] = _cast(fields["master"], target.params)
         step_array = jax.device_put(jax.numpy.asarray(step, target.step.dtype),
                                     target.step.sharding)
         user = {k: v for k, v in meta.items() if k not in ("format", "digests")}
         return target._replace(step=step_array, **fields), user
+
+    def _sources(self, step: int, meta: dict, target: TrainState,
+                 wanted: dict) -> dict[str, str | None]:
+        """The checkpoint's item each field of ``target`` is read from (None: the compute copy,
+        cast from the master). Precision policies keep different copies (fp32 its parameters
+        alone; bf16 and fp16, and an offloaded optimizer in fp32, a compute copy beside an fp32
+        master) of the same fp32 values, so a state restores under any of them: its master
+        from the checkpoint's fp32 copy, its compute copy that cast, as every step makes it."""
+        # The items the checkpoint holds arrays of (an optimizer without state writes none).
+        have = {path.split("/")[0] for path in meta["digests"]} if "digests" in meta else \
+            {name for name in ITEMS if (self.path / str(step) / name).exists()}
+        sources = {name: name for name in wanted}
+        if "master" in wanted:
+            sources["master"] = "master" if "master" in have else "params"
+            if sources["master"] == "params" or self._dtypes(step, "params") != \
+                    {leaf.dtype for leaf in jax.tree.leaves(target.params)}:
+                sources["params"] = None
+        elif "master" in have:
+            sources["params"] = "master"
+        read = {source for source in sources.values() if source}
+        ignored = {"master", "params"} | ({"loss_scale"} if target.loss_scale is None else set())
+        for name in sorted((read - have) | (have - read - ignored)):
+            if name in have and getattr(target, name) is not None:  # held here, but empty
+                with self._reading(step, name):
+                    stored = _tree_of(self.manager.item_metadata(step)[name])
+                raise CheckpointError(f"checkpoint step {step} in {self.path} does not fit: "
+                                      f"{first_mismatch(_flat(stored), {})}")
+            if name == "loss_scale":
+                raise CheckpointError(f"checkpoint step {step} in {self.path} holds no loss "
+                                      "scale (written without fp16): an fp16 run cannot resume "
+                                      "it; resume it in bf16 or fp32")
+            where = "the checkpoint" if name in have else "the state being restored"
+            raise CheckpointError(f"checkpoint step {step} in {self.path} does not fit: {name} "
+                                  f"is only in {where} (a different optimizer?)")
+        return sources
+
+    def _dtypes(self, step: int, name: str) -> set:
+        with self._reading(step, name):
+            stored = _tree_of(self.manager.item_metadata(step)[name])
+        return {leaf.dtype for leaf in _flat(stored).values()}
 
     def read_params(self, step: int | None = None, sharding: Any = None) -> PyTree:
         """The fp32 parameters alone (the master copy when there is one), whole, on one device

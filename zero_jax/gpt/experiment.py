@@ -251,8 +251,8 @@ def _padded(vocab_size: int, multiple: int) -> int:
 
 def check_compatible(meta: dict, config: dict, platform: str | None = None) -> None:
     """A checkpoint resumes a run only with the same model, the same kind of optimizer and
-    the same state layout: the precision policy (a master copy, a loss scale) and clipping
-    (a stage of the optimizer chain) decide which arrays the state holds."""
+    the same state layout: clipping (a stage of the optimizer chain) and fp16's loss scale
+    decide which arrays the state holds (a master copy comes and goes: ``Checkpoints``)."""
     saved = meta["config"]
     for key, value in config["model"].items():
         # A key added since: what the model was before it (a default now may differ).
@@ -282,18 +282,11 @@ def check_compatible(meta: dict, config: dict, platform: str | None = None) -> N
     if platform and written_on:
         was = default_param_dtype(written_on) if was == "auto" else was
         now = default_param_dtype(platform) if now == "auto" else now
-    if was != now:
+    if now == "fp16" and was != "fp16":  # any other change of policy restores (checkpoint.py)
         raise CheckpointError(
-            f"the checkpoint was written with precision.param_dtype={was} but this run computes "
-            f"in {now}: the two keep different copies of the state; pass --set "
-            f"precision.param_dtype={was} to resume it")
-    offload = lambda c: bool(offload_ratio(c["zero"].get("offload_optimizer", {"device": "none"})))
-    if now == "fp32" and offload(saved) != offload(config):
-        setting = "on" if offload(saved) else "off"
-        raise CheckpointError(
-            f"the checkpoint was written with zero.offload_optimizer {setting}: in fp32 only an "
-            f"offloaded optimizer keeps a separate master copy, so the states do not fit; pass "
-            f"--set zero.offload_optimizer.device={'cpu' if offload(saved) else 'none'}")
+            f"the checkpoint was written with precision.param_dtype={was}, without fp16's loss "
+            f"scale, which an fp16 run keeps in its state: resume it with --set "
+            "precision.param_dtype=bf16 or fp32")
     clip, clip_now = saved["optimizer"]["clip_norm"], config["optimizer"]["clip_norm"]
     if (clip > 0) != (clip_now > 0):
         raise CheckpointError(
