@@ -25,12 +25,15 @@ DATA = pathlib.Path(__file__).resolve().parent / "data"
 KEYS = jax.random.split(jax.random.key(0), 4)
 
 
-def plain_attention(q, k, v, window=0):
+def plain_attention(q, k, v, window=0, scale=None, cap=0.0):
     """The models' attention before: scores, a causal mask, softmax, fp32 throughout here;
-    with a ``window`` each query sees the ``window`` keys up to its own (Mistral's)."""
+    with a ``window`` each query sees the ``window`` keys up to its own (Mistral's); scores
+    times ``scale``, capped at ``cap`` by a tanh (Gemma 2's)."""
     rep = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-    scores = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
+    scores = jnp.einsum("bthd,bshd->bhts", q, k) * (scale or 1 / math.sqrt(q.shape[-1]))
+    if cap:
+        scores = cap * jnp.tanh(scores / cap)
     t = q.shape[1]
     seen = jnp.tril(jnp.ones((t, t), bool))
     if window:
@@ -58,6 +61,23 @@ def test_fused_attention_equals_the_plain_one_with_gradients(kv_heads, window):
         assert max_rel(g_ours, g_ref) < 1e-5
     if window:  # the window changes what is attended to
         assert abs(float(ref) - float(jnp.sum(plain_attention(q, k, v) * w))) > 1e-2
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_softcapped_attention_equals_the_plain_one_with_gradients(window):
+    """Gemma 2's attention: scores scaled by query_pre_attn_scalar^-1/2 (not the head's),
+    capped at 2 by a tanh (small enough to change them), grouped-query, with and without a
+    window: the plain einsums' values and gradients."""
+    q = jax.random.normal(KEYS[0], (2, 24, 4, 16)) * 3
+    k, v = (jax.random.normal(key, (2, 24, 2, 16)) for key in KEYS[1:3])
+    w = jax.random.normal(KEYS[3], q.shape)
+    plain = lambda *a: jnp.sum(plain_attention(*a, window, 0.1, 2.0) * w)
+    ours = lambda *a: jnp.sum(attention.causal(*a, "auto", window, 0.1, 2.0) * w)
+    (ref, g_ref), (got, g_got) = (jax.jit(jax.value_and_grad(f, (0, 1, 2)))(q, k, v)
+                                  for f in (plain, ours))
+    assert abs(float(got - ref)) <= 1e-5 * abs(float(ref)) and max_rel(g_got, g_ref) < 1e-5
+    uncapped = float(jnp.sum(plain_attention(q, k, v, window, 0.1) * w))
+    assert abs(uncapped - float(ref)) > 1e-2  # the cap changes what is attended to
 
 
 def test_gelu_and_its_written_gradient_equal_flax_gelu():
@@ -148,6 +168,28 @@ def test_chunked_loss_equals_full_logits_with_gradients(vocab, valid, chunk):
     none = jax.jit(jax.value_and_grad(lambda x, head: mean_cross_entropy(
         x, head, y, valid=valid, chunk=chunk, weights=jnp.zeros_like(w)), (0, 1)))(x, head)
     assert float(none[0]) == 0 and not any(np.any(np.asarray(g)) for g in none[1])
+
+
+def test_softcapped_loss_equals_full_logits_with_gradients():
+    """Gemma 2's final logits, ``cap * tanh(logits / cap)``, inside the chunked loss: the
+    plain loss's value and gradients, the padded vocabulary's columns still learning nothing."""
+    x = jax.random.normal(KEYS[0], (3, 40, 32))
+    head = jax.random.normal(KEYS[1], (32, 256))
+    y = jax.random.randint(KEYS[2], (3, 40), 0, 250)
+
+    def plain(x, head, cap=3.0):
+        logits = (x @ head)[..., :250]
+        logits = cap * jnp.tanh(logits / cap) if cap else logits
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    ref, g_ref = jax.jit(jax.value_and_grad(plain, (0, 1)))(x, head)
+    for loss in (cross_entropy, mean_cross_entropy):
+        f = lambda x, head: jnp.mean(loss(x, head, y, valid=250, chunk=48,  # noqa: B023
+                                          softcap=3.0))
+        got, g_got = jax.jit(jax.value_and_grad(f, (0, 1)))(x, head)
+        assert abs(float(got - ref)) <= 1e-5 * float(ref) and max_rel(g_got, g_ref) < 1e-5
+        assert not np.any(np.asarray(g_got[1][:, 250:]))
+    assert abs(float(plain(x, head, 0.0)) - float(ref)) > 1.0  # the cap counts
 
 
 def test_embedding_gradient_sums_in_fp32():

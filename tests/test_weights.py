@@ -587,12 +587,25 @@ FAMILIES = {  # name: (class, config, torch seed)
         original_max_position_embeddings=8, rope_parameters={
             "rope_type": "longrope", "short_factor": [1.0, 1.5], "long_factor": [2.0, 8.0]}),
         8),
+    # Gemma: norms scaled by 1 + weight, the embedding by sqrt(d), a tanh-GELU gate, heads
+    # wider than hidden_size / heads (as Gemma 7B's)
+    "gemma": (transformers.GemmaForCausalLM, transformers.GemmaConfig(
+        **SMALL_LLAMA, head_dim=12, tie_word_embeddings=True), 9),
+    # Gemma 2: its output norms, soft caps small enough to count, a scores scalar that is not
+    # the head's width, a window on every other layer that the 16 tokens fit in
+    "gemma2": (transformers.Gemma2ForCausalLM, transformers.Gemma2Config(
+        **SMALL_LLAMA, head_dim=8, query_pre_attn_scalar=12, attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0, sliding_window=16, tie_word_embeddings=True), 10),
     # as Qwen3's model card extends its context: yarn, 4 times an original 4 tokens
     "qwen3-yarn": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         **SMALL_LLAMA, head_dim=16, tie_word_embeddings=True, rope_parameters={
             "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
             "original_max_position_embeddings": 4}), 7),
 }
+
+
+def cls_of(which: str):
+    return FAMILIES[which][0]
 
 
 def longrope_file(path: pathlib.Path) -> None:
@@ -742,6 +755,9 @@ LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does
         "mscale": 0.707, "mscale_all_dim": 0.707}},
     "sliding_window": {"model_type": "mistral", "sliding_window": "4096"},
     "use_sliding_window": {"model_type": "qwen2", "use_sliding_window": True},
+    "layer_types": {"model_type": "gemma2", "layer_types": ["full_attention"] * 2},
+    "use_bidirectional_attention": {"model_type": "gemma", "hidden_act": "gelu",  # as read
+                                    "use_bidirectional_attention": True},
 }
 
 
@@ -789,11 +805,15 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     theirs = torch_logits_of(transformers.AutoModelForCausalLM, llama_dir)
     section = llama.read_config(llama_dir)
     family = which.split("-")[0]
-    assert section["tie_head"] == (family in ("llama3", "qwen2", "qwen3", "phi4"))
+    assert section["tie_head"] == (family in ("llama3", "qwen2", "qwen3", "phi4", "gemma",
+                                              "gemma2"))
+    assert section.get("gemma", 0) == {"gemma": 1, "gemma2": 2}.get(family, 0)
     assert section["partial_rotary_factor"] == (0.5 if family == "phi4" else 1.0)
     assert section["qkv_bias"] == (family == "qwen2")
     assert section["qk_norm"] == (family == "qwen3") == (section["head_dim"] == 16)
-    assert section["sliding_window"] == (16 if which == "mistral" else 0)
+    assert section["sliding_window"] == (16 if which in ("mistral", "gemma2") else 0)
+    counted = sum(p.numel() for p in cls_of(which)(FAMILIES[which][1]).parameters())
+    assert GPTConfig(**section).n_params == counted  # the planner's count, the head tied once
     cfg = GPTConfig(**section, remat="none", vocab_multiple=128)  # 64 padded to 128
     model = llama.Llama(cfg)
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), TOKENS[:1, :-1])["params"])
@@ -813,6 +833,10 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
         ours_windowed = logits_of(llama.Llama(dataclasses.replace(cfg, sliding_window=5)),
                                   params)
         assert rel(ours_windowed, windowed) < 1e-5 < 1e-3 < rel(windowed, theirs)
+    if which == "gemma2":  # the soft caps count
+        uncapped = logits_of(llama.Llama(dataclasses.replace(cfg, attn_softcap=0.0)), params)
+        assert rel(uncapped, theirs) > 1e-3 and np.abs(ours).max() < 3.0 < np.abs(
+            logits_of(llama.Llama(dataclasses.replace(cfg, logit_softcap=0.0)), params)).max()
     if which in ("phi3.5", "phi4-mini", "qwen3-yarn"):  # the scaling counts
         unscaled = logits_of(llama.Llama(dataclasses.replace(cfg, rope_type="default")), params)
         assert rel(unscaled, theirs) > 1e-3
@@ -885,7 +909,8 @@ def test_a_tensor_taken_in_ranges_is_read_once_whole_and_written_back_whole(fami
 
 @pytest.mark.slow
 # (the plain Llama's untied head and rotary positions are the Mistral's, trained here too)
-@pytest.mark.parametrize("which", ["llama3", "qwen2", "qwen3", "mistral", "phi4-mini"])
+@pytest.mark.parametrize("which", ["llama3", "qwen2", "qwen3", "mistral", "phi4-mini",
+                                   "gemma2"])
 def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, family_dir):
     """train.py --init-from a Llama directory (one made as Llama 3.2 is, a Qwen2, a Qwen3, a
     Mistral whose sliding window is set to 5 of the 16 tokens, one as Phi-4-mini: longrope,

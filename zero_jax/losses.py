@@ -26,7 +26,8 @@ BLOCKS = 128  # blocks of a row that _logsumexp reduces in one pass each
 
 
 def cross_entropy(hidden: jax.Array, head: jax.Array, labels: jax.Array, *,
-                  valid: int | None = None, chunk: int = CHUNK_TOKENS) -> jax.Array:
+                  valid: int | None = None, chunk: int = CHUNK_TOKENS,
+                  softcap: float = 0.0) -> jax.Array:
     """Per-token ``-log softmax(hidden @ head)[label]``, shaped as ``labels``.
 
     ``hidden``: ``(..., d)``; ``head``: ``(d, vocab)`` (a tied embedding ``(vocab, d)`` is
@@ -35,16 +36,17 @@ def cross_entropy(hidden: jax.Array, head: jax.Array, labels: jax.Array, *,
     multiple of 128 for its GEMMs' sake, whose padding is then never predicted and gets no
     gradient. The softmax and its log-sum-exp run in fp32 whatever the inputs' dtype (on the
     logits as the GEMM rounds them to it, as a model's own head would); the gradients come
-    back in the inputs' dtypes. ``chunk``: tokens per chunk.
+    back in the inputs' dtypes. ``chunk``: tokens per chunk. ``softcap`` (Gemma 2's final
+    logit soft-capping; 0: none): the softmax is over ``softcap * tanh(logits / softcap)``.
     """
     x, y, valid, n = _chunks(hidden, head, labels, valid, chunk)
-    loss = _chunked(x, head, y, valid)
+    loss = _chunked(x, head, y, (valid, float(softcap)))
     return loss.swapaxes(0, 1).reshape(-1)[:n].reshape(labels.shape)
 
 
 def mean_cross_entropy(hidden: jax.Array, head: jax.Array, labels: jax.Array, *,
                        valid: int | None = None, chunk: int = CHUNK_TOKENS,
-                       weights: jax.Array | None = None) -> jax.Array:
+                       weights: jax.Array | None = None, softcap: float = 0.0) -> jax.Array:
     """``cross_entropy(...)``'s mean, with the gradients computed in the forward pass.
 
     A mean's cotangent is one scalar for every token, so the gradients of the hidden states
@@ -61,6 +63,7 @@ def mean_cross_entropy(hidden: jax.Array, head: jax.Array, labels: jax.Array, *,
     and so are its gradients: a device whose rows are all padding adds nothing to that sum.
     """
     x, y, valid, n = _chunks(hidden, head, labels, valid, chunk)
+    valid = (valid, float(softcap))  # the logits' static description: _logits
     count, size = y.shape
     if weights is None:
         token = jnp.arange(size)[None, :] * count + jnp.arange(count)[:, None]  # x[c, i]'s index
@@ -96,18 +99,22 @@ def _chunks(hidden: jax.Array, head: jax.Array, labels: jax.Array, valid: int | 
     return x.swapaxes(0, 1), y.swapaxes(0, 1), valid, n
 
 
-def _logits(x: jax.Array, head: jax.Array, valid: int) -> jax.Array:
-    """One chunk's logits in fp32, the padded columns at -inf. The GEMM writes them in the
-    inputs' dtype (half the HBM traffic of fp32 in bf16, as a model's own head would) and
-    the reductions that read them upcast."""
+def _logits(x: jax.Array, head: jax.Array, valid: tuple[int, float]) -> jax.Array:
+    """One chunk's logits in fp32, soft-capped where ``valid[1]`` is a cap, the padded columns
+    (from ``valid[0]`` on) at -inf. The GEMM writes them in the inputs' dtype (half the HBM
+    traffic of fp32 in bf16, as a model's own head would) and the reductions that read them
+    upcast."""
     logits = jnp.dot(x, head).astype(jnp.float32)
+    valid, cap = valid
+    if cap:
+        logits = cap * jnp.tanh(logits / cap)
     if valid < head.shape[1]:
         column = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
         logits = jnp.where(column < valid, logits, -jnp.inf)
     return logits
 
 
-def _lse_and_loss(xc: jax.Array, head: jax.Array, yc: jax.Array, valid: int
+def _lse_and_loss(xc: jax.Array, head: jax.Array, yc: jax.Array, valid: tuple[int, float]
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One chunk's logits, each token's log-sum-exp and loss."""
     logits = _logits(xc, head, valid)
@@ -149,7 +156,7 @@ def _logsumexp(logits: jax.Array) -> jax.Array:
     return top + jnp.log(jnp.sum(rescale(s, m, top[:, None]), axis=-1))
 
 
-def _forward(x: jax.Array, head: jax.Array, y: jax.Array, valid: int
+def _forward(x: jax.Array, head: jax.Array, y: jax.Array, valid: tuple[int, float]
              ) -> tuple[jax.Array, jax.Array]:
     """Per chunk: each token's loss and log-sum-exp (all the backward keeps)."""
     def body(_, xs):
@@ -161,18 +168,21 @@ def _forward(x: jax.Array, head: jax.Array, y: jax.Array, valid: int
 
 
 def _grads(xc: jax.Array, head: jax.Array, yc: jax.Array, logits: jax.Array, lse: jax.Array,
-           scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+           scale: jax.Array, cap: float) -> tuple[jax.Array, jax.Array]:
     """One chunk's d loss / d hidden and d loss / d head, both fp32, from its logits:
-    d loss / d logits = (softmax - onehot) x ``scale`` (each token's cotangent), in the
-    inputs' dtype for the two GEMMs."""
+    d loss / d logits = (softmax - onehot) x ``scale`` (each token's cotangent), through the
+    soft cap's tanh where there is one, in the inputs' dtype for the two GEMMs."""
     p = jnp.exp(logits - lse[:, None])
     p = p - jax.nn.one_hot(yc, head.shape[1], dtype=p.dtype)
+    if cap:  # d cap tanh(z / cap) / dz = 1 - tanh^2; the padding's -inf columns have p = 0
+        p = p * jnp.where(jnp.isfinite(logits), 1 - jnp.square(logits / cap), 0.0)
     dlogits = (p * scale[:, None]).astype(xc.dtype)
     return _dot32(dlogits, head.T), _dot32(xc.T, dlogits)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _chunked(x: jax.Array, head: jax.Array, y: jax.Array, valid: int) -> jax.Array:
+def _chunked(x: jax.Array, head: jax.Array, y: jax.Array, valid: tuple[int, float]
+             ) -> jax.Array:
     return _forward(x, head, y, valid)[0]
 
 
@@ -188,7 +198,7 @@ def _chunked_bwd(valid, res, g):
 
     def body(dhead, xs):
         xc, yc, lc, gc = xs
-        dx, dh = _grads(xc, head, yc, _logits(xc, head, valid), lc, gc)
+        dx, dh = _grads(xc, head, yc, _logits(xc, head, valid), lc, gc, valid[1])
         return dhead + dh, dx.astype(x.dtype)
     dhead, dx = jax.lax.scan(body, _varying(jnp.zeros(head.shape, jnp.float32), x, head, g),
                              (x, y, lse, g))
@@ -202,8 +212,8 @@ def _count(w: jax.Array, empty_is_zero: bool) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _chunked_mean(x: jax.Array, head: jax.Array, y: jax.Array, w: jax.Array, valid: int,
-                  empty_is_zero: bool) -> jax.Array:
+def _chunked_mean(x: jax.Array, head: jax.Array, y: jax.Array, w: jax.Array,
+                  valid: tuple[int, float], empty_is_zero: bool) -> jax.Array:
     loss, _ = _forward(x, head, y, valid)
     return jnp.sum(loss * w) / _count(w, empty_is_zero)
 
@@ -215,7 +225,7 @@ def _chunked_mean_fwd(x, head, y, w, valid, empty_is_zero):
     def body(dhead, xs):
         xc, yc, wc = xs
         logits, lse, loss = _lse_and_loss(xc, head, yc, valid)
-        dx, dh = _grads(xc, head, yc, logits, lse, wc)
+        dx, dh = _grads(xc, head, yc, logits, lse, wc, valid[1])
         return dhead + dh, (jnp.sum(loss * wc), dx)
     dhead, (loss, dx) = jax.lax.scan(
         body, _varying(jnp.zeros(head.shape, jnp.float32), x, head, w), (x, y, w))

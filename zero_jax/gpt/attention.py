@@ -37,20 +37,39 @@ def resolve(choice: str, platform: str, dtype, head_dim: int) -> str:
 
 
 def causal(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str,
-           window: int = 0) -> jax.Array:
+           window: int = 0, scale: float | None = None, softcap: float = 0.0) -> jax.Array:
     """Causal attention of ``(batch, t, heads, head_dim)`` queries over keys and values with
     ``heads`` or fewer heads (grouped-query: query head i reads key head i // (heads / kv)).
     ``window``: each query reads its own and the ``window - 1`` keys before it (Mistral's and
     Phi-3's sliding window, as Hugging Face masks it); 0, or a window the sequence fits in,
-    is the whole causal attention, with no window passed down (the same program)."""
+    is the whole causal attention, with no window passed down (the same program). ``scale``:
+    the scores' factor (default 1 / sqrt(head_dim)); ``softcap`` (Gemma 2's): the scores
+    are ``softcap * tanh(scores / softcap)``, which no fused kernel computes: the einsums."""
+    local = (window - 1, 0) if 0 < window < q.shape[1] else None
+    if softcap:
+        return _softcapped(q, k, v, scale or q.shape[-1] ** -0.5, softcap, local)
     impl = resolve(implementation, jax.default_backend(), q.dtype, q.shape[-1])
     if impl == "cudnn" and jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in CUDNN_DTYPES]:
         impl = "xla"  # the fp32 trace of init, shapes only (a bf16 step was checked to fit)
-    local = (window - 1, 0) if 0 < window < q.shape[1] else None
-    attend = lambda *qkv: jax.nn.dot_product_attention(*qkv, is_causal=True,
+    attend = lambda *qkv: jax.nn.dot_product_attention(*qkv, scale=scale, is_causal=True,
                                                        local_window_size=local,
                                                        implementation=impl)
     if impl == "xla" and q.dtype == jnp.float16 and jax.default_backend() == "cpu":
         # XLA's form asks for fp32 scores, which the CPU backend has no fp16 dot for
         return attend(*[x.astype(jnp.float32) for x in (q, k, v)]).astype(q.dtype)
     return attend(q, k, v)
+
+
+def _softcapped(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, cap: float,
+                local: tuple[int, int] | None) -> jax.Array:
+    """The scores in fp32, capped, masked, their softmax in the inputs' dtype (as
+    transformers' eager attention computes it), the kv heads shared by groups of queries."""
+    b, t, h, dh = q.shape
+    groups = q.reshape(b, t, k.shape[2], h // k.shape[2], dh)
+    scores = jnp.einsum("btgrd,bsgd->bgrts", groups, k,
+                        preferred_element_type=jnp.float32) * scale
+    scores = cap * jnp.tanh(scores / cap)
+    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    seen = (j <= i) & ((i - j <= local[0]) if local else True)
+    p = jax.nn.softmax(jnp.where(seen, scores, -jnp.inf), axis=-1).astype(q.dtype)
+    return jnp.einsum("bgrts,bsgd->btgrd", p, v).reshape(b, t, h, dh)

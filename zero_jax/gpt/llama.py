@@ -1,7 +1,8 @@
 """A Llama-family decoder (RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention,
 the head untied or tied to the embedding, biases on q, k and v or an RMSNorm over each head's
-q and k, or neither: Llama, Mistral and Phi-3 with their sliding windows, Qwen2, Qwen3) with
-Hugging Face's tensor names, its layers under ``nn.scan`` as ``blocks``.
+q and k, or neither: Llama, Mistral and Phi-3 with their sliding windows, Qwen2, Qwen3; with
+Gemma's norms, embedding scale and GELU gate, Gemma and Gemma 2 with its output norms and soft
+caps) with Hugging Face's tensor names, its layers under ``nn.scan`` as ``blocks``.
 
 Rotary positions rotate the two halves of each head (Hugging Face's ``rotate_half``), so its
 q and k projections are read as they are stored, with no permutation of their rows. Their
@@ -54,7 +55,11 @@ FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias":
                      "attention_dropout": 0.0},
             "qwen2": {"hidden_act": "silu", "use_sliding_window": False},
             "qwen3": {"hidden_act": "silu", "attention_bias": False,
-                      "use_sliding_window": False}}
+                      "use_sliding_window": False},
+            "gemma": {"hidden_act": "gelu_pytorch_tanh", "attention_bias": False,
+                      "use_bidirectional_attention": None},
+            "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
+                       "use_bidirectional_attention": None}}
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 # yarn as the Qwens use it: these of its keys at transformers' defaults (DeepSeek's mscale not)
 YARN_FIXED = {"beta_fast": 32, "beta_slow": 1, "mscale": None, "mscale_all_dim": None,
@@ -170,6 +175,24 @@ def _swiglu_bwd(res, dh: jax.Array) -> tuple[jax.Array, jax.Array]:
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
+class GemmaNorm(nn.Module):
+    """Gemma's RMSNorm: in fp32, scaled by ``1 + scale`` (its weights are stored so, zero at
+    init), then cast back, as transformers computes it."""
+
+    epsilon: float
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.zeros, (x.shape[-1],))
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+        return (y * (1 + scale.astype(jnp.float32))).astype(x.dtype)
+
+
+def norm(c: GPTConfig, name: str) -> nn.Module:
+    return (GemmaNorm if c.gemma else nn.RMSNorm)(epsilon=c.norm_eps, name=name)
+
+
 class LlamaBlock(nn.Module):
     cfg: GPTConfig
 
@@ -180,20 +203,25 @@ class LlamaBlock(nn.Module):
         dh = c.dh
         dense = lambda features, name, bias=False, **kw: nn.DenseGeneral(
             features, use_bias=bias, name=name, **kw)
-        h = nn.RMSNorm(epsilon=c.norm_eps, name="ln1")(x)
+        after = lambda y, name: norm(c, name)(y) if c.gemma == 2 else y  # Gemma 2's outputs'
+        h = norm(c, "ln1")(x)
         inv, scale = rope_frequencies(c, c.rotary_dim, t), rope_scale(c)
         q, k = dense((c.n_heads, dh), "q", c.qkv_bias)(h), dense((c.kv_heads, dh), "k",
                                                                   c.qkv_bias)(h)
         if c.qk_norm:  # over each head's width, the one scale shared by the heads
-            q = nn.RMSNorm(epsilon=c.norm_eps, name="q_norm")(q)
-            k = nn.RMSNorm(epsilon=c.norm_eps, name="k_norm")(k)
+            q, k = norm(c, "q_norm")(q), norm(c, "k_norm")(k)
         q, k = rope(q, inv, scale), rope(k, inv, scale)
         v = dense((c.kv_heads, dh), "v", c.qkv_bias)(h)
-        # query head i reads kv head i // rep
-        att = attention.causal(q, k, v, c.attention, c.sliding_window)
-        x = x + dense(d, "o", axis=(-2, -1))(att)
-        h = nn.RMSNorm(epsilon=c.norm_eps, name="ln2")(x)
-        return x + dense(d, "down")(swiglu(dense(c.d_ff, "gate")(h), dense(c.d_ff, "up")(h))), None
+        # query head i reads kv head i // rep; Gemma 2's window (every other layer) is only
+        # where the sequence fits in it (config.py), where it masks nothing
+        att = attention.causal(q, k, v, c.attention, c.sliding_window if c.gemma < 2 else 0,
+                               c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar
+                               else None, c.attn_softcap)
+        x = x + after(dense(d, "o", axis=(-2, -1))(att), "post_attn")
+        h = norm(c, "ln2")(x)
+        gate, up = dense(c.d_ff, "gate")(h), dense(c.d_ff, "up")(h)
+        mid = nn.gelu(gate, approximate=True) * up if c.gemma else swiglu(gate, up)
+        return x + after(dense(d, "down")(mid), "post_mlp"), None
 
 
 class Head(nn.Module):
@@ -215,7 +243,8 @@ class Llama(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """The logits over the vocabulary (its padding left out)."""
         x, head = self.features(tokens)
-        return (x @ head)[..., :self.cfg.vocab_size]
+        logits, cap = (x @ head)[..., :self.cfg.vocab_size], self.cfg.logit_softcap
+        return cap * jnp.tanh(logits / cap) if cap else logits
 
     @nn.compact
     def features(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -228,8 +257,11 @@ class Llama(nn.Module):
             block = nn.remat(block, prevent_cse=False, policy=policy)
         stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                         length=c.n_layers, unroll=c.scan_unroll)
-        x, _ = stack(c, name="blocks")(take_rows(wte, tokens), None)
-        x = nn.RMSNorm(epsilon=c.norm_eps, name="ln_f")(x)
+        x = take_rows(wte, tokens)
+        if c.gemma:  # in the compute dtype, as transformers rounds the factor
+            x = x * jnp.asarray(math.sqrt(c.d_model), x.dtype)
+        x, _ = stack(c, name="blocks")(x, None)
+        x = norm(c, "ln_f")(x)
         return x, wte.T if c.tie_head else Head(c.padded_vocab, name="head")(c.d_model)
 
 
@@ -240,10 +272,15 @@ def mapping(c: GPTConfig) -> Mapping:
     h = "model.layers.{layer}."
     head = [] if c.tie_head else [Tensor("lm_head.weight", "head/kernel", transpose=(1, 0),
                                          pad=(1, c.vocab_size))]
+    # Gemma 2's post_attention_layernorm is the attention output's, its MLP's input's
+    # pre_feedforward_layernorm; Llama's post_attention_layernorm is the MLP input's
+    norms = {"ln2": "pre_feedforward", "post_attn": "post_attention",
+             "post_mlp": "post_feedforward"} if c.gemma == 2 else {"ln2": "post_attention"}
     rows = [Tensor("model.embed_tokens.weight", "wte", pad=(0, c.vocab_size)),
             Tensor("model.norm.weight", "ln_f/scale"), *head,
             Tensor(h + "input_layernorm.weight", "blocks/ln1/scale"),
-            Tensor(h + "post_attention_layernorm.weight", "blocks/ln2/scale"),
+            *(Tensor(f"{h}{theirs}_layernorm.weight", f"blocks/{ours}/scale")
+              for ours, theirs in norms.items()),
             Tensor(h + "self_attn.o_proj.weight", "blocks/o/kernel", transpose=(1, 0),
                    split=(0, (c.n_heads, -1)))]
     for name, heads in [("q", c.n_heads), ("k", c.kv_heads), ("v", c.kv_heads)]:
@@ -294,9 +331,13 @@ def read_config(directory: str | os.PathLike) -> dict:
         hf = json.loads(path.read_text())
         assert isinstance(hf, dict) and hf.get("model_type") in FAMILIES
     except (OSError, ValueError, AssertionError):
-        raise WeightsError(f"{path} is missing or not a Llama, Mistral, Qwen or Phi-3 "
-                           "config.json: pass a Hugging Face directory of one") from None
+        raise WeightsError(f"{path} is missing or not a Llama, Mistral, Qwen, Phi-3 or "
+                           "Gemma config.json: pass a Hugging Face directory of one") from None
     rope_parameters = hf.get("rope_parameters")
+    if hf["model_type"] == "gemma" and hf.get("hidden_act") == "gelu":
+        hf["hidden_act"] = "gelu_pytorch_tanh"  # Gemma's first files: meant so (transformers)
+    if hf.get("use_bidirectional_attention") is False:
+        hf["use_bidirectional_attention"] = None
     for key, want in FAMILIES[hf["model_type"]].items():
         got = hf.get(key, rope_parameters.get(key, want) if isinstance(rope_parameters, dict)
                      else want)
@@ -312,17 +353,45 @@ def read_config(directory: str | os.PathLike) -> dict:
     if not isinstance(tied := hf.get("tie_word_embeddings", False), bool):
         raise WeightsError(f"{path} has tie_word_embeddings {tied!r}, not true or false: pass a "
                            "model whose config.json has one of them")
-    window = hf.get("sliding_window") if hf["model_type"] in ("mistral", "phi3") else None
+    window = hf.get("sliding_window") if hf["model_type"] in ("mistral", "phi3", "gemma2") \
+        else None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or window < 1):
         raise WeightsError(f"{path} has sliding_window {window!r}, not a number of tokens: pass "
                            "a model whose config.json has one, or null")
-    return {**model, "seq_len": min(model["seq_len"], WINDOW),
+    gemma = _gemma(path, hf, model["n_layers"]) if hf["model_type"].startswith("gemma") else {}
+    seq_len = min(model["seq_len"], WINDOW, *([window] if gemma.get("gemma") == 2 and window
+                                              else []))
+    return {**model, "seq_len": seq_len, **gemma,
             "max_positions": model["seq_len"], "sliding_window": window or 0,
             "arch": "llama", "tie_head": tied,
             "qkv_bias": hf["model_type"] == "qwen2", "qk_norm": hf["model_type"] == "qwen3",
             "head_dim": 0 if head_dim * model["n_heads"] == model["d_model"] else head_dim,
             "partial_rotary_factor": partial, **_rope(path, hf, int(head_dim * partial))}
+
+
+def _gemma(path: pathlib.Path, hf: dict, n_layers: int) -> dict:
+    """Gemma's keys: its version, and Gemma 2's soft caps, its scores' scalar, its window on
+    every other layer, the first included (``layer_types``, if the file lists them)."""
+    if hf["model_type"] == "gemma":
+        return {"gemma": 1}
+    alternate = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                 for i in range(n_layers)]
+    if hf.get("layer_types", alternate) != alternate:
+        raise WeightsError(f"{path} has layer_types {str(hf['layer_types'])[:60]}; this demo's "
+                           "Gemma 2 slides every other layer's window, the first included: "
+                           "pass a model whose layers alternate so")
+    out = {"gemma": 2}
+    for theirs, ours, default in (("attn_logit_softcapping", "attn_softcap", 50.0),
+                                  ("final_logit_softcapping", "logit_softcap", 30.0),
+                                  ("query_pre_attn_scalar", "query_pre_attn_scalar", 256)):
+        value = hf.get(theirs, default)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or value <= 0):
+            raise WeightsError(f"{path} has {theirs} {value!r}, not a positive number: pass a "
+                               "model whose config.json has one, or null")
+        out[ours] = float(value or 0)
+    return out
 
 
 def _partial_rotary(path: pathlib.Path, hf: dict, dh: int) -> float:
@@ -421,17 +490,24 @@ def write_config(directory: pathlib.Path, model: dict, dtype: str = "float32") -
     one); the rope scaling in the ``rope_scaling`` form
     Llama 3's files use, which transformers 4 and 5 both read."""
     c = GPTConfig(**model)
-    family = ("phi3" if c.rotary_dim < c.dh else "qwen2" if c.qkv_bias else "qwen3"
+    family = ("gemma2" if c.gemma == 2 else "gemma" if c.gemma else "phi3"
+              if c.rotary_dim < c.dh else "qwen2" if c.qkv_bias else "qwen3"
               if c.qk_norm else "mistral" if c.sliding_window else "llama")
     architecture = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
-                    "phi3": "Phi3ForCausalLM"}[family]
+                    "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
+                    "gemma2": "Gemma2ForCausalLM"}[family]
     hf = {"architectures": [architecture], "model_type": family,
           **{theirs: getattr(c, ours) for theirs, ours in HF_KEYS.items()}, **FAMILIES[family],
           "tie_word_embeddings": c.tie_head, "num_key_value_heads": c.kv_heads,
           "head_dim": c.dh, "rope_theta": c.rope_theta, "dtype": dtype,
           "max_position_embeddings": c.max_positions or c.seq_len,
           **({"sliding_window": c.sliding_window} if c.sliding_window else {})}
+    if family == "gemma2":  # a window written as none is Gemma2Config's default: written
+        hf.update(sliding_window=c.sliding_window or None,
+                  attn_logit_softcapping=c.attn_softcap or None,
+                  final_logit_softcapping=c.logit_softcap or None,
+                  query_pre_attn_scalar=_number(c.query_pre_attn_scalar or c.dh))
     if family == "phi3":  # its original context beside the rope keys, where Phi3Config reads it
         hf.update(partial_rotary_factor=c.partial_rotary_factor, pad_token_id=None,
                   original_max_position_embeddings=c.rope_original_max_positions
@@ -452,3 +528,8 @@ def write_config(directory: pathlib.Path, model: dict, dtype: str = "float32") -
         hf["rope_scaling"] = {"rope_type": c.rope_type,
                               **{k: getattr(c, ROPE_KEYS[k]) for k in keys}}
     (directory / "config.json").write_text(json.dumps(hf, indent=2))
+
+
+def _number(x: float) -> int | float:
+    """A whole number as an int: the form transformers' strict configs type it in."""
+    return int(x) if float(x).is_integer() else x

@@ -69,6 +69,13 @@ class GPTConfig:
     # llama: Mistral's and Phi-3's sliding window: each token attends to itself and the
     # sliding_window - 1 before it (attention.causal); written back on export; 0: none
     sliding_window: int = 0
+    # llama: Gemma's conventions (1: RMSNorm scales of 1 + weight, the embedding times
+    # sqrt(d_model), a tanh-GELU gate; 2: Gemma 2's norms of the attention's and the MLP's
+    # outputs too, sliding_window on every other layer); 0: none
+    gemma: int = 0
+    attn_softcap: float = 0.0  # llama: scores capped by softcap * tanh(s / softcap); 0: none
+    logit_softcap: float = 0.0  # llama: the same of the final logits (Gemma 2's)
+    query_pre_attn_scalar: float = 0.0  # llama: scores times its -1/2 power; 0: head_dim's
     attention: str = "auto"  # zero_jax.gpt.attention.IMPLEMENTATIONS
     vocab_multiple: int = 1  # the embedding (and head) padded to a multiple of this
     scan_unroll: int = 1  # layers per iteration of the layer loop (nn.scan's unroll)
@@ -107,6 +114,7 @@ class GPTConfig:
             q, kv = self.n_heads * self.dh, self.kv_heads * self.dh
             head = 0 if self.tie_head else V * d
             extra = (q + 2 * kv if self.qkv_bias else 0) + (2 * self.dh if self.qk_norm else 0)
+            extra += 2 * d if self.gemma == 2 else 0  # the outputs' norms
             return V * d + head + d + L * (2 * d + 2 * d * q + 2 * d * kv + 3 * d * f + extra)
         per_layer = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
         return V * d + self.seq_len * d + L * per_layer + 2 * d
@@ -234,16 +242,19 @@ def lm_loss(model: GPT, completion_only: bool = False):
     ``completion_only``: ids stored as ``-1 - id`` (a prompt's, ``data.text_tokens``) are read
     but not predicted, and the loss is the mean over the batch's other tokens, whichever device
     holds them (``zero_jax.Weighted``)."""
+    softcap = getattr(model.cfg, "logit_softcap", 0.0)
+
     def loss_fn(params, tokens: jax.Array) -> jax.Array:
         x, head = model.apply({"params": params}, tokens[:, :-1], method="features")
-        return mean_cross_entropy(x, head, tokens[:, 1:], valid=model.cfg.vocab_size)
+        return mean_cross_entropy(x, head, tokens[:, 1:], valid=model.cfg.vocab_size,
+                                  softcap=softcap)
 
     def completions(params, tokens: jax.Array) -> Weighted:
         ids = jnp.where(tokens < 0, -1 - tokens, tokens)
         x, head = model.apply({"params": params}, ids[:, :-1], method="features")
         weights = (tokens[:, 1:] >= 0).astype(jnp.float32)
         mean = mean_cross_entropy(x, head, ids[:, 1:], valid=model.cfg.vocab_size,
-                                  weights=weights)
+                                  weights=weights, softcap=softcap)
         count = jnp.sum(weights)
         return Weighted(mean * count, count)
     return completions if completion_only else loss_fn
