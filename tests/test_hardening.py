@@ -313,10 +313,9 @@ ROWS = [
     ("head_dim of gpt2", [*T, "--set", "model.head_dim=16"], None,
      "model.head_dim, model.qkv_bias, model.qk_norm, model.max_positions, "
      "model.sliding_window and Gemma's keys are the llama arch's"),
-    ("gemma 2 window", [*T, "--config", "llama", "--set", "model.gemma=2", "--set",
-                        "model.sliding_window=8"], None,
-     "model.sliding_window 8 is Gemma 2's, on every other layer, which is built only where the "
-     "sequence fits in it: set model.seq_len to at most 8"),
+    ("window pattern, no window", [*T, "--config", "llama", "--set", "model.window_pattern=2"],
+     None, "model.window_pattern and model.rope_local_theta are the sliding layers' (Gemma 2's "
+     "and 3's): set model.sliding_window too"),
     ("gemma 3", [*T, "--config", "llama", "--set", "model.gemma=3"], None,
      "model.gemma must be 0, 1 or 2 (got 3)"),
     ("qkv bias and qk norm", [*T, "--config", "llama", "--set", "model.qkv_bias=true", "--set",

@@ -592,10 +592,16 @@ FAMILIES = {  # name: (class, config, torch seed)
     "gemma": (transformers.GemmaForCausalLM, transformers.GemmaConfig(
         **SMALL_LLAMA, head_dim=12, tie_word_embeddings=True), 9),
     # Gemma 2: its output norms, soft caps small enough to count, a scores scalar that is not
-    # the head's width, a window on every other layer that the 16 tokens fit in
+    # the head's width, a window of 5 of the 16 tokens on every other layer (the first)
     "gemma2": (transformers.Gemma2ForCausalLM, transformers.Gemma2Config(
         **SMALL_LLAMA, head_dim=8, query_pre_attn_scalar=12, attn_logit_softcapping=2.0,
-        final_logit_softcapping=3.0, sliding_window=16, tie_word_embeddings=True), 10),
+        final_logit_softcapping=3.0, sliding_window=5, tie_word_embeddings=True), 10),
+    # Gemma 3 (its text model, as 270M and 1B): Gemma 2's layers with q and k norms, no soft
+    # caps, every 3rd of 3 layers full, the sliding ones rotating at their own base; its
+    # config.json in the Hub's form (``gemma3_file``)
+    "gemma3": (transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(
+        **{**SMALL_LLAMA, "num_hidden_layers": 3}, head_dim=8, sliding_window=5,
+        sliding_window_pattern=3, tie_word_embeddings=True), 11),
     # as Qwen3's model card extends its context: yarn, 4 times an original 4 tokens
     "qwen3-yarn": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         **SMALL_LLAMA, head_dim=16, tie_word_embeddings=True, rope_parameters={
@@ -621,6 +627,18 @@ def longrope_file(path: pathlib.Path) -> None:
     (path / "config.json").write_text(json.dumps(hf))
 
 
+def gemma3_file(path: pathlib.Path) -> None:
+    """The config.json that transformers 5 wrote, in Gemma 3 1B's form on the Hub: the full
+    layers' ``rope_theta``, the sliding ones' ``rope_local_base_freq`` and the layers by
+    ``sliding_window_pattern``, not listed."""
+    hf = json.loads((path / "config.json").read_text())
+    rope, types = hf.pop("rope_parameters"), hf.pop("layer_types")
+    hf.update(rope_theta=rope["full_attention"]["rope_theta"], rope_scaling=None,
+              rope_local_base_freq=rope["sliding_attention"]["rope_theta"],
+              sliding_window_pattern=types.index("full_attention") + 1)
+    (path / "config.json").write_text(json.dumps(hf))
+
+
 def _family(tmp_path_factory, name: str) -> pathlib.Path:
     """transformers' model of that family saved, every tensor random."""
     cls, config, seed = FAMILIES[name]
@@ -633,6 +651,8 @@ def _family(tmp_path_factory, name: str) -> pathlib.Path:
     model.save_pretrained(path)
     if name in ("phi3.5", "phi4-mini"):
         longrope_file(path)
+    if name == "gemma3":
+        gemma3_file(path)
     return path
 
 
@@ -755,7 +775,8 @@ LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does
         "mscale": 0.707, "mscale_all_dim": 0.707}},
     "sliding_window": {"model_type": "mistral", "sliding_window": "4096"},
     "use_sliding_window": {"model_type": "qwen2", "use_sliding_window": True},
-    "layer_types": {"model_type": "gemma2", "layer_types": ["full_attention"] * 2},
+    "layer_types": {"model_type": "gemma2", "sliding_window": 4,
+                    "layer_types": ["full_attention", "sliding_attention"]},
     "use_bidirectional_attention": {"model_type": "gemma", "hidden_act": "gelu",  # as read
                                     "use_bidirectional_attention": True},
 }
@@ -806,12 +827,14 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     section = llama.read_config(llama_dir)
     family = which.split("-")[0]
     assert section["tie_head"] == (family in ("llama3", "qwen2", "qwen3", "phi4", "gemma",
-                                              "gemma2"))
-    assert section.get("gemma", 0) == {"gemma": 1, "gemma2": 2}.get(family, 0)
+                                              "gemma2", "gemma3"))
+    assert section.get("gemma", 0) == {"gemma": 1, "gemma2": 2, "gemma3": 2}.get(family, 0)
+    assert section.get("window_pattern", 0) == {"gemma2": 2, "gemma3": 3}.get(family, 0)
     assert section["partial_rotary_factor"] == (0.5 if family == "phi4" else 1.0)
     assert section["qkv_bias"] == (family == "qwen2")
-    assert section["qk_norm"] == (family == "qwen3") == (section["head_dim"] == 16)
-    assert section["sliding_window"] == (16 if which in ("mistral", "gemma2") else 0)
+    assert section["qk_norm"] == (family in ("qwen3", "gemma3"))
+    assert (family == "qwen3") == (section["head_dim"] == 16)
+    assert section["sliding_window"] == {"mistral": 16, "gemma2": 5, "gemma3": 5}.get(family, 0)
     counted = sum(p.numel() for p in cls_of(which)(FAMILIES[which][1]).parameters())
     assert GPTConfig(**section).n_params == counted  # the planner's count, the head tied once
     cfg = GPTConfig(**section, remat="none", vocab_multiple=128)  # 64 padded to 128
@@ -833,6 +856,11 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
         ours_windowed = logits_of(llama.Llama(dataclasses.replace(cfg, sliding_window=5)),
                                   params)
         assert rel(ours_windowed, windowed) < 1e-5 < 1e-3 < rel(windowed, theirs)
+    if family in ("gemma2", "gemma3"):  # the sliding layers' window (and base) count
+        for plain in ({"sliding_window": 0, "window_pattern": 0, "rope_local_theta": 0.0},
+                      *([{"rope_local_theta": 0.0}] if family == "gemma3" else [])):
+            other = logits_of(llama.Llama(dataclasses.replace(cfg, **plain)), params)
+            assert rel(other, theirs) > 1e-3, plain
     if which == "gemma2":  # the soft caps count
         uncapped = logits_of(llama.Llama(dataclasses.replace(cfg, attn_softcap=0.0)), params)
         assert rel(uncapped, theirs) > 1e-3 and np.abs(ours).max() < 3.0 < np.abs(

@@ -41,7 +41,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # biases on q, k and v with qkv_bias, as Qwen2; q and k normed with qk_norm, as Qwen3;
     # heads head_dim wide, 0: d_model / n_heads; max_positions the context it declares, which
     # an export writes back, 0: seq_len; sliding_window Mistral's, 0: none; gemma 1 or 2,
-    # Gemma's conventions, with the soft caps and query scalar of Gemma 2: GPTConfig).
+    # Gemma's conventions, with the soft caps, query scalar and window pattern of Gemma 2 and
+    # 3: GPTConfig).
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512,
               "seq_len": 64, "remat": "auto", "arch": "gpt2", "norm_eps": 1e-5,
               "n_kv_heads": 0, "rope_theta": 10000.0, "rope_type": "default",
@@ -50,7 +51,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
               "rope_long_factor": [], "rope_attention_factor": 0.0,
               "partial_rotary_factor": 1.0, "tie_head": False,
               "qkv_bias": False, "qk_norm": False, "head_dim": 0, "max_positions": 0,
-              "sliding_window": 0, "gemma": 0, "attn_softcap": 0.0, "logit_softcap": 0.0,
+              "sliding_window": 0, "gemma": 0, "window_pattern": 0, "rope_local_theta": 0.0,
+              "attn_softcap": 0.0, "logit_softcap": 0.0,
               "query_pre_attn_scalar": 0.0, "attention": "auto", "vocab_multiple": 128,
               "scan_unroll": 1},
     # frozen_modules: not trained (no gradient, no optimizer state), e.g. ["wpe"].
@@ -348,7 +350,8 @@ def _check_llama(m: dict) -> None:
                       ("sliding_window", "none")):
         if m[key] < 0:
             raise ConfigError(f"model.{key} must be at least 0 (got {m[key]}): 0 is {zero}")
-    for key in ("attn_softcap", "logit_softcap", "query_pre_attn_scalar"):
+    for key in ("attn_softcap", "logit_softcap", "query_pre_attn_scalar", "window_pattern",
+                "rope_local_theta"):
         if m[key] < 0:
             raise ConfigError(f"model.{key} must be at least 0 (got {m[key]}): 0 is none")
     if m["gemma"] not in (0, 1, 2):
@@ -356,15 +359,15 @@ def _check_llama(m: dict) -> None:
     if m["arch"] != "llama" and (m["head_dim"] or m["qkv_bias"] or m["qk_norm"]
                                  or m["max_positions"] or m["sliding_window"] or m["gemma"]
                                  or m["attn_softcap"] or m["logit_softcap"]
-                                 or m["query_pre_attn_scalar"]):
+                                 or m["query_pre_attn_scalar"] or m["window_pattern"]
+                                 or m["rope_local_theta"]):
         raise ConfigError("model.head_dim, model.qkv_bias, model.qk_norm, model.max_positions, "
                           "model.sliding_window and Gemma's keys are the llama arch's: set "
                           "model.arch=llama, or leave them out")
-    if m["gemma"] == 2 and 0 < m["sliding_window"] < m["seq_len"]:
-        raise ConfigError(f"model.sliding_window {m['sliding_window']} is Gemma 2's, on every "
-                          "other layer, which is built only where the sequence fits in it: set "
-                          f"model.seq_len to at most {m['sliding_window']}")
-    if m["qkv_bias"] + m["qk_norm"] + bool(m["sliding_window"]) > 1:
+    if (m["window_pattern"] or m["rope_local_theta"]) and not m["sliding_window"]:
+        raise ConfigError("model.window_pattern and model.rope_local_theta are the sliding "
+                          "layers' (Gemma 2's and 3's): set model.sliding_window too")
+    if m["qkv_bias"] + m["qk_norm"] + bool(m["sliding_window"]) > 1 + bool(m["gemma"]):
         raise ConfigError("model.qkv_bias, model.qk_norm and model.sliding_window together are "
                           "no Hugging Face family's decoder (Qwen2 has the first, Qwen3 the "
                           "second, Mistral the third): set one")

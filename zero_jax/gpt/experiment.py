@@ -40,7 +40,8 @@ from zero_jax.step import make_eval_step, make_train_step
 # trained with: flax's layer-norm epsilon before the demo took GPT-2's; a vocabulary unpadded.
 BEFORE_KEYS = {"norm_eps": 1e-6, "vocab_multiple": 1}
 # Model keys that change what is computed, not what is stored: any value resumes a checkpoint.
-STATELESS_KEYS = ("remat", "attention", "max_positions", "sliding_window", "scan_unroll")
+STATELESS_KEYS = ("remat", "attention", "max_positions", "sliding_window", "window_pattern",
+                  "rope_local_theta", "scan_unroll")
 
 
 @dataclasses.dataclass

@@ -12,6 +12,7 @@ frequencies are scaled as Hugging Face's ``linear`` and ``llama3`` rope types sc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -59,7 +60,9 @@ FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias":
             "gemma": {"hidden_act": "gelu_pytorch_tanh", "attention_bias": False,
                       "use_bidirectional_attention": None},
             "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
-                       "use_bidirectional_attention": None}}
+                       "use_bidirectional_attention": None},
+            "gemma3_text": {"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
+                            "use_bidirectional_attention": None}}
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 # yarn as the Qwens use it: these of its keys at transformers' defaults (DeepSeek's mscale not)
 YARN_FIXED = {"beta_fast": 32, "beta_slow": 1, "mscale": None, "mscale_all_dim": None,
@@ -143,7 +146,7 @@ def rope(x: jax.Array, inv: jax.Array, scale: float = 1.0) -> jax.Array:
     angles = jnp.concatenate([angles, angles], -1)[None, :, None]
     half = jnp.concatenate([-x[..., dh // 2:], x[..., :dh // 2]], -1)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
-    if scale != 1.0:
+    if not isinstance(scale, float) or scale != 1.0:  # traced: a layer's (window_pattern)
         cos, sin = cos * scale, sin * scale
     return (x * cos + half * sin).astype(x.dtype)
 
@@ -197,7 +200,9 @@ class LlamaBlock(nn.Module):
     cfg: GPTConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, _) -> tuple[jax.Array, None]:
+    def __call__(self, x: jax.Array, sliding: jax.Array | None) -> tuple[jax.Array, None]:
+        """``sliding``: whether this layer's attention slides (``window_pattern``'s layers; None:
+        every layer alike)."""
         c = self.cfg
         b, t, d = x.shape
         dh = c.dh
@@ -206,17 +211,22 @@ class LlamaBlock(nn.Module):
         after = lambda y, name: norm(c, name)(y) if c.gemma == 2 else y  # Gemma 2's outputs'
         h = norm(c, "ln1")(x)
         inv, scale = rope_frequencies(c, c.rotary_dim, t), rope_scale(c)
+        if sliding is not None and c.rope_local_theta:  # the sliding layers' own base
+            local = dataclasses.replace(c, rope_theta=c.rope_local_theta, rope_type="default")
+            inv = jnp.where(sliding, rope_frequencies(local, c.rotary_dim, t), inv)
+            scale = jnp.where(sliding, 1.0, scale) if scale != 1.0 else scale
         q, k = dense((c.n_heads, dh), "q", c.qkv_bias)(h), dense((c.kv_heads, dh), "k",
                                                                   c.qkv_bias)(h)
         if c.qk_norm:  # over each head's width, the one scale shared by the heads
             q, k = norm(c, "q_norm")(q), norm(c, "k_norm")(k)
         q, k = rope(q, inv, scale), rope(k, inv, scale)
         v = dense((c.kv_heads, dh), "v", c.qkv_bias)(h)
-        # query head i reads kv head i // rep; Gemma 2's window (every other layer) is only
-        # where the sequence fits in it (config.py), where it masks nothing
-        att = attention.causal(q, k, v, c.attention, c.sliding_window if c.gemma < 2 else 0,
-                               c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar
-                               else None, c.attn_softcap)
+        # query head i reads kv head i // rep
+        attend = lambda window: attention.causal(  # noqa: E731
+            q, k, v, c.attention, window,
+            c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar else None, c.attn_softcap)
+        att = attend(c.sliding_window) if sliding is None else jax.lax.cond(
+            sliding, lambda: attend(c.sliding_window), lambda: attend(0))
         x = x + after(dense(d, "o", axis=(-2, -1))(att), "post_attn")
         h = norm(c, "ln2")(x)
         gate, up = dense(c.d_ff, "gate")(h), dense(c.d_ff, "up")(h)
@@ -260,7 +270,10 @@ class Llama(nn.Module):
         x = take_rows(wte, tokens)
         if c.gemma:  # in the compute dtype, as transformers rounds the factor
             x = x * jnp.asarray(math.sqrt(c.d_model), x.dtype)
-        x, _ = stack(c, name="blocks")(x, None)
+        sliding = None  # the layers whose window slides, where not all
+        if c.window_pattern and c.sliding_window:
+            sliding = (jnp.arange(c.n_layers) + 1) % c.window_pattern != 0
+        x, _ = stack(c, name="blocks")(x, sliding)
         x = norm(c, "ln_f")(x)
         return x, wte.T if c.tie_head else Head(c.padded_vocab, name="head")(c.d_model)
 
@@ -338,6 +351,8 @@ def read_config(directory: str | os.PathLike) -> dict:
         hf["hidden_act"] = "gelu_pytorch_tanh"  # Gemma's first files: meant so (transformers)
     if hf.get("use_bidirectional_attention") is False:
         hf["use_bidirectional_attention"] = None
+    if hf["model_type"] == "gemma3_text":
+        hf = _gemma3_rope(path, hf)
     for key, want in FAMILIES[hf["model_type"]].items():
         got = hf.get(key, rope_parameters.get(key, want) if isinstance(rope_parameters, dict)
                      else want)
@@ -353,37 +368,47 @@ def read_config(directory: str | os.PathLike) -> dict:
     if not isinstance(tied := hf.get("tie_word_embeddings", False), bool):
         raise WeightsError(f"{path} has tie_word_embeddings {tied!r}, not true or false: pass a "
                            "model whose config.json has one of them")
-    window = hf.get("sliding_window") if hf["model_type"] in ("mistral", "phi3", "gemma2") \
-        else None
+    window = hf.get("sliding_window") if hf["model_type"] in ("mistral", "phi3", "gemma2",
+                                                              "gemma3_text") else None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or window < 1):
         raise WeightsError(f"{path} has sliding_window {window!r}, not a number of tokens: pass "
                            "a model whose config.json has one, or null")
-    gemma = _gemma(path, hf, model["n_layers"]) if hf["model_type"].startswith("gemma") else {}
-    seq_len = min(model["seq_len"], WINDOW, *([window] if gemma.get("gemma") == 2 and window
-                                              else []))
-    return {**model, "seq_len": seq_len, **gemma,
+    gemma = _gemma(path, hf, model["n_layers"], window) \
+        if hf["model_type"].startswith("gemma") else {}
+    return {**model, "seq_len": min(model["seq_len"], WINDOW), **gemma,
             "max_positions": model["seq_len"], "sliding_window": window or 0,
             "arch": "llama", "tie_head": tied,
-            "qkv_bias": hf["model_type"] == "qwen2", "qk_norm": hf["model_type"] == "qwen3",
+            "qkv_bias": hf["model_type"] == "qwen2",
+            "qk_norm": hf["model_type"] in ("qwen3", "gemma3_text"),
             "head_dim": 0 if head_dim * model["n_heads"] == model["d_model"] else head_dim,
             "partial_rotary_factor": partial, **_rope(path, hf, int(head_dim * partial))}
 
 
-def _gemma(path: pathlib.Path, hf: dict, n_layers: int) -> dict:
-    """Gemma's keys: its version, and Gemma 2's soft caps, its scores' scalar, its window on
-    every other layer, the first included (``layer_types``, if the file lists them)."""
+def _gemma(path: pathlib.Path, hf: dict, n_layers: int, window: int | None) -> dict:
+    """Gemma's keys: its version; Gemma 2's and 3's soft caps, scores' scalar, and the layers
+    whose window slides, all but every N-th (``layer_types``, else 2 and Gemma 3's
+    ``sliding_window_pattern``); Gemma 3's q and k norms and its sliding layers' rope base."""
     if hf["model_type"] == "gemma":
         return {"gemma": 1}
-    alternate = ["sliding_attention" if i % 2 == 0 else "full_attention"
-                 for i in range(n_layers)]
-    if hf.get("layer_types", alternate) != alternate:
-        raise WeightsError(f"{path} has layer_types {str(hf['layer_types'])[:60]}; this demo's "
-                           "Gemma 2 slides every other layer's window, the first included: "
-                           "pass a model whose layers alternate so")
-    out = {"gemma": 2}
-    for theirs, ours, default in (("attn_logit_softcapping", "attn_softcap", 50.0),
-                                  ("final_logit_softcapping", "logit_softcap", 30.0),
+    three = hf["model_type"] == "gemma3_text"
+    pattern = hf.get("sliding_window_pattern", 6) if three else 2
+    types = hf.get("layer_types")
+    if isinstance(types, list) and "full_attention" in types:
+        pattern = types.index("full_attention") + 1
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1 or (
+            types is not None and types != _layer_types(pattern, n_layers)):
+        raise WeightsError(f"{path} has layer_types {str(types)[:60]}; this demo slides the "
+                           "window of every layer but each N-th: pass a model whose layers "
+                           "are so")
+    if three and not window:  # its sliding layers would still rotate at their own base
+        raise WeightsError(f"{path} has sliding_window None; this demo's Gemma 3 slides a "
+                           "window: pass a model whose config.json has one")
+    out = {"gemma": 2, "window_pattern": pattern if window else 0,
+           **({"rope_local_theta": hf["rope_local_base_freq"]} if three else {})}
+    caps = (None, None) if three else (50.0, 30.0)  # transformers' defaults
+    for theirs, ours, default in (("attn_logit_softcapping", "attn_softcap", caps[0]),
+                                  ("final_logit_softcapping", "logit_softcap", caps[1]),
                                   ("query_pre_attn_scalar", "query_pre_attn_scalar", 256)):
         value = hf.get(theirs, default)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -392,6 +417,32 @@ def _gemma(path: pathlib.Path, hf: dict, n_layers: int) -> dict:
                                "model whose config.json has one, or null")
         out[ours] = float(value or 0)
     return out
+
+
+def _layer_types(pattern: int, n_layers: int) -> list[str]:
+    """transformers' ``layer_types`` of Gemma 2 and 3: every ``pattern``-th layer full."""
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(n_layers)]
+
+
+def _gemma3_rope(path: pathlib.Path, hf: dict) -> dict:
+    """``hf`` with Gemma 3's rope keys as the other families have theirs: the full layers'
+    (``rope_parameters.full_attention`` in transformers 5's files, else ``rope_theta`` and
+    ``rope_scaling``, a base of 1,000,000 by default) as the model's, the sliding layers'
+    plain base (``rope_local_base_freq``, 10,000 by default) beside them."""
+    params = hf.get("rope_parameters")
+    local = {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}
+    if isinstance(params, dict) and "full_attention" in params:
+        local = params.get("sliding_attention") or local
+        hf = {**hf, "rope_parameters": params["full_attention"]}
+    elif not isinstance(params, dict):
+        hf = {**hf, "rope_theta": hf.get("rope_theta", 1_000_000.0)}
+    theta = local.get("rope_theta", 10000.0) if isinstance(local, dict) else local
+    if not isinstance(local, dict) or local.get("rope_type", "default") != "default" or \
+            isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise WeightsError(f"{path} has sliding layers' rope {str(local)[:60]}; this demo "
+                           "rotates them at a plain base: pass a model whose config.json has one")
+    return {**hf, "rope_local_base_freq": float(theta)}
 
 
 def _partial_rotary(path: pathlib.Path, hf: dict, dh: int) -> float:
@@ -490,21 +541,25 @@ def write_config(directory: pathlib.Path, model: dict, dtype: str = "float32") -
     one); the rope scaling in the ``rope_scaling`` form
     Llama 3's files use, which transformers 4 and 5 both read."""
     c = GPTConfig(**model)
-    family = ("gemma2" if c.gemma == 2 else "gemma" if c.gemma else "phi3"
+    family = ("gemma3_text" if c.gemma == 2 and c.qk_norm else "gemma2" if c.gemma == 2
+              else "gemma" if c.gemma else "phi3"
               if c.rotary_dim < c.dh else "qwen2" if c.qkv_bias else "qwen3"
               if c.qk_norm else "mistral" if c.sliding_window else "llama")
     architecture = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
                     "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
-                    "gemma2": "Gemma2ForCausalLM"}[family]
+                    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}[family]
     hf = {"architectures": [architecture], "model_type": family,
           **{theirs: getattr(c, ours) for theirs, ours in HF_KEYS.items()}, **FAMILIES[family],
           "tie_word_embeddings": c.tie_head, "num_key_value_heads": c.kv_heads,
           "head_dim": c.dh, "rope_theta": c.rope_theta, "dtype": dtype,
           "max_position_embeddings": c.max_positions or c.seq_len,
           **({"sliding_window": c.sliding_window} if c.sliding_window else {})}
-    if family == "gemma2":  # a window written as none is Gemma2Config's default: written
+    if family.startswith("gemma") and c.gemma == 2:  # none written, not the configs' default
         hf.update(sliding_window=c.sliding_window or None,
+                  layer_types=_layer_types(c.window_pattern or c.n_layers + 1, c.n_layers),
+                  **({"rope_local_base_freq": c.rope_local_theta} if c.rope_local_theta
+                     else {}),
                   attn_logit_softcapping=c.attn_softcap or None,
                   final_logit_softcapping=c.logit_softcap or None,
                   query_pre_attn_scalar=_number(c.query_pre_attn_scalar or c.dh))

@@ -70,9 +70,13 @@ class GPTConfig:
     # sliding_window - 1 before it (attention.causal); written back on export; 0: none
     sliding_window: int = 0
     # llama: Gemma's conventions (1: RMSNorm scales of 1 + weight, the embedding times
-    # sqrt(d_model), a tanh-GELU gate; 2: Gemma 2's norms of the attention's and the MLP's
-    # outputs too, sliding_window on every other layer); 0: none
+    # sqrt(d_model), a tanh-GELU gate; 2: Gemma 2's and 3's norms of the attention's and the
+    # MLP's outputs too); 0: none
     gemma: int = 0
+    # llama: sliding_window on every layer but each window_pattern-th (Gemma 2: 2, Gemma 3:
+    # 6), those rotating at base rope_local_theta where it is set; 0: every layer alike
+    window_pattern: int = 0
+    rope_local_theta: float = 0.0
     attn_softcap: float = 0.0  # llama: scores capped by softcap * tanh(s / softcap); 0: none
     logit_softcap: float = 0.0  # llama: the same of the final logits (Gemma 2's)
     query_pre_attn_scalar: float = 0.0  # llama: scores times its -1/2 power; 0: head_dim's
