@@ -602,6 +602,15 @@ FAMILIES = {  # name: (class, config, torch seed)
     "gemma3": (transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(
         **{**SMALL_LLAMA, "num_hidden_layers": 3}, head_dim=8, sliding_window=5,
         sliding_window_pattern=3, tie_word_embeddings=True), 11),
+    # Gemma 3's image-text models (4B and up): that text model under ``language_model.``,
+    # beside a vision tower (left unread), its full layers' rope scaled (linear, 8)
+    "gemma3-vision": (transformers.Gemma3ForConditionalGeneration, transformers.Gemma3Config(
+        text_config=transformers.Gemma3TextConfig(
+            **{**SMALL_LLAMA, "num_hidden_layers": 3}, head_dim=8, sliding_window=5,
+            sliding_window_pattern=3, rope_scaling={"rope_type": "linear", "factor": 8.0}
+        ).to_dict(), vision_config=transformers.SiglipVisionConfig(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            image_size=28, patch_size=14).to_dict(), mm_tokens_per_image=4), 12),
     # as Qwen3's model card extends its context: yarn, 4 times an original 4 tokens
     "qwen3-yarn": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         **SMALL_LLAMA, head_dim=16, tie_word_embeddings=True, rope_parameters={
@@ -835,7 +844,8 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     assert section["qk_norm"] == (family in ("qwen3", "gemma3"))
     assert (family == "qwen3") == (section["head_dim"] == 16)
     assert section["sliding_window"] == {"mistral": 16, "gemma2": 5, "gemma3": 5}.get(family, 0)
-    counted = sum(p.numel() for p in cls_of(which)(FAMILIES[which][1]).parameters())
+    counted = sum(p.numel() for n, p in cls_of(which)(FAMILIES[which][1]).named_parameters()
+                  if not n.startswith(("model.vision_tower", "model.multi_modal_projector")))
     assert GPTConfig(**section).n_params == counted  # the planner's count, the head tied once
     cfg = GPTConfig(**section, remat="none", vocab_multiple=128)  # 64 padded to 128
     model = llama.Llama(cfg)
@@ -846,7 +856,9 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
                         rules=list(llama.tensor_parallel(cfg)) if tp > 1 else [])
     files, mapping = hf.weights_source(llama_dir)  # Phi-3's: its fused tensors' rows
     params = load_params(plan, files, mapping)
-    assert files.bytes_read == sum(i.nbytes for i in files.tensors.values())  # each byte once
+    assert files.bytes_read == sum(  # each byte once, a vision tower's none
+        i.nbytes for n, i in files.tensors.items()
+        if not n.startswith(("vision_tower.", "multi_modal_projector.")))
     ours = logits_of(model, params)
     assert rel(ours, theirs) < 1e-5, rel(ours, theirs)
     if which in ("mistral", "phi3"):  # a window shorter than the sequence: 5 of 16 tokens

@@ -61,12 +61,12 @@ def read_config(directory: str | os.PathLike) -> dict:
                            "directory (config.json and safetensors)") from None
     from zero_jax.gpt import llama
 
-    if hf.get("model_type") in llama.FAMILIES:
+    if hf.get("model_type") in (*llama.FAMILIES, "gemma3"):
         return llama.read_config(directory)
     if hf.get("model_type") != "gpt2":
         raise WeightsError(f"{path} is model_type {hf.get('model_type')!r}; this demo reads "
-                           "gpt2, llama, mistral, qwen2, qwen3, phi3, gemma and gemma2: pass a "
-                           "directory of one")
+                           "gpt2, llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text "
+                           "and gemma3's text: pass a directory of one")
     for key, want in GPT2_FIXED.items():
         if key in hf and hf[key] != want:
             raise WeightsError(f"{path} has {key} {hf[key]!r}; this demo's GPT-2 computes "
@@ -96,6 +96,10 @@ def weights_source(directory: str | os.PathLike):
         from zero_jax.gpt import llama
 
         return files, llama.phi3_mapping(GPTConfig(**model))
+    if any(n.startswith("language_model.") for n in files.tensors):  # an image-text Gemma 3
+        from zero_jax.gpt import llama
+
+        return files, llama.text_mapping(mapping(model))
     prefix = "transformer." if any(n.startswith("transformer.") for n in files.tensors) else ""
     return files, mapping(model, prefix)
 

@@ -63,6 +63,13 @@ FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias":
                        "use_bidirectional_attention": None},
             "gemma3_text": {"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
                             "use_bidirectional_attention": None}}
+# Gemma 3's text keys at transformers' defaults: the text_config of its image-text models on
+# the Hub (4B and up) holds only those that differ
+GEMMA3_TEXT = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+               "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+               "head_dim": 256, "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+               "query_pre_attn_scalar": 256, "sliding_window": 4096,
+               "tie_word_embeddings": True}
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 # yarn as the Qwens use it: these of its keys at transformers' defaults (DeepSeek's mscale not)
 YARN_FIXED = {"beta_fast": 32, "beta_slow": 1, "mscale": None, "mscale_all_dim": None,
@@ -312,6 +319,14 @@ def mapping(c: GPTConfig) -> Mapping:
     return Mapping(tuple(rows), ignore=(r"rotary_emb\.inv_freq$", *tied))
 
 
+def text_mapping(text: Mapping) -> Mapping:
+    """An image-text Gemma 3's text model (``language_model.`` before Gemma3ForCausalLM's
+    names), its vision tower and projector left unread: written back as that text model."""
+    return dataclasses.replace(text, prefix="language_model.", ignore=(
+        *text.ignore, r"^vision_tower\.", r"^multi_modal_projector\.",
+        r"^language_model\.lm_head\.weight$"))
+
+
 def phi3_mapping(c: GPTConfig) -> Mapping:
     """Hugging Face's ``Phi3ForCausalLM`` tensors: Llama's, but for q, k and v in one
     ``qkv_proj`` and the gate and up projections in one ``gate_up_proj``, each parameter
@@ -342,8 +357,12 @@ def read_config(directory: str | os.PathLike) -> dict:
     path = pathlib.Path(directory) / "config.json"
     try:
         hf = json.loads(path.read_text())
+        if hf.get("model_type") == "gemma3":  # an image-text Gemma 3: its text model
+            hf = {**hf["text_config"], "model_type": "gemma3_text"}
+        if hf.get("model_type") == "gemma3_text":
+            hf = {**GEMMA3_TEXT, **hf}
         assert isinstance(hf, dict) and hf.get("model_type") in FAMILIES
-    except (OSError, ValueError, AssertionError):
+    except (OSError, ValueError, AssertionError, KeyError, TypeError):
         raise WeightsError(f"{path} is missing or not a Llama, Mistral, Qwen, Phi-3 or "
                            "Gemma config.json: pass a Hugging Face directory of one") from None
     rope_parameters = hf.get("rope_parameters")
