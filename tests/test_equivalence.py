@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import CLIP, KEY, OPTIMIZERS, max_rel, rel, tree_rel
+from conftest import CLIP, KEY, OPTIMIZERS, max_rel, optax_steps, rel, tree_rel
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from lm import LAYERS
@@ -174,3 +174,42 @@ def test_ignored_and_frozen_modules_at_every_stage(stage, mesh, small, reference
 
     fc2 = sum(x.size * 4 for x in jax.tree.leaves(params["blocks"]["fc2"]))
     assert reduced_bytes(fn) == reduced_bytes(grad_fn(None)[0]) - fc2
+
+
+# The demo's Llama-family decoder with all that Gemma 2 and 3 add to Llama: GQA, a tied head,
+# q and k norms, Gemma's norms and their outputs' norms, a window of 5 on every other layer
+# (a flag through the scanned layers, a lax.cond per layer) rotating at its own base, soft caps
+# on the scores and (inside the chunked loss) on the logits, a scores scalar of its own.
+GEMMA_LIKE = {"arch": "llama", "vocab_size": 64, "d_model": 32, "n_layers": 4, "n_heads": 4,
+              "n_kv_heads": 2, "d_ff": 64, "seq_len": 16, "head_dim": 8, "tie_head": True,
+              "qk_norm": True, "gemma": 2, "window_pattern": 2, "sliding_window": 5,
+              "rope_theta": 1e6, "rope_local_theta": 1e4, "attn_softcap": 2.0,
+              "logit_softcap": 3.0, "query_pre_attn_scalar": 12.0, "remat": "none",
+              "vocab_multiple": 128}
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_the_llama_family_trains_at_stage_3_with_prefetch_as_on_one_device(opt, mesh):
+    """``GEMMA_LIKE`` at stage 3 with prefetch on 8 devices: its first gradient, and 4
+    steps' losses and parameters, as one-device optax's (the layers' flags and conds go
+    through prefetch's loop forward and backward)."""
+    from zero_jax import Layers
+    from zero_jax.gpt.llama import Llama
+    from zero_jax.gpt.model import GPTConfig, init_fn, lm_loss
+
+    model = Llama(GPTConfig(**GEMMA_LIKE))
+    init, loss_fn, tx = init_fn(model), lm_loss(model), OPTIMIZERS[opt]()
+    batches = [jax.random.randint(jax.random.key(i), (8, 17), 0, 64) for i in range(4)]
+    ref = optax_steps(loss_fn, tx, init(KEY), batches)
+    plan = make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=Layers("^blocks$",
+                                                                      prefetch=True))
+    state = init_state(plan, init, tx, KEY)
+    _, grads = jax.jit(make_grad_fn(plan, loss_fn))(state.params, shard(mesh, batches[0]))
+    assert max_rel(grads, ref["grads"][0]) < 1e-5
+    step = make_train_step(plan, loss_fn, tx)
+    losses = []
+    for b in batches:
+        state, m = step(state, shard(mesh, b))
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, ref["losses"], rtol=1e-5)
+    assert tree_rel(state.params, ref["params"]) < 1e-5
