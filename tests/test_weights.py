@@ -611,6 +611,13 @@ FAMILIES = {  # name: (class, config, torch seed)
         ).to_dict(), vision_config=transformers.SiglipVisionConfig(
             hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
             image_size=28, patch_size=14).to_dict(), mm_tokens_per_image=4), 12),
+    # mixtures of experts: Mixtral's 2 of (here) 4 experts a token, their weights renormalized;
+    # Qwen3-MoE's narrower experts, the chosen ones' softmax weights as they are
+    "mixtral": (transformers.MixtralForCausalLM, transformers.MixtralConfig(
+        **SMALL_LLAMA, num_local_experts=4, num_experts_per_tok=2), 13),
+    "qwen3-moe": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
+        **SMALL_LLAMA, head_dim=16, tie_word_embeddings=True, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=False), 14),
     # as Qwen3's model card extends its context: yarn, 4 times an original 4 tokens
     "qwen3-yarn": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         **SMALL_LLAMA, head_dim=16, tie_word_embeddings=True, rope_parameters={
@@ -786,6 +793,12 @@ LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does
     "use_sliding_window": {"model_type": "qwen2", "use_sliding_window": True},
     "layer_types": {"model_type": "gemma2", "sliding_window": 4,
                     "layer_types": ["full_attention", "sliding_attention"]},
+    "router_jitter_noise": {"model_type": "mixtral", "router_jitter_noise": 0.01,
+                            "num_local_experts": 4, "num_experts_per_tok": 2},
+    "mlp_only_layers": {"model_type": "qwen3_moe", "mlp_only_layers": [0], "num_experts": 4,
+                        "num_experts_per_tok": 2, "moe_intermediate_size": 24},
+    "num_experts_per_tok": {"model_type": "mixtral", "num_local_experts": 4,
+                            "num_experts_per_tok": 8},
     "use_bidirectional_attention": {"model_type": "gemma", "hidden_act": "gelu",  # as read
                                     "use_bidirectional_attention": True},
 }
@@ -839,6 +852,7 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
                                               "gemma2", "gemma3"))
     assert section.get("gemma", 0) == {"gemma": 1, "gemma2": 2, "gemma3": 2}.get(family, 0)
     assert section.get("window_pattern", 0) == {"gemma2": 2, "gemma3": 3}.get(family, 0)
+    assert section.get("n_experts", 0) == (4 if which in ("mixtral", "qwen3-moe") else 0)
     assert section["partial_rotary_factor"] == (0.5 if family == "phi4" else 1.0)
     assert section["qkv_bias"] == (family == "qwen2")
     assert section["qk_norm"] == (family in ("qwen3", "gemma3"))
@@ -873,6 +887,9 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
                       *([{"rope_local_theta": 0.0}] if family == "gemma3" else [])):
             other = logits_of(llama.Llama(dataclasses.replace(cfg, **plain)), params)
             assert rel(other, theirs) > 1e-3, plain
+    if section.get("n_experts"):  # the routing counts: one expert a token differs
+        one = logits_of(llama.Llama(dataclasses.replace(cfg, experts_per_token=1)), params)
+        assert rel(one, theirs) > 1e-3
     if which == "gemma2":  # the soft caps count
         uncapped = logits_of(llama.Llama(dataclasses.replace(cfg, attn_softcap=0.0)), params)
         assert rel(uncapped, theirs) > 1e-3 and np.abs(ours).max() < 3.0 < np.abs(
@@ -950,7 +967,7 @@ def test_a_tensor_taken_in_ranges_is_read_once_whole_and_written_back_whole(fami
 @pytest.mark.slow
 # (the plain Llama's untied head and rotary positions are the Mistral's, trained here too)
 @pytest.mark.parametrize("which", ["llama3", "qwen2", "qwen3", "mistral", "phi4-mini",
-                                   "gemma2"])
+                                   "gemma2", "mixtral"])
 def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, family_dir):
     """train.py --init-from a Llama directory (one made as Llama 3.2 is, a Qwen2, a Qwen3, a
     Mistral whose sliding window is set to 5 of the 16 tokens, one as Phi-4-mini: longrope,

@@ -52,6 +52,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
               "partial_rotary_factor": 1.0, "tie_head": False,
               "qkv_bias": False, "qk_norm": False, "head_dim": 0, "max_positions": 0,
               "sliding_window": 0, "gemma": 0, "window_pattern": 0, "rope_local_theta": 0.0,
+              "n_experts": 0, "experts_per_token": 2, "expert_d_ff": 0, "moe_norm_topk": True,
               "attn_softcap": 0.0, "logit_softcap": 0.0,
               "query_pre_attn_scalar": 0.0, "attention": "auto", "vocab_multiple": 128,
               "scan_unroll": 1},
@@ -351,7 +352,7 @@ def _check_llama(m: dict) -> None:
         if m[key] < 0:
             raise ConfigError(f"model.{key} must be at least 0 (got {m[key]}): 0 is {zero}")
     for key in ("attn_softcap", "logit_softcap", "query_pre_attn_scalar", "window_pattern",
-                "rope_local_theta"):
+                "rope_local_theta", "n_experts", "expert_d_ff"):
         if m[key] < 0:
             raise ConfigError(f"model.{key} must be at least 0 (got {m[key]}): 0 is none")
     if m["gemma"] not in (0, 1, 2):
@@ -360,10 +361,13 @@ def _check_llama(m: dict) -> None:
                                  or m["max_positions"] or m["sliding_window"] or m["gemma"]
                                  or m["attn_softcap"] or m["logit_softcap"]
                                  or m["query_pre_attn_scalar"] or m["window_pattern"]
-                                 or m["rope_local_theta"]):
+                                 or m["rope_local_theta"] or m["n_experts"]):
         raise ConfigError("model.head_dim, model.qkv_bias, model.qk_norm, model.max_positions, "
-                          "model.sliding_window and Gemma's keys are the llama arch's: set "
-                          "model.arch=llama, or leave them out")
+                          "model.sliding_window, Gemma's keys and model.n_experts are the llama "
+                          "arch's: set model.arch=llama, or leave them out")
+    if m["n_experts"] and not 1 <= m["experts_per_token"] <= m["n_experts"]:
+        raise ConfigError(f"model.experts_per_token must be 1 to model.n_experts "
+                          f"({m['n_experts']}) (got {m['experts_per_token']})")
     if (m["window_pattern"] or m["rope_local_theta"]) and not m["sliding_window"]:
         raise ConfigError("model.window_pattern and model.rope_local_theta are the sliding "
                           "layers' (Gemma 2's and 3's): set model.sliding_window too")

@@ -24,8 +24,9 @@ import jax.numpy as jnp
 
 from zero_jax.blocks import remat_policy
 from zero_jax.embedding import take_rows
-from zero_jax.gpt import attention
+from zero_jax.gpt import attention, moe
 from zero_jax.gpt.model import GPTConfig, block_remat
+from zero_jax.gpt.moe import MoE
 from zero_jax.plan import Rule
 from zero_jax.tensorfiles import WeightsError
 from zero_jax.weights import Mapping, Tensor
@@ -62,7 +63,11 @@ FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias":
             "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
                        "use_bidirectional_attention": None},
             "gemma3_text": {"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
-                            "use_bidirectional_attention": None}}
+                            "use_bidirectional_attention": None},
+            "mixtral": {"hidden_act": "silu", "router_jitter_noise": 0.0},
+            "qwen3_moe": {"hidden_act": "silu", "attention_bias": False,
+                          "use_sliding_window": False, "decoder_sparse_step": 1,
+                          "mlp_only_layers": []}}
 # Gemma 3's text keys at transformers' defaults: the text_config of its image-text models on
 # the Hub (4B and up) holds only those that differ
 GEMMA3_TEXT = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
@@ -85,9 +90,12 @@ ROPE_KEYS = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
 
 def tensor_parallel(c: GPTConfig) -> tuple[Rule, ...]:
     """``TENSOR_PARALLEL`` for the leaves ``c`` has: the q, k, v biases cut by heads as their
-    kernels, no head's rule where the head is the embedding's."""
+    kernels, the experts' as the MLP's where they are its, no head's rule where the head is
+    the embedding's."""
     bias = (Rule(r"^blocks/(q|k|v)/bias$", model_dim=-2),) if c.qkv_bias else ()
-    return (*bias, *TENSOR_PARALLEL[:-1], *(() if c.tie_head else TENSOR_PARALLEL[-1:]))
+    mlp = moe.TENSOR_PARALLEL if c.n_experts else TENSOR_PARALLEL[2:4]
+    return (*bias, *TENSOR_PARALLEL[:2], *mlp, TENSOR_PARALLEL[4],
+            *(() if c.tie_head else TENSOR_PARALLEL[-1:]))
 
 
 def rope_frequencies(c: GPTConfig, dh: int, t: int) -> jax.Array:
@@ -236,6 +244,9 @@ class LlamaBlock(nn.Module):
             sliding, lambda: attend(c.sliding_window), lambda: attend(0))
         x = x + after(dense(d, "o", axis=(-2, -1))(att), "post_attn")
         h = norm(c, "ln2")(x)
+        if c.n_experts:
+            return x + after(MoE(c.n_experts, c.experts_per_token, c.expert_d_ff or c.d_ff,
+                                 c.moe_norm_topk, swiglu, name="moe")(h), "post_mlp"), None
         gate, up = dense(c.d_ff, "gate")(h), dense(c.d_ff, "up")(h)
         mid = nn.gelu(gate, approximate=True) * up if c.gemma else swiglu(gate, up)
         return x + after(dense(d, "down")(mid), "post_mlp"), None
@@ -312,7 +323,9 @@ def mapping(c: GPTConfig) -> Mapping:
     if c.qk_norm:
         rows += [Tensor(f"{h}self_attn.{n}_norm.weight", f"blocks/{n}_norm/scale")
                  for n in ("q", "k")]
-    for name in ("gate", "up", "down"):
+    if c.n_experts:
+        rows += moe.rows("qwen3_moe" if c.qk_norm else "mixtral", c.n_experts, h)
+    for name in ("gate", "up", "down") if not c.n_experts else ():
         rows.append(Tensor(f"{h}mlp.{name}_proj.weight", f"blocks/{name}/kernel",
                            transpose=(1, 0)))
     tied = (r"^lm_head\.weight$",) if c.tie_head else ()
@@ -387,19 +400,20 @@ def read_config(directory: str | os.PathLike) -> dict:
     if not isinstance(tied := hf.get("tie_word_embeddings", False), bool):
         raise WeightsError(f"{path} has tie_word_embeddings {tied!r}, not true or false: pass a "
                            "model whose config.json has one of them")
-    window = hf.get("sliding_window") if hf["model_type"] in ("mistral", "phi3", "gemma2",
-                                                              "gemma3_text") else None
+    window = hf.get("sliding_window") if hf["model_type"] in (
+        "mistral", "mixtral", "phi3", "gemma2", "gemma3_text") else None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or window < 1):
         raise WeightsError(f"{path} has sliding_window {window!r}, not a number of tokens: pass "
                            "a model whose config.json has one, or null")
     gemma = _gemma(path, hf, model["n_layers"], window) \
         if hf["model_type"].startswith("gemma") else {}
-    return {**model, "seq_len": min(model["seq_len"], WINDOW), **gemma,
+    experts = _moe(path, hf) if hf["model_type"] in moe.NAMES else {}
+    return {**model, "seq_len": min(model["seq_len"], WINDOW), **gemma, **experts,
             "max_positions": model["seq_len"], "sliding_window": window or 0,
             "arch": "llama", "tie_head": tied,
             "qkv_bias": hf["model_type"] == "qwen2",
-            "qk_norm": hf["model_type"] in ("qwen3", "gemma3_text"),
+            "qk_norm": hf["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text"),
             "head_dim": 0 if head_dim * model["n_heads"] == model["d_model"] else head_dim,
             "partial_rotary_factor": partial, **_rope(path, hf, int(head_dim * partial))}
 
@@ -436,6 +450,30 @@ def _gemma(path: pathlib.Path, hf: dict, n_layers: int, window: int | None) -> d
                                "model whose config.json has one, or null")
         out[ours] = float(value or 0)
     return out
+
+
+def _moe(path: pathlib.Path, hf: dict) -> dict:
+    """A Mixtral's or Qwen3-MoE's experts: how many, how many a token takes, their width
+    (Qwen3-MoE's ``moe_intermediate_size``), whether the chosen ones' weights renormalize."""
+    mixtral = hf["model_type"] == "mixtral"
+    got = {"num_local_experts": hf.get("num_local_experts", hf.get("num_experts")),
+           "num_experts_per_tok": hf.get("num_experts_per_tok"),
+           "moe_intermediate_size": hf["intermediate_size"] if mixtral
+           else hf.get("moe_intermediate_size")}
+    for key, value in got.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise WeightsError(f"{path} has {key} {value!r}, not a positive whole number: pass "
+                               "a model whose config.json has one")
+    n, k, f = got.values()
+    if k > n:
+        raise WeightsError(f"{path} has num_experts_per_tok {k}, more than its {n} experts: "
+                           "pass a model whose config.json has at most that many")
+    norm = True if mixtral else hf.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise WeightsError(f"{path} has norm_topk_prob {norm!r}, not true or false: pass a "
+                           "model whose config.json has one of them")
+    return {"n_experts": n, "experts_per_token": k, "moe_norm_topk": norm,
+            "expert_d_ff": 0 if f == hf["intermediate_size"] else f}
 
 
 def _layer_types(pattern: int, n_layers: int) -> list[str]:
@@ -552,40 +590,43 @@ def _extended(path: pathlib.Path, where: str, rope: dict, hf: dict, dh: int) -> 
     return {**out, "rope_factor": float(factor), "rope_attention_factor": float(attention or 0)}
 
 
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def family_of(c: GPTConfig) -> str:
+    """The Hugging Face family that computes ``c``: with experts Qwen3-MoE's (q and k
+    normed) or Mixtral's; Gemma's three; Phi-3's where heads rotate in part (only its class
+    computes that; its tensors then ``phi3_mapping``'s); Qwen2's with ``qkv_bias``, Qwen3's with
+    ``qk_norm``, Mistral's with ``sliding_window``, else Llama's (a Mistral without its window
+    computes as one)."""
+    if c.n_experts:
+        if not (c.qk_norm or c.moe_norm_topk):
+            raise WeightsError("model.moe_norm_topk false without qk_norm is no Hugging Face "
+                               "family's (Mixtral renormalizes its experts' weights): not written")
+        return "qwen3_moe" if c.qk_norm else "mixtral"
+    if c.gemma:
+        return "gemma" if c.gemma == 1 else "gemma3_text" if c.qk_norm else "gemma2"
+    return ("phi3" if c.rotary_dim < c.dh else "qwen2" if c.qkv_bias else "qwen3"
+            if c.qk_norm else "mistral" if c.sliding_window else "llama")
+
+
 def write_config(directory: pathlib.Path, model: dict, dtype: str = "float32") -> None:
-    """A config.json for the demo's ``model`` section, as transformers reads it: Phi-3's where
-    heads rotate in part (``partial_rotary_factor``, which only its class computes; its
-    tensors then ``phi3_mapping``'s), Qwen2's with ``qkv_bias``, Qwen3's with ``qk_norm``,
-    Mistral's with ``sliding_window``, else Llama's (a Mistral without its window computes as
-    one); the rope scaling in the ``rope_scaling`` form
-    Llama 3's files use, which transformers 4 and 5 both read."""
+    """A config.json for the demo's ``model`` section, as transformers reads it, of
+    ``family_of`` its model; the rope scaling in the ``rope_scaling`` form Llama 3's files use,
+    which transformers 4 and 5 both read."""
     c = GPTConfig(**model)
-    family = ("gemma3_text" if c.gemma == 2 and c.qk_norm else "gemma2" if c.gemma == 2
-              else "gemma" if c.gemma else "phi3"
-              if c.rotary_dim < c.dh else "qwen2" if c.qkv_bias else "qwen3"
-              if c.qk_norm else "mistral" if c.sliding_window else "llama")
-    architecture = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                    "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
-                    "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
-                    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}[family]
-    hf = {"architectures": [architecture], "model_type": family,
+    family = family_of(c)
+    hf = {"architectures": [ARCHITECTURES[family]], "model_type": family,
           **{theirs: getattr(c, ours) for theirs, ours in HF_KEYS.items()}, **FAMILIES[family],
           "tie_word_embeddings": c.tie_head, "num_key_value_heads": c.kv_heads,
           "head_dim": c.dh, "rope_theta": c.rope_theta, "dtype": dtype,
           "max_position_embeddings": c.max_positions or c.seq_len,
-          **({"sliding_window": c.sliding_window} if c.sliding_window else {})}
-    if family.startswith("gemma") and c.gemma == 2:  # none written, not the configs' default
-        hf.update(sliding_window=c.sliding_window or None,
-                  layer_types=_layer_types(c.window_pattern or c.n_layers + 1, c.n_layers),
-                  **({"rope_local_base_freq": c.rope_local_theta} if c.rope_local_theta
-                     else {}),
-                  attn_logit_softcapping=c.attn_softcap or None,
-                  final_logit_softcapping=c.logit_softcap or None,
-                  query_pre_attn_scalar=_number(c.query_pre_attn_scalar or c.dh))
-    if family == "phi3":  # its original context beside the rope keys, where Phi3Config reads it
-        hf.update(partial_rotary_factor=c.partial_rotary_factor, pad_token_id=None,
-                  original_max_position_embeddings=c.rope_original_max_positions
-                  or c.max_positions or c.seq_len)
+          **({"sliding_window": c.sliding_window} if c.sliding_window else {}),
+          **_family_keys(c, family)}
     if c.rope_type == "longrope":
         hf["rope_scaling"] = {"rope_type": "longrope", "short_factor": list(c.rope_short_factor),
                               "long_factor": list(c.rope_long_factor), "factor": c.rope_factor,
@@ -602,6 +643,30 @@ def write_config(directory: pathlib.Path, model: dict, dtype: str = "float32") -
         hf["rope_scaling"] = {"rope_type": c.rope_type,
                               **{k: getattr(c, ROPE_KEYS[k]) for k in keys}}
     (directory / "config.json").write_text(json.dumps(hf, indent=2))
+
+
+def _family_keys(c: GPTConfig, family: str) -> dict:
+    """The keys of config.json that only ``family`` has, as its files on the Hub name them."""
+    out: dict = {}
+    if family in ("gemma2", "gemma3_text"):  # none written, not the configs' default
+        out.update(sliding_window=c.sliding_window or None,
+                   layer_types=_layer_types(c.window_pattern or c.n_layers + 1, c.n_layers),
+                   attn_logit_softcapping=c.attn_softcap or None,
+                   final_logit_softcapping=c.logit_softcap or None,
+                   query_pre_attn_scalar=_number(c.query_pre_attn_scalar or c.dh))
+        if c.rope_local_theta:
+            out["rope_local_base_freq"] = c.rope_local_theta
+    if c.n_experts:
+        out.update({"num_local_experts" if family == "mixtral" else "num_experts": c.n_experts,
+                    "num_experts_per_tok": c.experts_per_token})
+        if family == "qwen3_moe":
+            out.update(moe_intermediate_size=c.expert_d_ff or c.d_ff,
+                       norm_topk_prob=c.moe_norm_topk)
+    if family == "phi3":  # its original context beside the rope keys, where Phi3Config reads it
+        out.update(partial_rotary_factor=c.partial_rotary_factor, pad_token_id=None,
+                   original_max_position_embeddings=c.rope_original_max_positions
+                   or c.max_positions or c.seq_len)
+    return out
 
 
 def _number(x: float) -> int | float:

@@ -77,6 +77,13 @@ class GPTConfig:
     # 6), those rotating at base rope_local_theta where it is set; 0: every layer alike
     window_pattern: int = 0
     rope_local_theta: float = 0.0
+    # llama: a mixture of n_experts SwiGLU experts (zero_jax.gpt.moe) for the MLP, each token
+    # through its top experts_per_token, expert_d_ff wide (0: d_ff), their weights renormalized
+    # over those with moe_norm_topk (Mixtral's; Qwen3-MoE's norm_topk_prob); 0: a dense MLP
+    n_experts: int = 0
+    experts_per_token: int = 2
+    expert_d_ff: int = 0
+    moe_norm_topk: bool = True
     attn_softcap: float = 0.0  # llama: scores capped by softcap * tanh(s / softcap); 0: none
     logit_softcap: float = 0.0  # llama: the same of the final logits (Gemma 2's)
     query_pre_attn_scalar: float = 0.0  # llama: scores times its -1/2 power; 0: head_dim's
@@ -119,6 +126,9 @@ class GPTConfig:
             head = 0 if self.tie_head else V * d
             extra = (q + 2 * kv if self.qkv_bias else 0) + (2 * self.dh if self.qk_norm else 0)
             extra += 2 * d if self.gemma == 2 else 0  # the outputs' norms
+            if self.n_experts:  # the router and the experts for the dense MLP
+                extra += d * self.n_experts + self.n_experts * 3 * d * (
+                    self.expert_d_ff or f) - 3 * d * f
             return V * d + head + d + L * (2 * d + 2 * d * q + 2 * d * kv + 3 * d * f + extra)
         per_layer = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
         return V * d + self.seq_len * d + L * per_layer + 2 * d

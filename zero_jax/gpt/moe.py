@@ -1,0 +1,79 @@
+"""A mixture-of-experts MLP as Mixtral's and Qwen3-MoE's: a router picks each token's top
+``experts_per_token`` of ``n_experts`` SwiGLU experts, whose outputs it sums weighted by the
+router's softmax (renormalized over the chosen ones where ``moe_norm_topk``), every token
+computed, none dropped, as transformers computes it.
+
+The step runs each device's tokens in ``shard_map``, so routing is local: the device sorts its
+(token, expert) pairs by expert and runs each expert's matmuls over its run of them with
+``jax.lax.ragged_dot``; no capacity, no all-to-all. (jax 0.10.2 compiles ragged_dot for the
+CPU and for GPUs as one GEMM over every expert's weights, the tokens masked per expert:
+``n_experts`` times the routed FLOPs; on TPUs as XLA's ragged dot: ``docs/limits.md``.) The
+experts' weights are parameters like any other (``(n_experts, d, f)`` per layer): ZeRO cuts
+them over the data axis, tensor parallelism over ``f`` (``TENSOR_PARALLEL``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from zero_jax.plan import Rule
+from zero_jax.weights import Tensor
+
+# the experts' gate and up projections by columns, their down projection by rows
+TENSOR_PARALLEL = (Rule(r"^blocks/moe/(gate|up)$", model_dim=-1),
+                   Rule(r"^blocks/moe/down$", model_dim=-2))
+# Hugging Face's names under a layer: the router, and each expert's gate, up and down
+NAMES = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{e}.",
+                     ("w1", "w3", "w2")),
+         "qwen3_moe": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))}
+
+
+class MoE(nn.Module):
+    """``(..., d)`` -> ``(..., d)``: the router ``(d, n_experts)`` and the experts' ``gate``
+    and ``up`` ``(n_experts, d, f)`` and ``down`` ``(n_experts, f, d)``; ``gated(gate, up)``
+    their activation (SwiGLU's)."""
+
+    n_experts: int
+    experts_per_token: int
+    d_ff: int
+    norm_topk: bool
+    gated: Callable[[jax.Array, jax.Array], jax.Array]
+
+    @nn.compact
+    def __call__(self, h: jax.Array) -> jax.Array:
+        d, e, k = h.shape[-1], self.n_experts, self.experts_per_token
+        init = nn.initializers.lecun_normal(batch_axis=(0,))
+        router = self.param("router", nn.initializers.lecun_normal(), (d, e))
+        gate, up = (self.param(n, init, (e, d, self.d_ff)) for n in ("gate", "up"))
+        down = self.param("down", init, (e, self.d_ff, d))
+        x = h.reshape(-1, d)
+        # the router's logits in the compute dtype, their softmax in fp32 (transformers')
+        p = jax.nn.softmax((x @ router.astype(x.dtype)).astype(jnp.float32), axis=-1)
+        weights, chosen = jax.lax.top_k(p, k)
+        if self.norm_topk:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        # the (token, expert) pairs in runs of one expert, as ragged_dot takes its groups
+        order = jnp.argsort(chosen.reshape(-1), stable=True)
+        token = order // k
+        sizes = jnp.bincount(chosen.reshape(-1), length=e).astype(jnp.int32)
+        xs = x[token]
+        mid = self.gated(jax.lax.ragged_dot(xs, gate.astype(x.dtype), sizes),
+                     jax.lax.ragged_dot(xs, up.astype(x.dtype), sizes))
+        out = jax.lax.ragged_dot(mid, down.astype(x.dtype), sizes)
+        out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
+        return jnp.zeros_like(x).at[token].add(out).reshape(h.shape)
+
+
+def rows(family: str, n_experts: int, layer: str) -> list[Tensor]:
+    """The mapping's rows of a layer's router and experts (``layer``: the names' prefix): each
+    expert's PyTorch Linear weight transposed, the experts stacked on a new first axis."""
+    router, expert, (gate, up, down) = NAMES[family]
+    experts = lambda w: tuple(f"{layer}{expert.format(e=i)}{w}.weight"  # noqa: E731
+                              for i in range(n_experts))
+    return [Tensor(f"{layer}{router}.weight", "blocks/moe/router", transpose=(1, 0)),
+            *(Tensor(experts(w), f"blocks/moe/{ours}", transpose=(1, 0))
+              for w, ours in ((gate, "gate"), (up, "up"), (down, "down")))]
