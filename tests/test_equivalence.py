@@ -191,21 +191,25 @@ GEMMA_LIKE = {"arch": "llama", "vocab_size": 64, "d_model": 32, "n_layers": 4, "
               "vocab_multiple": 128}
 
 
-@pytest.mark.parametrize("opt", list(OPTIMIZERS))
-def test_the_llama_family_trains_at_stage_3_with_prefetch_as_on_one_device(opt, mesh):
-    """``GEMMA_LIKE`` at stage 3 with prefetch on 8 devices: its first gradient, and 4
-    steps' losses and parameters, as one-device optax's (the layers' flags and conds go
-    through prefetch's loop forward and backward)."""
-    from zero_jax import Layers
-    from zero_jax.gpt.llama import Llama
+@pytest.mark.parametrize("opt, tp", [("sgd", 1), ("adamw", 1), ("sgd", 2)])
+def test_the_llama_family_trains_at_stage_3_with_prefetch_as_on_one_device(opt, tp, mesh):
+    """``GEMMA_LIKE`` at stage 3 with prefetch on 8 devices (x tensor parallel 2: the experts
+    cut over their width): its first gradient, and 4 steps' losses and parameters, as
+    one-device optax's (the layers' flags and conds go through prefetch's loop forward and
+    backward)."""
+    from zero_jax import Layers, make_mesh
+    from zero_jax.gpt.llama import Llama, tensor_parallel
     from zero_jax.gpt.model import GPTConfig, init_fn, lm_loss
 
-    model = Llama(GPTConfig(**GEMMA_LIKE))
+    cfg = GPTConfig(**GEMMA_LIKE)
+    model = Llama(cfg)
+    if tp > 1:
+        mesh = make_mesh(axes={"data": 8 // tp, "model": tp})
     init, loss_fn, tx = init_fn(model), lm_loss(model), OPTIMIZERS[opt]()
     batches = [jax.random.randint(jax.random.key(i), (8, 17), 0, 64) for i in range(4)]
     ref = optax_steps(loss_fn, tx, init(KEY), batches)
-    plan = make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=Layers("^blocks$",
-                                                                      prefetch=True))
+    plan = make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=Layers("^blocks$", prefetch=True),
+                     rules=list(tensor_parallel(cfg)) if tp > 1 else [])
     state = init_state(plan, init, tx, KEY)
     _, grads = jax.jit(make_grad_fn(plan, loss_fn))(state.params, shard(mesh, batches[0]))
     assert max_rel(grads, ref["grads"][0]) < 1e-5
