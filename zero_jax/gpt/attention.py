@@ -11,6 +11,9 @@ import jax
 import jax.numpy as jnp
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn")  # model.attention
+# Queries per block of the soft-capped attention: its fp32 scores are (batch, heads, 512, t) at a
+# time, each block's recomputed in the backward, never the whole (batch, heads, t, t).
+QUERY_BLOCK = 512
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -62,14 +65,27 @@ def causal(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str,
 
 def _softcapped(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, cap: float,
                 local: tuple[int, int] | None) -> jax.Array:
-    """The scores in fp32, capped, masked, their softmax in the inputs' dtype (as
-    transformers' eager attention computes it), the kv heads shared by groups of queries."""
+    """The attention of each ``QUERY_BLOCK`` queries at a time (all at once where the
+    sequence is no multiple of it), each block rematerialized for the backward."""
     b, t, h, dh = q.shape
-    groups = q.reshape(b, t, k.shape[2], h // k.shape[2], dh)
+    n = t // QUERY_BLOCK if t > QUERY_BLOCK and t % QUERY_BLOCK == 0 else 1
+    blocks = q.reshape(b, n, t // n, h, dh).swapaxes(0, 1)
+    block = jax.checkpoint(lambda args: _capped(*args, k, v, scale, cap, local))
+    out = jax.lax.map(block, (blocks, jnp.arange(n) * (t // n)))
+    return out.swapaxes(0, 1).reshape(b, t, h, dh)
+
+
+def _capped(q: jax.Array, first: jax.Array, k: jax.Array, v: jax.Array, scale: float,
+            cap: float, local: tuple[int, int] | None) -> jax.Array:
+    """Queries ``first`` on over all keys: the scores in fp32, capped, masked, their softmax
+    in the inputs' dtype (as transformers' eager attention computes it), the kv heads shared
+    by groups of queries."""
+    b, c, h, dh = q.shape
+    groups = q.reshape(b, c, k.shape[2], h // k.shape[2], dh)
     scores = jnp.einsum("btgrd,bsgd->bgrts", groups, k,
                         preferred_element_type=jnp.float32) * scale
     scores = cap * jnp.tanh(scores / cap)
-    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    i, j = first + jnp.arange(c)[:, None], jnp.arange(k.shape[1])[None, :]
     seen = (j <= i) & ((i - j <= local[0]) if local else True)
     p = jax.nn.softmax(jnp.where(seen, scores, -jnp.inf), axis=-1).astype(q.dtype)
-    return jnp.einsum("bgrts,bsgd->btgrd", p, v).reshape(b, t, h, dh)
+    return jnp.einsum("bgrts,bsgd->btgrd", p, v).reshape(b, c, h, dh)
