@@ -618,6 +618,10 @@ FAMILIES = {  # name: (class, config, torch seed)
     "qwen3-moe": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
         **SMALL_LLAMA, head_dim=16, tie_word_embeddings=True, num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=False), 14),
+    # Qwen2-MoE's: q, k, v biases, and a shared expert beside the routed ones, gated
+    "qwen2-moe": (transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
+        **SMALL_LLAMA, tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=24, shared_expert_intermediate_size=40), 15),
     # as Qwen3's model card extends its context: yarn, 4 times an original 4 tokens
     "qwen3-yarn": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         **SMALL_LLAMA, head_dim=16, tie_word_embeddings=True, rope_parameters={
@@ -797,6 +801,7 @@ LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does
                             "num_local_experts": 4, "num_experts_per_tok": 2},
     "mlp_only_layers": {"model_type": "qwen3_moe", "mlp_only_layers": [0], "num_experts": 4,
                         "num_experts_per_tok": 2, "moe_intermediate_size": 24},
+    "qkv_bias": {"model_type": "qwen2_moe", "qkv_bias": False},
     "num_experts_per_tok": {"model_type": "mixtral", "num_local_experts": 4,
                             "num_experts_per_tok": 8},
     "use_bidirectional_attention": {"model_type": "gemma", "hidden_act": "gelu",  # as read
@@ -852,7 +857,8 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
                                               "gemma2", "gemma3"))
     assert section.get("gemma", 0) == {"gemma": 1, "gemma2": 2, "gemma3": 2}.get(family, 0)
     assert section.get("window_pattern", 0) == {"gemma2": 2, "gemma3": 3}.get(family, 0)
-    assert section.get("n_experts", 0) == (4 if which in ("mixtral", "qwen3-moe") else 0)
+    assert section.get("n_experts", 0) == (4 if which.endswith(("mixtral", "moe")) else 0)
+    assert section.get("shared_expert_d_ff", 0) == (40 if which == "qwen2-moe" else 0)
     assert section["partial_rotary_factor"] == (0.5 if family == "phi4" else 1.0)
     assert section["qkv_bias"] == (family == "qwen2")
     assert section["qk_norm"] == (family in ("qwen3", "gemma3"))

@@ -65,6 +65,8 @@ FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias":
             "gemma3_text": {"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
                             "use_bidirectional_attention": None},
             "mixtral": {"hidden_act": "silu", "router_jitter_noise": 0.0},
+            "qwen2_moe": {"hidden_act": "silu", "qkv_bias": True, "use_sliding_window": False,
+                          "decoder_sparse_step": 1, "mlp_only_layers": []},
             "qwen3_moe": {"hidden_act": "silu", "attention_bias": False,
                           "use_sliding_window": False, "decoder_sparse_step": 1,
                           "mlp_only_layers": []}}
@@ -246,7 +248,8 @@ class LlamaBlock(nn.Module):
         h = norm(c, "ln2")(x)
         if c.n_experts:
             return x + after(MoE(c.n_experts, c.experts_per_token, c.expert_d_ff or c.d_ff,
-                                 c.moe_norm_topk, swiglu, name="moe")(h), "post_mlp"), None
+                                 c.moe_norm_topk, swiglu, c.shared_expert_d_ff,
+                                 name="moe")(h), "post_mlp"), None
         gate, up = dense(c.d_ff, "gate")(h), dense(c.d_ff, "up")(h)
         mid = nn.gelu(gate, approximate=True) * up if c.gemma else swiglu(gate, up)
         return x + after(dense(d, "down")(mid), "post_mlp"), None
@@ -324,7 +327,7 @@ def mapping(c: GPTConfig) -> Mapping:
         rows += [Tensor(f"{h}self_attn.{n}_norm.weight", f"blocks/{n}_norm/scale")
                  for n in ("q", "k")]
     if c.n_experts:
-        rows += moe.rows("qwen3_moe" if c.qk_norm else "mixtral", c.n_experts, h)
+        rows += moe.rows(family_of(c), c.n_experts, h, bool(c.shared_expert_d_ff))
     for name in ("gate", "up", "down") if not c.n_experts else ():
         rows.append(Tensor(f"{h}mlp.{name}_proj.weight", f"blocks/{name}/kernel",
                            transpose=(1, 0)))
@@ -381,6 +384,8 @@ def read_config(directory: str | os.PathLike) -> dict:
     rope_parameters = hf.get("rope_parameters")
     if hf["model_type"] == "gemma" and hf.get("hidden_act") == "gelu":
         hf["hidden_act"] = "gelu_pytorch_tanh"  # Gemma's first files: meant so (transformers)
+    if hf.get("mlp_only_layers", []) is None:  # transformers' default: none
+        hf["mlp_only_layers"] = []
     if hf.get("use_bidirectional_attention") is False:
         hf["use_bidirectional_attention"] = None
     if hf["model_type"] == "gemma3_text":
@@ -412,7 +417,7 @@ def read_config(directory: str | os.PathLike) -> dict:
     return {**model, "seq_len": min(model["seq_len"], WINDOW), **gemma, **experts,
             "max_positions": model["seq_len"], "sliding_window": window or 0,
             "arch": "llama", "tie_head": tied,
-            "qkv_bias": hf["model_type"] == "qwen2",
+            "qkv_bias": hf["model_type"] in ("qwen2", "qwen2_moe"),
             "qk_norm": hf["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text"),
             "head_dim": 0 if head_dim * model["n_heads"] == model["d_model"] else head_dim,
             "partial_rotary_factor": partial, **_rope(path, hf, int(head_dim * partial))}
@@ -472,8 +477,14 @@ def _moe(path: pathlib.Path, hf: dict) -> dict:
     if not isinstance(norm, bool):
         raise WeightsError(f"{path} has norm_topk_prob {norm!r}, not true or false: pass a "
                            "model whose config.json has one of them")
+    shared = hf.get("shared_expert_intermediate_size", 0) \
+        if hf["model_type"] == "qwen2_moe" else 0
+    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+        raise WeightsError(f"{path} has shared_expert_intermediate_size {shared!r}, not a "
+                           "whole number: pass a model whose config.json has one")
     return {"n_experts": n, "experts_per_token": k, "moe_norm_topk": norm,
-            "expert_d_ff": 0 if f == hf["intermediate_size"] else f}
+            "expert_d_ff": 0 if f == hf["intermediate_size"] else f,
+            "shared_expert_d_ff": shared}
 
 
 def _layer_types(pattern: int, n_layers: int) -> list[str]:
@@ -594,7 +605,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def family_of(c: GPTConfig) -> str:
@@ -604,10 +616,14 @@ def family_of(c: GPTConfig) -> str:
     ``qk_norm``, Mistral's with ``sliding_window``, else Llama's (a Mistral without its window
     computes as one)."""
     if c.n_experts:
-        if not (c.qk_norm or c.moe_norm_topk):
-            raise WeightsError("model.moe_norm_topk false without qk_norm is no Hugging Face "
-                               "family's (Mixtral renormalizes its experts' weights): not written")
-        return "qwen3_moe" if c.qk_norm else "mixtral"
+        if not (c.qk_norm or c.qkv_bias or c.moe_norm_topk):
+            raise WeightsError("model.moe_norm_topk false without qk_norm or qkv_bias is no "
+                               "Hugging Face family's (Mixtral renormalizes its experts' "
+                               "weights): not written")
+        if bool(c.shared_expert_d_ff) != c.qkv_bias:
+            raise WeightsError("model.shared_expert_d_ff goes with qkv_bias (Qwen2-MoE's) in "
+                               "Hugging Face's families: not written")
+        return "qwen2_moe" if c.qkv_bias else "qwen3_moe" if c.qk_norm else "mixtral"
     if c.gemma:
         return "gemma" if c.gemma == 1 else "gemma3_text" if c.qk_norm else "gemma2"
     return ("phi3" if c.rotary_dim < c.dh else "qwen2" if c.qkv_bias else "qwen3"
@@ -659,9 +675,11 @@ def _family_keys(c: GPTConfig, family: str) -> dict:
     if c.n_experts:
         out.update({"num_local_experts" if family == "mixtral" else "num_experts": c.n_experts,
                     "num_experts_per_tok": c.experts_per_token})
-        if family == "qwen3_moe":
+        if family != "mixtral":
             out.update(moe_intermediate_size=c.expert_d_ff or c.d_ff,
                        norm_topk_prob=c.moe_norm_topk)
+        if family == "qwen2_moe":
+            out.update(shared_expert_intermediate_size=c.shared_expert_d_ff)
     if family == "phi3":  # its original context beside the rope keys, where Phi3Config reads it
         out.update(partial_rotary_factor=c.partial_rotary_factor, pad_token_id=None,
                    original_max_position_embeddings=c.rope_original_max_positions

@@ -84,6 +84,7 @@ class GPTConfig:
     experts_per_token: int = 2
     expert_d_ff: int = 0
     moe_norm_topk: bool = True
+    shared_expert_d_ff: int = 0  # llama: Qwen2-MoE's shared expert's width; 0: none
     attn_softcap: float = 0.0  # llama: scores capped by softcap * tanh(s / softcap); 0: none
     logit_softcap: float = 0.0  # llama: the same of the final logits (Gemma 2's)
     query_pre_attn_scalar: float = 0.0  # llama: scores times its -1/2 power; 0: head_dim's
@@ -129,6 +130,7 @@ class GPTConfig:
             if self.n_experts:  # the router and the experts for the dense MLP
                 extra += d * self.n_experts + self.n_experts * 3 * d * (
                     self.expert_d_ff or f) - 3 * d * f
+                extra += 3 * d * self.shared_expert_d_ff + d if self.shared_expert_d_ff else 0
             return V * d + head + d + L * (2 * d + 2 * d * q + 2 * d * kv + 3 * d * f + extra)
         per_layer = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
         return V * d + self.seq_len * d + L * per_layer + 2 * d

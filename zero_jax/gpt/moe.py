@@ -1,7 +1,8 @@
-"""A mixture-of-experts MLP as Mixtral's and Qwen3-MoE's: a router picks each token's top
-``experts_per_token`` of ``n_experts`` SwiGLU experts, whose outputs it sums weighted by the
-router's softmax (renormalized over the chosen ones where ``moe_norm_topk``), every token
-computed, none dropped, as transformers computes it.
+"""A mixture-of-experts MLP as Mixtral's, Qwen2-MoE's and Qwen3-MoE's: a router picks each
+token's top ``experts_per_token`` of ``n_experts`` SwiGLU experts, whose outputs it sums
+weighted by the router's softmax (renormalized over the chosen ones where ``moe_norm_topk``),
+every token computed, none dropped, as transformers computes it; Qwen2-MoE's shared expert, a
+SwiGLU every token takes, added as a sigmoid gate of the token weighs it.
 
 The step runs each device's tokens in ``shard_map``, so routing is local: the device sorts its
 (token, expert) pairs by expert and runs each expert's matmuls over its run of them with
@@ -24,24 +25,27 @@ from zero_jax.plan import Rule
 from zero_jax.weights import Tensor
 
 # the experts' gate and up projections by columns, their down projection by rows
-TENSOR_PARALLEL = (Rule(r"^blocks/moe/(gate|up)$", model_dim=-1),
-                   Rule(r"^blocks/moe/down$", model_dim=-2))
+TENSOR_PARALLEL = (Rule(r"^blocks/moe/(shared_)?(gate|up)$", model_dim=-1),
+                   Rule(r"^blocks/moe/(shared_)?down$", model_dim=-2))
 # Hugging Face's names under a layer: the router, and each expert's gate, up and down
 NAMES = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{e}.",
                      ("w1", "w3", "w2")),
+         "qwen2_moe": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")),
          "qwen3_moe": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))}
 
 
 class MoE(nn.Module):
     """``(..., d)`` -> ``(..., d)``: the router ``(d, n_experts)`` and the experts' ``gate``
     and ``up`` ``(n_experts, d, f)`` and ``down`` ``(n_experts, f, d)``; ``gated(gate, up)``
-    their activation (SwiGLU's)."""
+    their activation (SwiGLU's). ``shared_d_ff``: the shared expert's width (0: none), its
+    ``shared_gate``, ``shared_up``, ``shared_down`` and ``shared_router`` ``(d, 1)``."""
 
     n_experts: int
     experts_per_token: int
     d_ff: int
     norm_topk: bool
     gated: Callable[[jax.Array, jax.Array], jax.Array]
+    shared_d_ff: int = 0
 
     @nn.compact
     def __call__(self, h: jax.Array) -> jax.Array:
@@ -65,15 +69,35 @@ class MoE(nn.Module):
                      jax.lax.ragged_dot(xs, up.astype(x.dtype), sizes))
         out = jax.lax.ragged_dot(mid, down.astype(x.dtype), sizes)
         out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
-        return jnp.zeros_like(x).at[token].add(out).reshape(h.shape)
+        y = jnp.zeros_like(x).at[token].add(out)
+        if self.shared_d_ff:
+            y = y + self.shared(x)
+        return y.reshape(h.shape)
+
+    def shared(self, x: jax.Array) -> jax.Array:
+        """Qwen2-MoE's shared expert, times the sigmoid of its own gate."""
+        d, f = x.shape[-1], self.shared_d_ff
+        init = nn.initializers.lecun_normal()
+        w = {n: self.param(f"shared_{n}", init, shape).astype(x.dtype) for n, shape in
+             (("gate", (d, f)), ("up", (d, f)), ("down", (f, d)), ("router", (d, 1)))}
+        out = self.gated(x @ w["gate"], x @ w["up"]) @ w["down"]
+        return jax.nn.sigmoid(x @ w["router"]) * out
 
 
-def rows(family: str, n_experts: int, layer: str) -> list[Tensor]:
+def rows(family: str, n_experts: int, layer: str, shared: bool) -> list[Tensor]:
     """The mapping's rows of a layer's router and experts (``layer``: the names' prefix): each
-    expert's PyTorch Linear weight transposed, the experts stacked on a new first axis."""
+    expert's PyTorch Linear weight transposed, the experts stacked on a new first axis; the
+    shared expert's and its gate's (Qwen2-MoE's)."""
     router, expert, (gate, up, down) = NAMES[family]
     experts = lambda w: tuple(f"{layer}{expert.format(e=i)}{w}.weight"  # noqa: E731
                               for i in range(n_experts))
-    return [Tensor(f"{layer}{router}.weight", "blocks/moe/router", transpose=(1, 0)),
-            *(Tensor(experts(w), f"blocks/moe/{ours}", transpose=(1, 0))
-              for w, ours in ((gate, "gate"), (up, "up"), (down, "down")))]
+    out = [Tensor(f"{layer}{router}.weight", "blocks/moe/router", transpose=(1, 0)),
+           *(Tensor(experts(w), f"blocks/moe/{ours}", transpose=(1, 0))
+             for w, ours in ((gate, "gate"), (up, "up"), (down, "down")))]
+    if shared:
+        out += [Tensor(f"{layer}mlp.shared_expert.{w}.weight", f"blocks/moe/shared_{ours}",
+                       transpose=(1, 0)) for w, ours in
+                ((gate, "gate"), (up, "up"), (down, "down"))]
+        out.append(Tensor(f"{layer}mlp.shared_expert_gate.weight", "blocks/moe/shared_router",
+                          transpose=(1, 0)))
+    return out
