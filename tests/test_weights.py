@@ -1255,6 +1255,36 @@ def test_a_corrupted_checkpoint_exports_nothing(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+# Decoders the config allows but no Hugging Face family computes, and the key each would lose.
+NO_FAMILY = [({"gemma": 2, "n_experts": 4}, "gemma"), ({"gemma": 1, "qkv_bias": True}, "qkv_bias"),
+             ({"sliding_window": 4, "window_pattern": 2}, "window_pattern"),
+             ({"attn_softcap": 5.0}, "attn_softcap"),
+             ({"gemma": 1, "query_pre_attn_scalar": 3.0}, "query_pre_attn_scalar")]
+
+
+def test_a_model_no_family_computes_is_refused_before_anything_is_written(tmp_path, capsys):
+    """The config.json a model would be written with is read back first: where a family
+    cannot say what the model computes, the export refuses (one line naming the key, exit code
+    2, no directory), as the in-run save does before the run starts; each family's own models
+    read back whole (every family's export test)."""
+    section = {"arch": "llama", "vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4,
+               "d_ff": 64, "seq_len": 16}
+    for extra, key in NO_FAMILY:
+        with pytest.raises(WeightsError, match=rf"^model\.{key} .* no Hugging Face family"):
+            hf.mapping({**section, **extra})
+    shapes = {"w": jax.ShapeDtypeStruct((8, 128), np.float32)}
+    _checkpoint_of(tmp_path / "ckpt", shapes)
+    meta_file = tmp_path / "ckpt" / "0" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["config"] = {"model": {**section, **NO_FAMILY[0][0]}}
+    meta_file.write_text(json.dumps(meta))
+    capsys.readouterr()  # the checkpoint's own warnings
+    assert hf.main([str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.gemma 2 does not survive as a Hugging Face mixtral" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
 def test_the_export_streams_without_orbax_warnings(tmp_path, caplog):
     """Each array opened through the reader's one TensorStore context: orbax warns of every
     parameter opened without one (a line per parameter on the export's stderr)."""

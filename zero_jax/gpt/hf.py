@@ -109,6 +109,7 @@ def mapping(model: dict, prefix: str = "transformer.") -> Mapping:
     if model.get("arch", "gpt2") == "llama":
         from zero_jax.gpt import llama
 
+        llama.hf_config(model)  # a model no family computes: refused before any writing
         c = GPTConfig(**model)  # heads rotated in part are Phi-3's, written as its tensors
         return llama.phi3_mapping(c) if c.rotary_dim < c.dh else llama.mapping(c)
     return gpt2_mapping(model, prefix)

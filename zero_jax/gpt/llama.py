@@ -381,6 +381,11 @@ def read_config(directory: str | os.PathLike) -> dict:
     except (OSError, ValueError, AssertionError, KeyError, TypeError):
         raise WeightsError(f"{path} is missing or not a Llama, Mistral, Qwen, Phi-3 or "
                            "Gemma config.json: pass a Hugging Face directory of one") from None
+    return _model_section(path, hf)
+
+
+def _model_section(path: pathlib.Path, hf: dict) -> dict:
+    """``read_config``'s model section of the config.json ``hf`` read from ``path``."""
     rope_parameters = hf.get("rope_parameters")
     if hf["model_type"] == "gemma" and hf.get("hidden_act") == "gelu":
         hf["hidden_act"] = "gelu_pytorch_tanh"  # Gemma's first files: meant so (transformers)
@@ -432,8 +437,9 @@ def _gemma(path: pathlib.Path, hf: dict, n_layers: int, window: int | None) -> d
     three = hf["model_type"] == "gemma3_text"
     pattern = hf.get("sliding_window_pattern", 6) if three else 2
     types = hf.get("layer_types")
-    if isinstance(types, list) and "full_attention" in types:
-        pattern = types.index("full_attention") + 1
+    if isinstance(types, list):  # none full: every layer slides
+        pattern = types.index("full_attention") + 1 if "full_attention" in types \
+            else n_layers + 1
     if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1 or (
             types is not None and types != _layer_types(pattern, n_layers)):
         raise WeightsError(f"{path} has layer_types {str(types)[:60]}; this demo slides the "
@@ -631,9 +637,16 @@ def family_of(c: GPTConfig) -> str:
 
 
 def write_config(directory: pathlib.Path, model: dict, dtype: str = "float32") -> None:
+    """``hf_config``'s config.json in ``directory``."""
+    (directory / "config.json").write_text(json.dumps(hf_config(model, dtype), indent=2))
+
+
+def hf_config(model: dict, dtype: str = "float32") -> dict:
     """A config.json for the demo's ``model`` section, as transformers reads it, of
     ``family_of`` its model; the rope scaling in the ``rope_scaling`` form Llama 3's files use,
-    which transformers 4 and 5 both read."""
+    which transformers 4 and 5 both read. Read back (``read_config``), it must give the model
+    it was written for: a model no family computes (Gemma 2's norms with experts, Gemma's with
+    q/k/v biases) is refused before anything is written, naming the first key it loses."""
     c = GPTConfig(**model)
     family = family_of(c)
     hf = {"architectures": [ARCHITECTURES[family]], "model_type": family,
@@ -658,7 +671,48 @@ def write_config(directory: pathlib.Path, model: dict, dtype: str = "float32") -
         keys = ("factor",) if c.rope_type == "linear" else tuple(ROPE_KEYS)
         hf["rope_scaling"] = {"rope_type": c.rope_type,
                               **{k: getattr(c, ROPE_KEYS[k]) for k in keys}}
-    (directory / "config.json").write_text(json.dumps(hf, indent=2))
+    _check_read_back(c, family, hf)
+    return hf
+
+
+# What the model computes, as a function of its config: keys the read-back must give again.
+def _computes(c: GPTConfig) -> dict:
+    moe = dict(n_experts=c.n_experts, experts_per_token=c.experts_per_token,
+               expert_d_ff=c.expert_d_ff or c.d_ff, moe_norm_topk=c.moe_norm_topk,
+               shared_expert_d_ff=c.shared_expert_d_ff) if c.n_experts else {}
+    rope = {k: getattr(c, k) for k in GPTConfig.__dataclass_fields__
+            if k.startswith("rope_") and k not in ("rope_theta", "rope_local_theta")}
+    sliding = c.sliding_window and c.window_pattern != 1  # every N-th full: none past L
+    pattern = c.window_pattern if sliding and c.window_pattern <= c.n_layers else 0
+    return {"vocab_size": c.vocab_size, "d_model": c.d_model, "n_layers": c.n_layers,
+            "n_heads": c.n_heads, "d_ff": c.d_ff, "norm_eps": c.norm_eps,
+            "n_kv_heads": c.kv_heads, "rope_theta": c.rope_theta, "head_dim": c.dh,
+            "partial_rotary_factor": c.rotary_dim / c.dh, "tie_head": c.tie_head,
+            "qkv_bias": c.qkv_bias, "qk_norm": c.qk_norm, "gemma": c.gemma,
+            "attn_softcap": c.attn_softcap, "logit_softcap": c.logit_softcap,
+            "sliding_window": c.sliding_window if sliding else 0,
+            "window_pattern": pattern,
+            "rope_local_theta": (c.rope_local_theta or c.rope_theta) if pattern else 0.0,
+            "query_pre_attn_scalar": c.query_pre_attn_scalar or c.dh,
+            **(rope if c.rope_type != "default" else {}), **moe}
+
+
+def _check_read_back(c: GPTConfig, family: str, hf: dict) -> None:
+    """Refuse ``hf`` unless transformers' reading of it (ours: ``read_config``) computes ``c``."""
+    try:
+        back = GPTConfig(**_model_section(pathlib.Path("config.json"),
+                                          json.loads(json.dumps(hf))))
+    except WeightsError as e:
+        raise WeightsError(f"this model's Hugging Face {family} config would not read back "
+                           f"({e}): export its tensors alone (python -m zero_jax.export "
+                           "--format safetensors)") from None
+    want, got = _computes(c), _computes(back)
+    for key, value in want.items():
+        if got.get(key) != value:
+            raise WeightsError(
+                f"model.{key} {value!r} does not survive as a Hugging Face {family} config "
+                f"(read back: {got.get(key)!r}): no Hugging Face family computes this model; "
+                "export its tensors alone (python -m zero_jax.export --format safetensors)")
 
 
 def _family_keys(c: GPTConfig, family: str) -> dict:

@@ -258,7 +258,7 @@ def lm_loss(model: GPT, completion_only: bool = False):
     ``completion_only``: ids stored as ``-1 - id`` (a prompt's, ``data.text_tokens``) are read
     but not predicted, and the loss is the mean over the batch's other tokens, whichever device
     holds them (``zero_jax.Weighted``)."""
-    softcap = getattr(model.cfg, "logit_softcap", 0.0)
+    softcap = model.cfg.logit_softcap
 
     def loss_fn(params, tokens: jax.Array) -> jax.Array:
         x, head = model.apply({"params": params}, tokens[:, :-1], method="features")
