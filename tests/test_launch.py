@@ -3,6 +3,7 @@ JAX: the programs are one-line Python commands."""
 
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 
@@ -22,10 +23,16 @@ def launch_run(*args: str) -> subprocess.CompletedProcess:
                                            (["-c", "import sys; sys.exit(3)"], 3),
                                            (["-c", "import os; os.kill(os.getpid(), 9)"], 137)],
                          ids=["missing file", "exit 3", "killed"])
-def test_the_first_failure_is_the_exit_code(program, code):
-    """Every process fails before the launcher first looks: their code is not lost."""
-    run = launch_run("--processes", "3", "--", *program)
-    assert run.returncode == code, run.stderr
+def test_the_first_failure_is_the_exit_code(program, code, capfd):
+    """Every process fails before the launcher first looks: their code is not lost. The
+    launcher's ``main`` in this process (its own start-up, an import of JAX, is run by the
+    tests below), its signal forwarding undone after; the programs are processes of their own."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        assert launch.main(["--processes", "3", "--", *program]) == code, capfd.readouterr().err
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
 
 
 def test_processes_that_exited_before_wait_keep_their_code():
@@ -86,9 +93,17 @@ def test_no_program_is_refused(capsys):
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["-h"], ["--processes", "2", "--help"]])
-def test_help_is_printed_with_exit_0(argv):
-    """As a user first runs it: without ``--`` or a program, help and exit code 0."""
-    run = launch_run(*argv)
+def test_help_is_printed_with_exit_0(argv, capsys):
+    """As a user first runs it: without ``--`` or a program, help and exit code 0. The first
+    as a user types it, in a process of its own; the others through ``main`` in this one (the
+    same parser)."""
+    if argv == ["--help"]:
+        run = launch_run(*argv)
+    else:
+        with pytest.raises(SystemExit) as exit_:
+            launch.main(argv)
+        out = capsys.readouterr()
+        run = subprocess.CompletedProcess(argv, exit_.value.code, out.out, out.err)
     assert run.returncode == 0 and run.stderr == "", run.stderr
     assert run.stdout.startswith("usage: python -m zero_jax.launch [options] -- PROGRAM")
     words = " ".join(run.stdout.split())  # argparse wraps the example at the terminal's width
