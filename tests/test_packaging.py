@@ -45,24 +45,31 @@ def test_a_built_wheel_trains_outside_the_clone(tmp_path):
     # The default model cut to one layer, two steps: the point is where the code comes from.
     # Compile-bound: LLVM at level 0, as the suite compiles.
     env = {**SUBPROCESS_ENV, "PYTHONPATH": str(site)}
-    where = subprocess.run([sys.executable, "-c", "import sys, zero_jax.gpt.run, zero_jax.gpt."
-                            "config as c; print(c.resolve('gpt2-124m')); print(*(m.__file__ for "
-                            "n, m in sys.modules.items() if n.startswith('zero_jax')))"],
+    # The copied script is the same CLI (``train.py --help``, run as ``python train.py`` runs
+    # it); then, in the same process (one start-up of JAX less), where the configs and every
+    # module it imported (the run's too) came from.
+    where = subprocess.run([sys.executable, "-c", "import runpy, sys\n"
+                            "sys.argv = ['train.py', '--help']\n"
+                            "try:\n    runpy.run_path('train.py', run_name='__main__')\n"
+                            "except SystemExit as e:\n    assert e.code == 0, e.code\n"
+                            "import zero_jax.gpt.run, zero_jax.gpt.config as c\n"
+                            "print('CUT', c.resolve('gpt2-124m'))\n"
+                            "print(*(m.__file__ for n, m in sys.modules.items() "
+                            "if n.startswith('zero_jax')))"],
                            cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
     assert where.returncode == 0, where.stderr
-    config, *loaded = where.stdout.split()
+    script, listed = where.stdout.split("\nCUT ")
+    assert "--save-safetensors" in script, script
+    config, *loaded = listed.split()
     assert config.startswith(str(site)) and len(loaded) > 30
     assert all(f.startswith(str(site)) for f in loaded), [f for f in loaded
                                                           if not f.startswith(str(site))]
-    # The installed command (``[project.scripts]``) trains; the script is the same CLI.
+    # The installed command (``[project.scripts]``) trains.
     run = subprocess.run([str(site / "bin" / "zero-jax-train"), "--stage", "3", "--steps", "2",
                           *ONE_LAYER],
                          cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "done: steps 1-2" in run.stdout and "(mean of last 2)" in run.stdout
-    script = subprocess.run([sys.executable, "train.py", "--help"], cwd=elsewhere, env=env,
-                            capture_output=True, text=True, timeout=120)
-    assert script.returncode == 0 and "--save-safetensors" in script.stdout, script.stderr
 
 
 def test_orbax_is_imported_when_a_checkpoint_opens(tmp_path):
