@@ -101,31 +101,32 @@ def one_device_eval(ckpt: pathlib.Path, sets: list[str], step: int, tokens) -> f
 
 @pytest.mark.slow
 def test_train_py_evaluates_on_the_held_out_tenth(tmp_path, capsys):
-    """``train.eval_every``: ``eval_loss`` in the metrics file at every third step and the
-    last, the summary's held-out figure, and at the last step the one-device loss of the
-    held-out batches at the parameters it saved; with microbatches, the same."""
+    """``train.eval_every``: ``eval_loss`` in the metrics file at every second step and the
+    last (5 steps: two evaluations on the way, the last step's not one of them), the summary's
+    held-out figure, and at the last step the one-device loss of the held-out batches at the
+    parameters it saved; with microbatches, the same."""
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
-    sets = ["model.n_layers=1", "train.eval_every=3", "train.eval_batches=2",
-            "optimizer.decay_steps=20"]  # the same schedule for 7 steps and 3
-    assert train_py.main(["--stage", "3", "--steps", "7", "--metrics", str(metrics),
+    sets = ["model.n_layers=1", "train.eval_every=2", "train.eval_batches=2",
+            "optimizer.decay_steps=20"]  # the same schedule for 5 steps and 2
+    assert train_py.main(["--stage", "3", "--steps", "5", "--metrics", str(metrics),
                           "--checkpoint-dir", str(ckpt),
                           *[a for s in sets for a in ("--set", s)]]) == 0
     out = capsys.readouterr().out
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in rows if "eval_loss" in r] == [3, 6, 7]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4, 5]
     held = rows[-1]["eval_loss"]
-    assert f"held-out {held:.3f}" in out and f"step 7: eval loss {held:.4f}" in out
+    assert f"held-out {held:.3f}" in out and f"step 5: eval loss {held:.4f}" in out
 
     _, tokens = data.held_out(data.load_tokens(None), 64, "")  # the tiny model's seq_len
-    assert rel(held, one_device_eval(ckpt, sets, 7, tokens)) < 1e-5
+    assert rel(held, one_device_eval(ckpt, sets, 5, tokens)) < 1e-5
     # With two microbatches the same held-out windows, a microbatch at a time: the same loss.
     accum = tmp_path / "accum.jsonl"
-    assert train_py.main(["--stage", "3", "--steps", "3", "--metrics", str(accum),
+    assert train_py.main(["--stage", "3", "--steps", "2", "--metrics", str(accum),
                           *[a for s in [*sets, "train.accum_steps=2"] for a in ("--set", s)]]) == 0
     rows_2 = [json.loads(line) for line in accum.read_text().splitlines()]
-    assert rel(rows_2[-1]["eval_loss"], rows[2]["eval_loss"]) < 1e-5
+    assert rel(rows_2[-1]["eval_loss"], rows[1]["eval_loss"]) < 1e-5
     # Resumed without evaluation it would train on the held-out tenth: refused, one line.
-    assert train_py.main(["--stage", "3", "--steps", "8", "--checkpoint-dir", str(ckpt),
+    assert train_py.main(["--stage", "3", "--steps", "6", "--checkpoint-dir", str(ckpt),
                           "--resume", "--set", "model.n_layers=1"]) == 2
     err = capsys.readouterr().err
     assert "trained on all but the held-out tenth of its data, this run on all" in err
@@ -142,18 +143,18 @@ def test_train_py_evaluates_on_eval_data(tmp_path, capsys):
     sets = ["model.n_layers=1", "train.eval_batches=2", "optimizer.decay_steps=20"]
     flags = lambda *more: [a for s in [*sets, *more] for a in ("--set", s)]
     ckpt, metrics, plain = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "plain.jsonl"
-    assert train_py.main(["--stage", "3", "--steps", "3", "--eval-data", str(val),
+    assert train_py.main(["--stage", "3", "--steps", "2", "--eval-data", str(val),
                           "--metrics", str(metrics), "--checkpoint-dir", str(ckpt),
-                          *flags("train.eval_every=3")]) == 0
-    assert train_py.main(["--stage", "3", "--steps", "3", "--metrics", str(plain),
+                          *flags("train.eval_every=2")]) == 0
+    assert train_py.main(["--stage", "3", "--steps", "2", "--metrics", str(plain),
                           *flags()]) == 0
     rows, ref = ([json.loads(line) for line in f.read_text().splitlines()]
                  for f in (metrics, plain))
     assert [r["loss"] for r in rows] == [r["loss"] for r in ref]
-    assert rel(rows[-1]["eval_loss"], one_device_eval(ckpt, sets, 3, data.load_tokens(str(val)))
+    assert rel(rows[-1]["eval_loss"], one_device_eval(ckpt, sets, 2, data.load_tokens(str(val)))
                ) < 1e-5
     capsys.readouterr()
-    assert train_py.main(["--stage", "3", "--steps", "4", "--checkpoint-dir", str(ckpt),
+    assert train_py.main(["--stage", "3", "--steps", "3", "--checkpoint-dir", str(ckpt),
                           "--resume", *flags()]) == 0
     for args, message in [
             (["--eval-data", str(val)], f"--eval-data {val} is evaluated every "
