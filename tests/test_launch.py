@@ -19,20 +19,29 @@ def launch_run(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
+def launch_main(capfd, *args: str) -> subprocess.CompletedProcess:
+    """The launcher's ``main`` in this process (its own start-up, an import of JAX, is run by
+    the help test below), its signal forwarding undone after; the programs are processes of
+    their own, their pipes copied to this process's stdout and stderr."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    capfd.readouterr()
+    try:
+        code = launch.main(list(args))
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    out = capfd.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
 @pytest.mark.parametrize("program, code", [(["nonexist.py"], 2),
                                            (["-c", "import sys; sys.exit(3)"], 3),
                                            (["-c", "import os; os.kill(os.getpid(), 9)"], 137)],
                          ids=["missing file", "exit 3", "killed"])
 def test_the_first_failure_is_the_exit_code(program, code, capfd):
-    """Every process fails before the launcher first looks: their code is not lost. The
-    launcher's ``main`` in this process (its own start-up, an import of JAX, is run by the
-    tests below), its signal forwarding undone after; the programs are processes of their own."""
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
-        assert launch.main(["--processes", "3", "--", *program]) == code, capfd.readouterr().err
-    finally:
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
+    """Every process fails before the launcher first looks: their code is not lost."""
+    run = launch_main(capfd, "--processes", "3", "--", *program)
+    assert run.returncode == code, run.stderr
 
 
 def test_processes_that_exited_before_wait_keep_their_code():
@@ -42,7 +51,7 @@ def test_processes_that_exited_before_wait_keep_their_code():
     assert launch.wait(procs, grace=1) == 5
 
 
-def test_two_processes_lines_never_run_together():
+def test_two_processes_lines_never_run_together(capfd):
     """Each process prints its lines in two pieces, unbuffered, at the same time as the other:
     the launcher's output holds every line whole, and a last line without a newline ends.
     Between the pieces each writes what gloo's C++ writes to stdout when a communicator
@@ -58,7 +67,7 @@ def test_two_processes_lines_never_run_together():
                "        time.sleep(0.001)\n"
                "        out.write(' ends here\\n')\n"
                "sys.stderr.write(f'last {i}')\n")
-    run = launch_run("--processes", "2", "--", "-c", program)
+    run = launch_main(capfd, "--processes", "2", "--", "-c", program)
     assert run.returncode == 0, run.stderr
     for text, last in ((run.stdout, False), (run.stderr, True)):
         lines = text.splitlines()
