@@ -552,7 +552,9 @@ def test_partitioned_activations_with_prefetch_on_unrolled_blocks():
     """Pa where prefetch hands each unrolled block the next one's weights: each block's saved
     input is (batch, sequence / T, d) per device, read from the compiled program, and the
     training is the same as without Pa."""
-    cfg = dataclasses.replace(CFG, vocab_size=64, d_model=32, n_layers=3, d_ff=64, seq_len=256,
+    # 2 blocks: the first is handed the second's weights ahead, the second runs last; a block
+    # between them would add a copy of the same program (unrolled: compiled once per block).
+    cfg = dataclasses.replace(CFG, vocab_size=64, d_model=32, n_layers=2, d_ff=64, seq_len=256,
                               remat="none")
     init, loss_fn, batches = gpt_problem(cfg, PA_BATCH, PA_STEPS, corpus=1 << 16,
                                          model=UnrolledGPT(cfg))
