@@ -1,6 +1,8 @@
 """Mixed precision, fp16 loss scaling and gradient accumulation, at every stage."""
 
+import contextlib
 import dataclasses
+import io
 import json
 import pathlib
 import subprocess
@@ -307,16 +309,37 @@ def test_stage2_accumulator_is_a_shard(mesh):
     assert 0.9 * expected < temp[1] - temp[2] < 2.2 * expected, (temp, expected)
 
 
+SEPARATOR = "=== next train.py run ==="
+
+
+def train_py_runs(*argvs: list[str]) -> list[str]:
+    """The stdout of each of train.py's runs ``argvs`` (its ``main``), one after another in one
+    fresh process (their ``--devices``, alike: the test's own process has 8); each must exit 0."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    script = ("import json, sys\nfrom zero_jax.gpt.run import main\n"
+              "for argv in json.loads(sys.argv[1]):\n"
+              f"    print({SEPARATOR!r}, flush=True)\n"
+              "    if code := main(argv):\n"
+              "        sys.exit(code)\n")
+    run = subprocess.run([sys.executable, "-c", script, json.dumps(argvs)], cwd=root,
+                         env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    outs = run.stdout.split(SEPARATOR)[1:]
+    assert len(outs) == len(argvs), run.stdout
+    return outs
+
+
 def test_dry_run_of_7_5b_on_64_devices_matches_the_paper(tmp_path):
     """The ZeRO paper's Figure 1: Psi = 7.5B, N = 64, K = 12: 120 / 31.4 / 16.6 / 1.9 GB."""
-    out = tmp_path / "r.json"
-    root = pathlib.Path(__file__).resolve().parent.parent
-    env = SUBPROCESS_ENV
-    run = subprocess.run([sys.executable, "train.py", "--dry-run", "--config", "gpt-7.5b",
-                          "--devices", "64", "--stage", "3", "--set", "precision.param_dtype=bf16",
-                          "--report", str(out)], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
+    out, plan = tmp_path / "r.json", tmp_path / "plan.json"
+    # The planner's run below as well, in the same process of 64 devices: one start-up.
+    run, _ = train_py_runs(
+        ["--dry-run", "--config", "gpt-7.5b", "--devices", "64", "--stage", "3",
+         "--set", "precision.param_dtype=bf16", "--report", str(out)],
+        ["--dry-run", "--config", "gpt-7.5b", "--devices", "64",
+         "--set", "precision.param_dtype=bf16", "--set", "model.remat=full",
+         "--set", "zero.offload_optimizer.device=none", "--tensor-parallel", "1",
+         "--device-memory", "160GB", "--host-memory", "512GB", "--report", str(plan)])
     r = json.loads(out.read_text())
     psi, scale = r["n_params"], r["n_params"] / 7.5e9
     assert 7.4e9 < psi < 7.6e9
@@ -335,22 +358,12 @@ def test_dry_run_of_7_5b_on_64_devices_matches_the_paper(tmp_path):
             assert row["master"] == row["opt_state"] == 0
             assert row["host"] == pytest.approx(moved, rel=0.001)
             assert row["total"] == pytest.approx(plain[row["stage"]] - moved, rel=0.001)
-    assert "model states per device at each stage" in run.stdout
+    assert "model states per device at each stage" in run
 
     # The planner compiles each stage's step (remat and offload fixed here, so stages 0-3 only)
     # and reads the same model states off each candidate's shardings: the paper's figures.
     # Devices of 160 GB: on smaller ones a stage whose model state alone does not fit (stage 0's
     # 120 GB) is not compiled.
-    plan = tmp_path / "plan.json"
-    run = subprocess.run([sys.executable, "train.py", "--dry-run", "--config", "gpt-7.5b",
-                          "--devices", "64", "--set", "precision.param_dtype=bf16",
-                          "--set", "model.remat=full",
-                          "--set", "zero.offload_optimizer.device=none",
-                          "--tensor-parallel", "1",
-                          "--device-memory", "160GB", "--host-memory", "512GB",
-                          "--report", str(plan)], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
     rows = json.loads(plan.read_text())["candidates"]
     assert [c["stage"] for c in rows] == [0, 1, 2, 3]
     for c in rows:
@@ -363,14 +376,16 @@ def test_zero_offload_puts_13b_on_one_device_in_2_psi(tmp_path):
     """ZeRO-Offload's headline: 13B parameters on one 32 GB device. Stage 2, bf16, the optimizer
     offloaded: the device keeps the 16-bit parameters (2 Psi, at most 27 GB); the host the
     streamed 16-bit gradients, the fp32 master and Adam's moments (2 + 4 + 8 = 14 Psi)."""
-    out = tmp_path / "r.json"
-    root = pathlib.Path(__file__).resolve().parent.parent
-    run = subprocess.run([sys.executable, "train.py", "--dry-run", "--config", "gpt-13b",
-                          "--devices", "1", "--stage", "2", "--set", "precision.param_dtype=bf16",
-                          "--set", "zero.offload_optimizer.device=cpu", "--report", str(out)],
-                         cwd=root, env=SUBPROCESS_ENV, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr
+    from zero_jax.gpt.run import main  # what train.py runs
+
+    out, err = tmp_path / "r.json", io.StringIO()
+    # In this process, on the first of its 8 devices (--devices 1): a dry run needs no
+    # start-up of its own (its compiler settings are this process's, SUBPROCESS_ENV's).
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = main(["--dry-run", "--config", "gpt-13b", "--devices", "1", "--stage", "2",
+                     "--set", "precision.param_dtype=bf16",
+                     "--set", "zero.offload_optimizer.device=cpu", "--report", str(out)])
+    assert code == 0, err.getvalue()
     r = json.loads(out.read_text())
     psi, device, host = r["n_params"], r["per_device_bytes"], r["per_device_host_bytes"]
     assert 12.5e9 < psi < 13.5e9

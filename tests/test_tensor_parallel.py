@@ -372,11 +372,12 @@ def trains_like_one_device(plan, init, loss_fn, batch, opt: str = "sgd",
 
 
 class Unrolled(nn.Module):
-    """Blocks in a Python loop (HF style), no annotation: the rule table places them."""
+    """Blocks in a Python loop (HF style), no annotation: the rule table places them (2: with
+    prefetch the first is handed the second's weights; a third would be another copy)."""
 
     @nn.compact
     def __call__(self, x):
-        for i in range(3):
+        for i in range(2):
             h = nn.gelu(nn.Dense(64, name=f"h_{i}_up")(x))
             x = x + nn.Dense(16, name=f"h_{i}_down")(h)
         return nn.Dense(4, name="head")(x)
@@ -552,7 +553,9 @@ def test_partitioned_activations_with_prefetch_on_unrolled_blocks():
     """Pa where prefetch hands each unrolled block the next one's weights: each block's saved
     input is (batch, sequence / T, d) per device, read from the compiled program, and the
     training is the same as without Pa."""
-    cfg = dataclasses.replace(CFG, vocab_size=64, d_model=32, n_layers=3, d_ff=64, seq_len=256,
+    # 2 blocks: the first is handed the second's weights ahead, the second runs last; a block
+    # between them would add a copy of the same program (unrolled: compiled once per block).
+    cfg = dataclasses.replace(CFG, vocab_size=64, d_model=32, n_layers=2, d_ff=64, seq_len=256,
                               remat="none")
     init, loss_fn, batches = gpt_problem(cfg, PA_BATCH, PA_STEPS, corpus=1 << 16,
                                          model=UnrolledGPT(cfg))
