@@ -159,26 +159,29 @@ def compile_memory(mesh, n_blocks, stage):
 
 
 def test_stage3_holds_one_block_at_a_time(mesh):
-    plan, compiled, stage3 = compile_memory(mesh, 8, 3)
-    _, _, stage2 = compile_memory(mesh, 8, 2)
+    # 6 blocks (and 3 beside them), not 8 and 4: one block's share of the step is as plain in 6
+    # (stage 3 at 0.48x stage 2, 0.51 of a block per block added), at 12 blocks to trace and
+    # compile instead of 20.
+    plan, compiled, stage3 = compile_memory(mesh, 6, 3)
+    _, _, stage2 = compile_memory(mesh, 6, 2)
     assert stage3 <= 0.6 * stage2, (stage3, stage2)
-    # 4 -> 8 blocks: per added block, one block's shard of parameters and Adam moments in the
+    # 3 -> 6 blocks: per added block, one block's shard of parameters and Adam moments in the
     # arguments (3 x 4 bytes / N per parameter), not a whole block. (A shallower model beside
-    # the 8 blocks, not a deeper one: 4 blocks to trace and compile instead of 16.)
-    _, _, shallower = compile_memory(mesh, 4, 3)
+    # the 6 blocks, not a deeper one: 3 blocks to trace and compile instead of 12.)
+    _, _, shallower = compile_memory(mesh, 3, 3)
     block = 4 * sum(math.prod(x.shape) for x in jax.tree.leaves(plan.shapes["h_0"]))
-    per_block = (stage3 - shallower) / 4
+    per_block = (stage3 - shallower) / 3
     assert per_block <= 3 * block / N + 0.25 * block, (per_block, block)
     # Each block's cut leaves (two weight matrices, cut biases) travel in one buffer: gathered
     # in the forward and again in the backward (remat), their gradients reduce-scattered once,
     # as the block's backward ends.
     blocks = [c for c in collectives(compiled.as_text(), N) if c.bytes >= 2 * 4 * D * H]
-    assert sum(c.count for c in blocks if c.kind == "all-gather") == 2 * 8
-    assert sum(c.count for c in blocks if c.kind == "reduce-scatter") == 8
+    assert sum(c.count for c in blocks if c.kind == "all-gather") == 2 * 6
+    assert sum(c.count for c in blocks if c.kind == "reduce-scatter") == 6
     # The report names the blocks, and has no warning; without blocks, it warns.
     r = compiled.report
     assert r["blocks"] == plan.blocks and not r["warnings"]
-    assert "gathered block by block (8 blocks): h_0, h_1, h_2, h_3, ..." in report.format_table(r)
+    assert "gathered block by block (6 blocks): h_0, h_1, h_2, h_3, ..." in report.format_table(r)
     with pytest.warns(UserWarning, match="of the cut parameters once per step"):
         whole = zj.make_plan(plan.shapes, mesh, 3)  # a user's loop has no report: it warns
     assert "of the cut parameters once per step" in report.held_once(whole)[0]
