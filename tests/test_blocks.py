@@ -215,15 +215,17 @@ def test_backward_gathers_again_with_no_flag_set():
 
 
 def test_recompute_only_what_the_policy_says(mesh):
-    """Compiled FLOPs per step (``cost_analysis``) of 4 unrolled blocks: stage 3 recomputes
+    """Compiled FLOPs per step (``cost_analysis``) of unrolled blocks: stage 3 recomputes
     what its remat policy says and no more. ``none`` keeps every activation and gathers the
     weights again in the backward (stage 0's FLOPs); ``dots`` recomputes what stage 0 under
     the model's own ``dots`` remat does, holding at most 0.6x stage 2; a block the model
-    already remats is recomputed once."""
+    already remats is recomputed once. 4 blocks where ``dots`` is held against stage 2 (in 3
+    one block's gathered weights and activations weigh more: 0.596x); the FLOPs and gathers
+    of the rest per block alike, so in 2 (4 compiles of 2 blocks instead of 4)."""
     import regather
 
-    def compile_(model_remat, stage, remat):
-        init, loss_fn, layers = dict(regather.problems(model_remat, 4))["unrolled"]
+    def compile_(model_remat, stage, remat, n_blocks=2):
+        init, loss_fn, layers = dict(regather.problems(model_remat, n_blocks))["unrolled"]
         tx = optax.sgd(0.1)
         plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage,
                             layers=zj.Layers(layers, remat))
@@ -236,10 +238,10 @@ def test_recompute_only_what_the_policy_says(mesh):
         return (cost["flops"], memory.argument_size_in_bytes + memory.temp_size_in_bytes,
                 gathers)
 
-    plain, stage2 = compile_(None, 0, "full"), compile_(None, 2, "full")
-    none, dots = compile_(None, 3, "none"), compile_(None, 3, "dots")
-    assert none[0] <= 1.02 * plain[0] and none[2] == 2 * 4, (none, plain)
-    assert dots[0] <= 1.02 * compile_("dots", 0, "full")[0] and dots[2] == 2 * 4
+    plain, stage2 = compile_(None, 0, "full"), compile_(None, 2, "full", 4)
+    none, dots = compile_(None, 3, "none"), compile_(None, 3, "dots", 4)
+    assert none[0] <= 1.02 * plain[0] and none[2] == 2 * 2, (none, plain)
+    assert dots[0] <= 1.02 * compile_("dots", 0, "full", 4)[0] and dots[2] == 2 * 4
     assert dots[1] <= 0.6 * stage2[1], (dots, stage2)
     twice, once = compile_("full", 3, "full"), compile_(None, 3, "full")
     assert rel(twice[0], once[0]) < 1e-3 and once[0] > 1.15 * plain[0], (twice, once, plain)
