@@ -247,25 +247,28 @@ def test_recompute_only_what_the_policy_says(mesh):
     assert rel(twice[0], once[0]) < 1e-3 and once[0] > 1.15 * plain[0], (twice, once, plain)
 
 
+@functools.cache
+def one_gpu(stage: int, prefetch: bool = False) -> tuple:
+    """4 blocks on a one-device mesh, one SGD step at ``stage``: the compiled FLOPs, the loss
+    and the parameters (stage 0's computed once for both cases of the test below)."""
+    model, init = setup(4)
+    loss_fn = lambda params, toks: ce(model, params, toks).mean()
+    mesh, tx, toks = zj.make_mesh(1), optax.sgd(0.3), tokens(0)
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage,
+                        layers=zj.Layers(BLOCKS, prefetch=prefetch))
+    step = zj.make_train_step(plan, loss_fn, tx)
+    cost = step.lower(zj.abstract_state(plan, tx), toks).compile().cost_analysis()
+    state, m = step(zj.init_state(plan, init, tx, KEY), toks)
+    return (cost[0] if isinstance(cost, list) else cost)["flops"], m["loss"], state.params
+
+
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_stage3_on_one_device_remats_its_blocks_as_on_many(prefetch):
     """One GPU, ``--stage 3``: nothing needs gathering, yet each block still runs under the
     plan's remat policy (a model whose own remat is off at stage 3, as the demo's, would
     otherwise keep every activation), prefetched or not, and trains as stage 0 does."""
-    model, init = setup(4)
-    loss_fn = lambda params, toks: ce(model, params, toks).mean()
-    mesh, tx, toks = zj.make_mesh(1), optax.sgd(0.3), tokens(0)
-
-    def run(stage, prefetch=False):
-        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage,
-                            layers=zj.Layers(BLOCKS, prefetch=prefetch))
-        step = zj.make_train_step(plan, loss_fn, tx)
-        cost = step.lower(zj.abstract_state(plan, tx), toks).compile().cost_analysis()
-        state, m = step(zj.init_state(plan, init, tx, KEY), toks)
-        return (cost[0] if isinstance(cost, list) else cost)["flops"], m["loss"], state.params
-
-    flops0, loss0, params0 = run(0)
-    flops3, loss3, params3 = run(3, prefetch)
+    flops0, loss0, params0 = one_gpu(0)
+    flops3, loss3, params3 = one_gpu(3, prefetch)
     assert flops3 > 1.15 * flops0, (flops3, flops0)  # the forward again, block by block
     assert rel(loss3, loss0) < 1e-6 and max_rel(params3, params0) < 1e-5
 
