@@ -306,10 +306,11 @@ def test_dropout_key_per_step_and_device(mesh):
     params, key = init(KEY), jax.random.key(7)
 
     # Each device's slice of the batch with its key, vmapped and jitted: op by op, and with a
-    # program per slice, the references cost more than the step.
-    @functools.partial(jax.jit, static_argnames="per_device")
+    # program per slice, the references cost more than the step. ``per_device`` traced, not
+    # static: one program for both.
+    @jax.jit
     def reference(params, toks, step_key, per_device=True):
-        devices = jnp.arange(N) if per_device else jnp.zeros(N, jnp.int32)
+        devices = jnp.where(per_device, jnp.arange(N), jnp.zeros(N, jnp.int32))
         keys = jax.vmap(lambda d: zj.device_key(step_key, d))(devices)
         parts = toks.reshape(N, -1, toks.shape[-1])
         return jax.vmap(lambda p, k: loss_fn(params, p, k))(parts, keys).sum() / N
