@@ -159,26 +159,29 @@ def compile_memory(mesh, n_blocks, stage):
 
 
 def test_stage3_holds_one_block_at_a_time(mesh):
-    plan, compiled, stage3 = compile_memory(mesh, 8, 3)
-    _, _, stage2 = compile_memory(mesh, 8, 2)
+    # 6 blocks (and 3 beside them), not 8 (and 4): the bounds hold with room in 6 too (stage 3
+    # at 0.48x stage 2; 0.51 of a block per block added, against 0.625), for 15 blocks to
+    # trace and compile instead of 20.
+    plan, compiled, stage3 = compile_memory(mesh, 6, 3)
+    _, _, stage2 = compile_memory(mesh, 6, 2)
     assert stage3 <= 0.6 * stage2, (stage3, stage2)
-    # 4 -> 8 blocks: per added block, one block's shard of parameters and Adam moments in the
+    # 3 -> 6 blocks: per added block, one block's shard of parameters and Adam moments in the
     # arguments (3 x 4 bytes / N per parameter), not a whole block. (A shallower model beside
-    # the 8 blocks, not a deeper one: 4 blocks to trace and compile instead of 16.)
-    _, _, shallower = compile_memory(mesh, 4, 3)
+    # the 6 blocks, not a deeper one: 3 blocks to trace and compile instead of 12.)
+    _, _, shallower = compile_memory(mesh, 3, 3)
     block = 4 * sum(math.prod(x.shape) for x in jax.tree.leaves(plan.shapes["h_0"]))
-    per_block = (stage3 - shallower) / 4
+    per_block = (stage3 - shallower) / 3
     assert per_block <= 3 * block / N + 0.25 * block, (per_block, block)
     # Each block's cut leaves (two weight matrices, cut biases) travel in one buffer: gathered
     # in the forward and again in the backward (remat), their gradients reduce-scattered once,
     # as the block's backward ends.
     blocks = [c for c in collectives(compiled.as_text(), N) if c.bytes >= 2 * 4 * D * H]
-    assert sum(c.count for c in blocks if c.kind == "all-gather") == 2 * 8
-    assert sum(c.count for c in blocks if c.kind == "reduce-scatter") == 8
+    assert sum(c.count for c in blocks if c.kind == "all-gather") == 2 * 6
+    assert sum(c.count for c in blocks if c.kind == "reduce-scatter") == 6
     # The report names the blocks, and has no warning; without blocks, it warns.
     r = compiled.report
     assert r["blocks"] == plan.blocks and not r["warnings"]
-    assert "gathered block by block (8 blocks): h_0, h_1, h_2, h_3, ..." in report.format_table(r)
+    assert "gathered block by block (6 blocks): h_0, h_1, h_2, h_3, ..." in report.format_table(r)
     with pytest.warns(UserWarning, match="of the cut parameters once per step"):
         whole = zj.make_plan(plan.shapes, mesh, 3)  # a user's loop has no report: it warns
     assert "of the cut parameters once per step" in report.held_once(whole)[0]
@@ -212,15 +215,17 @@ def test_backward_gathers_again_with_no_flag_set():
 
 
 def test_recompute_only_what_the_policy_says(mesh):
-    """Compiled FLOPs per step (``cost_analysis``) of 4 unrolled blocks: stage 3 recomputes
+    """Compiled FLOPs per step (``cost_analysis``) of unrolled blocks: stage 3 recomputes
     what its remat policy says and no more. ``none`` keeps every activation and gathers the
     weights again in the backward (stage 0's FLOPs); ``dots`` recomputes what stage 0 under
     the model's own ``dots`` remat does, holding at most 0.6x stage 2; a block the model
-    already remats is recomputed once."""
+    already remats is recomputed once. 4 blocks where ``dots`` is held against stage 2 (in 3
+    one block's gathered weights and activations weigh more: 0.596x); the FLOPs and gathers
+    of the rest per block alike, so in 2 (4 compiles of 2 blocks instead of 4)."""
     import regather
 
-    def compile_(model_remat, stage, remat):
-        init, loss_fn, layers = dict(regather.problems(model_remat, 4))["unrolled"]
+    def compile_(model_remat, stage, remat, n_blocks=2):
+        init, loss_fn, layers = dict(regather.problems(model_remat, n_blocks))["unrolled"]
         tx = optax.sgd(0.1)
         plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage,
                             layers=zj.Layers(layers, remat))
@@ -233,13 +238,28 @@ def test_recompute_only_what_the_policy_says(mesh):
         return (cost["flops"], memory.argument_size_in_bytes + memory.temp_size_in_bytes,
                 gathers)
 
-    plain, stage2 = compile_(None, 0, "full"), compile_(None, 2, "full")
-    none, dots = compile_(None, 3, "none"), compile_(None, 3, "dots")
-    assert none[0] <= 1.02 * plain[0] and none[2] == 2 * 4, (none, plain)
-    assert dots[0] <= 1.02 * compile_("dots", 0, "full")[0] and dots[2] == 2 * 4
+    plain, stage2 = compile_(None, 0, "full"), compile_(None, 2, "full", 4)
+    none, dots = compile_(None, 3, "none"), compile_(None, 3, "dots", 4)
+    assert none[0] <= 1.02 * plain[0] and none[2] == 2 * 2, (none, plain)
+    assert dots[0] <= 1.02 * compile_("dots", 0, "full", 4)[0] and dots[2] == 2 * 4
     assert dots[1] <= 0.6 * stage2[1], (dots, stage2)
     twice, once = compile_("full", 3, "full"), compile_(None, 3, "full")
     assert rel(twice[0], once[0]) < 1e-3 and once[0] > 1.15 * plain[0], (twice, once, plain)
+
+
+@functools.cache
+def one_gpu(stage: int, prefetch: bool = False) -> tuple:
+    """4 blocks on a one-device mesh, one SGD step at ``stage``: the compiled FLOPs, the loss
+    and the parameters (stage 0's computed once for both cases of the test below)."""
+    model, init = setup(4)
+    loss_fn = lambda params, toks: ce(model, params, toks).mean()
+    mesh, tx, toks = zj.make_mesh(1), optax.sgd(0.3), tokens(0)
+    plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage,
+                        layers=zj.Layers(BLOCKS, prefetch=prefetch))
+    step = zj.make_train_step(plan, loss_fn, tx)
+    cost = step.lower(zj.abstract_state(plan, tx), toks).compile().cost_analysis()
+    state, m = step(zj.init_state(plan, init, tx, KEY), toks)
+    return (cost[0] if isinstance(cost, list) else cost)["flops"], m["loss"], state.params
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
@@ -247,20 +267,8 @@ def test_stage3_on_one_device_remats_its_blocks_as_on_many(prefetch):
     """One GPU, ``--stage 3``: nothing needs gathering, yet each block still runs under the
     plan's remat policy (a model whose own remat is off at stage 3, as the demo's, would
     otherwise keep every activation), prefetched or not, and trains as stage 0 does."""
-    model, init = setup(4)
-    loss_fn = lambda params, toks: ce(model, params, toks).mean()
-    mesh, tx, toks = zj.make_mesh(1), optax.sgd(0.3), tokens(0)
-
-    def run(stage, prefetch=False):
-        plan = zj.make_plan(jax.eval_shape(init, KEY), mesh, stage,
-                            layers=zj.Layers(BLOCKS, prefetch=prefetch))
-        step = zj.make_train_step(plan, loss_fn, tx)
-        cost = step.lower(zj.abstract_state(plan, tx), toks).compile().cost_analysis()
-        state, m = step(zj.init_state(plan, init, tx, KEY), toks)
-        return (cost[0] if isinstance(cost, list) else cost)["flops"], m["loss"], state.params
-
-    flops0, loss0, params0 = run(0)
-    flops3, loss3, params3 = run(3, prefetch)
+    flops0, loss0, params0 = one_gpu(0)
+    flops3, loss3, params3 = one_gpu(3, prefetch)
     assert flops3 > 1.15 * flops0, (flops3, flops0)  # the forward again, block by block
     assert rel(loss3, loss0) < 1e-6 and max_rel(params3, params0) < 1e-5
 
@@ -298,10 +306,11 @@ def test_dropout_key_per_step_and_device(mesh):
     params, key = init(KEY), jax.random.key(7)
 
     # Each device's slice of the batch with its key, vmapped and jitted: op by op, and with a
-    # program per slice, the references cost more than the step.
-    @functools.partial(jax.jit, static_argnames="per_device")
+    # program per slice, the references cost more than the step. ``per_device`` traced, not
+    # static: one program for both.
+    @jax.jit
     def reference(params, toks, step_key, per_device=True):
-        devices = jnp.arange(N) if per_device else jnp.zeros(N, jnp.int32)
+        devices = jnp.where(per_device, jnp.arange(N), jnp.zeros(N, jnp.int32))
         keys = jax.vmap(lambda d: zj.device_key(step_key, d))(devices)
         parts = toks.reshape(N, -1, toks.shape[-1])
         return jax.vmap(lambda p, k: loss_fn(params, p, k))(parts, keys).sum() / N
