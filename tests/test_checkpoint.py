@@ -321,14 +321,14 @@ def test_names_are_flax_state_dict_names():
     from zero_jax.checkpoint import _flat, _items
 
     _, init, _, _ = small_problem()
-    params = init(jax.random.key(0))
+    params = jax.eval_shape(init, jax.random.key(0))  # names only: shapes, no values
     labels = jax.tree.map(lambda _: "trained", params)
     labels["ln_f"] = jax.tree.map(lambda _: "frozen", params["ln_f"])
     for tx in (optax.adamw(1e-3), optax.chain(optax.clip_by_global_norm(1.0), optax.lion(1e-3)),
                optax.multi_transform({"trained": optax.adafactor(1e-3),
                                       "frozen": optax.set_to_zero()}, labels)):
-        state = zj.TrainState(jax.numpy.zeros((), int), params, None, tx.init(params), None,
-                              jax.numpy.zeros((), int))
+        state = zj.TrainState(jax.numpy.zeros((), int), params, None,
+                              jax.eval_shape(tx.init, params), None, jax.numpy.zeros((), int))
         ours = _flat({k: v[k] for k, v in _items(state).items()})
         flax = {f"{name}/{k}".rstrip("/"): v for name in ("params", "opt_state", "skipped")
                 for k, v in _flat(serialization.to_state_dict(getattr(state, name))).items()
