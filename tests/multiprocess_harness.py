@@ -17,7 +17,7 @@ import time
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec
 
 from zero_jax import distributed, report
 from zero_jax.checkpoint import Checkpoints
@@ -74,10 +74,15 @@ def train(exp: Experiment, state, first: int, steps: int, tokens, step=None
 
 
 def whole(state) -> dict[str, np.ndarray]:
-    """Every leaf of the state, whole, on the host (gathered from all processes)."""
-    leaves = jax.tree_util.tree_flatten_with_path(state._asdict())[0]
-    return {jax.tree_util.keystr(p): np.asarray(multihost_utils.process_allgather(x, tiled=True))
-            for p, x in leaves}
+    """Every leaf of the state, whole, on the host (gathered from all processes). Across
+    processes one program replicates every leaf, as ``multihost_utils.process_allgather``
+    does leaf by leaf (a program per leaf's shape and layout: dozens of compiles)."""
+    paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(state._asdict())[0], strict=True)
+    if jax.process_count() > 1:
+        replicated = [x.sharding.update(spec=PartitionSpec()) for x in leaves]
+        leaves = [x.addressable_data(0) for x in
+                  jax.jit(lambda xs: xs, out_shardings=replicated)(list(leaves))]
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in zip(paths, leaves, strict=True)}
 
 
 def save(path: pathlib.Path, arrays: dict[str, np.ndarray]) -> None:

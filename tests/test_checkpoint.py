@@ -19,6 +19,7 @@ from conftest import FIXED_SCHEDULE, ONE_LAYER, SUBPROCESS_ENV, example, small_p
 from lm import LAYERS
 
 import zero_jax as zj
+from zero_jax import export
 from zero_jax.checkpoint import CheckpointError, Checkpoints
 from zero_jax.precision import LossScaleConfig
 
@@ -58,27 +59,35 @@ def listing(directory: pathlib.Path) -> dict:
 
 @pytest.fixture(scope="module")
 def saved(mesh, small, tmp_path_factory):
-    """Per stage, a checkpoint written on 8 devices after 2 AdamW steps, and its values."""
+    """Per stage, a checkpoint written on 8 devices in that stage's layout, of a state after 2
+    AdamW steps, and its values. The steps are trained once, at stage 3, and the state placed
+    in each stage's layout (``state_shardings``): what a restore reads is the layout on disk,
+    and one train step compiles instead of four. Also the stage-3 plan and its compiled step,
+    which ``test_saves_are_sharded_and_async_under_donation`` trains with."""
     _, init, loss_fn, batches = small
     tx = optax.adamw(1e-2)
+    shapes = jax.eval_shape(init, jax.random.key(0))
+    plan3 = zj.make_plan(shapes, mesh, 3, layers=LAYERS)
+    step3 = zj.make_train_step(plan3, loss_fn, tx)
+    state = zj.init_state(plan3, init, tx, jax.random.key(0))
+    for b in batches[:2]:
+        state, _ = step3(state, b)
+    trained = jax.device_get(state)
     out = {}
     for stage in range(4):
-        plan = zj.make_plan(jax.eval_shape(init, jax.random.key(0)), mesh, stage, layers=LAYERS)
-        state = zj.init_state(plan, init, tx, jax.random.key(0))
-        step = zj.make_train_step(plan, loss_fn, tx)
-        for b in batches[:2]:
-            state, _ = step(state, b)
+        plan = zj.make_plan(shapes, mesh, stage, layers=LAYERS)
+        placed = jax.device_put(trained, zj.state_shardings(plan, tx))
         ckpts = Checkpoints(tmp_path_factory.mktemp(f"stage{stage}"))
-        ckpts.save(state, {"config": {}})
+        ckpts.save(placed, {"config": {}})
         ckpts.finish()
-        out[stage] = (ckpts, jax.device_get(state))
-    return init, tx, out
+        out[stage] = (ckpts, trained)
+    return init, tx, out, (plan3, step3)
 
 
 @pytest.mark.parametrize("devices", [4, 2])
 @pytest.mark.parametrize("source", range(4))
 def test_restore_onto_any_stage_and_device_count(source, devices, saved):
-    init, tx, out = saved
+    init, tx, out, _ = saved
     ckpts, values = out[source]
     shapes = jax.eval_shape(init, jax.random.key(0))
     for target in range(4):
@@ -97,7 +106,7 @@ def test_restore_onto_any_stage_and_device_count(source, devices, saved):
 
 
 def test_stage3_on_8_restores_on_one_device(saved):
-    init, tx, out = saved
+    init, tx, out, _ = saved
     ckpts, values = out[3]
     plan = zj.make_plan(jax.eval_shape(init, jax.random.key(0)), zj.make_mesh(1), 0,
                         layers=LAYERS)
@@ -106,15 +115,13 @@ def test_stage3_on_8_restores_on_one_device(saved):
         np.testing.assert_array_equal(np.asarray(a), b)
 
 
-def test_saves_are_sharded_and_async_under_donation(mesh, small, tmp_path):
+def test_saves_are_sharded_and_async_under_donation(small, saved, tmp_path):
     """Each device writes its own shard (the chunks on disk are shard-sized), and training
     that goes on while the save is in flight (donating the saved buffers) does not leak into
-    it."""
-    _, init, loss_fn, batches = small
-    tx = optax.adamw(1e-2)
-    plan = zj.make_plan(jax.eval_shape(init, jax.random.key(0)), mesh, 3, layers=LAYERS)
+    it. (Stage 3 with AdamW: ``saved``'s plan and step, compiled once for both.)"""
+    _, _, _, batches = small
+    init, tx, _, (plan, step) = saved
     state = zj.init_state(plan, init, tx, jax.random.key(0))
-    step = zj.make_train_step(plan, loss_fn, tx)
     state, _ = step(state, batches[0])
     snapshot = jax.device_get(state)
     ckpts = Checkpoints(tmp_path)
@@ -133,7 +140,7 @@ def test_saves_are_sharded_and_async_under_donation(mesh, small, tmp_path):
 
 
 def test_mismatched_restores_name_the_path_and_change_nothing(saved):
-    init, _, out = saved
+    init, _, out, _ = saved
     ckpts, _ = out[2]
     before = listing(ckpts.path)
     shapes = jax.eval_shape(init, jax.random.key(0))
@@ -314,14 +321,14 @@ def test_names_are_flax_state_dict_names():
     from zero_jax.checkpoint import _flat, _items
 
     _, init, _, _ = small_problem()
-    params = init(jax.random.key(0))
+    params = jax.eval_shape(init, jax.random.key(0))  # names only: shapes, no values
     labels = jax.tree.map(lambda _: "trained", params)
     labels["ln_f"] = jax.tree.map(lambda _: "frozen", params["ln_f"])
     for tx in (optax.adamw(1e-3), optax.chain(optax.clip_by_global_norm(1.0), optax.lion(1e-3)),
                optax.multi_transform({"trained": optax.adafactor(1e-3),
                                       "frozen": optax.set_to_zero()}, labels)):
-        state = zj.TrainState(jax.numpy.zeros((), int), params, None, tx.init(params), None,
-                              jax.numpy.zeros((), int))
+        state = zj.TrainState(jax.numpy.zeros((), int), params, None,
+                              jax.eval_shape(tx.init, params), None, jax.numpy.zeros((), int))
         ours = _flat({k: v[k] for k, v in _items(state).items()})
         flax = {f"{name}/{k}".rstrip("/"): v for name in ("params", "opt_state", "skipped")
                 for k, v in _flat(serialization.to_state_dict(getattr(state, name))).items()
@@ -391,10 +398,12 @@ def test_disk_full_during_save_stops_and_keeps_older_checkpoints(tmp_path, writt
 
 def test_export_reads_with_plain_orbax_and_generates(tmp_path, written):
     shutil.copytree(written, tmp_path / "runs" / "ckpt")
-    run = subprocess.run([sys.executable, "-m", "zero_jax.export", "runs/ckpt", "runs/export",
-                          "--dtype", "bf16"], cwd=tmp_path, env=ENV, capture_output=True,
-                         text=True)
-    assert run.returncode == 0, run.stderr
+    # the export in this process (a fresh one is the reader's point, below, not the writer's)
+    err = io.StringIO()
+    with contextlib.chdir(tmp_path), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(err):
+        code = export.main(["runs/ckpt", "runs/export", "--dtype", "bf16"])
+    assert code == 0, err.getvalue()
     # Loading needs orbax only: a fresh one-device process that never imports zero_jax.
     check = ("import os, sys, orbax.checkpoint as ocp\n"
              "p = ocp.StandardCheckpointer().restore(os.path.abspath('runs/export/params'))\n"

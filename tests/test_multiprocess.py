@@ -5,6 +5,7 @@ runs here, on this process's 8 devices, for the references. Then train.py itself
 peer, and start-up input that cannot work.
 """
 
+import functools
 import json
 import pathlib
 import re
@@ -89,8 +90,15 @@ def test_hierarchical_keeps_the_loop_within_a_process(runs):
     assert one["report"]["processes"] == 1 and one["report"]["comm_bytes_across_processes"] == 0
 
 
+@functools.cache
+def built(layout: str):
+    """``harness.build(layout)``, once per layout: the restores below need its plan and
+    optimizer alone (each build traces the model's init)."""
+    return harness.build(layout)
+
+
 def restore(path: pathlib.Path, layout: str):
-    exp = harness.build(layout)
+    exp = built(layout)
     ckpts = Checkpoints(path, read_only=True)
     state, _ = ckpts.restore(abstract_state(exp.plan, exp.tx))
     ckpts.close()
@@ -167,7 +175,7 @@ def test_a_killed_peer_stops_the_other_and_checkpoints_survive(tmp_path, killed)
     # checkpoint restores
     steps = [json.loads(x)["step"] for x in metrics.read_text().split("\n")[:-1]]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 6
-    exp = harness.build("stage3-adamw")
+    exp = built("stage3-adamw")
     cfg_ckpts = Checkpoints(ckpt, read_only=True)
     latest = cfg_ckpts.latest_step()
     assert latest >= 6 and latest % 3 == 0 and latest == int(said[2])
