@@ -831,6 +831,9 @@ def test_a_llama_asking_for_what_the_model_lacks_is_refused_naming_the_key(
     assert not ckpt.exists() and not metrics.exists()
 
 
+_THEIRS: dict[pathlib.Path, np.ndarray] = {}
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("which", list(FAMILIES))
 def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path, tp,
@@ -850,7 +853,10 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     from zero_jax.gpt import llama
 
     llama_dir = family_dir(which)
-    theirs = torch_logits_of(transformers.AutoModelForCausalLM, llama_dir)
+    # transformers' logits of the directory: computed once for both tp cases
+    if llama_dir not in _THEIRS:
+        _THEIRS[llama_dir] = torch_logits_of(transformers.AutoModelForCausalLM, llama_dir)
+    theirs = _THEIRS[llama_dir]
     section = llama.read_config(llama_dir)
     family = which.split("-")[0]
     assert section["tie_head"] == (family in ("llama3", "qwen2", "qwen3", "phi4", "gemma",
