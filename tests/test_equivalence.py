@@ -207,7 +207,8 @@ def test_the_llama_family_trains_at_stage_3_with_prefetch_as_on_one_device(opt, 
         mesh = make_mesh(axes={"data": 8 // tp, "model": tp})
     init, loss_fn, tx = init_fn(model), lm_loss(model), OPTIMIZERS[opt]()
     batches = [jax.random.randint(jax.random.key(i), (8, 17), 0, 64) for i in range(4)]
-    ref = optax_steps(loss_fn, tx, init(KEY), batches)
+    # The initial parameters jitted, as init_state draws them (op by op: 3 s more a test).
+    ref = optax_steps(loss_fn, tx, jax.jit(init)(KEY), batches)
     plan = make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=Layers("^blocks$", prefetch=True),
                      rules=list(tensor_parallel(cfg)) if tp > 1 else [])
     state = init_state(plan, init, tx, KEY)
