@@ -1275,12 +1275,20 @@ def test_a_model_no_family_computes_is_refused_before_anything_is_written(tmp_pa
     """The config.json a model would be written with is read back first: where a family
     cannot say what the model computes, the export refuses (one line naming the key, exit code
     2, no directory), as the in-run save does before the run starts; each family's own models
-    read back whole (every family's export test)."""
+    read back whole (every family's export test). train.py refuses it before anything is
+    written too."""
     section = {"arch": "llama", "vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4,
                "d_ff": 64, "seq_len": 16}
     for extra, key in NO_FAMILY:
         with pytest.raises(WeightsError, match=rf"^model\.{key} .* no Hugging Face family"):
-            hf.mapping({**section, **extra})
+            hf.check_writable({**section, **extra})
+    out, ckpt = tmp_path / "st", tmp_path / "run"
+    sets = [f"model.{k}={v}" for k, v in {**section, **NO_FAMILY[1][0]}.items()]
+    code = train_py.main(["--steps", "1", "--save-safetensors", str(out), "--checkpoint-dir",
+                          str(ckpt), *[a for s in sets for a in ("--set", s)]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "model.qkv_bias True does not survive" in err[0], err
+    assert not out.exists() and not ckpt.exists()
     shapes = {"w": jax.ShapeDtypeStruct((8, 128), np.float32)}
     _checkpoint_of(tmp_path / "ckpt", shapes)
     meta_file = tmp_path / "ckpt" / "0" / "meta" / "metadata"

@@ -109,10 +109,18 @@ def mapping(model: dict, prefix: str = "transformer.") -> Mapping:
     if model.get("arch", "gpt2") == "llama":
         from zero_jax.gpt import llama
 
-        llama.hf_config(model)  # a model no family computes: refused before any writing
         c = GPTConfig(**model)  # heads rotated in part are Phi-3's, written as its tensors
         return llama.phi3_mapping(c) if c.rotary_dim < c.dh else llama.mapping(c)
     return gpt2_mapping(model, prefix)
+
+
+def check_writable(model: dict) -> None:
+    """Refuse, before a run or an export writes anything, a model the config.json it would be
+    written with does not give back (``llama.hf_config``): one no Hugging Face family computes."""
+    if model.get("arch", "gpt2") == "llama":
+        from zero_jax.gpt import llama
+
+        llama.hf_config(model)
 
 
 def load(plan, directory: str | os.PathLike, check_only: bool = False):
@@ -199,6 +207,7 @@ def export(checkpoint_dir: str, out: str, step: int | None = None, dtype: str = 
                                "model config: it was not written by train.py; export it with "
                                "python -m zero_jax.export --format safetensors")
         check_tokenizer(meta)
+        check_writable(model)
         return mapping(model)
 
     def config(directory: pathlib.Path, meta: dict) -> None:

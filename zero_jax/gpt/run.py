@@ -101,6 +101,8 @@ def run_main(args: argparse.Namespace, watchdog=None) -> int:
         quiet_background_errors()  # a failed save is its one CheckpointError line below
         try:
             cfg = load_config(args)
+            if args.save_safetensors:
+                hf.check_writable(cfg["model"])
             if problem := profile_window(args, cfg["train"]["steps"]):
                 return fail(problem)
             local = {"coordinator", "num_processes", "process_id", "distributed"}
