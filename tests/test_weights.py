@@ -1274,9 +1274,8 @@ NO_FAMILY = [({"gemma": 2, "n_experts": 4}, "gemma"), ({"gemma": 1, "qkv_bias": 
 def test_a_model_no_family_computes_is_refused_before_anything_is_written(tmp_path, capsys):
     """The config.json a model would be written with is read back first: where a family
     cannot say what the model computes, the export refuses (one line naming the key, exit code
-    2, no directory), as the in-run save does before the run starts; each family's own models
-    read back whole (every family's export test). train.py refuses it before anything is
-    written too."""
+    2, no directory), as ``train.py --save-safetensors`` does before writing anything; each
+    family's own models read back whole (every family's export test)."""
     section = {"arch": "llama", "vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4,
                "d_ff": 64, "seq_len": 16}
     for extra, key in NO_FAMILY:
