@@ -1281,6 +1281,12 @@ def test_a_model_no_family_computes_is_refused_before_anything_is_written(tmp_pa
     for extra, key in NO_FAMILY:
         with pytest.raises(WeightsError, match=rf"^model\.{key} .* no Hugging Face family"):
             hf.check_writable({**section, **extra})
+    # A Gemma 2 windowed on every layer is one: its layer_types all sliding, read back so.
+    every = {**section, "gemma": 2, "sliding_window": 4}
+    (tmp_path / "ok" / "gemma2").mkdir(parents=True)
+    hf.write_config(tmp_path / "ok" / "gemma2", every, "float32")
+    back = hf.read_config(tmp_path / "ok" / "gemma2")
+    assert back["sliding_window"] == 4 and back["window_pattern"] == 3, back
     out, ckpt = tmp_path / "st", tmp_path / "run"
     sets = [f"model.{k}={v}" for k, v in {**section, **NO_FAMILY[1][0]}.items()]
     code = train_py.main(["--steps", "1", "--save-safetensors", str(out), "--checkpoint-dir",
@@ -1298,7 +1304,7 @@ def test_a_model_no_family_computes_is_refused_before_anything_is_written(tmp_pa
     assert hf.main([str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model.gemma 2 does not survive as a Hugging Face mixtral" in err[0]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ok"]
 
 
 def test_the_export_streams_without_orbax_warnings(tmp_path, caplog):

@@ -675,14 +675,18 @@ def hf_config(model: dict, dtype: str = "float32") -> dict:
     return hf
 
 
-# What the model computes, as a function of its config: keys the read-back must give again.
+TENSORS_ALONE = "export its tensors alone (python -m zero_jax.export --format safetensors)"
+
+
 def _computes(c: GPTConfig) -> dict:
+    """What ``c`` computes, in keys of the config: two configs alike here compute alike (a
+    window on no layer is none; every N-th layer full, N past the depth, is a window on all)."""
     moe = dict(n_experts=c.n_experts, experts_per_token=c.experts_per_token,
                expert_d_ff=c.expert_d_ff or c.d_ff, moe_norm_topk=c.moe_norm_topk,
                shared_expert_d_ff=c.shared_expert_d_ff) if c.n_experts else {}
     rope = {k: getattr(c, k) for k in GPTConfig.__dataclass_fields__
             if k.startswith("rope_") and k not in ("rope_theta", "rope_local_theta")}
-    sliding = c.sliding_window and c.window_pattern != 1  # every N-th full: none past L
+    sliding = c.sliding_window and c.window_pattern != 1
     pattern = c.window_pattern if sliding and c.window_pattern <= c.n_layers else 0
     return {"vocab_size": c.vocab_size, "d_model": c.d_model, "n_layers": c.n_layers,
             "n_heads": c.n_heads, "d_ff": c.d_ff, "norm_eps": c.norm_eps,
@@ -704,15 +708,14 @@ def _check_read_back(c: GPTConfig, family: str, hf: dict) -> None:
                                           json.loads(json.dumps(hf))))
     except WeightsError as e:
         raise WeightsError(f"this model's Hugging Face {family} config would not read back "
-                           f"({e}): export its tensors alone (python -m zero_jax.export "
-                           "--format safetensors)") from None
+                           f"({e}): {TENSORS_ALONE}") from None
     want, got = _computes(c), _computes(back)
     for key, value in want.items():
         if got.get(key) != value:
             raise WeightsError(
                 f"model.{key} {value!r} does not survive as a Hugging Face {family} config "
                 f"(read back: {got.get(key)!r}): no Hugging Face family computes this model; "
-                "export its tensors alone (python -m zero_jax.export --format safetensors)")
+                f"{TENSORS_ALONE}")
 
 
 def _family_keys(c: GPTConfig, family: str) -> dict:
