@@ -714,7 +714,7 @@ def test_rope_frequencies_are_transformers(scaling, t):
     past them, yarn's."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from zero_jax.gpt import llama
+    from zero_jax.gpt import llama, llama_config
 
     kind = scaling["rope_type"]
     beside = {"original_max_position_embeddings": 256} if kind == "longrope" else {}
@@ -722,7 +722,7 @@ def test_rope_frequencies_are_transformers(scaling, t):
                                       max_position_embeddings=512, rope_theta=5e5,
                                       rope_scaling={**scaling, **beside})
     want, attention_factor = ROPE_INIT_FUNCTIONS[kind](theirs, "cpu", seq_len=t)
-    section = llama._rope(pathlib.Path("config.json"), {
+    section = llama_config._rope(pathlib.Path("config.json"), {
         "rope_theta": 5e5, "rope_scaling": scaling, "max_position_embeddings": 512, **beside}, 64)
     cfg = GPTConfig(**section)
     ours = llama.rope_frequencies(cfg, 64, t)
@@ -758,10 +758,10 @@ def test_the_shipped_llama_3_2_config_is_llama_3_2_1b(tmp_path, capsys):
     1B's config.json (its training window aside: 1,024 tokens from a directory, as Hugging
     Face's run_clm starts, of the 131,072 it declares), and its parameter count transformers'
     (1,235,814,400: the head tied, counted once)."""
-    from zero_jax.gpt import config, llama
+    from zero_jax.gpt import config, llama_config
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_2_1B))
-    section = llama.read_config(tmp_path)
+    section = llama_config.read_config(tmp_path)
     shipped = config.load("llama3.2-1b")["model"]
     assert section.pop("seq_len") == 1024 and shipped["seq_len"] == 2048  # training windows
     assert {k: shipped[k] for k in section} == section
@@ -850,14 +850,14 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     Mistral's and a Phi-3's window of 5 tokens, shorter than the sequence, as transformers
     computes it),
     transformers loads it with the same logits."""
-    from zero_jax.gpt import llama
+    from zero_jax.gpt import llama, llama_config
 
     llama_dir = family_dir(which)
     # transformers' logits of the directory: computed once for both tp cases
     if llama_dir not in _THEIRS:
         _THEIRS[llama_dir] = torch_logits_of(transformers.AutoModelForCausalLM, llama_dir)
     theirs = _THEIRS[llama_dir]
-    section = llama.read_config(llama_dir)
+    section = llama_config.read_config(llama_dir)
     family = which.split("-")[0]
     assert section["tie_head"] == (family in ("llama3", "qwen2", "qwen3", "phi4", "gemma",
                                               "gemma2", "gemma3"))
@@ -921,8 +921,9 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     out = tmp_path / "out"  # straight from the shards (Phi-4-mini's as Phi-3's fused tensors)
     zj.save_safetensors(params, out, hf.mapping(section), np.float32, 20_000)
     # as trained at a shorter window: the context config.json declared is written back
-    llama.write_config(out, {**section, "seq_len": 8})
-    assert (out / "model.safetensors.index.json").exists() and llama.read_config(out) == section
+    llama_config.write_config(out, {**section, "seq_len": 8})
+    assert (out / "model.safetensors.index.json").exists()
+    assert llama_config.read_config(out) == section
     assert rel(torch_logits_of(transformers.AutoModelForCausalLM, out), ours) < 1e-5
 
 
@@ -934,11 +935,11 @@ def test_a_tensor_taken_in_ranges_is_read_once_whole_and_written_back_whole(fami
     parameters' shards at stage 3."""
     import safetensors.numpy
 
-    from zero_jax.gpt import llama
+    from zero_jax.gpt import llama, llama_config
     from zero_jax.weights import export_arrays
 
     phi3 = family_dir("phi3")
-    cfg = GPTConfig(**llama.read_config(phi3), remat="none", vocab_multiple=128)
+    cfg = GPTConfig(**llama_config.read_config(phi3), remat="none", vocab_multiple=128)
     model = llama.Llama(cfg)
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), TOKENS[:1, :-1])["params"])
     plan = zj.make_plan(shapes, zj.make_mesh(), stage=3, layers=LAYERS)
@@ -989,7 +990,7 @@ def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, famil
     heads rotated in half, written back as Phi-3's fused tensors): the model section from its
     config.json, its first loss transformers' on that batch; two SGD steps; the export loads in
     transformers with zero_jax's logits of the trained checkpoint."""
-    from zero_jax.gpt import llama
+    from zero_jax.gpt import llama, llama_config
 
     llama_dir = family_dir(which)
     window = {"sliding_window": 5} if which == "mistral" else {}
@@ -1014,9 +1015,9 @@ def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, famil
     ckpts = zj.Checkpoints(ckpt, read_only=True)
     trained = ckpts.read_params()
     ckpts.close()
-    model = llama.Llama(GPTConfig(**{**llama.read_config(llama_dir), **window}, remat="none",
+    model = llama.Llama(GPTConfig(**{**llama_config.read_config(llama_dir), **window}, remat="none",
                                   vocab_multiple=128))
-    assert llama.read_config(out)["sliding_window"] == model.cfg.sliding_window
+    assert llama_config.read_config(out)["sliding_window"] == model.cfg.sliding_window
     ours = logits_of(model, trained)
     theirs = torch_logits_of(transformers.AutoModelForCausalLM, out)
     assert rel(theirs, ours) < 1e-5

@@ -19,7 +19,7 @@ import yaml
 
 from zero_jax.blocks import GATHER, REMAT
 from zero_jax.gpt.attention import IMPLEMENTATIONS
-from zero_jax.gpt.llama import ROPE_TYPES
+from zero_jax.gpt.llama_config import ROPE_TYPES
 from zero_jax.offload import Nvme
 
 

@@ -1,5 +1,5 @@
 """The demo's models in Hugging Face's layout: config.json and GPT-2's (or Llama's,
-``llama.py``) tensor names.
+``llama.py``, its config.json ``llama_config.py``) tensor names.
 
 GPT-2's safetensors hold ``Conv1D`` weights as ``(in, out)``, which is a Flax kernel already:
 its fused ``c_attn`` is this model's ``(d, 3, heads, head_dim)`` qkv kernel with its output
@@ -15,6 +15,7 @@ import pathlib
 import shutil
 import sys
 
+from zero_jax.gpt import llama_config
 from zero_jax.gpt.data import Tokenizer
 from zero_jax.gpt.model import GPTConfig
 from zero_jax.safetensors_writer import COMPANION_FILES
@@ -59,10 +60,8 @@ def read_config(directory: str | os.PathLike) -> dict:
     except (OSError, ValueError, AssertionError):
         raise WeightsError(f"{path} is missing or not JSON: pass a Hugging Face model "
                            "directory (config.json and safetensors)") from None
-    from zero_jax.gpt import llama
-
-    if hf.get("model_type") in (*llama.FAMILIES, "gemma3"):
-        return llama.read_config(directory)
+    if hf.get("model_type") in (*llama_config.FAMILIES, "gemma3"):
+        return llama_config.read_config(directory)
     if hf.get("model_type") != "gpt2":
         raise WeightsError(f"{path} is model_type {hf.get('model_type')!r}; this demo reads "
                            "gpt2, llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text "
@@ -116,11 +115,10 @@ def mapping(model: dict, prefix: str = "transformer.") -> Mapping:
 
 def check_writable(model: dict) -> None:
     """Refuse, before a run or an export writes anything, a model the config.json it would be
-    written with does not give back (``llama.hf_config``): one no Hugging Face family computes."""
+    written with does not give back (``llama_config.hf_config``): one no Hugging Face family
+    computes."""
     if model.get("arch", "gpt2") == "llama":
-        from zero_jax.gpt import llama
-
-        llama.hf_config(model)
+        llama_config.hf_config(model)
 
 
 def load(plan, directory: str | os.PathLike, check_only: bool = False):
@@ -138,9 +136,7 @@ def write_config(directory: pathlib.Path, model: dict, dtype: str) -> None:
     """A GPT-2 or Llama config.json for this demo's ``model`` section, as transformers reads
     it."""
     if model.get("arch", "gpt2") == "llama":
-        from zero_jax.gpt import llama
-
-        return llama.write_config(directory, model, dtype)
+        return llama_config.write_config(directory, model, dtype)
     hf = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
           **{theirs: model[ours] for theirs, ours in GPT2_KEYS.items()}, **GPT2_FIXED,
           "layer_norm_epsilon": model.get("norm_eps", 1e-5),
