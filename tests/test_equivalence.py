@@ -5,6 +5,7 @@ scale, so a gradient N times too large would still give Adam's losses.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -180,14 +181,15 @@ def test_ignored_and_frozen_modules_at_every_stage(stage, mesh, small, reference
 # q and k norms, Gemma's norms and their outputs' norms, a window of 5 on every other layer
 # (a flag through the scanned layers, a lax.cond per layer) rotating at its own base, soft caps
 # on the scores and (inside the chunked loss) on the logits, a scores scalar of its own; and
-# for its MLP Qwen3-MoE's mixture of experts (2 of 4 a token, each device routing its own).
+# for its MLP Qwen3-MoE's mixture of experts (2 of 4 a token, each device routing its own),
+# with their load-balancing loss: each device's, over its tokens (as transformers' under DDP).
 GEMMA_LIKE = {"arch": "llama", "vocab_size": 64, "d_model": 32, "n_layers": 4, "n_heads": 4,
               "n_kv_heads": 2, "d_ff": 64, "seq_len": 16, "head_dim": 8, "tie_head": True,
               "qk_norm": True, "gemma": 2, "window_pattern": 2, "sliding_window": 5,
               "rope_theta": 1e6, "rope_local_theta": 1e4, "attn_softcap": 2.0,
               "logit_softcap": 3.0, "query_pre_attn_scalar": 12.0, "remat": "none",
               "n_experts": 4, "experts_per_token": 2, "expert_d_ff": 24,
-              "moe_norm_topk": False,
+              "moe_norm_topk": False, "router_aux_loss_coef": 0.1,
               "vocab_multiple": 128}
 
 
@@ -196,7 +198,8 @@ def test_the_llama_family_trains_at_stage_3_with_prefetch_as_on_one_device(opt, 
     """``GEMMA_LIKE`` at stage 3 with prefetch on 8 devices (x tensor parallel 2: the experts
     cut over their width): its first gradient, and 4 steps' losses and parameters, as
     one-device optax's (the layers' flags and conds go through prefetch's loop forward and
-    backward)."""
+    backward) on the mean of the loss of each data rank's rows: the experts' load-balancing
+    loss is each rank's own (which the whole batch's is not: asserted)."""
     from zero_jax import Layers, make_mesh
     from zero_jax.gpt.llama import Llama, tensor_parallel
     from zero_jax.gpt.model import GPTConfig, init_fn, lm_loss
@@ -207,8 +210,11 @@ def test_the_llama_family_trains_at_stage_3_with_prefetch_as_on_one_device(opt, 
         mesh = make_mesh(axes={"data": 8 // tp, "model": tp})
     init, loss_fn, tx = init_fn(model), lm_loss(model), OPTIMIZERS[opt]()
     batches = [jax.random.randint(jax.random.key(i), (8, 17), 0, 64) for i in range(4)]
+    ranks = 8 // tp
+    by_rank = lambda p, b: sum(loss_fn(p, r) for r in jnp.split(b, ranks)) / ranks
     # The initial parameters jitted, as init_state draws them (op by op: 3 s more a test).
-    ref = optax_steps(loss_fn, tx, jax.jit(init)(KEY), batches)
+    ref = optax_steps(by_rank, tx, jax.jit(init)(KEY), batches)
+    assert abs(jax.jit(loss_fn)(jax.jit(init)(KEY), batches[0]) - ref["losses"][0]) > 1e-4
     plan = make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=Layers("^blocks$", prefetch=True),
                      rules=list(tensor_parallel(cfg)) if tp > 1 else [])
     state = init_state(plan, init, tx, KEY)

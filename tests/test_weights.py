@@ -927,6 +927,50 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     assert rel(torch_logits_of(transformers.AutoModelForCausalLM, out), ours) < 1e-5
 
 
+@pytest.mark.parametrize("which", ["mixtral", "qwen3-moe"])
+def test_the_experts_load_balancing_loss_is_transformers(which, family_dir, tmp_path):
+    """``model.router_aux_loss_coef``: the load-balancing loss over a Mixtral's and a
+    Qwen3-MoE's layers (top 2 of 4 experts) and its gradient in each layer's router within
+    1e-5 of transformers' (``output_router_logits``); ``lm_loss`` adds it times the weight.
+    config.json carries the weight both ways: a file without ``output_router_logits`` reads as
+    0 (transformers adds none), one written with a weight reads back with it, and transformers
+    reads it as on with that weight."""
+    from zero_jax.gpt import llama, llama_config
+    from zero_jax.gpt.model import lm_loss
+
+    directory, ids = family_dir(which), TOKENS[:, :-1]
+    section = llama_config.read_config(directory)
+    assert section["router_aux_loss_coef"] == 0.0
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, output_router_logits=True).eval()
+    aux = theirs(torch.tensor(ids, dtype=torch.long)).aux_loss
+    aux.backward()
+    routers = np.stack([theirs.get_parameter(f"model.layers.{i}.mlp.gate.weight").grad.numpy().T
+                        for i in range(section["n_layers"])])
+
+    cfg = GPTConfig(**{**section, "router_aux_loss_coef": 0.02}, remat="none",
+                    vocab_multiple=128)
+    model = llama.Llama(cfg)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), ids[:1])["params"])
+    plan = zj.make_plan(shapes, zj.make_mesh(8), stage=0)
+    params = jax.device_get(load_params(plan, *hf.weights_source(directory)))
+
+    def ours(p, tokens):
+        sown = model.apply({"params": p}, tokens, method="features", mutable=["losses"])[1]
+        return sown["losses"]["router_balance"][0]
+    value, grads = jax.jit(jax.value_and_grad(ours))(params, ids)
+    assert abs(float(value) - aux.item()) < 1e-5 * aux.item()
+    assert rel(grads["blocks"]["moe"]["router"], routers) < 1e-5
+    with_it, without = (jax.jit(lm_loss(m))(params, TOKENS) for m in (
+        model, llama.Llama(dataclasses.replace(cfg, router_aux_loss_coef=0.0))))
+    assert abs(float(with_it - without) - 0.02 * float(ours(params, ids))) < 1e-6
+
+    llama_config.write_config(tmp_path, {**section, "router_aux_loss_coef": 0.02})
+    assert llama_config.read_config(tmp_path)["router_aux_loss_coef"] == 0.02
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert config.output_router_logits and config.router_aux_loss_coef == 0.02
+
+
 def test_a_tensor_taken_in_ranges_is_read_once_whole_and_written_back_whole(family_dir,
                                                                              tmp_path):
     """Phi-3's fused tensors are taken in ranges that must tile them (an overlap or a gap is

@@ -53,7 +53,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
               "qkv_bias": False, "qk_norm": False, "head_dim": 0, "max_positions": 0,
               "sliding_window": 0, "gemma": 0, "window_pattern": 0, "rope_local_theta": 0.0,
               "n_experts": 0, "experts_per_token": 2, "expert_d_ff": 0, "moe_norm_topk": True,
-              "shared_expert_d_ff": 0,
+              "shared_expert_d_ff": 0, "router_aux_loss_coef": 0.0,
               "attn_softcap": 0.0, "logit_softcap": 0.0,
               "query_pre_attn_scalar": 0.0, "attention": "auto", "vocab_multiple": 128,
               "scan_unroll": 1},
@@ -353,9 +353,11 @@ def _check_llama(m: dict) -> None:
         if m[key] < 0:
             raise ConfigError(f"model.{key} must be at least 0 (got {m[key]}): 0 is {zero}")
     for key in ("attn_softcap", "logit_softcap", "query_pre_attn_scalar", "window_pattern",
-                "rope_local_theta", "n_experts", "expert_d_ff", "shared_expert_d_ff"):
-        if m[key] < 0:
-            raise ConfigError(f"model.{key} must be at least 0 (got {m[key]}): 0 is none")
+                "rope_local_theta", "n_experts", "expert_d_ff", "shared_expert_d_ff",
+                "router_aux_loss_coef"):
+        if not 0 <= m[key] < math.inf:
+            raise ConfigError(f"model.{key} must be a finite number of at least 0 (got "
+                              f"{m[key]}): 0 is none")
     if m["gemma"] not in (0, 1, 2):
         raise ConfigError(f"model.gemma must be 0, 1 or 2 (got {m['gemma']})")
     if m["arch"] != "llama" and (m["head_dim"] or m["qkv_bias"] or m["qk_norm"]
@@ -366,9 +368,9 @@ def _check_llama(m: dict) -> None:
         raise ConfigError("model.head_dim, model.qkv_bias, model.qk_norm, model.max_positions, "
                           "model.sliding_window, Gemma's keys and model.n_experts are the llama "
                           "arch's: set model.arch=llama, or leave them out")
-    if m["shared_expert_d_ff"] and not m["n_experts"]:
-        raise ConfigError("model.shared_expert_d_ff is a mixture of experts' shared expert: set "
-                          "model.n_experts too")
+    if (m["shared_expert_d_ff"] or m["router_aux_loss_coef"]) and not m["n_experts"]:
+        raise ConfigError("model.shared_expert_d_ff and model.router_aux_loss_coef are a "
+                          "mixture of experts': set model.n_experts too")
     if m["n_experts"] and not 1 <= m["experts_per_token"] <= m["n_experts"]:
         raise ConfigError(f"model.experts_per_token must be 1 to model.n_experts "
                           f"({m['n_experts']}) (got {m['experts_per_token']})")

@@ -194,10 +194,10 @@ class LlamaBlock(nn.Module):
             sliding, lambda: attend(c.sliding_window), lambda: attend(0))
         x = x + after(dense(d, "o", axis=(-2, -1))(att), "post_attn")
         h = norm(c, "ln2")(x)
-        if c.n_experts:
-            return x + after(MoE(c.n_experts, c.experts_per_token, c.expert_d_ff or c.d_ff,
-                                 c.moe_norm_topk, swiglu, c.shared_expert_d_ff,
-                                 name="moe")(h), "post_mlp"), None
+        if c.n_experts:  # the routing's statistics out as the layer loop's, where they count
+            y, stats = MoE(c.n_experts, c.experts_per_token, c.expert_d_ff or c.d_ff,
+                           c.moe_norm_topk, swiglu, c.shared_expert_d_ff, name="moe")(h)
+            return x + after(y, "post_mlp"), stats if c.router_aux_loss_coef else None
         gate, up = dense(c.d_ff, "gate")(h), dense(c.d_ff, "up")(h)
         mid = nn.gelu(gate, approximate=True) * up if c.gemma else swiglu(gate, up)
         return x + after(dense(d, "down")(mid), "post_mlp"), None
@@ -242,7 +242,9 @@ class Llama(nn.Module):
         sliding = None  # the layers whose window slides, where not all
         if c.window_pattern and c.sliding_window:
             sliding = (jnp.arange(c.n_layers) + 1) % c.window_pattern != 0
-        x, _ = stack(c, name="blocks")(x, sliding)
+        x, stats = stack(c, name="blocks")(x, sliding)
+        if stats is not None:  # for a loss that applies with mutable=["losses"] (lm_loss)
+            self.sow("losses", "router_balance", moe.balance_loss(stats, tokens.size))
         x = norm(c, "ln_f")(x)
         return x, wte.T if c.tie_head else Head(c.padded_vocab, name="head")(c.d_model)
 

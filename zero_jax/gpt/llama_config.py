@@ -164,7 +164,9 @@ def _gemma(path: pathlib.Path, hf: dict, n_layers: int, window: int | None) -> d
 
 def _moe(path: pathlib.Path, hf: dict) -> dict:
     """A Mixtral's or Qwen3-MoE's experts: how many, how many a token takes, their width
-    (Qwen3-MoE's ``moe_intermediate_size``), whether the chosen ones' weights renormalize."""
+    (Qwen3-MoE's ``moe_intermediate_size``), whether the chosen ones' weights renormalize, the
+    weight of their load-balancing loss where transformers adds it (``output_router_logits``;
+    0.001 by default)."""
     mixtral = hf["model_type"] == "mixtral"
     got = {"num_local_experts": hf.get("num_local_experts", hf.get("num_experts")),
            "num_experts_per_tok": hf.get("num_experts_per_tok"),
@@ -187,9 +189,16 @@ def _moe(path: pathlib.Path, hf: dict) -> dict:
     if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
         raise WeightsError(f"{path} has shared_expert_intermediate_size {shared!r}, not a "
                            "whole number: pass a model whose config.json has one")
+    if not isinstance(router := hf.get("output_router_logits", False), bool):
+        raise WeightsError(f"{path} has output_router_logits {router!r}, not true or false: "
+                           "pass a model whose config.json has one of them")
+    coef = hf.get("router_aux_loss_coef", 0.001) if router else 0.0
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < float("inf"):
+        raise WeightsError(f"{path} has router_aux_loss_coef {coef!r}, not a number of at "
+                           "least 0: pass a model whose config.json has one")
     return {"n_experts": n, "experts_per_token": k, "moe_norm_topk": norm,
             "expert_d_ff": 0 if f == hf["intermediate_size"] else f,
-            "shared_expert_d_ff": shared}
+            "shared_expert_d_ff": shared, "router_aux_loss_coef": float(coef)}
 
 
 def _layer_types(pattern: int, n_layers: int) -> list[str]:
@@ -382,7 +391,8 @@ def _computes(c: GPTConfig) -> dict:
     window on no layer is none; every N-th layer full, N past the depth, is a window on all)."""
     moe = dict(n_experts=c.n_experts, experts_per_token=c.experts_per_token,
                expert_d_ff=c.expert_d_ff or c.d_ff, moe_norm_topk=c.moe_norm_topk,
-               shared_expert_d_ff=c.shared_expert_d_ff) if c.n_experts else {}
+               shared_expert_d_ff=c.shared_expert_d_ff,
+               router_aux_loss_coef=c.router_aux_loss_coef) if c.n_experts else {}
     rope = {k: getattr(c, k) for k in GPTConfig.__dataclass_fields__
             if k.startswith("rope_") and k not in ("rope_theta", "rope_local_theta")}
     sliding = c.sliding_window and c.window_pattern != 1
@@ -430,7 +440,10 @@ def _family_keys(c: GPTConfig, family: str) -> dict:
             out["rope_local_base_freq"] = c.rope_local_theta
     if c.n_experts:
         out.update({"num_local_experts" if family == "mixtral" else "num_experts": c.n_experts,
-                    "num_experts_per_tok": c.experts_per_token})
+                    "num_experts_per_tok": c.experts_per_token,
+                    "output_router_logits": bool(c.router_aux_loss_coef)})
+        if c.router_aux_loss_coef:  # else transformers' default, for a run that turns it on
+            out["router_aux_loss_coef"] = c.router_aux_loss_coef
         if family != "mixtral":
             out.update(moe_intermediate_size=c.expert_d_ff or c.d_ff,
                        norm_topk_prob=c.moe_norm_topk)

@@ -85,6 +85,9 @@ class GPTConfig:
     expert_d_ff: int = 0
     moe_norm_topk: bool = True
     shared_expert_d_ff: int = 0  # llama: Qwen2-MoE's shared expert's width; 0: none
+    # llama: the weight of the experts' load-balancing loss in the training loss
+    # (transformers' router_aux_loss_coef, where output_router_logits); 0: none
+    router_aux_loss_coef: float = 0.0
     attn_softcap: float = 0.0  # llama: scores capped by softcap * tanh(s / softcap); 0: none
     logit_softcap: float = 0.0  # llama: the same of the final logits (Gemma 2's)
     query_pre_attn_scalar: float = 0.0  # llama: scores times its -1/2 power; 0: head_dim's
@@ -257,22 +260,33 @@ def lm_loss(model: GPT, completion_only: bool = False):
 
     ``completion_only``: ids stored as ``-1 - id`` (a prompt's, ``data.text_tokens``) are read
     but not predicted, and the loss is the mean over the batch's other tokens, whichever device
-    holds them (``zero_jax.Weighted``)."""
-    softcap = model.cfg.logit_softcap
+    holds them (``zero_jax.Weighted``).
+
+    With ``router_aux_loss_coef``, plus that times the experts' load-balancing loss
+    (``moe.balance_loss``) of the tokens the loss is given: under ``make_grad_fn``, each
+    device's microbatch, as transformers computes it on each rank under DDP or FSDP."""
+    softcap, coef = model.cfg.logit_softcap, model.cfg.router_aux_loss_coef
+
+    def features(params, ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | float]:
+        if not coef:
+            return *model.apply({"params": params}, ids, method="features"), 0.0
+        (x, head), sown = model.apply({"params": params}, ids, method="features",
+                                      mutable=["losses"])
+        return x, head, coef * sown["losses"]["router_balance"][0]
 
     def loss_fn(params, tokens: jax.Array) -> jax.Array:
-        x, head = model.apply({"params": params}, tokens[:, :-1], method="features")
+        x, head, aux = features(params, tokens[:, :-1])
         return mean_cross_entropy(x, head, tokens[:, 1:], valid=model.cfg.vocab_size,
-                                  softcap=softcap)
+                                  softcap=softcap) + aux
 
     def completions(params, tokens: jax.Array) -> Weighted:
         ids = jnp.where(tokens < 0, -1 - tokens, tokens)
-        x, head = model.apply({"params": params}, ids[:, :-1], method="features")
+        x, head, aux = features(params, ids[:, :-1])
         weights = (tokens[:, 1:] >= 0).astype(jnp.float32)
         mean = mean_cross_entropy(x, head, ids[:, 1:], valid=model.cfg.vocab_size,
                                   weights=weights, softcap=softcap)
         count = jnp.sum(weights)
-        return Weighted(mean * count, count)
+        return Weighted((mean + aux) * count, count)
     return completions if completion_only else loss_fn
 
 

@@ -48,7 +48,9 @@ class MoE(nn.Module):
     shared_d_ff: int = 0
 
     @nn.compact
-    def __call__(self, h: jax.Array) -> jax.Array:
+    def __call__(self, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The output, and the routing's statistics for ``balance_loss``: ``(2, n_experts)``,
+        the (token, choice) pairs each expert took and the sum of its router probabilities."""
         d, e, k = h.shape[-1], self.n_experts, self.experts_per_token
         init = nn.initializers.lecun_normal(batch_axis=(0,))
         router = self.param("router", nn.initializers.lecun_normal(), (d, e))
@@ -72,7 +74,7 @@ class MoE(nn.Module):
         y = jnp.zeros_like(x).at[token].add(out)
         if self.shared_d_ff:
             y = y + self.shared(x)
-        return y.reshape(h.shape)
+        return y.reshape(h.shape), jnp.stack([sizes.astype(jnp.float32), p.sum(0)])
 
     def shared(self, x: jax.Array) -> jax.Array:
         """Qwen2-MoE's shared expert, times the sigmoid of its own gate."""
@@ -82,6 +84,17 @@ class MoE(nn.Module):
              (("gate", (d, f)), ("up", (d, f)), ("down", (f, d)), ("router", (d, 1)))}
         out = self.gated(x @ w["gate"], x @ w["up"]) @ w["down"]
         return jax.nn.sigmoid(x @ w["router"]) * out
+
+
+def balance_loss(stats: jax.Array, tokens: int) -> jax.Array:
+    """Switch Transformer's load-balancing loss, as transformers' ``load_balancing_loss_func``
+    (Mixtral's, the Qwen MoEs'): ``n_experts`` times the sum over experts of the share of
+    (token, choice) pairs it took and its mean router probability, each over every layer's
+    tokens; ``experts_per_token`` where routing is even. ``stats``: ``(layers, 2,
+    n_experts)``, each layer's ``MoE`` statistics; ``tokens``: a layer's. Only the
+    probabilities carry a gradient."""
+    counts, probs = stats.sum(0) / (stats.shape[0] * tokens)
+    return stats.shape[-1] * jnp.sum(jax.lax.stop_gradient(counts) * probs)
 
 
 def rows(family: str, n_experts: int, layer: str, shared: bool) -> list[Tensor]:
