@@ -199,7 +199,8 @@ def test_the_llama_family_trains_at_stage_3_with_prefetch_as_on_one_device(opt, 
     cut over their width): its first gradient, and 4 steps' losses and parameters, as
     one-device optax's (the layers' flags and conds go through prefetch's loop forward and
     backward) on the mean of the loss of each data rank's rows: the experts' load-balancing
-    loss is each rank's own (which the whole batch's is not: asserted)."""
+    loss is each rank's own (which the whole batch's is not: asserted), reported as the mean
+    of the ranks'."""
     from zero_jax import Layers, make_mesh
     from zero_jax.gpt.llama import Llama, tensor_parallel
     from zero_jax.gpt.model import GPTConfig, init_fn, lm_loss
@@ -212,20 +213,25 @@ def test_the_llama_family_trains_at_stage_3_with_prefetch_as_on_one_device(opt, 
     batches = [jax.random.randint(jax.random.key(i), (8, 17), 0, 64) for i in range(4)]
     ranks = 8 // tp
     # each rank's rows in a loop: the model compiled once (ragged_dot has no vmap)
-    by_rank = lambda p, b: jnp.mean(jax.lax.map(lambda r: loss_fn(p, r),
-                                                b.reshape(ranks, -1, b.shape[-1])))
+    each = lambda p, b: jax.lax.map(lambda r: loss_fn(p, r), b.reshape(ranks, -1, b.shape[-1]))
+    by_rank = lambda p, b: jnp.mean(each(p, b)[0])
     # The initial parameters jitted, as init_state draws them (op by op: 3 s more a test).
-    ref = optax_steps(by_rank, tx, jax.jit(init)(KEY), batches)
-    assert abs(jax.jit(loss_fn)(jax.jit(init)(KEY), batches[0]) - ref["losses"][0]) > 1e-4
+    first = jax.jit(init)(KEY)
+    ref = optax_steps(by_rank, tx, first, batches)
+    assert abs(jax.jit(loss_fn)(first, batches[0])[0] - ref["losses"][0]) > 1e-4
+    balance = float(jnp.mean(jax.jit(each)(first, batches[0])[1]["balance_loss"]))
     plan = make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=Layers("^blocks$", prefetch=True),
                      rules=list(tensor_parallel(cfg)) if tp > 1 else [])
     state = init_state(plan, init, tx, KEY)
-    _, grads = jax.jit(make_grad_fn(plan, loss_fn))(state.params, shard(mesh, batches[0]))
+    _, grads = jax.jit(make_grad_fn(plan, loss_fn, has_aux=True))(state.params,
+                                                                   shard(mesh, batches[0]))
     assert max_rel(grads, ref["grads"][0]) < 1e-5
-    step = make_train_step(plan, loss_fn, tx)
-    losses = []
+    step = make_train_step(plan, loss_fn, tx, has_aux=True)
+    losses, balances = [], []
     for b in batches:
         state, m = step(state, shard(mesh, b))
         losses.append(float(m["loss"]))
+        balances.append(float(m["balance_loss"]))
     np.testing.assert_allclose(losses, ref["losses"], rtol=1e-5)
+    assert abs(balances[0] - balance) < 1e-5 * balance  # the ranks' mean, as the loss's
     assert tree_rel(state.params, ref["params"]) < 1e-5

@@ -931,7 +931,8 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
 def test_the_experts_load_balancing_loss_is_transformers(which, family_dir, tmp_path):
     """``model.router_aux_loss_coef``: the load-balancing loss over a Mixtral's and a
     Qwen3-MoE's layers (top 2 of 4 experts) and its gradient in each layer's router within
-    1e-5 of transformers' (``output_router_logits``); ``lm_loss`` adds it times the weight.
+    1e-5 of transformers' (``output_router_logits``); ``lm_loss`` adds it times the weight,
+    and returns it as a metric.
     config.json carries the weight both ways: a file without ``output_router_logits`` reads as
     0 (transformers adds none), one written with a weight reads back with it, and transformers
     reads it as on with that weight."""
@@ -961,9 +962,10 @@ def test_the_experts_load_balancing_loss_is_transformers(which, family_dir, tmp_
     value, grads = jax.jit(jax.value_and_grad(ours))(params, ids)
     assert abs(float(value) - aux.item()) < 1e-5 * aux.item()
     assert rel(grads["blocks"]["moe"]["router"], routers) < 1e-5
-    with_it, without = (jax.jit(lm_loss(m))(params, TOKENS) for m in (
+    (with_it, metrics), without = (jax.jit(lm_loss(m))(params, TOKENS) for m in (
         model, llama.Llama(dataclasses.replace(cfg, router_aux_loss_coef=0.0))))
-    assert abs(float(with_it - without) - 0.02 * float(ours(params, ids))) < 1e-6
+    assert abs(float(metrics["balance_loss"]) - float(value)) < 1e-6
+    assert abs(float(with_it - without) - 0.02 * float(value)) < 1e-6
 
     llama_config.write_config(tmp_path, {**section, "router_aux_loss_coef": 0.02})
     assert llama_config.read_config(tmp_path)["router_aux_loss_coef"] == 0.02

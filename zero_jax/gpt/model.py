@@ -264,7 +264,9 @@ def lm_loss(model: GPT, completion_only: bool = False):
 
     With ``router_aux_loss_coef``, plus that times the experts' load-balancing loss
     (``moe.balance_loss``) of the tokens the loss is given: under ``make_grad_fn``, each
-    device's microbatch, as transformers computes it on each rank under DDP or FSDP."""
+    device's microbatch, as transformers computes it on each rank under DDP or FSDP. The loss
+    is then returned with that metric, ``(loss, {"balance_loss": ...})``, for a step made with
+    ``has_aux=True``."""
     softcap, coef = model.cfg.logit_softcap, model.cfg.router_aux_loss_coef
 
     def features(params, ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | float]:
@@ -272,21 +274,23 @@ def lm_loss(model: GPT, completion_only: bool = False):
             return *model.apply({"params": params}, ids, method="features"), 0.0
         (x, head), sown = model.apply({"params": params}, ids, method="features",
                                       mutable=["losses"])
-        return x, head, coef * sown["losses"]["router_balance"][0]
+        return x, head, sown["losses"]["router_balance"][0]
 
-    def loss_fn(params, tokens: jax.Array) -> jax.Array:
+    def loss_fn(params, tokens: jax.Array):
         x, head, aux = features(params, tokens[:, :-1])
-        return mean_cross_entropy(x, head, tokens[:, 1:], valid=model.cfg.vocab_size,
-                                  softcap=softcap) + aux
+        loss = mean_cross_entropy(x, head, tokens[:, 1:], valid=model.cfg.vocab_size,
+                                  softcap=softcap) + coef * aux
+        return (loss, {"balance_loss": aux}) if coef else loss
 
-    def completions(params, tokens: jax.Array) -> Weighted:
+    def completions(params, tokens: jax.Array):
         ids = jnp.where(tokens < 0, -1 - tokens, tokens)
         x, head, aux = features(params, ids[:, :-1])
         weights = (tokens[:, 1:] >= 0).astype(jnp.float32)
         mean = mean_cross_entropy(x, head, ids[:, 1:], valid=model.cfg.vocab_size,
                                   weights=weights, softcap=softcap)
         count = jnp.sum(weights)
-        return Weighted((mean + aux) * count, count)
+        loss = Weighted((mean + coef * aux) * count, count)
+        return (loss, {"balance_loss": aux}) if coef else loss
     return completions if completion_only else loss_fn
 
 
