@@ -781,6 +781,40 @@ def test_the_shipped_llama_3_2_config_is_llama_3_2_1b(tmp_path, capsys):
         assert cfg["model"]["seq_len"] == (4096 if sets else 1024)
 
 
+MIXTRAL_8X7B = {  # mistralai/Mixtral-8x7B-v0.1's config.json
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+    "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
+    "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+    "rms_norm_eps": 1e-05, "rope_theta": 1e6, "router_aux_loss_coef": 0.02,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "use_cache": True, "vocab_size": 32000}
+
+
+def test_the_shipped_mixtral_config_is_mixtral_8x7b(tmp_path):
+    """``configs/mixtral-8x7b.yaml`` is the model section ``--init-from`` reads from Mixtral
+    8x7B's config.json (the training window aside), its load-balancing loss on at Mixtral's
+    weight as that file's reads with ``output_router_logits``; its parameter count
+    transformers' (46,702,792,704)."""
+    from zero_jax.gpt import config, llama_config
+
+    shipped = config.load("mixtral-8x7b")["model"]
+    for router in (False, True):
+        (tmp_path / "config.json").write_text(json.dumps({**MIXTRAL_8X7B,
+                                                          "output_router_logits": router}))
+        section = llama_config.read_config(tmp_path)
+        assert section.pop("seq_len") == 1024 and shipped["seq_len"] == 4096
+        assert section.pop("router_aux_loss_coef") == (0.02 if router else 0.0)
+        assert {k: shipped[k] for k in section} == section
+    assert shipped["router_aux_loss_coef"] == 0.02
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(tmp_path))
+    n = sum(p.numel() for p in model.parameters())
+    assert GPTConfig(**shipped).n_params == n == 46_702_792_704
+
+
 LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does not compute
     "rope_scaling.rope_type": {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
     "rope_parameters.rope_type": {"rope_parameters": {"rope_type": "dynamic", "factor": 8.0,
