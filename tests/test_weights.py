@@ -1067,28 +1067,38 @@ def test_a_tensor_taken_in_ranges_is_read_once_whole_and_written_back_whole(fami
 def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, family_dir):
     """train.py --init-from a Llama directory (one made as Llama 3.2 is, a Qwen2, a Qwen3, a
     Mistral whose sliding window is set to 5 of the 16 tokens, one as Phi-4-mini: longrope,
-    heads rotated in half, written back as Phi-3's fused tensors): the model section from its
-    config.json, its first loss transformers' on that batch; two SGD steps; the export loads in
-    transformers with zero_jax's logits of the trained checkpoint."""
+    heads rotated in half, written back as Phi-3's fused tensors; a Mixtral with its
+    load-balancing loss on at 0.02): the model section from its config.json, its first loss
+    transformers' on that batch (with the Mixtral's weighted balance loss, reported as its
+    ``balance_loss``); two SGD steps; the export loads in transformers with zero_jax's logits
+    of the trained checkpoint."""
     from zero_jax.gpt import llama, llama_config
 
     llama_dir = family_dir(which)
     window = {"sliding_window": 5} if which == "mistral" else {}
+    balance = {"router_aux_loss_coef": 0.02} if which == "mixtral" else {}
 
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     run = run_train("--init-from", str(llama_dir), "--steps", "2", "--data",
                     str(gpt2["tokens"]), "--checkpoint-dir", str(ckpt), "--save-every", "2",
                     "--metrics", str(metrics), "--set", "optimizer.name=sgd",
                     "--set", "train.batch_size=8",
-                    *[f"--set=model.{k}={v}" for k, v in window.items()])
+                    *[f"--set=model.{k}={v}" for k, v in {**window, **balance}.items()])
     assert run.returncode == 0, run.stderr
-    first = json.loads(metrics.read_text().splitlines()[0])["loss"]
+    first = json.loads(metrics.read_text().splitlines()[0])
     batch = data.batch(np.fromfile(gpt2["tokens"], np.uint16), 0, 8, 16, 0)
-    logits = torch.tensor(torch_logits_of(transformers.AutoModelForCausalLM, llama_dir,
-                                          batch[:, :-1], **window))
-    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), torch.tensor(
-        batch[:, 1:], dtype=torch.long).reshape(-1)).item()
-    assert first == pytest.approx(ref, rel=1e-5)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        llama_dir, **window, **({"output_router_logits": True} if balance else {})).eval()
+    with torch.no_grad():
+        out = theirs(torch.tensor(batch[:, :-1], dtype=torch.long))
+        # each device's tokens: the mean of the 8 devices' balance losses (a row each)
+        aux = np.mean([theirs(torch.tensor(batch[i:i + 1, :-1], dtype=torch.long)).aux_loss
+                       .item() for i in range(8)]) if balance else 0.0
+    ref = torch.nn.functional.cross_entropy(out.logits.reshape(-1, 64), torch.tensor(
+        batch[:, 1:], dtype=torch.long).reshape(-1)).item() + 0.02 * aux
+    if balance:
+        assert first["balance_loss"] == pytest.approx(aux, rel=1e-5)
+    assert first["loss"] == pytest.approx(ref, rel=1e-5)
 
     out = tmp_path / "hf"
     assert hf.main([str(ckpt), str(out)]) == 0
