@@ -94,14 +94,14 @@ class Experiment:
         loss = lm_loss(model, t["completion_only"])
         step = make_train_step(plan, loss, tx, lr_schedule=schedule,
                                accum_steps=t["accum_steps"],
-                               has_aux=bool(model_cfg.router_aux_loss_coef))
+                               has_aux=model_cfg.balanced)
         return cls(cfg, mesh, model_cfg, init, tx, plan, step)
 
     def eval_step(self) -> Callable:
         """``make_eval_step`` for this run's model and plan (``train.eval_every``)."""
         return make_eval_step(self.plan, lm_loss(build_model(self.model),
                                                  self.cfg["train"]["completion_only"]),
-                              has_aux=bool(self.model.router_aux_loss_coef))
+                              has_aux=self.model.balanced)
 
     @property
     def batch_sharding(self) -> NamedSharding:

@@ -197,7 +197,7 @@ class LlamaBlock(nn.Module):
         if c.n_experts:  # the routing's statistics out as the layer loop's, where they count
             y, stats = MoE(c.n_experts, c.experts_per_token, c.expert_d_ff or c.d_ff,
                            c.moe_norm_topk, swiglu, c.shared_expert_d_ff, name="moe")(h)
-            return x + after(y, "post_mlp"), stats if c.router_aux_loss_coef else None
+            return x + after(y, "post_mlp"), stats if c.balanced else None
         gate, up = dense(c.d_ff, "gate")(h), dense(c.d_ff, "up")(h)
         mid = nn.gelu(gate, approximate=True) * up if c.gemma else swiglu(gate, up)
         return x + after(dense(d, "down")(mid), "post_mlp"), None

@@ -101,6 +101,12 @@ class GPTConfig:
             object.__setattr__(self, key, tuple(getattr(self, key)))
 
     @property
+    def balanced(self) -> bool:
+        """Whether the loss has the experts' load-balancing loss: then the layer loop returns
+        their routing statistics and ``lm_loss`` its metric (``has_aux``)."""
+        return bool(self.n_experts and self.router_aux_loss_coef)
+
+    @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
@@ -266,11 +272,12 @@ def lm_loss(model: GPT, completion_only: bool = False):
     (``moe.balance_loss``) of the tokens the loss is given: under ``make_grad_fn``, each
     device's microbatch, as transformers computes it on each rank under DDP or FSDP. The loss
     is then returned with that metric, ``(loss, {"balance_loss": ...})``, for a step made with
-    ``has_aux=True``."""
+    ``has_aux=model.cfg.balanced``."""
     softcap, coef = model.cfg.logit_softcap, model.cfg.router_aux_loss_coef
+    balanced = model.cfg.balanced
 
     def features(params, ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | float]:
-        if not coef:
+        if not balanced:
             return *model.apply({"params": params}, ids, method="features"), 0.0
         (x, head), sown = model.apply({"params": params}, ids, method="features",
                                       mutable=["losses"])
@@ -280,7 +287,7 @@ def lm_loss(model: GPT, completion_only: bool = False):
         x, head, aux = features(params, tokens[:, :-1])
         loss = mean_cross_entropy(x, head, tokens[:, 1:], valid=model.cfg.vocab_size,
                                   softcap=softcap) + coef * aux
-        return (loss, {"balance_loss": aux}) if coef else loss
+        return (loss, {"balance_loss": aux}) if balanced else loss
 
     def completions(params, tokens: jax.Array):
         ids = jnp.where(tokens < 0, -1 - tokens, tokens)
@@ -290,7 +297,7 @@ def lm_loss(model: GPT, completion_only: bool = False):
                                   weights=weights, softcap=softcap)
         count = jnp.sum(weights)
         loss = Weighted((mean + coef * aux) * count, count)
-        return (loss, {"balance_loss": aux}) if coef else loss
+        return (loss, {"balance_loss": aux}) if balanced else loss
     return completions if completion_only else loss_fn
 
 
