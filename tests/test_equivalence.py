@@ -212,7 +212,7 @@ def test_the_llama_family_trains_at_stage_3_with_prefetch_as_on_one_device(opt, 
     init, loss_fn, tx = init_fn(model), lm_loss(model), OPTIMIZERS[opt]()
     batches = [jax.random.randint(jax.random.key(i), (8, 17), 0, 64) for i in range(4)]
     ranks = 8 // tp
-    # each rank's rows in a loop: the model compiled once (ragged_dot has no vmap)
+    # each rank's rows in a loop: the model compiled once
     each = lambda p, b: jax.lax.map(lambda r: loss_fn(p, r), b.reshape(ranks, -1, b.shape[-1]))
     by_rank = lambda p, b: jnp.mean(each(p, b)[0])
     # The initial parameters jitted, as init_state draws them (op by op: 3 s more a test).

@@ -5,11 +5,9 @@ every token computed, none dropped, as transformers computes it; Qwen2-MoE's sha
 SwiGLU every token takes, added as a sigmoid gate of the token weighs it.
 
 The step runs each device's tokens in ``shard_map``, so routing is local: the device sorts its
-(token, expert) pairs by expert and runs each expert's matmuls over its run of them with
-``jax.lax.ragged_dot``; no capacity, no all-to-all. (jax 0.10.2 compiles ragged_dot for the
-CPU and for GPUs as one GEMM over every expert's weights, the tokens masked per expert:
-``n_experts`` times the routed FLOPs; on TPUs as XLA's ragged dot: ``docs/limits.md``.) The
-experts' weights are parameters like any other (``(n_experts, d, f)`` per layer): ZeRO cuts
+(token, expert) pairs by expert and runs each expert's matmuls over its run of them
+(``grouped_matmul``: tiles of rows, each by its expert's weights); no capacity, no all-to-all.
+The experts' weights are parameters like any other (``(n_experts, d, f)`` per layer): ZeRO cuts
 them over the data axis, tensor parallelism over ``f`` (``TENSOR_PARALLEL``).
 """
 
@@ -21,6 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from zero_jax.losses import _dot32, _varying
 from zero_jax.plan import Rule
 from zero_jax.weights import Tensor
 
@@ -67,9 +66,9 @@ class MoE(nn.Module):
         token = order // k
         sizes = jnp.bincount(chosen.reshape(-1), length=e).astype(jnp.int32)
         xs = x[token]
-        mid = self.gated(jax.lax.ragged_dot(xs, gate.astype(x.dtype), sizes),
-                     jax.lax.ragged_dot(xs, up.astype(x.dtype), sizes))
-        out = jax.lax.ragged_dot(mid, down.astype(x.dtype), sizes)
+        mid = self.gated(grouped_matmul(xs, gate.astype(x.dtype), sizes),
+                         grouped_matmul(xs, up.astype(x.dtype), sizes))
+        out = grouped_matmul(mid, down.astype(x.dtype), sizes)
         out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
         y = jnp.zeros_like(x).at[token].add(out)
         if self.shared_d_ff:
@@ -84,6 +83,67 @@ class MoE(nn.Module):
              (("gate", (d, f)), ("up", (d, f)), ("down", (f, d)), ("router", (d, 1)))}
         out = self.gated(x @ w["gate"], x @ w["up"]) @ w["down"]
         return jax.nn.sigmoid(x @ w["router"]) * out
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """``jax.lax.ragged_dot(x, w, sizes)``: rows ``x`` ``(m, d)`` in runs of one group,
+    ``sizes[g]`` rows of group ``g``, each run times ``w[g]`` (``w``: ``(groups, d, f)``), at
+    the routed FLOPs. XLA's TPU compiler has a ragged dot, taken there; for CPUs and GPUs
+    jax 0.10.2 lowers ``ragged_dot`` to a GEMM over every group's weights with the rows
+    masked per group (``groups`` times the FLOPs, and a temporary as large), so there each
+    run is padded to whole tiles of rows, and a loop multiplies each tile by its group's
+    weights (``_tiles``): at most ``groups`` tiles of padding."""
+    if jax.default_backend() == "tpu":
+        return jax.lax.ragged_dot(x, w, sizes)
+    (m, d), groups = x.shape, w.shape[0]
+    # tiles of up to 128 rows, smaller where groups are smaller (less padding)
+    tile = int(min(128, max(8, 1 << max(0, -(-m // groups) - 1).bit_length())))
+    tiles = -(-m // tile) + groups  # every run padded to whole tiles fits in these
+    padded = -(-sizes // tile) * tile
+    ends = jnp.cumsum(padded)
+    group = jnp.repeat(jnp.arange(groups), sizes, total_repeat_length=m)
+    at = (ends - padded)[group] + jnp.arange(m) - (jnp.cumsum(sizes) - sizes)[group]
+    xp = jnp.zeros((tiles * tile, d), x.dtype).at[at].set(x, unique_indices=True)
+    # each tile's group; the tiles past the last run hold zeros (any group's weights)
+    of = jnp.minimum(jnp.sum(ends <= (jnp.arange(tiles) * tile)[:, None], axis=1), groups - 1)
+    used = ends[-1] // tile
+    out = _tiles(xp.reshape(tiles, tile, d), w, of, used)
+    return out.reshape(tiles * tile, -1)[at]
+
+
+@jax.custom_vjp
+def _tiles(x: jax.Array, w: jax.Array, of: jax.Array, used: jax.Array) -> jax.Array:
+    """``x[t] @ w[of[t]]`` for each of the first ``used`` tiles, one at a time, zeros after."""
+    def one(t, out):
+        return out.at[t].set(x[t] @ w[of[t]])
+    return jax.lax.fori_loop(0, used, one, _varying(
+        jnp.zeros((*x.shape[:2], w.shape[-1]), x.dtype), x, w))
+
+
+def _tiles_fwd(x, w, of, used):
+    return _tiles(x, w, of, used), (x, w, of, used)
+
+
+def _tiles_bwd(residuals, dout):
+    """The rows' gradient tile by tile as the forward; the weights' summed in fp32 over each
+    group's tiles (contiguous: the rows come sorted), each group's sum written over its slot
+    as it grows, never read back."""
+    x, w, of, used = residuals
+
+    def one(t, carry):
+        dx, dw, acc = carry
+        g, fresh = of[t], (t == 0) | (of[t] != of[jnp.maximum(t - 1, 0)])
+        acc = jnp.where(fresh, 0.0, acc) + _dot32(x[t].T, dout[t])
+        return dx.at[t].set(dout[t] @ w[g].T), dw.at[g].set(acc), acc
+
+    zeros = lambda shape, dtype: _varying(jnp.zeros(shape, dtype), x, w, dout)  # noqa: E731
+    dx, dw, _ = jax.lax.fori_loop(0, used, one, (zeros(x.shape, x.dtype),
+                                                 zeros(w.shape, jnp.float32),
+                                                 zeros(w.shape[1:], jnp.float32)))
+    return dx, dw.astype(w.dtype), None, None
+
+
+_tiles.defvjp(_tiles_fwd, _tiles_bwd)
 
 
 def balance_loss(stats: jax.Array, tokens: int) -> jax.Array:
