@@ -182,7 +182,8 @@ def test_ignored_and_frozen_modules_at_every_stage(stage, mesh, small, reference
 # (a flag through the scanned layers, a lax.cond per layer) rotating at its own base, soft caps
 # on the scores and (inside the chunked loss) on the logits, a scores scalar of its own; and
 # for its MLP Qwen3-MoE's mixture of experts (2 of 4 a token, each device routing its own),
-# with their load-balancing loss: each device's, over its tokens (as transformers' under DDP).
+# with their load-balancing loss: each device's, over its tokens (as transformers' under DDP),
+# or the whole batch's.
 GEMMA_LIKE = {"arch": "llama", "vocab_size": 64, "d_model": 32, "n_layers": 4, "n_heads": 4,
               "n_kv_heads": 2, "d_ff": 64, "seq_len": 16, "head_dim": 8, "tie_head": True,
               "qk_norm": True, "gemma": 2, "window_pattern": 2, "sliding_window": 5,
@@ -193,33 +194,36 @@ GEMMA_LIKE = {"arch": "llama", "vocab_size": 64, "d_model": 32, "n_layers": 4, "
               "vocab_multiple": 128}
 
 
-@pytest.mark.parametrize("opt, tp", [("sgd", 1), ("adamw", 2)])
-def test_the_llama_family_trains_at_stage_3_with_prefetch_as_on_one_device(opt, tp, mesh):
+@pytest.mark.parametrize("opt, tp, whole", [("sgd", 1, False), ("adamw", 2, False),
+                                            ("sgd", 2, True)])
+def test_the_llama_family_trains_at_stage_3_with_prefetch_as_on_one_device(opt, tp, whole, mesh):
     """``GEMMA_LIKE`` at stage 3 with prefetch on 8 devices (x tensor parallel 2: the experts
     cut over their width): its first gradient, and 4 steps' losses and parameters, as
     one-device optax's (the layers' flags and conds go through prefetch's loop forward and
     backward) on the mean of the loss of each data rank's rows: the experts' load-balancing
     loss is each rank's own (which the whole batch's is not: asserted), reported as the mean
-    of the ranks'."""
+    of the ranks'. With ``router_aux_loss_global`` (``whole``) it is the whole batch's, and
+    the step one-device optax's on the whole batch (which the ranks' mean is not)."""
     from zero_jax import Layers, make_mesh
     from zero_jax.gpt.llama import Llama, tensor_parallel
     from zero_jax.gpt.model import GPTConfig, init_fn, lm_loss
 
-    cfg = GPTConfig(**GEMMA_LIKE)
+    cfg = GPTConfig(**GEMMA_LIKE, router_aux_loss_global=whole)
     model = Llama(cfg)
     if tp > 1:
         mesh = make_mesh(axes={"data": 8 // tp, "model": tp})
     init, loss_fn, tx = init_fn(model), lm_loss(model), OPTIMIZERS[opt]()
     batches = [jax.random.randint(jax.random.key(i), (8, 17), 0, 64) for i in range(4)]
     ranks = 8 // tp
-    # each rank's rows in a loop: the model compiled once
+    # each rank's rows in a loop: the model compiled once; (loss, metrics) the ranks' means
     each = lambda p, b: jax.lax.map(lambda r: loss_fn(p, r), b.reshape(ranks, -1, b.shape[-1]))
-    by_rank = lambda p, b: jnp.mean(each(p, b)[0])
+    by_rank = lambda p, b: jax.tree.map(jnp.mean, each(p, b))
+    reference, other = (loss_fn, by_rank) if whole else (by_rank, loss_fn)
     # The initial parameters jitted, as init_state draws them (op by op: 3 s more a test).
     first = jax.jit(init)(KEY)
-    ref = optax_steps(by_rank, tx, first, batches)
-    assert abs(jax.jit(loss_fn)(first, batches[0])[0] - ref["losses"][0]) > 1e-4
-    balance = float(jnp.mean(jax.jit(each)(first, batches[0])[1]["balance_loss"]))
+    ref = optax_steps(lambda p, b: reference(p, b)[0], tx, first, batches)
+    assert abs(jax.jit(other)(first, batches[0])[0] - ref["losses"][0]) > 1e-4
+    balance = float(jax.jit(reference)(first, batches[0])[1]["balance_loss"])
     plan = make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=Layers("^blocks$", prefetch=True),
                      rules=list(tensor_parallel(cfg)) if tp > 1 else [])
     state = init_state(plan, init, tx, KEY)
@@ -233,5 +237,5 @@ def test_the_llama_family_trains_at_stage_3_with_prefetch_as_on_one_device(opt, 
         losses.append(float(m["loss"]))
         balances.append(float(m["balance_loss"]))
     np.testing.assert_allclose(losses, ref["losses"], rtol=1e-5)
-    assert abs(balances[0] - balance) < 1e-5 * balance  # the ranks' mean, as the loss's
+    assert abs(balances[0] - balance) < 1e-5 * balance  # as the loss's
     assert tree_rel(state.params, ref["params"]) < 1e-5

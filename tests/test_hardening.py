@@ -323,6 +323,10 @@ ROWS = [
     ("balance loss infinite", [*T, "--config", "llama", "--set", "model.n_experts=4", "--set",
                                "model.router_aux_loss_coef=inf"], None,
      "model.router_aux_loss_coef must be a finite number of at least 0 (got inf)"),
+    ("global balance, no weight", [*T, "--config", "llama", "--set", "model.n_experts=4",
+                                   "--set", "model.router_aux_loss_global=true"], None,
+     "model.router_aux_loss_global says where the experts' balance loss is taken: set its "
+     "weight, model.router_aux_loss_coef, too"),
     ("gemma 3", [*T, "--config", "llama", "--set", "model.gemma=3"], None,
      "model.gemma must be 0, 1 or 2 (got 3)"),
     ("qkv bias and qk norm", [*T, "--config", "llama", "--set", "model.qkv_bias=true", "--set",

@@ -1433,17 +1433,18 @@ def test_a_checkpoint_from_before_norm_eps_resumes_only_with_its_epsilon():
 
 
 def test_the_balance_loss_weight_may_change_on_resume():
-    """``model.router_aux_loss_coef`` changes the loss, not the state: a checkpoint written
-    before the key (or with another weight) resumes with any; the experts' count does not."""
+    """``model.router_aux_loss_coef`` (and ``_global``) change the loss, not the state: a
+    checkpoint written before the keys (or with another weight) resumes with any; the experts'
+    count does not."""
     from zero_jax.checkpoint import CheckpointError
     from zero_jax.gpt import config as configs
     from zero_jax.gpt.experiment import check_compatible
 
     moe = ["model.arch=llama", "model.n_experts=4"]
     old = configs.load("tiny", moe)
-    del old["model"]["router_aux_loss_coef"]
-    check_compatible({"config": old}, configs.load("tiny", [*moe,
-                                                            "model.router_aux_loss_coef=0.01"]))
+    del old["model"]["router_aux_loss_coef"], old["model"]["router_aux_loss_global"]
+    check_compatible({"config": old}, configs.load("tiny", [*moe, "model.router_aux_loss_coef=0.01",
+                                                            "model.router_aux_loss_global=true"]))
     with pytest.raises(CheckpointError, match=r"written for model.n_experts=4 but the config "
                                               r"says 8"):
         check_compatible({"config": old}, configs.load("tiny", ["model.arch=llama",

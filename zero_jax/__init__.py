@@ -20,7 +20,7 @@ from zero_jax.blocks import Layers, nnx_merge, remat_policy
 from zero_jax.buckets import Comm
 from zero_jax.checkpoint import Checkpoints
 from zero_jax.embedding import take_rows
-from zero_jax.grads import Weighted, device_key, make_grad_fn
+from zero_jax.grads import Weighted, batch_sum, device_key, make_grad_fn
 from zero_jax.losses import cross_entropy, mean_cross_entropy
 from zero_jax.mesh import keep_remat_barriers, make_mesh, simulate_cpu_devices
 from zero_jax.offload import Nvme, Offload
@@ -35,8 +35,9 @@ from zero_jax.weights import load_params
 keep_remat_barriers()  # before jax starts its backend, if it has not yet
 
 __all__ = ["STAGES", "Checkpoints", "Comm", "Layers", "Nvme", "Offload", "Plan", "Precision",
-           "Rule", "TrainState", "TrainStep", "Weighted", "abstract_state", "cross_entropy",
-           "device_key", "init_state", "load_params", "make_eval_step", "make_grad_fn", "make_mesh",
-           "make_plan", "make_train_step", "mean_cross_entropy", "modules_pattern", "nnx_merge",
-           "remat_policy", "save_safetensors", "simulate_cpu_devices", "state_shardings",
-           "state_specs", "take_rows", "tensor_parallel_rules"]
+           "Rule", "TrainState", "TrainStep", "Weighted", "abstract_state", "batch_sum",
+           "cross_entropy", "device_key", "init_state", "load_params", "make_eval_step",
+           "make_grad_fn", "make_mesh", "make_plan", "make_train_step", "mean_cross_entropy",
+           "modules_pattern", "nnx_merge", "remat_policy", "save_safetensors",
+           "simulate_cpu_devices", "state_shardings", "state_specs", "take_rows",
+           "tensor_parallel_rules"]

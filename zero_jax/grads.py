@@ -41,6 +41,16 @@ class Weighted(NamedTuple):
     weight: jax.Array
 
 
+def batch_sum(x: PyTree) -> PyTree:
+    """``x`` summed over every device's share of the batch while zero_jax traces a loss (the
+    plan's data axes, each microbatch's), ``x`` itself elsewhere (one device, a reference): for
+    a loss of whole-batch statistics, such as a mixture of experts' load balance over the
+    global batch. Its gradient is then the whole batch's, as on one device."""
+    trace = internals.BLOCKS.get()
+    axes = trace.runtime.batch_axes if trace is not None else ()
+    return jax.lax.psum(x, axes) if axes else x
+
+
 class Route(NamedTuple):
     """What the gradient half does with one parameter: decided once, from its leaf and stage."""
 
@@ -199,7 +209,7 @@ def runtime(plan: Plan) -> Runtime:
     zero_jax's remat saves them."""
     return Runtime(tuple(plan.blocks), Saved(plan.remat, plan.partition_activations),
                    plan.gather, plan.prefetch,
-                   plan.partition_activations and not plan.rule.shard_params)
+                   plan.partition_activations and not plan.rule.shard_params, plan.data_axes)
 
 
 def differentiate(g: GradStep, params: PyTree, whole: PyTree | None, micro: PyTree,

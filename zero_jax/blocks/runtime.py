@@ -40,13 +40,15 @@ class Runtime:
     ``saved``, what each keeps for its backward (remat policy, Pa); ``gather``, ``block`` or
     ``module``; ``prefetch``, gathers one block (or module) ahead; ``remat_all``, blocks that
     do not gather are rematerialized too (Pa at stages 0-2: their saved inputs are cut only if
-    zero_jax's remat saves them)."""
+    zero_jax's remat saves them); ``batch_axes``, the mesh axes the batch is cut over, which
+    ``zero_jax.batch_sum`` sums over."""
 
     names: tuple[str, ...]
     saved: Saved = Saved()
     gather: str = "block"
     prefetch: bool = False
     remat_all: bool = False
+    batch_axes: tuple[str, ...] = ()
 
     @property
     def by_module(self) -> bool:

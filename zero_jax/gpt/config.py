@@ -54,6 +54,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
               "sliding_window": 0, "gemma": 0, "window_pattern": 0, "rope_local_theta": 0.0,
               "n_experts": 0, "experts_per_token": 2, "expert_d_ff": 0, "moe_norm_topk": True,
               "shared_expert_d_ff": 0, "router_aux_loss_coef": 0.0,
+              "router_aux_loss_global": False,
               "attn_softcap": 0.0, "logit_softcap": 0.0,
               "query_pre_attn_scalar": 0.0, "attention": "auto", "vocab_multiple": 128,
               "scan_unroll": 1},
@@ -371,6 +372,9 @@ def _check_llama(m: dict) -> None:
     if (m["shared_expert_d_ff"] or m["router_aux_loss_coef"]) and not m["n_experts"]:
         raise ConfigError("model.shared_expert_d_ff and model.router_aux_loss_coef are a "
                           "mixture of experts': set model.n_experts too")
+    if m["router_aux_loss_global"] and not m["router_aux_loss_coef"]:
+        raise ConfigError("model.router_aux_loss_global says where the experts' balance loss "
+                          "is taken: set its weight, model.router_aux_loss_coef, too")
     if m["n_experts"] and not 1 <= m["experts_per_token"] <= m["n_experts"]:
         raise ConfigError(f"model.experts_per_token must be 1 to model.n_experts "
                           f"({m['n_experts']}) (got {m['experts_per_token']})")

@@ -244,7 +244,8 @@ class Llama(nn.Module):
             sliding = (jnp.arange(c.n_layers) + 1) % c.window_pattern != 0
         x, stats = stack(c, name="blocks")(x, sliding)
         if stats is not None:  # for a loss that applies with mutable=["losses"] (lm_loss)
-            self.sow("losses", "router_balance", moe.balance_loss(stats, tokens.size))
+            self.sow("losses", "router_balance", moe.balance_loss(
+                stats, tokens.size, c.router_aux_loss_global))
         x = norm(c, "ln_f")(x)
         return x, wte.T if c.tie_head else Head(c.padded_vocab, name="head")(c.d_model)
 

@@ -88,6 +88,8 @@ class GPTConfig:
     # llama: the weight of the experts' load-balancing loss in the training loss
     # (transformers' router_aux_loss_coef, where output_router_logits); 0: none
     router_aux_loss_coef: float = 0.0
+    # llama: that loss over the whole batch (each microbatch of it), not each device's share
+    router_aux_loss_global: bool = False
     attn_softcap: float = 0.0  # llama: scores capped by softcap * tanh(s / softcap); 0: none
     logit_softcap: float = 0.0  # llama: the same of the final logits (Gemma 2's)
     query_pre_attn_scalar: float = 0.0  # llama: scores times its -1/2 power; 0: head_dim's
@@ -270,7 +272,8 @@ def lm_loss(model: GPT, completion_only: bool = False):
 
     With ``router_aux_loss_coef``, plus that times the experts' load-balancing loss
     (``moe.balance_loss``) of the tokens the loss is given: under ``make_grad_fn``, each
-    device's microbatch, as transformers computes it on each rank under DDP or FSDP. The loss
+    device's microbatch, as transformers computes it on each rank under DDP or FSDP; with
+    ``router_aux_loss_global``, every device's (``zero_jax.batch_sum``). The loss
     is then returned with that metric, ``(loss, {"balance_loss": ...})``, for a step made with
     ``has_aux=model.cfg.balanced``."""
     softcap, coef = model.cfg.logit_softcap, model.cfg.router_aux_loss_coef

@@ -19,6 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from zero_jax.grads import batch_sum
 from zero_jax.losses import _dot32, _varying
 from zero_jax.plan import Rule
 from zero_jax.weights import Tensor
@@ -146,13 +147,16 @@ def _tiles_bwd(residuals, dout):
 _tiles.defvjp(_tiles_fwd, _tiles_bwd)
 
 
-def balance_loss(stats: jax.Array, tokens: int) -> jax.Array:
+def balance_loss(stats: jax.Array, tokens: int, whole_batch: bool = False) -> jax.Array:
     """Switch Transformer's load-balancing loss, as transformers' ``load_balancing_loss_func``
     (Mixtral's, the Qwen MoEs'): ``n_experts`` times the sum over experts of the share of
     (token, choice) pairs it took and its mean router probability, each over every layer's
     tokens; ``experts_per_token`` where routing is even. ``stats``: ``(layers, 2,
     n_experts)``, each layer's ``MoE`` statistics; ``tokens``: a layer's. Only the
-    probabilities carry a gradient."""
+    probabilities carry a gradient. ``whole_batch``: the statistics of every device's tokens
+    (``zero_jax.batch_sum``), as Megatron's global-batch balance loss, not this device's."""
+    if whole_batch:
+        stats, tokens = batch_sum((stats, jnp.asarray(tokens, jnp.float32)))
     counts, probs = stats.sum(0) / (stats.shape[0] * tokens)
     return stats.shape[-1] * jnp.sum(jax.lax.stop_gradient(counts) * probs)
 
