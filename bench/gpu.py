@@ -29,7 +29,8 @@ exits 0.
   program that ran (measured / estimate), and XLA's ``cost_analysis()`` FLOPs beside the
   estimate's count (a scanned stack's body counts once in XLA's).
 * MFU: model FLOPs per token, 6 N + 12 L d T (N parameters, embeddings included: the head is
-  tied, so the embedding matrix is a matmul's weight too; L layers of width d over T positions:
+  tied, so the embedding matrix is a matmul's weight too; with experts, only those a token
+  takes: ``GPTConfig.active_params``; L layers of width d over T positions:
   the attention scores and their use), times tokens/s, over the devices' peak dense bf16 FLOP/s
   (``PEAK_BF16``, by ``device_kind``; "unknown" for a device not in it). Remat's recomputation
   is not counted: that is hardware FLOPs, not model FLOPs.
@@ -168,7 +169,7 @@ def peak_flops(device_kind: str) -> float | None:
 
 def flops_per_token(model) -> float:
     """Model FLOPs per token of a training step (forward and backward), PaLM's accounting."""
-    return 6 * model.n_params + 12 * model.n_layers * model.d_model * model.seq_len
+    return 6 * model.active_params + 12 * model.n_layers * model.d_model * model.seq_len
 
 
 # --- reading the compiled HLO text ---------------------------------------------------------
@@ -443,7 +444,8 @@ def estimates(model, hw, n: int, nodes: int, results: list[dict]) -> None:
           f"within a node of {hw.gpus_per_node}, network {hw.network / 1e9:.0f} GB/s per GPU "
           f"across nodes ({hw.network * 8 / 1e9:.0f} Gb/s); {n} GPUs"
           + (f" on {nodes} nodes" if nodes > 1 else ", one node")
-          + f"; {model.n_params:,} parameters, model FLOPs per token 6N + 12LdT = "
+          + f"; {model.active_params:,} parameters a token computes with, model FLOPs per "
+          "token 6N + 12LdT = "
           f"{flops_per_token(model) / 1e9:.3f} GFLOP.\n")
     print("| run | est. step ms | est. compute ms | est. comm ms (link) | est. exposed comm ms "
           "| est. MFU | est. step / stage 0 |")
@@ -455,6 +457,9 @@ def estimates(model, hw, n: int, nodes: int, results: list[dict]) -> None:
         print(f"| {r['stage']} | {e['step_s'] * 1e3:.2f} | {e['compute_s'] * 1e3:.2f} "
               f"| {e['comm_s'] * 1e3:.2f} | {e['exposed_s'] * 1e3:.2f} | {e['mfu']:.1%} "
               f"| {ratio} |")
+    if once := max(r["estimate"]["loops_counted_once"] for r in results):
+        print(f"\n{once} loops whose trip count is known only when they run (the experts' "
+              f"tiles) are counted once: these estimates are too low.")
 
 
 def details(results: list[dict]) -> None:

@@ -304,7 +304,7 @@ def test_estimate_on_a_hand_written_program():
     """bench/estimate.py by its stated formula, computed by hand: an op takes max(FLOPs / peak,
     bytes / HBM); a collective payload x (n-1)/n over the link; an async collective is exposed
     by what its done still waits for after the compute between start and done; a loop's body
-    counts its trip count times."""
+    counts its trip count times, or once where the program does not know it (and says so)."""
     import estimate
 
     hw = estimate.Hardware("test", peak_flops=1e12, hbm=1e11, nvlink=1e9, network=1e8)
@@ -322,6 +322,11 @@ def test_estimate_on_a_hand_written_program():
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-12), key
     assert got["mfu"] == pytest.approx(1e6 / (want["step_s"] * 1e12))
+    assert got["loops_counted_once"] == 0
+    unknown = estimate.estimate(ESTIMATE_HLO.replace('"known_trip_count":{"n":"4"}', ""), hw, 8,
+                                model_flops=1e6)
+    assert unknown["loops_counted_once"] == 1
+    assert unknown["compute_s"] == pytest.approx(2 * gemm + cublas, rel=1e-12)
     # Across nodes the network carries it: a group of devices 0 and 8, 8 GPUs per node.
     assert estimate.comm_time("all-reduce", 1000, (0, 8), hw) == pytest.approx(1000 / 1e8)
     assert estimate.comm_time("all-gather", 1000, tuple(range(8)), hw) == \

@@ -796,7 +796,7 @@ def test_the_shipped_mixtral_config_is_mixtral_8x7b(tmp_path):
     """``configs/mixtral-8x7b.yaml`` is the model section ``--init-from`` reads from Mixtral
     8x7B's config.json (the training window aside), its load-balancing loss on at Mixtral's
     weight as that file's reads with ``output_router_logits``; its parameter count
-    transformers' (46,702,792,704)."""
+    transformers' (46,702,792,704), 12,879,925,248 of them a token's (2 of 8 experts)."""
     from zero_jax.gpt import config, llama_config
 
     shipped = config.load("mixtral-8x7b")["model"]
@@ -813,6 +813,8 @@ def test_the_shipped_mixtral_config_is_mixtral_8x7b(tmp_path):
             transformers.AutoConfig.from_pretrained(tmp_path))
     n = sum(p.numel() for p in model.parameters())
     assert GPTConfig(**shipped).n_params == n == 46_702_792_704
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    assert GPTConfig(**shipped).active_params == n - experts * 6 // 8 == 12_879_925_248
 
 
 LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does not compute

@@ -146,6 +146,14 @@ class GPTConfig:
         per_layer = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
         return V * d + self.seq_len * d + L * per_layer + 2 * d
 
+    @property
+    def active_params(self) -> int:
+        """The parameters a token computes with: ``n_params`` less the experts it does not
+        take (what a step's FLOPs follow, 6 a parameter a token)."""
+        unchosen = self.n_experts - self.experts_per_token if self.n_experts else 0
+        return self.n_params - self.n_layers * unchosen * 3 * self.d_model * (
+            self.expert_d_ff or self.d_ff)
+
 
 class Block(nn.Module):
     cfg: GPTConfig
