@@ -88,12 +88,12 @@ class MoE(nn.Module):
 
 def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
     """``jax.lax.ragged_dot(x, w, sizes)``: rows ``x`` ``(m, d)`` in runs of one group,
-    ``sizes[g]`` rows of group ``g``, each run times ``w[g]`` (``w``: ``(groups, d, f)``), at
-    the routed FLOPs. XLA's TPU compiler has a ragged dot, taken there; for CPUs and GPUs
-    jax 0.10.2 lowers ``ragged_dot`` to a GEMM over every group's weights with the rows
-    masked per group (``groups`` times the FLOPs, and a temporary as large), so there each
-    run is padded to whole tiles of rows, and a loop multiplies each tile by its group's
-    weights (``_tiles``): at most ``groups`` tiles of padding."""
+    ``sizes[g]`` rows of group ``g`` (summing to ``m``), each run times ``w[g]`` (``w``:
+    ``(groups, d, f)``), at the routed FLOPs. XLA's TPU compiler has a ragged dot, taken
+    there; for CPUs and GPUs jax 0.10.2 lowers ``ragged_dot`` to a GEMM over every group's
+    weights with the rows masked per group (``groups`` times the FLOPs, and a temporary as
+    large), so there each run is padded to whole tiles of rows, and a loop multiplies each
+    tile by its group's weights (``_tiles``): at most ``groups`` tiles of padding."""
     if jax.default_backend() == "tpu":
         return jax.lax.ragged_dot(x, w, sizes)
     (m, d), groups = x.shape, w.shape[0]
