@@ -194,16 +194,19 @@ GEMMA_LIKE = {"arch": "llama", "vocab_size": 64, "d_model": 32, "n_layers": 4, "
               "vocab_multiple": 128}
 
 
-@pytest.mark.parametrize("opt, tp, whole", [("sgd", 1, False), ("adamw", 2, False),
-                                            ("sgd", 2, True)])
-def test_the_llama_family_trains_at_stage_3_with_prefetch_as_on_one_device(opt, tp, whole, mesh):
+@pytest.mark.parametrize("opt, tp, whole, accum", [("sgd", 1, False, 1), ("adamw", 2, False, 1),
+                                                   ("sgd", 2, True, 2)])
+def test_the_llama_family_trains_at_stage_3_with_prefetch_as_on_one_device(opt, tp, whole, accum,
+                                                                          mesh):
     """``GEMMA_LIKE`` at stage 3 with prefetch on 8 devices (x tensor parallel 2: the experts
     cut over their width): its first gradient, and 4 steps' losses and parameters, as
     one-device optax's (the layers' flags and conds go through prefetch's loop forward and
     backward) on the mean of the loss of each data rank's rows: the experts' load-balancing
     loss is each rank's own (which the whole batch's is not: asserted), reported as the mean
     of the ranks'. With ``router_aux_loss_global`` (``whole``) it is the whole batch's, and
-    the step one-device optax's on the whole batch (which the ranks' mean is not)."""
+    the step one-device optax's on the whole batch (which the ranks' mean is not); with
+    ``accum`` microbatches, each microbatch's over every rank (the mean of the microbatches'
+    losses, which the whole batch's is not), the accumulated gradient compared directly."""
     from zero_jax import Layers, make_mesh
     from zero_jax.gpt.llama import Llama, tensor_parallel
     from zero_jax.gpt.model import GPTConfig, init_fn, lm_loss
@@ -218,7 +221,11 @@ def test_the_llama_family_trains_at_stage_3_with_prefetch_as_on_one_device(opt, 
     # each rank's rows in a loop: the model compiled once; (loss, metrics) the ranks' means
     each = lambda p, b: jax.lax.map(lambda r: loss_fn(p, r), b.reshape(ranks, -1, b.shape[-1]))
     by_rank = lambda p, b: jax.tree.map(jnp.mean, each(p, b))
-    reference, other = (loss_fn, by_rank) if whole else (by_rank, loss_fn)
+    # microbatch m: each rank's m-th run of rows (the step cuts each rank's rows in ``accum``)
+    micro = lambda p, b: jax.tree.map(jnp.mean, jax.lax.map(lambda m: loss_fn(p, m), b.reshape(
+        ranks, accum, -1, b.shape[-1]).swapaxes(0, 1).reshape(accum, -1, b.shape[-1])))
+    reference, other = ((micro, loss_fn) if accum > 1 else (loss_fn, by_rank)) if whole \
+        else (by_rank, loss_fn)
     # The initial parameters jitted, as init_state draws them (op by op: 3 s more a test).
     first = jax.jit(init)(KEY)
     ref = optax_steps(lambda p, b: reference(p, b)[0], tx, first, batches)
@@ -227,10 +234,10 @@ def test_the_llama_family_trains_at_stage_3_with_prefetch_as_on_one_device(opt, 
     plan = make_plan(jax.eval_shape(init, KEY), mesh, 3, layers=Layers("^blocks$", prefetch=True),
                      rules=list(tensor_parallel(cfg)) if tp > 1 else [])
     state = init_state(plan, init, tx, KEY)
-    _, grads = jax.jit(make_grad_fn(plan, loss_fn, has_aux=True))(state.params,
-                                                                   shard(mesh, batches[0]))
+    _, grads = jax.jit(make_grad_fn(plan, loss_fn, has_aux=True, accum_steps=accum))(
+        state.params, shard(mesh, batches[0]))
     assert max_rel(grads, ref["grads"][0]) < 1e-5
-    step = make_train_step(plan, loss_fn, tx, has_aux=True)
+    step = make_train_step(plan, loss_fn, tx, has_aux=True, accum_steps=accum)
     losses, balances = [], []
     for b in batches:
         state, m = step(state, shard(mesh, b))
