@@ -168,6 +168,12 @@ def test_grouped_matmul_equals_ragged_dot_with_gradients(sizes):
     bf16 = jax.grad(lambda x, w: jnp.sum(grouped_matmul(x, w, sizes).astype(jnp.float32) * dy),
                     (0, 1))(xb, wb)
     assert [g.dtype for g in bf16] == [jnp.bfloat16] * 2 and max_rel(bf16, ref_grads) < 1e-2
+    # the weights' gradient summed in fp32 over each group's rows, rounded once
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    dw = jax.grad(lambda w: jnp.sum(jax.lax.ragged_dot(f32(xb), w, sizes) * f32(
+        dy.astype(jnp.bfloat16))))(f32(wb))
+    np.testing.assert_allclose(f32(bf16[1]), f32(dw.astype(jnp.bfloat16)), rtol=2 ** -8,
+                               atol=1e-6)
 
 
 def test_grouped_matmul_computes_the_routed_rows_not_every_group():
@@ -188,6 +194,14 @@ def test_grouped_matmul_computes_the_routed_rows_not_every_group():
     temp = lambda c: c.memory_analysis().temp_size_in_bytes  # noqa: E731
     assert temp(ref) >= groups * m * f * 4 and temp(ours) < temp(ref) / 10, (temp(ours),
                                                                               temp(ref))
+    # bf16 weights: their gradient is written in bf16 as each group's fp32 sum grows; the
+    # program as written holds no fp32 stack of every group's weights (twice their bytes; the
+    # CPU compiler upcasts bf16 weights for its dots, so read before it: the H100 program,
+    # docs/benchmarks/cpu-mesh.md)
+    bf16 = [jax.ShapeDtypeStruct(a.shape, jnp.bfloat16) for a in args[:2]] + [sizes]
+    text = str(jax.make_jaxpr(jax.grad(lambda x, w, s: jnp.sum(grouped_matmul(x, w, s).astype(
+        jnp.float32) ** 2), (0, 1)))(*bf16))
+    assert f"bf16[{groups},{d},{f}]" in text and f"f32[{groups},{d},{f}]" not in text
 
 
 @pytest.mark.parametrize("vocab,valid,chunk", [(256, 256, 64), (256, 250, 48), (256, 250, 1000),

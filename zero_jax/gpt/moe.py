@@ -127,21 +127,22 @@ def _tiles_fwd(x, w, of, used):
 
 def _tiles_bwd(residuals, dout):
     """The rows' gradient tile by tile as the forward; the weights' summed in fp32 over each
-    group's tiles (contiguous: the rows come sorted), each group's sum written over its slot
-    as it grows, never read back."""
+    group's tiles (contiguous: the rows come sorted), each group's sum written over its slot,
+    in the weights' dtype, as it grows, never read back: the last write is the whole sum, and
+    no fp32 stack of every group's gradient is held."""
     x, w, of, used = residuals
 
     def one(t, carry):
         dx, dw, acc = carry
         g, fresh = of[t], (t == 0) | (of[t] != of[jnp.maximum(t - 1, 0)])
         acc = jnp.where(fresh, 0.0, acc) + _dot32(x[t].T, dout[t])
-        return dx.at[t].set(dout[t] @ w[g].T), dw.at[g].set(acc), acc
+        return dx.at[t].set(dout[t] @ w[g].T), dw.at[g].set(acc.astype(w.dtype)), acc
 
     zeros = lambda shape, dtype: _varying(jnp.zeros(shape, dtype), x, w, dout)  # noqa: E731
     dx, dw, _ = jax.lax.fori_loop(0, used, one, (zeros(x.shape, x.dtype),
-                                                 zeros(w.shape, jnp.float32),
+                                                 zeros(w.shape, w.dtype),
                                                  zeros(w.shape[1:], jnp.float32)))
-    return dx, dw.astype(w.dtype), None, None
+    return dx, dw, None, None
 
 
 _tiles.defvjp(_tiles_fwd, _tiles_bwd)
