@@ -1,12 +1,13 @@
 """The experts' matmuls tile by tile (``zero_jax.gpt.moe.grouped_matmul``) beside
 ``jax.lax.ragged_dot``, which jax 0.10.2 compiles for CPUs and GPUs as a GEMM over every
-expert's weights: step time, tokens/s, temp memory and the last loss, the same steps from the
-same initialization.
+expert's weights, and beside batched GEMMs with a capacity (``model.expert_capacity_factor``
+``--capacity``, the pairs past it dropped): step time, tokens/s, temp memory and the last
+loss, the same steps from the same initialization.
 
     python bench/experts.py [--config llama] [--devices 8] [--steps 20] [--rounds 5]
-        [--set model.n_experts=8 --set model.experts_per_token=2 ...]
+        [--capacity 1.25] [--set model.n_experts=8 --set model.experts_per_token=2 ...]
 
-The two run interleaved (``bench/harness.py``); on the simulated CPU mesh their ratio means
+The three run interleaved (``bench/harness.py``); on the simulated CPU mesh their ratios mean
 something, not their times.
 """
 
@@ -18,7 +19,8 @@ EXPERTS = ["model.n_experts=8", "model.experts_per_token=2"]  # --set overrides 
 
 
 def main() -> None:
-    args = harness.parse_args(__doc__.splitlines()[0])
+    args = harness.parse_args(__doc__.splitlines()[0], lambda p: p.add_argument(
+        "--capacity", type=float, default=1.25, help="the capacity factor of the third run"))
     import jax
 
     from zero_jax.gpt import config, data, moe
@@ -28,12 +30,15 @@ def main() -> None:
     tokens = data.stdlib_corpus()
     name = args.config if args.config != "tiny" else "llama"  # the default model has no experts
     cfg = config.load(name, [*EXPERTS, *args.set])
+    capped = config.load(name, [*EXPERTS, *args.set,
+                                f"model.expert_capacity_factor={args.capacity}"])
     runs = {}
-    for run, matmul in (("grouped_matmul", moe.grouped_matmul), ("ragged_dot",
-                                                                 jax.lax.ragged_dot)):
+    for run, matmul, c in (("grouped_matmul", moe.grouped_matmul, cfg),
+                           ("ragged_dot", jax.lax.ragged_dot, cfg),
+                           (f"capacity {args.capacity}", moe.grouped_matmul, capped)):
         default, moe.grouped_matmul = moe.grouped_matmul, matmul  # while the step is traced
         try:
-            runs[run] = harness.build(cfg, mesh, tokens, args.steps)
+            runs[run] = harness.build(c, mesh, tokens, args.steps)
         finally:
             moe.grouped_matmul = default
     harness.time_interleaved(list(runs.values()), args.rounds)

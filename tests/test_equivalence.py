@@ -194,10 +194,11 @@ GEMMA_LIKE = {"arch": "llama", "vocab_size": 64, "d_model": 32, "n_layers": 4, "
               "vocab_multiple": 128}
 
 
-@pytest.mark.parametrize("opt, tp, whole, accum", [("sgd", 1, False, 1), ("adamw", 2, False, 1),
-                                                   ("sgd", 2, True, 2)])
+@pytest.mark.parametrize("opt, tp, whole, accum, cap", [("sgd", 1, False, 1, 0.5),
+                                                        ("adamw", 2, False, 1, 0.0),
+                                                        ("sgd", 2, True, 2, 0.0)])
 def test_the_llama_family_trains_at_stage_3_with_prefetch_as_on_one_device(opt, tp, whole, accum,
-                                                                          mesh):
+                                                                          cap, mesh):
     """``GEMMA_LIKE`` at stage 3 with prefetch on 8 devices (x tensor parallel 2: the experts
     cut over their width): its first gradient, and 4 steps' losses and parameters, as
     one-device optax's (the layers' flags and conds go through prefetch's loop forward and
@@ -206,12 +207,14 @@ def test_the_llama_family_trains_at_stage_3_with_prefetch_as_on_one_device(opt, 
     of the ranks'. With ``router_aux_loss_global`` (``whole``) it is the whole batch's, and
     the step one-device optax's on the whole batch (which the ranks' mean is not); with
     ``accum`` microbatches, each microbatch's over every rank (the mean of the microbatches'
-    losses, which the whole batch's is not), the accumulated gradient compared directly."""
+    losses, which the whole batch's is not), the accumulated gradient compared directly. With
+    a capacity factor (``cap``: 0.5, so that pairs are dropped) each rank's experts take at
+    most their share of its own pairs, as one device does for those rows."""
     from zero_jax import Layers, make_mesh
     from zero_jax.gpt.llama import Llama, tensor_parallel
     from zero_jax.gpt.model import GPTConfig, init_fn, lm_loss
 
-    cfg = GPTConfig(**GEMMA_LIKE, router_aux_loss_global=whole)
+    cfg = GPTConfig(**GEMMA_LIKE, router_aux_loss_global=whole, expert_capacity_factor=cap)
     model = Llama(cfg)
     if tp > 1:
         mesh = make_mesh(axes={"data": 8 // tp, "model": tp})

@@ -1,7 +1,8 @@
 """Fused attention and the chunked loss compute what the plain einsums and full logits compute,
 gradients too, and the experts' grouped matmul what ``ragged_dot`` does; the vocabulary's
 padding is never predicted; and the saved H100 program of ``gpt2-124m`` (tests/data) holds
-neither the attention scores nor the full logits."""
+neither the attention scores nor the full logits; the experts with a capacity drop the pairs
+past each expert's cap, in token order, and compute the rest as without one."""
 
 import gzip
 import math
@@ -20,7 +21,7 @@ import zero_jax as zj
 from zero_jax.gpt import attention
 from zero_jax.gpt.llama import swiglu
 from zero_jax.gpt.model import GPT, LAYERS, GPTConfig, gelu, init_fn, lm_loss
-from zero_jax.gpt.moe import grouped_matmul
+from zero_jax.gpt.moe import MoE, grouped_matmul
 from zero_jax.losses import cross_entropy, mean_cross_entropy
 
 DATA = pathlib.Path(__file__).resolve().parent / "data"
@@ -202,6 +203,52 @@ def test_grouped_matmul_computes_the_routed_rows_not_every_group():
     text = str(jax.make_jaxpr(jax.grad(lambda x, w, s: jnp.sum(grouped_matmul(x, w, s).astype(
         jnp.float32) ** 2), (0, 1)))(*bf16))
     assert f"bf16[{groups},{d},{f}]" in text and f"f32[{groups},{d},{f}]" not in text
+
+
+def test_a_capacity_drops_the_pairs_past_each_experts_cap_in_token_order():
+    """24 tokens, 4 experts, top 2, the router leaning on expert 0: with a capacity factor of
+    1 (12 pairs an expert) the output and every gradient (the router's through the weights
+    too) those of the pairs kept one by one in token order, each expert's first 12 (some
+    dropped, so not the uncapped output); with a factor of 2 (24: every token) nothing is
+    dropped, and both equal the uncapped MoE's."""
+    e, k, d, f, tokens = 4, 2, 8, 16, 24
+    moe = lambda factor: MoE(e, k, f, True, swiglu, capacity_factor=factor)  # noqa: E731
+    h = jax.random.normal(KEYS[0], (2, tokens // 2, d))
+    params = moe(0.0).init(KEYS[1], h)
+    params["params"]["router"] = params["params"]["router"].at[:, 0].add(2.0)
+    p = params["params"]
+
+    def reference(p, h, keep):
+        """The experts' output as the sum over the pairs ``keep`` marks, pair by pair."""
+        x = h.reshape(-1, d)
+        probs = jax.nn.softmax(x @ p["router"], axis=-1)
+        w, chosen = jax.lax.top_k(probs, k)
+        w = w / w.sum(-1, keepdims=True)
+        expert = lambda t, j: swiglu(x[t] @ p["gate"][chosen[t, j]],  # noqa: E731
+                                     x[t] @ p["up"][chosen[t, j]]) @ p["down"][chosen[t, j]]
+        return jnp.stack([sum((w[t, j] * expert(t, j) for j in range(k) if keep[t][j]),
+                              jnp.zeros(d)) for t in range(tokens)]).reshape(h.shape)
+
+    x = np.asarray(h.reshape(-1, d))
+    chosen = np.asarray(jax.lax.top_k(jax.nn.softmax(x @ p["router"], -1), k)[1])
+    runs = {}
+    for factor, cap in ((1.0, 12), (2.0, 24), (0.0, None)):
+        taken, keep = np.zeros(e, int), []
+        for t in range(tokens):  # token order, then the token's choices
+            keep.append([])
+            for j in range(k):
+                keep[-1].append(cap is None or taken[chosen[t, j]] < cap)
+                taken[chosen[t, j]] += 1
+        out = lambda p, factor=factor: moe(factor).apply({"params": p}, h)[0]  # noqa: E731
+        loss = lambda p, fn: jnp.sum(fn(p) * jnp.cos(jnp.arange(d)))  # noqa: E731
+        ref_fn = lambda p, keep=keep: reference(p, h, keep)  # noqa: E731
+        runs[factor] = out(p), jax.grad(loss)(p, out)
+        np.testing.assert_allclose(runs[factor][0], ref_fn(p), rtol=1e-5, atol=1e-6)
+        assert max_rel(runs[factor][1], jax.grad(loss)(p, ref_fn)) < 1e-5
+        dropped = sum(not kept for row in keep for kept in row)
+        assert (dropped > 0) == (factor == 1.0), (factor, dropped)
+    assert max_rel(runs[2.0], runs[0.0]) < 1e-6
+    assert not np.allclose(runs[1.0][0], runs[0.0][0], atol=1e-3)
 
 
 @pytest.mark.parametrize("vocab,valid,chunk", [(256, 256, 64), (256, 250, 48), (256, 250, 1000),

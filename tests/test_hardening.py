@@ -316,10 +316,10 @@ ROWS = [
     ("window pattern, no window", [*T, "--config", "llama", "--set", "model.window_pattern=2"],
      None, "model.window_pattern and model.rope_local_theta are the sliding layers' (Gemma 2's "
      "and 3's): set model.sliding_window too"),
-    ("balance loss, no experts", [*T, "--config", "llama", "--set",
-                                  "model.router_aux_loss_coef=0.01"], None,
-     "model.shared_expert_d_ff and model.router_aux_loss_coef are a mixture of experts': set "
-     "model.n_experts too"),
+    ("capacity, no experts", [*T, "--config", "llama", "--set",
+                              "model.expert_capacity_factor=1.25"], None,
+     "model.shared_expert_d_ff, model.router_aux_loss_coef and model.expert_capacity_factor "
+     "are a mixture of experts': set model.n_experts too"),
     ("balance loss infinite", [*T, "--config", "llama", "--set", "model.n_experts=4", "--set",
                                "model.router_aux_loss_coef=inf"], None,
      "model.router_aux_loss_coef must be a finite number of at least 0 (got inf)"),

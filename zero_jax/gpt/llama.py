@@ -196,7 +196,8 @@ class LlamaBlock(nn.Module):
         h = norm(c, "ln2")(x)
         if c.n_experts:  # the routing's statistics out as the layer loop's, where they count
             y, stats = MoE(c.n_experts, c.experts_per_token, c.expert_d_ff or c.d_ff,
-                           c.moe_norm_topk, swiglu, c.shared_expert_d_ff, name="moe")(h)
+                           c.moe_norm_topk, swiglu, c.shared_expert_d_ff,
+                           c.expert_capacity_factor, name="moe")(h)
             return x + after(y, "post_mlp"), stats if c.balanced else None
         gate, up = dense(c.d_ff, "gate")(h), dense(c.d_ff, "up")(h)
         mid = nn.gelu(gate, approximate=True) * up if c.gemma else swiglu(gate, up)

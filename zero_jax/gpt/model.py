@@ -90,6 +90,9 @@ class GPTConfig:
     router_aux_loss_coef: float = 0.0
     # llama: that loss over the whole batch (each microbatch of it), not each device's share
     router_aux_loss_global: bool = False
+    # llama: each expert takes at most this times its even share of a device's (token, choice)
+    # pairs, the rest dropped (GShard's capacity factor; static shapes); 0: none dropped
+    expert_capacity_factor: float = 0.0
     attn_softcap: float = 0.0  # llama: scores capped by softcap * tanh(s / softcap); 0: none
     logit_softcap: float = 0.0  # llama: the same of the final logits (Gemma 2's)
     query_pre_attn_scalar: float = 0.0  # llama: scores times its -1/2 power; 0: head_dim's

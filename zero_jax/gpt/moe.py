@@ -6,13 +6,17 @@ SwiGLU every token takes, added as a sigmoid gate of the token weighs it.
 
 The step runs each device's tokens in ``shard_map``, so routing is local: the device sorts its
 (token, expert) pairs by expert and runs each expert's matmuls over its run of them
-(``grouped_matmul``: tiles of rows, each by its expert's weights); no capacity, no all-to-all.
+(``grouped_matmul``: tiles of rows, each by its expert's weights); no all-to-all. With a
+``capacity_factor`` (GShard's and Switch Transformer's), each expert takes at most that times
+its even share of the pairs, in token order, the rest dropped (``capped``): three batched
+GEMMs of static shapes instead of the tiles' loops, at that times the routed FLOPs.
 The experts' weights are parameters like any other (``(n_experts, d, f)`` per layer): ZeRO cuts
 them over the data axis, tensor parallelism over ``f`` (``TENSOR_PARALLEL``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -38,7 +42,8 @@ class MoE(nn.Module):
     """``(..., d)`` -> ``(..., d)``: the router ``(d, n_experts)`` and the experts' ``gate``
     and ``up`` ``(n_experts, d, f)`` and ``down`` ``(n_experts, f, d)``; ``gated(gate, up)``
     their activation (SwiGLU's). ``shared_d_ff``: the shared expert's width (0: none), its
-    ``shared_gate``, ``shared_up``, ``shared_down`` and ``shared_router`` ``(d, 1)``."""
+    ``shared_gate``, ``shared_up``, ``shared_down`` and ``shared_router`` ``(d, 1)``.
+    ``capacity_factor``: 0, every pair computed; else as ``capped``."""
 
     n_experts: int
     experts_per_token: int
@@ -46,6 +51,7 @@ class MoE(nn.Module):
     norm_topk: bool
     gated: Callable[[jax.Array, jax.Array], jax.Array]
     shared_d_ff: int = 0
+    capacity_factor: float = 0.0
 
     @nn.compact
     def __call__(self, h: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -66,10 +72,12 @@ class MoE(nn.Module):
         order = jnp.argsort(chosen.reshape(-1), stable=True)
         token = order // k
         sizes = jnp.bincount(chosen.reshape(-1), length=e).astype(jnp.int32)
-        xs = x[token]
-        mid = self.gated(grouped_matmul(xs, gate.astype(x.dtype), sizes),
-                         grouped_matmul(xs, up.astype(x.dtype), sizes))
-        out = grouped_matmul(mid, down.astype(x.dtype), sizes)
+        xs, ws = x[token], tuple(w.astype(x.dtype) for w in (gate, up, down))
+        if self.capacity_factor:
+            out = capped(xs, ws, sizes, self.gated, self.capacity_factor)
+        else:
+            mid = self.gated(grouped_matmul(xs, ws[0], sizes), grouped_matmul(xs, ws[1], sizes))
+            out = grouped_matmul(mid, ws[2], sizes)
         out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
         y = jnp.zeros_like(x).at[token].add(out)
         if self.shared_d_ff:
@@ -84,6 +92,31 @@ class MoE(nn.Module):
              (("gate", (d, f)), ("up", (d, f)), ("down", (f, d)), ("router", (d, 1)))}
         out = self.gated(x @ w["gate"], x @ w["up"]) @ w["down"]
         return jax.nn.sigmoid(x @ w["router"]) * out
+
+
+def capacity(pairs: int, n_experts: int, factor: float) -> int:
+    """The pairs an expert takes at most: ``factor`` times its even share, rounded up."""
+    return max(1, math.ceil(factor * pairs / n_experts))
+
+
+def capped(xs: jax.Array, ws: tuple[jax.Array, ...], sizes: jax.Array, gated: Callable,
+           factor: float) -> jax.Array:
+    """The experts' SwiGLU over the sorted rows ``xs`` (``sizes[e]`` rows of expert ``e``),
+    each expert taking its first ``capacity`` rows (its tokens in order: ``capacity``), the
+    others dropped (zeros out): the rows scattered into an ``(experts, capacity, d)`` buffer,
+    and ``ws`` (gate, up, down) applied as batched GEMMs, whose shapes are static."""
+    (m, d), e = xs.shape, sizes.shape[0]
+    c = capacity(m, e, factor)
+    group = jnp.repeat(jnp.arange(e), sizes, total_repeat_length=m)
+    position = jnp.arange(m) - (jnp.cumsum(sizes) - sizes)[group]
+    # past the buffer's end where dropped, each its own: the scatter skips it, the gather
+    # reads zeros, and the indices stay unique
+    slot = jnp.where(position < c, group * c + position, e * c + jnp.arange(m))
+    buf = jnp.zeros((e * c, d), xs.dtype).at[slot].set(xs, mode="drop", unique_indices=True)
+    buf = buf.reshape(e, c, d)
+    mid = gated(jnp.einsum("ecd,edf->ecf", buf, ws[0]), jnp.einsum("ecd,edf->ecf", buf, ws[1]))
+    out = jnp.einsum("ecf,efd->ecd", mid, ws[2]).reshape(e * c, -1)
+    return out.at[slot].get(mode="fill", fill_value=0, unique_indices=True)
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
