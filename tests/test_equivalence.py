@@ -183,14 +183,14 @@ def test_ignored_and_frozen_modules_at_every_stage(stage, mesh, small, reference
 # on the scores and (inside the chunked loss) on the logits, a scores scalar of its own; and
 # for its MLP Qwen3-MoE's mixture of experts (2 of 4 a token, each device routing its own),
 # with their load-balancing loss: each device's, over its tokens (as transformers' under DDP),
-# or the whole batch's.
+# or the whole batch's; and ST-MoE's router z-loss.
 GEMMA_LIKE = {"arch": "llama", "vocab_size": 64, "d_model": 32, "n_layers": 4, "n_heads": 4,
               "n_kv_heads": 2, "d_ff": 64, "seq_len": 16, "head_dim": 8, "tie_head": True,
               "qk_norm": True, "gemma": 2, "window_pattern": 2, "sliding_window": 5,
               "rope_theta": 1e6, "rope_local_theta": 1e4, "attn_softcap": 2.0,
               "logit_softcap": 3.0, "query_pre_attn_scalar": 12.0, "remat": "none",
               "n_experts": 4, "experts_per_token": 2, "expert_d_ff": 24,
-              "moe_norm_topk": False, "router_aux_loss_coef": 0.1,
+              "moe_norm_topk": False, "router_aux_loss_coef": 0.1, "router_z_loss_coef": 0.01,
               "vocab_multiple": 128}
 
 

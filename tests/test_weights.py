@@ -967,11 +967,17 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
 def test_the_experts_load_balancing_loss_is_transformers(which, family_dir, tmp_path):
     """``model.router_aux_loss_coef``: the load-balancing loss over a Mixtral's and a
     Qwen3-MoE's layers (top 2 of 4 experts) and its gradient in each layer's router within
-    1e-5 of transformers' (``output_router_logits``); ``lm_loss`` adds it times the weight,
-    and returns it as a metric.
+    1e-5 of transformers' (``output_router_logits``); ``model.router_z_loss_coef``: ST-MoE's
+    router z-loss as transformers' ``router_z_loss_func`` (Switch Transformers') computes it
+    over those layers' router logits, and its gradient; ``lm_loss`` adds each times its
+    weight, and returns each as a metric.
     config.json carries the weight both ways: a file without ``output_router_logits`` reads as
     0 (transformers adds none), one written with a weight reads back with it, and transformers
     reads it as on with that weight."""
+    from transformers.models.switch_transformers.modeling_switch_transformers import (
+        router_z_loss_func,
+    )
+
     from zero_jax.gpt import llama, llama_config
     from zero_jax.gpt.model import lm_loss
 
@@ -980,28 +986,36 @@ def test_the_experts_load_balancing_loss_is_transformers(which, family_dir, tmp_
     assert section["router_aux_loss_coef"] == 0.0
     theirs = transformers.AutoModelForCausalLM.from_pretrained(
         directory, output_router_logits=True).eval()
-    aux = theirs(torch.tensor(ids, dtype=torch.long)).aux_loss
-    aux.backward()
-    routers = np.stack([theirs.get_parameter(f"model.layers.{i}.mlp.gate.weight").grad.numpy().T
-                        for i in range(section["n_layers"])])
+    out = theirs(torch.tensor(ids, dtype=torch.long))
+    z_loss = router_z_loss_func(torch.stack(out.router_logits))
+    refs = {}
+    for name, loss in (("balance_loss", out.aux_loss), ("router_z_loss", z_loss)):
+        theirs.zero_grad()
+        loss.backward(retain_graph=True)
+        refs[name] = loss.item(), np.stack([theirs.get_parameter(
+            f"model.layers.{i}.mlp.gate.weight").grad.numpy().T
+            for i in range(section["n_layers"])])
 
     cfg = GPTConfig(**{**section, "router_aux_loss_coef": 0.02}, remat="none",
-                    vocab_multiple=128)
+                    vocab_multiple=128, router_z_loss_coef=0.001)
     model = llama.Llama(cfg)
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), ids[:1])["params"])
     plan = zj.make_plan(shapes, zj.make_mesh(8), stage=0)
     params = jax.device_get(load_params(plan, *hf.weights_source(directory)))
 
-    def ours(p, tokens):
+    def ours(p, tokens, name):
         sown = model.apply({"params": p}, tokens, method="features", mutable=["losses"])[1]
-        return sown["losses"]["router_balance"][0]
-    value, grads = jax.jit(jax.value_and_grad(ours))(params, ids)
-    assert abs(float(value) - aux.item()) < 1e-5 * aux.item()
-    assert rel(grads["blocks"]["moe"]["router"], routers) < 1e-5
+        return sown["losses"][name][0]
     (with_it, metrics), without = (jax.jit(lm_loss(m))(params, TOKENS) for m in (
-        model, llama.Llama(dataclasses.replace(cfg, router_aux_loss_coef=0.0))))
-    assert abs(float(metrics["balance_loss"]) - float(value)) < 1e-6
-    assert abs(float(with_it - without) - 0.02 * float(value)) < 1e-6
+        model, llama.Llama(dataclasses.replace(cfg, router_aux_loss_coef=0.0,
+                                               router_z_loss_coef=0.0))))
+    for name, (ref, routers) in refs.items():
+        value, grads = jax.jit(jax.value_and_grad(ours), static_argnums=2)(params, ids, name)
+        assert abs(float(value) - ref) < 1e-5 * ref, (name, float(value), ref)
+        assert rel(grads["blocks"]["moe"]["router"], routers) < 1e-5, name
+        assert abs(float(metrics[name]) - float(value)) < 1e-6
+    added = 0.02 * metrics["balance_loss"] + 0.001 * metrics["router_z_loss"]
+    assert abs(float(with_it - without) - float(added)) < 1e-6
 
     llama_config.write_config(tmp_path, {**section, "router_aux_loss_coef": 0.02})
     assert llama_config.read_config(tmp_path)["router_aux_loss_coef"] == 0.02
@@ -1435,19 +1449,22 @@ def test_a_checkpoint_from_before_norm_eps_resumes_only_with_its_epsilon():
 
 
 def test_the_balance_loss_weight_may_change_on_resume():
-    """``model.router_aux_loss_coef`` (and ``_global``) and ``model.expert_capacity_factor``
-    change what is computed, not the state: a checkpoint written before the keys (or with
-    other values) resumes with any; the experts' count does not."""
+    """``model.router_aux_loss_coef`` (and ``_global``), ``model.router_z_loss_coef`` and
+    ``model.expert_capacity_factor`` change what is computed, not the state: a checkpoint
+    written before the keys (or with other values) resumes with any; the experts' count does
+    not."""
     from zero_jax.checkpoint import CheckpointError
     from zero_jax.gpt import config as configs
     from zero_jax.gpt.experiment import check_compatible
 
     moe = ["model.arch=llama", "model.n_experts=4"]
     old = configs.load("tiny", moe)
-    for key in ("router_aux_loss_coef", "router_aux_loss_global", "expert_capacity_factor"):
+    for key in ("router_aux_loss_coef", "router_aux_loss_global", "router_z_loss_coef",
+                "expert_capacity_factor"):
         del old["model"][key]
     check_compatible({"config": old}, configs.load("tiny", [*moe, "model.router_aux_loss_coef=0.01",
                                                             "model.router_aux_loss_global=true",
+                                                            "model.router_z_loss_coef=0.001",
                                                             "model.expert_capacity_factor=1.25"]))
     with pytest.raises(CheckpointError, match=r"written for model.n_experts=4 but the config "
                                               r"says 8"):

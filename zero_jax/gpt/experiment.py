@@ -42,7 +42,7 @@ BEFORE_KEYS = {"norm_eps": 1e-6, "vocab_multiple": 1}
 # Model keys that change what is computed, not what is stored: any value resumes a checkpoint.
 STATELESS_KEYS = ("remat", "attention", "max_positions", "sliding_window", "window_pattern",
                   "rope_local_theta", "scan_unroll", "router_aux_loss_coef",
-                  "router_aux_loss_global", "expert_capacity_factor")
+                  "router_aux_loss_global", "router_z_loss_coef", "expert_capacity_factor")
 
 
 @dataclasses.dataclass
@@ -95,14 +95,14 @@ class Experiment:
         loss = lm_loss(model, t["completion_only"])
         step = make_train_step(plan, loss, tx, lr_schedule=schedule,
                                accum_steps=t["accum_steps"],
-                               has_aux=model_cfg.balanced)
+                               has_aux=model_cfg.router_losses)
         return cls(cfg, mesh, model_cfg, init, tx, plan, step)
 
     def eval_step(self) -> Callable:
         """``make_eval_step`` for this run's model and plan (``train.eval_every``)."""
         return make_eval_step(self.plan, lm_loss(build_model(self.model),
                                                  self.cfg["train"]["completion_only"]),
-                              has_aux=self.model.balanced)
+                              has_aux=self.model.router_losses)
 
     @property
     def batch_sharding(self) -> NamedSharding:

@@ -198,7 +198,7 @@ class LlamaBlock(nn.Module):
             y, stats = MoE(c.n_experts, c.experts_per_token, c.expert_d_ff or c.d_ff,
                            c.moe_norm_topk, swiglu, c.shared_expert_d_ff,
                            c.expert_capacity_factor, name="moe")(h)
-            return x + after(y, "post_mlp"), stats if c.balanced else None
+            return x + after(y, "post_mlp"), stats if c.router_losses else None
         gate, up = dense(c.d_ff, "gate")(h), dense(c.d_ff, "up")(h)
         mid = nn.gelu(gate, approximate=True) * up if c.gemma else swiglu(gate, up)
         return x + after(dense(d, "down")(mid), "post_mlp"), None
@@ -245,8 +245,12 @@ class Llama(nn.Module):
             sliding = (jnp.arange(c.n_layers) + 1) % c.window_pattern != 0
         x, stats = stack(c, name="blocks")(x, sliding)
         if stats is not None:  # for a loss that applies with mutable=["losses"] (lm_loss)
-            self.sow("losses", "router_balance", moe.balance_loss(
-                stats, tokens.size, c.router_aux_loss_global))
+            balance, z = stats
+            if c.router_aux_loss_coef:
+                self.sow("losses", "balance_loss", moe.balance_loss(
+                    balance, tokens.size, c.router_aux_loss_global))
+            if c.router_z_loss_coef:  # over every layer's tokens, as transformers' Switch
+                self.sow("losses", "router_z_loss", z.sum() / (c.n_layers * tokens.size))
         x = norm(c, "ln_f")(x)
         return x, wte.T if c.tie_head else Head(c.padded_vocab, name="head")(c.d_model)
 

@@ -90,6 +90,9 @@ class GPTConfig:
     router_aux_loss_coef: float = 0.0
     # llama: that loss over the whole batch (each microbatch of it), not each device's share
     router_aux_loss_global: bool = False
+    # llama: the weight of ST-MoE's router z-loss (the router logits' log-sum-exp squared,
+    # its mean over tokens and layers) in the training loss; 0: none
+    router_z_loss_coef: float = 0.0
     # llama: each expert takes at most this times its even share of a device's (token, choice)
     # pairs, the rest dropped (GShard's capacity factor; static shapes); 0: none dropped
     expert_capacity_factor: float = 0.0
@@ -106,10 +109,11 @@ class GPTConfig:
             object.__setattr__(self, key, tuple(getattr(self, key)))
 
     @property
-    def balanced(self) -> bool:
-        """Whether the loss has the experts' load-balancing loss: then the layer loop returns
-        their routing statistics and ``lm_loss`` its metric (``has_aux``)."""
-        return bool(self.n_experts and self.router_aux_loss_coef)
+    def router_losses(self) -> bool:
+        """Whether the loss has the experts' load-balancing loss or router z-loss: then the
+        layer loop returns their routing statistics and ``lm_loss`` each one's metric
+        (``has_aux``)."""
+        return bool(self.n_experts and (self.router_aux_loss_coef or self.router_z_loss_coef))
 
     @property
     def kv_heads(self) -> int:
@@ -284,34 +288,39 @@ def lm_loss(model: GPT, completion_only: bool = False):
     With ``router_aux_loss_coef``, plus that times the experts' load-balancing loss
     (``moe.balance_loss``) of the tokens the loss is given: under ``make_grad_fn``, each
     device's microbatch, as transformers computes it on each rank under DDP or FSDP; with
-    ``router_aux_loss_global``, every device's (``zero_jax.batch_sum``). The loss
-    is then returned with that metric, ``(loss, {"balance_loss": ...})``, for a step made with
-    ``has_aux=model.cfg.balanced``."""
-    softcap, coef = model.cfg.logit_softcap, model.cfg.router_aux_loss_coef
-    balanced = model.cfg.balanced
+    ``router_aux_loss_global``, every device's (``zero_jax.batch_sum``). With
+    ``router_z_loss_coef``, plus that times ST-MoE's router z-loss of those tokens. The loss is
+    then returned with each as a metric, ``(loss, {"balance_loss": ..., "router_z_loss":
+    ...})``, for a step made with ``has_aux=model.cfg.router_losses``."""
+    cfg = model.cfg
+    softcap, routed = cfg.logit_softcap, cfg.router_losses
+    coefs = {"balance_loss": cfg.router_aux_loss_coef, "router_z_loss": cfg.router_z_loss_coef}
 
-    def features(params, ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | float]:
-        if not balanced:
-            return *model.apply({"params": params}, ids, method="features"), 0.0
+    def features(params, ids: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
+        if not routed:
+            return *model.apply({"params": params}, ids, method="features"), {}
         (x, head), sown = model.apply({"params": params}, ids, method="features",
                                       mutable=["losses"])
-        return x, head, sown["losses"]["router_balance"][0]
+        return x, head, {k: v[0] for k, v in sown["losses"].items()}
+
+    def router_loss(aux: dict) -> jax.Array | float:
+        return sum((coefs[k] * v for k, v in aux.items()), 0.0)
 
     def loss_fn(params, tokens: jax.Array):
         x, head, aux = features(params, tokens[:, :-1])
-        loss = mean_cross_entropy(x, head, tokens[:, 1:], valid=model.cfg.vocab_size,
-                                  softcap=softcap) + coef * aux
-        return (loss, {"balance_loss": aux}) if balanced else loss
+        loss = mean_cross_entropy(x, head, tokens[:, 1:], valid=cfg.vocab_size,
+                                  softcap=softcap) + router_loss(aux)
+        return (loss, aux) if routed else loss
 
     def completions(params, tokens: jax.Array):
         ids = jnp.where(tokens < 0, -1 - tokens, tokens)
         x, head, aux = features(params, ids[:, :-1])
         weights = (tokens[:, 1:] >= 0).astype(jnp.float32)
-        mean = mean_cross_entropy(x, head, ids[:, 1:], valid=model.cfg.vocab_size,
+        mean = mean_cross_entropy(x, head, ids[:, 1:], valid=cfg.vocab_size,
                                   weights=weights, softcap=softcap)
         count = jnp.sum(weights)
-        loss = Weighted((mean + coef * aux) * count, count)
-        return (loss, {"balance_loss": aux}) if balanced else loss
+        loss = Weighted((mean + router_loss(aux)) * count, count)
+        return (loss, aux) if routed else loss
     return completions if completion_only else loss_fn
 
 

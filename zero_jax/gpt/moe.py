@@ -54,9 +54,11 @@ class MoE(nn.Module):
     capacity_factor: float = 0.0
 
     @nn.compact
-    def __call__(self, h: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The output, and the routing's statistics for ``balance_loss``: ``(2, n_experts)``,
-        the (token, choice) pairs each expert took and the sum of its router probabilities."""
+    def __call__(self, h: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """The output, and the routing's statistics: for ``balance_loss``, ``(2, n_experts)``,
+        the (token, choice) pairs each expert took and the sum of its router probabilities;
+        for ST-MoE's router z-loss, the sum over tokens of the router logits' log-sum-exp
+        squared."""
         d, e, k = h.shape[-1], self.n_experts, self.experts_per_token
         init = nn.initializers.lecun_normal(batch_axis=(0,))
         router = self.param("router", nn.initializers.lecun_normal(), (d, e))
@@ -64,7 +66,8 @@ class MoE(nn.Module):
         down = self.param("down", init, (e, self.d_ff, d))
         x = h.reshape(-1, d)
         # the router's logits in the compute dtype, their softmax in fp32 (transformers')
-        p = jax.nn.softmax((x @ router.astype(x.dtype)).astype(jnp.float32), axis=-1)
+        logits = (x @ router.astype(x.dtype)).astype(jnp.float32)
+        p = jax.nn.softmax(logits, axis=-1)
         weights, chosen = jax.lax.top_k(p, k)
         if self.norm_topk:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -82,7 +85,8 @@ class MoE(nn.Module):
         y = jnp.zeros_like(x).at[token].add(out)
         if self.shared_d_ff:
             y = y + self.shared(x)
-        return y.reshape(h.shape), jnp.stack([sizes.astype(jnp.float32), p.sum(0)])
+        z = jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)
+        return y.reshape(h.shape), (jnp.stack([sizes.astype(jnp.float32), p.sum(0)]), z)
 
     def shared(self, x: jax.Array) -> jax.Array:
         """Qwen2-MoE's shared expert, times the sigmoid of its own gate."""
