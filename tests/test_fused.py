@@ -205,11 +205,12 @@ def test_grouped_matmul_computes_the_routed_rows_not_every_group():
     assert f"bf16[{groups},{d},{f}]" in text and f"f32[{groups},{d},{f}]" not in text
 
 
-def test_a_capacity_drops_the_pairs_past_each_experts_cap_in_token_order():
+def test_a_capacity_drops_the_pairs_past_each_experts_cap_first_choices_first():
     """24 tokens, 4 experts, top 2, the router leaning on expert 0: with a capacity factor of
     1 (12 pairs an expert) the output and every gradient (the router's through the weights
-    too) those of the pairs kept one by one in token order, each expert's first 12 (some
-    dropped, so not the uncapped output); with a factor of 2 (24: every token) nothing is
+    too) those of the pairs kept one by one, every token's first choice in token order, then
+    every second choice (GShard's priority), each expert's first 12 (some dropped, so not
+    the uncapped output); with a factor of 2 (24: every token) nothing is
     dropped, and both equal the uncapped MoE's."""
     e, k, d, f, tokens = 4, 2, 8, 16, 24
     moe = lambda factor: MoE(e, k, f, True, swiglu, capacity_factor=factor)  # noqa: E731
@@ -233,11 +234,10 @@ def test_a_capacity_drops_the_pairs_past_each_experts_cap_in_token_order():
     chosen = np.asarray(jax.lax.top_k(jax.nn.softmax(x @ p["router"], -1), k)[1])
     runs = {}
     for factor, cap in ((1.0, 12), (2.0, 24), (0.0, None)):
-        taken, keep = np.zeros(e, int), []
-        for t in range(tokens):  # token order, then the token's choices
-            keep.append([])
-            for j in range(k):
-                keep[-1].append(cap is None or taken[chosen[t, j]] < cap)
+        taken, keep = np.zeros(e, int), [[True] * k for _ in range(tokens)]
+        for j in range(k):  # first choices, then second, each in token order
+            for t in range(tokens):
+                keep[t][j] = cap is None or taken[chosen[t, j]] < cap
                 taken[chosen[t, j]] += 1
         out = lambda p, factor=factor: moe(factor).apply({"params": p}, h)[0]  # noqa: E731
         loss = lambda p, fn: jnp.sum(fn(p) * jnp.cos(jnp.arange(d)))  # noqa: E731

@@ -8,7 +8,8 @@ The step runs each device's tokens in ``shard_map``, so routing is local: the de
 (token, expert) pairs by expert and runs each expert's matmuls over its run of them
 (``grouped_matmul``: tiles of rows, each by its expert's weights); no all-to-all. With a
 ``capacity_factor`` (GShard's and Switch Transformer's), each expert takes at most that times
-its even share of the pairs, in token order, the rest dropped (``capped``): three batched
+its even share of the pairs, first choices first, each in token order (GShard's and
+DeepSpeed's priority), the rest dropped (``capped``): three batched
 GEMMs of static shapes instead of the tiles' loops, at that times the routed FLOPs.
 The experts' weights are parameters like any other (``(n_experts, d, f)`` per layer): ZeRO cuts
 them over the data axis, tensor parallelism over ``f`` (``TENSOR_PARALLEL``).
@@ -71,12 +72,16 @@ class MoE(nn.Module):
         weights, chosen = jax.lax.top_k(p, k)
         if self.norm_topk:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        # the (token, expert) pairs in runs of one expert, as ragged_dot takes its groups
+        # the (token, expert) pairs in runs of one expert, as ragged_dot takes its groups; with
+        # a capacity, each run the tokens' first choices, then their second...: what it keeps
+        capped_ = bool(self.capacity_factor)
+        if capped_:
+            chosen, weights = chosen.T, weights.T
         order = jnp.argsort(chosen.reshape(-1), stable=True)
-        token = order // k
+        token = order % x.shape[0] if capped_ else order // k
         sizes = jnp.bincount(chosen.reshape(-1), length=e).astype(jnp.int32)
         xs, ws = x[token], tuple(w.astype(x.dtype) for w in (gate, up, down))
-        if self.capacity_factor:
+        if capped_:
             out = capped(xs, ws, sizes, self.gated, self.capacity_factor)
         else:
             mid = self.gated(grouped_matmul(xs, ws[0], sizes), grouped_matmul(xs, ws[1], sizes))
@@ -106,9 +111,10 @@ def capacity(pairs: int, n_experts: int, factor: float) -> int:
 def capped(xs: jax.Array, ws: tuple[jax.Array, ...], sizes: jax.Array, gated: Callable,
            factor: float) -> jax.Array:
     """The experts' SwiGLU over the sorted rows ``xs`` (``sizes[e]`` rows of expert ``e``),
-    each expert taking its first ``capacity`` rows (its tokens in order: ``capacity``), the
-    others dropped (zeros out): the rows scattered into an ``(experts, capacity, d)`` buffer,
-    and ``ws`` (gate, up, down) applied as batched GEMMs, whose shapes are static."""
+    each expert taking its first ``capacity`` rows (``MoE`` sorts them by choice, then
+    token), the others dropped (zeros out): the rows scattered into an ``(experts,
+    capacity, d)`` buffer, and ``ws`` (gate, up, down) applied as batched GEMMs, whose shapes
+    are static."""
     (m, d), e = xs.shape, sizes.shape[0]
     c = capacity(m, e, factor)
     group = jnp.repeat(jnp.arange(e), sizes, total_repeat_length=m)
