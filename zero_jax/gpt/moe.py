@@ -103,6 +103,13 @@ class MoE(nn.Module):
         return jax.nn.sigmoid(x @ w["router"]) * out
 
 
+def _runs(sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+    """Each of ``m`` sorted rows' group (``sizes[g]`` rows of group ``g``) and place in its
+    group's run."""
+    group = jnp.repeat(jnp.arange(sizes.shape[0]), sizes, total_repeat_length=m)
+    return group, jnp.arange(m) - (jnp.cumsum(sizes) - sizes)[group]
+
+
 def capacity(pairs: int, n_experts: int, factor: float) -> int:
     """The pairs an expert takes at most: ``factor`` times its even share, rounded up."""
     return max(1, math.ceil(factor * pairs / n_experts))
@@ -117,8 +124,7 @@ def capped(xs: jax.Array, ws: tuple[jax.Array, ...], sizes: jax.Array, gated: Ca
     are static."""
     (m, d), e = xs.shape, sizes.shape[0]
     c = capacity(m, e, factor)
-    group = jnp.repeat(jnp.arange(e), sizes, total_repeat_length=m)
-    position = jnp.arange(m) - (jnp.cumsum(sizes) - sizes)[group]
+    group, position = _runs(sizes, m)
     # past the buffer's end where dropped, each its own: the scatter skips it, the gather
     # reads zeros, and the indices stay unique
     slot = jnp.where(position < c, group * c + position, e * c + jnp.arange(m))
@@ -145,8 +151,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
     tiles = -(-m // tile) + groups  # every run padded to whole tiles fits in these
     padded = -(-sizes // tile) * tile
     ends = jnp.cumsum(padded)
-    group = jnp.repeat(jnp.arange(groups), sizes, total_repeat_length=m)
-    at = (ends - padded)[group] + jnp.arange(m) - (jnp.cumsum(sizes) - sizes)[group]
+    group, position = _runs(sizes, m)
+    at = (ends - padded)[group] + position
     xp = jnp.zeros((tiles * tile, d), x.dtype).at[at].set(x, unique_indices=True)
     # each tile's group; the tiles past the last run hold zeros (any group's weights)
     of = jnp.minimum(jnp.sum(ends <= (jnp.arange(tiles) * tile)[:, None], axis=1), groups - 1)
