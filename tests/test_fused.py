@@ -2,7 +2,7 @@
 gradients too, and the experts' grouped matmul what ``ragged_dot`` does; the vocabulary's
 padding is never predicted; and the saved H100 program of ``gpt2-124m`` (tests/data) holds
 neither the attention scores nor the full logits; the experts with a capacity drop the pairs
-past each expert's cap, in token order, and compute the rest as without one."""
+past each expert's cap, first choices first, and compute the rest as without one."""
 
 import gzip
 import math

@@ -1016,6 +1016,11 @@ def test_the_experts_load_balancing_loss_is_transformers(which, family_dir, tmp_
         assert abs(float(metrics[name]) - float(value)) < 1e-6
     added = 0.02 * metrics["balance_loss"] + 0.001 * metrics["router_z_loss"]
     assert abs(float(with_it - without) - float(added)) < 1e-6
+    # the z-loss alone: its metric alone, the loss plus it times its weight
+    z_only, alone = jax.jit(lm_loss(llama.Llama(dataclasses.replace(
+        cfg, router_aux_loss_coef=0.0))))(params, TOKENS)
+    assert set(alone) == {"router_z_loss"}
+    assert abs(float(z_only - without) - 0.001 * float(alone["router_z_loss"])) < 1e-6
 
     llama_config.write_config(tmp_path, {**section, "router_aux_loss_coef": 0.02})
     assert llama_config.read_config(tmp_path)["router_aux_loss_coef"] == 0.02
