@@ -208,10 +208,12 @@ def test_grouped_matmul_computes_the_routed_rows_not_every_group():
 def test_a_capacity_drops_the_pairs_past_each_experts_cap_first_choices_first():
     """24 tokens, 4 experts, top 2, the router leaning on expert 0: with a capacity factor of
     1 (12 pairs an expert) the output and every gradient (the router's through the weights
-    too) those of the pairs kept one by one, every token's first choice in token order, then
+    too) those of a sum over the kept pairs, each by its expert's weights: every token's
+    first choice in token order, then
     every second choice (GShard's priority), each expert's first 12 (some dropped, so not
     the uncapped output); with a factor of 2 (24: every token) nothing is
-    dropped, and both equal the uncapped MoE's."""
+    dropped, and both equal the uncapped MoE's; a factor of 4 (48) holds 24 too, each token
+    choosing an expert once: its buffer is (4, 24, d), not (4, 48, d)."""
     e, k, d, f, tokens = 4, 2, 8, 16, 24
     moe = lambda factor: MoE(e, k, f, True, swiglu, capacity_factor=factor)  # noqa: E731
     h = jax.random.normal(KEYS[0], (2, tokens // 2, d))
@@ -220,15 +222,17 @@ def test_a_capacity_drops_the_pairs_past_each_experts_cap_first_choices_first():
     p = params["params"]
 
     def reference(p, h, keep):
-        """The experts' output as the sum over the pairs ``keep`` marks, pair by pair."""
+        """The experts' output as the sum over the pairs ``keep`` marks, each pair by its
+        own expert's weights."""
         x = h.reshape(-1, d)
         probs = jax.nn.softmax(x @ p["router"], axis=-1)
         w, chosen = jax.lax.top_k(probs, k)
         w = w / w.sum(-1, keepdims=True)
-        expert = lambda t, j: swiglu(x[t] @ p["gate"][chosen[t, j]],  # noqa: E731
-                                     x[t] @ p["up"][chosen[t, j]]) @ p["down"][chosen[t, j]]
-        return jnp.stack([sum((w[t, j] * expert(t, j) for j in range(k) if keep[t][j]),
-                              jnp.zeros(d)) for t in range(tokens)]).reshape(h.shape)
+        ws = {n: p[n][chosen] for n in ("gate", "up", "down")}  # (tokens, k, ...) each
+        mid = swiglu(jnp.einsum("td,tkdf->tkf", x, ws["gate"]),
+                     jnp.einsum("td,tkdf->tkf", x, ws["up"]))
+        y = jnp.einsum("tkf,tkfd->tkd", mid, ws["down"]) * w[..., None]
+        return jnp.where(jnp.asarray(keep)[..., None], y, 0).sum(1).reshape(h.shape)
 
     x = np.asarray(h.reshape(-1, d))
     chosen = np.asarray(jax.lax.top_k(jax.nn.softmax(x @ p["router"], -1), k)[1])
@@ -249,6 +253,10 @@ def test_a_capacity_drops_the_pairs_past_each_experts_cap_first_choices_first():
         assert (dropped > 0) == (factor == 1.0), (factor, dropped)
     assert max_rel(runs[2.0], runs[0.0]) < 1e-6
     assert not np.allclose(runs[1.0][0], runs[0.0][0], atol=1e-3)
+    out = lambda p: moe(4.0).apply({"params": p}, h)[0]  # noqa: E731
+    assert max_rel((out(p), jax.grad(loss)(p, out)), runs[0.0]) < 1e-6
+    text = str(jax.make_jaxpr(out)(p))
+    assert f"f32[{e},{tokens},{d}]" in text and f"[{e},{2 * tokens},{d}]" not in text
 
 
 @pytest.mark.parametrize("vocab,valid,chunk", [(256, 256, 64), (256, 250, 48), (256, 250, 1000),

@@ -82,7 +82,8 @@ class MoE(nn.Module):
         sizes = jnp.bincount(chosen.reshape(-1), length=e).astype(jnp.int32)
         xs, ws = x[token], tuple(w.astype(x.dtype) for w in (gate, up, down))
         if capped_:
-            out = capped(xs, ws, sizes, self.gated, self.capacity_factor)
+            c = capacity(x.shape[0], k, e, self.capacity_factor)
+            out = capped(xs, ws, sizes, self.gated, c)
         else:
             mid = self.gated(grouped_matmul(xs, ws[0], sizes), grouped_matmul(xs, ws[1], sizes))
             out = grouped_matmul(mid, ws[2], sizes)
@@ -110,20 +111,21 @@ def _runs(sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
     return group, jnp.arange(m) - (jnp.cumsum(sizes) - sizes)[group]
 
 
-def capacity(pairs: int, n_experts: int, factor: float) -> int:
-    """The pairs an expert takes at most: ``factor`` times its even share, rounded up."""
-    return max(1, math.ceil(factor * pairs / n_experts))
+def capacity(tokens: int, k: int, n_experts: int, factor: float) -> int:
+    """The pairs an expert takes at most: ``factor`` times its even share of the ``tokens``
+    x ``k`` pairs, rounded up; never more than ``tokens``, each of which chooses an expert
+    once (a larger buffer would only hold zeros)."""
+    return min(tokens, max(1, math.ceil(factor * tokens * k / n_experts)))
 
 
 def capped(xs: jax.Array, ws: tuple[jax.Array, ...], sizes: jax.Array, gated: Callable,
-           factor: float) -> jax.Array:
+           c: int) -> jax.Array:
     """The experts' SwiGLU over the sorted rows ``xs`` (``sizes[e]`` rows of expert ``e``),
-    each expert taking its first ``capacity`` rows (``MoE`` sorts them by choice, then
+    each expert taking its first ``c`` rows (``MoE`` sorts them by choice, then
     token), the others dropped (zeros out): the rows scattered into an ``(experts,
     capacity, d)`` buffer, and ``ws`` (gate, up, down) applied as batched GEMMs, whose shapes
     are static."""
     (m, d), e = xs.shape, sizes.shape[0]
-    c = capacity(m, e, factor)
     group, position = _runs(sizes, m)
     # past the buffer's end where dropped, each its own: the scatter skips it, the gather
     # reads zeros, and the indices stay unique
