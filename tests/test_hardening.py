@@ -329,6 +329,11 @@ ROWS = [
      "weight, model.router_aux_loss_coef, too"),
     ("gemma 3", [*T, "--config", "llama", "--set", "model.gemma=3"], None,
      "model.gemma must be 0, 1 or 2 (got 3)"),
+    ("olmo 1", [*T, "--config", "llama", "--set", "model.olmo=1"], None,
+     "model.olmo must be 0 or 2 (got 1)"),
+    ("olmo and gemma", [*T, "--config", "llama", "--set", "model.olmo=2", "--set",
+                        "model.gemma=2"], None,
+     "model.olmo and model.gemma place the norms each its own way: set one"),
     ("qkv bias and qk norm", [*T, "--config", "llama", "--set", "model.qkv_bias=true", "--set",
                               "model.qk_norm=true"], None,
      "model.qkv_bias, model.qk_norm and model.sliding_window together are no Hugging Face "

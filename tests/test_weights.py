@@ -622,6 +622,10 @@ FAMILIES = {  # name: (class, config, torch seed)
     "qwen2-moe": (transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
         **SMALL_LLAMA, tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=24, shared_expert_intermediate_size=40), 15),
+    # OLMo 2: the attention's and MLP's outputs normed in place of their inputs, q and k normed
+    # over all heads at once
+    "olmo2": (transformers.Olmo2ForCausalLM, transformers.Olmo2Config(
+        **SMALL_LLAMA, tie_word_embeddings=False), 16),
     # as Qwen3's model card extends its context: yarn, 4 times an original 4 tokens
     "qwen3-yarn": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         **SMALL_LLAMA, head_dim=16, tie_word_embeddings=True, rope_parameters={
@@ -878,8 +882,9 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     splits): a Llama untied with plain rotary positions, one as Llama 3.2 (tied head, llama3
     rope scaling), a Mistral, a Qwen2 (q, k, v biases), a Qwen3 (q, k norms, wider heads), a
     Phi-3 (q, k, v fused in one tensor, gate and up in another), one as Phi-3.5 mini (longrope,
-    its long factors past the original context, its short ones within), a Qwen3 with yarn:
-    logits within 1e-5 of transformers';
+    its long factors past the original context, its short ones within), a Qwen3 with yarn, an
+    OLMo 2 (outputs normed, not inputs; q and k over all heads): logits within 1e-5 of
+    transformers';
     written back through Llama's table as shards with an index and a config.json (a Phi-3 as
     the Llama it computes as, a Mistral
     with its sliding window; the context it declared, whatever the training window); a
@@ -903,7 +908,8 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     assert section.get("shared_expert_d_ff", 0) == (40 if which == "qwen2-moe" else 0)
     assert section["partial_rotary_factor"] == (0.5 if family == "phi4" else 1.0)
     assert section["qkv_bias"] == (family == "qwen2")
-    assert section["qk_norm"] == (family in ("qwen3", "gemma3"))
+    assert section["qk_norm"] == (family in ("qwen3", "gemma3", "olmo2"))
+    assert section.get("olmo", 0) == (2 if family == "olmo2" else 0)
     assert (family == "qwen3") == (section["head_dim"] == 16)
     assert section["sliding_window"] == {"mistral": 16, "gemma2": 5, "gemma3": 5}.get(family, 0)
     counted = sum(p.numel() for n, p in cls_of(which)(FAMILIES[which][1]).named_parameters()
@@ -1084,11 +1090,12 @@ def test_a_tensor_taken_in_ranges_is_read_once_whole_and_written_back_whole(fami
 @pytest.mark.slow
 # (the plain Llama's untied head and rotary positions are the Mistral's, trained here too)
 @pytest.mark.parametrize("which", ["llama3", "qwen2", "qwen3", "mistral", "phi4-mini",
-                                   "gemma2", "mixtral"])
+                                   "gemma2", "olmo2", "mixtral"])
 def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, family_dir):
     """train.py --init-from a Llama directory (one made as Llama 3.2 is, a Qwen2, a Qwen3, a
     Mistral whose sliding window is set to 5 of the 16 tokens, one as Phi-4-mini: longrope,
-    heads rotated in half, written back as Phi-3's fused tensors; a Mixtral with its
+    heads rotated in half, written back as Phi-3's fused tensors; a Gemma 2, an OLMo 2; a
+    Mixtral with its
     load-balancing loss on at 0.02): the model section from its config.json, its first loss
     transformers' on that batch (with the Mixtral's weighted balance loss, reported as its
     ``balance_loss``); two SGD steps; the export loads in transformers with zero_jax's logits
@@ -1380,7 +1387,9 @@ def test_a_corrupted_checkpoint_exports_nothing(tmp_path, capsys):
 NO_FAMILY = [({"gemma": 2, "n_experts": 4}, "gemma"), ({"gemma": 1, "qkv_bias": True}, "qkv_bias"),
              ({"sliding_window": 4, "window_pattern": 2}, "window_pattern"),
              ({"attn_softcap": 5.0}, "attn_softcap"),
-             ({"gemma": 1, "query_pre_attn_scalar": 3.0}, "query_pre_attn_scalar")]
+             ({"gemma": 1, "query_pre_attn_scalar": 3.0}, "query_pre_attn_scalar"),
+             ({"olmo": 2}, "olmo"), ({"olmo": 2, "qk_norm": True, "sliding_window": 4},
+                                     "sliding_window")]
 
 
 def test_a_model_no_family_computes_is_refused_before_anything_is_written(tmp_path, capsys):

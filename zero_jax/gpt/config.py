@@ -42,7 +42,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # heads head_dim wide, 0: d_model / n_heads; max_positions the context it declares, which
     # an export writes back, 0: seq_len; sliding_window Mistral's, 0: none; gemma 1 or 2,
     # Gemma's conventions, with the soft caps, query scalar and window pattern of Gemma 2 and
-    # 3: GPTConfig).
+    # 3; olmo 2, OLMo 2's norms: GPTConfig).
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512,
               "seq_len": 64, "remat": "auto", "arch": "gpt2", "norm_eps": 1e-5,
               "n_kv_heads": 0, "rope_theta": 10000.0, "rope_type": "default",
@@ -51,7 +51,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
               "rope_long_factor": [], "rope_attention_factor": 0.0,
               "partial_rotary_factor": 1.0, "tie_head": False,
               "qkv_bias": False, "qk_norm": False, "head_dim": 0, "max_positions": 0,
-              "sliding_window": 0, "gemma": 0, "window_pattern": 0, "rope_local_theta": 0.0,
+              "sliding_window": 0, "gemma": 0, "olmo": 0, "window_pattern": 0,
+              "rope_local_theta": 0.0,
               "n_experts": 0, "experts_per_token": 2, "expert_d_ff": 0, "moe_norm_topk": True,
               "shared_expert_d_ff": 0, "router_aux_loss_coef": 0.0,
               "router_aux_loss_global": False, "router_z_loss_coef": 0.0,
@@ -362,14 +363,19 @@ def _check_llama(m: dict) -> None:
                               f"{m[key]}): 0 is none")
     if m["gemma"] not in (0, 1, 2):
         raise ConfigError(f"model.gemma must be 0, 1 or 2 (got {m['gemma']})")
+    if m["olmo"] not in (0, 2):
+        raise ConfigError(f"model.olmo must be 0 or 2 (got {m['olmo']})")
+    if m["olmo"] and m["gemma"]:
+        raise ConfigError("model.olmo and model.gemma place the norms each its own way: set "
+                          "one")
     if m["arch"] != "llama" and (m["head_dim"] or m["qkv_bias"] or m["qk_norm"]
                                  or m["max_positions"] or m["sliding_window"] or m["gemma"]
-                                 or m["attn_softcap"] or m["logit_softcap"]
+                                 or m["olmo"] or m["attn_softcap"] or m["logit_softcap"]
                                  or m["query_pre_attn_scalar"] or m["window_pattern"]
                                  or m["rope_local_theta"] or m["n_experts"]):
         raise ConfigError("model.head_dim, model.qkv_bias, model.qk_norm, model.max_positions, "
-                          "model.sliding_window, Gemma's keys and model.n_experts are the llama "
-                          "arch's: set model.arch=llama, or leave them out")
+                          "model.sliding_window, Gemma's and OLMo's keys and model.n_experts "
+                          "are the llama arch's: set model.arch=llama, or leave them out")
     if (m["shared_expert_d_ff"] or m["router_aux_loss_coef"] or m["router_z_loss_coef"]
             or m["expert_capacity_factor"]) and not m["n_experts"]:
         raise ConfigError("model.shared_expert_d_ff, model.router_aux_loss_coef, "

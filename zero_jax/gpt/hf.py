@@ -64,8 +64,8 @@ def read_config(directory: str | os.PathLike) -> dict:
         return llama_config.read_config(directory)
     if hf.get("model_type") != "gpt2":
         raise WeightsError(f"{path} is model_type {hf.get('model_type')!r}; this demo reads "
-                           "gpt2, llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text "
-                           "and gemma3's text: pass a directory of one")
+                           f"gpt2, {', '.join(llama_config.FAMILIES)} and gemma3's text: pass a "
+                           "directory of one")
     for key, want in GPT2_FIXED.items():
         if key in hf and hf[key] != want:
             raise WeightsError(f"{path} has {key} {hf[key]!r}; this demo's GPT-2 computes "

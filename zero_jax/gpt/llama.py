@@ -2,7 +2,8 @@
 the head untied or tied to the embedding, biases on q, k and v or an RMSNorm over each head's
 q and k, or neither: Llama, Mistral and Phi-3 with their sliding windows, Qwen2, Qwen3; with
 Gemma's norms, embedding scale and GELU gate, Gemma and Gemma 2 with its output norms and soft
-caps) with Hugging Face's tensor names, its layers under ``nn.scan`` as ``blocks``.
+caps; OLMo 2, its outputs normed in place of its inputs, q and k over all heads at once) with
+Hugging Face's tensor names, its layers under ``nn.scan`` as ``blocks``.
 
 Rotary positions rotate the two halves of each head (Hugging Face's ``rotate_half``), so its
 q and k projections are read as they are stored, with no permutation of their rows. Their
@@ -173,8 +174,10 @@ class LlamaBlock(nn.Module):
         dh = c.dh
         dense = lambda features, name, bias=False, **kw: nn.DenseGeneral(
             features, use_bias=bias, name=name, **kw)
-        after = lambda y, name: norm(c, name)(y) if c.gemma == 2 else y  # Gemma 2's outputs'
-        h = norm(c, "ln1")(x)
+        # Gemma 2's outputs' norms beside the inputs', OLMo 2's in their place
+        after = lambda y, name: norm(c, name)(y) if c.gemma == 2 or c.olmo else y
+        before = lambda y, name: y if c.olmo else norm(c, name)(y)
+        h = before(x, "ln1")
         inv, scale = rope_frequencies(c, c.rotary_dim, t), rope_scale(c)
         if sliding is not None and c.rope_local_theta:  # the sliding layers' own base
             local = dataclasses.replace(c, rope_theta=c.rope_local_theta, rope_type="default")
@@ -182,7 +185,10 @@ class LlamaBlock(nn.Module):
             scale = jnp.where(sliding, 1.0, scale) if scale != 1.0 else scale
         q, k = dense((c.n_heads, dh), "q", c.qkv_bias)(h), dense((c.kv_heads, dh), "k",
                                                                   c.qkv_bias)(h)
-        if c.qk_norm:  # over each head's width, the one scale shared by the heads
+        if c.qk_norm and c.olmo:  # over all heads at once, a scale per column (OLMo 2)
+            q, k = (norm(c, n)(y.reshape(b, t, -1)).reshape(y.shape)
+                    for y, n in ((q, "q_norm"), (k, "k_norm")))
+        elif c.qk_norm:  # over each head's width, the one scale shared by the heads
             q, k = norm(c, "q_norm")(q), norm(c, "k_norm")(k)
         q, k = rope(q, inv, scale), rope(k, inv, scale)
         v = dense((c.kv_heads, dh), "v", c.qkv_bias)(h)
@@ -193,7 +199,7 @@ class LlamaBlock(nn.Module):
         att = attend(c.sliding_window) if sliding is None else jax.lax.cond(
             sliding, lambda: attend(c.sliding_window), lambda: attend(0))
         x = x + after(dense(d, "o", axis=(-2, -1))(att), "post_attn")
-        h = norm(c, "ln2")(x)
+        h = before(x, "ln2")
         if c.n_experts:  # the routing's statistics out as the layer loop's, where they count
             y, stats = MoE(c.n_experts, c.experts_per_token, c.expert_d_ff or c.d_ff,
                            c.moe_norm_topk, swiglu, c.shared_expert_d_ff,
@@ -263,12 +269,14 @@ def mapping(c: GPTConfig) -> Mapping:
     head = [] if c.tie_head else [Tensor("lm_head.weight", "head/kernel", transpose=(1, 0),
                                          pad=(1, c.vocab_size))]
     # Gemma 2's post_attention_layernorm is the attention output's, its MLP's input's
-    # pre_feedforward_layernorm; Llama's post_attention_layernorm is the MLP input's
-    norms = {"ln2": "pre_feedforward", "post_attn": "post_attention",
-             "post_mlp": "post_feedforward"} if c.gemma == 2 else {"ln2": "post_attention"}
+    # pre_feedforward_layernorm; Llama's post_attention_layernorm is the MLP input's; OLMo 2
+    # norms the outputs alone
+    outputs = {"post_attn": "post_attention", "post_mlp": "post_feedforward"}
+    norms = {"ln2": "pre_feedforward", **outputs} if c.gemma == 2 else outputs if c.olmo \
+        else {"ln2": "post_attention"}
+    inputs = [] if c.olmo else [Tensor(h + "input_layernorm.weight", "blocks/ln1/scale")]
     rows = [Tensor("model.embed_tokens.weight", "wte", pad=(0, c.vocab_size)),
-            Tensor("model.norm.weight", "ln_f/scale"), *head,
-            Tensor(h + "input_layernorm.weight", "blocks/ln1/scale"),
+            Tensor("model.norm.weight", "ln_f/scale"), *head, *inputs,
             *(Tensor(f"{h}{theirs}_layernorm.weight", f"blocks/{ours}/scale")
               for ours, theirs in norms.items()),
             Tensor(h + "self_attn.o_proj.weight", "blocks/o/kernel", transpose=(1, 0),

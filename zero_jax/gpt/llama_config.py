@@ -1,8 +1,8 @@
 """The Llama family's config.json, both ways: read into the demo's model section, refusing
 what ``zero_jax.gpt.llama`` does not compute (another activation, biases, rope type, a Qwen's
 sliding window, ...), and written for a model, then read back to prove transformers would
-compute the same model (``hf_config``). Eleven ``model_type``s: Llama, Mistral, Phi-3, Qwen2,
-Qwen3, Gemma 1-3 and the experts of Mixtral, Qwen2-MoE and Qwen3-MoE."""
+compute the same model (``hf_config``). Twelve ``model_type``s: Llama, Mistral, Phi-3, Qwen2,
+Qwen3, Gemma 1-3, OLMo 2 and the experts of Mixtral, Qwen2-MoE and Qwen3-MoE."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model",
 # windows; Qwen2 with biases on q, k and v (``qkv_bias``), Qwen3 with q and k normed
 # (``qk_norm``); Mistral and Phi-3 with a window or none (``sliding_window``), Phi-3 with
 # its q, k, v and its gate and up projections fused in two tensors, without dropout, rotating
-# whole heads or a share of each (``partial_rotary_factor``, Phi-4-mini's).
+# whole heads or a share of each (``partial_rotary_factor``, Phi-4-mini's); OLMo 2 without
+# biases or dropout.
 FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
             "mistral": {"hidden_act": "silu"},
             "phi3": {"hidden_act": "silu", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
@@ -37,6 +38,7 @@ FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias":
                        "use_bidirectional_attention": None},
             "gemma3_text": {"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
                             "use_bidirectional_attention": None},
+            "olmo2": {"hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0},
             "mixtral": {"hidden_act": "silu", "router_jitter_noise": 0.0},
             "qwen2_moe": {"hidden_act": "silu", "qkv_bias": True, "use_sliding_window": False,
                           "decoder_sparse_step": 1, "mlp_only_layers": []},
@@ -64,8 +66,8 @@ ROPE_KEYS = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
 
 
 def read_config(directory: str | os.PathLike) -> dict:
-    """The model section of the demo's config from a Llama, Mistral, Qwen2, Qwen3 or Phi-3
-    directory's config.json; what this model does not compute (other biases, another
+    """The model section of the demo's config from the config.json of a directory of one of
+    ``FAMILIES``; what this model does not compute (other biases, another
     activation, a Qwen's sliding window, another rope type) is refused. A Mistral's or Phi-3's
     sliding window is read as ``sliding_window``, which the attention keeps whatever the
     training window (``seq_len``)."""
@@ -78,8 +80,8 @@ def read_config(directory: str | os.PathLike) -> dict:
             hf = {**GEMMA3_TEXT, **hf}
         assert isinstance(hf, dict) and hf.get("model_type") in FAMILIES
     except (OSError, ValueError, AssertionError, KeyError, TypeError):
-        raise WeightsError(f"{path} is missing or not a Llama, Mistral, Qwen, Phi-3 or "
-                           "Gemma config.json: pass a Hugging Face directory of one") from None
+        raise WeightsError(f"{path} is missing or not a Llama, Mistral, Qwen, Phi-3, Gemma "
+                           "or OLMo 2 config.json: pass a Hugging Face directory of one") from None
     return _model_section(path, hf)
 
 
@@ -122,7 +124,8 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
             "max_positions": model["seq_len"], "sliding_window": window or 0,
             "arch": "llama", "tie_head": tied,
             "qkv_bias": hf["model_type"] in ("qwen2", "qwen2_moe"),
-            "qk_norm": hf["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text"),
+            "qk_norm": hf["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2"),
+            **({"olmo": 2} if hf["model_type"] == "olmo2" else {}),
             "head_dim": 0 if head_dim * model["n_heads"] == model["d_model"] else head_dim,
             "partial_rotary_factor": partial, **_rope(path, hf, int(head_dim * partial))}
 
@@ -320,7 +323,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 
 
 def family_of(c: GPTConfig) -> str:
@@ -328,7 +331,13 @@ def family_of(c: GPTConfig) -> str:
     normed) or Mixtral's; Gemma's three; Phi-3's where heads rotate in part (only its class
     computes that; its tensors then ``phi3_mapping``'s); Qwen2's with ``qkv_bias``, Qwen3's with
     ``qk_norm``, Mistral's with ``sliding_window``, else Llama's (a Mistral without its window
-    computes as one)."""
+    computes as one); OLMo 2's with its norms (``olmo``), q and k normed."""
+    if c.olmo:
+        if c.n_experts or not c.qk_norm:
+            raise WeightsError("model.olmo with experts or without qk_norm is no Hugging Face "
+                               "family's (OLMo 2 norms its q and k; OLMoE's norms are not "
+                               "these): not written")
+        return "olmo2"
     if c.n_experts:
         if not (c.qk_norm or c.qkv_bias or c.moe_norm_topk):
             raise WeightsError("model.moe_norm_topk false without qk_norm or qkv_bias is no "
