@@ -626,6 +626,13 @@ FAMILIES = {  # name: (class, config, torch seed)
     # over all heads at once
     "olmo2": (transformers.Olmo2ForCausalLM, transformers.Olmo2Config(
         **SMALL_LLAMA, tie_word_embeddings=False), 16),
+    # OLMo 3: OLMo 2's layers, every 4th of 4 full, the others sliding (5 tokens), the full
+    # ones' rotary positions scaled (yarn, as its long-context models), the sliding ones' not
+    "olmo3": (transformers.Olmo3ForCausalLM, transformers.Olmo3Config(
+        **{**SMALL_LLAMA, "num_hidden_layers": 4}, sliding_window=5, rope_parameters={
+            "full_attention": {"rope_type": "yarn", "rope_theta": 2e4, "factor": 4.0,
+                               "original_max_position_embeddings": 4},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}), 17),
     # as Qwen3's model card extends its context: yarn, 4 times an original 4 tokens
     "qwen3-yarn": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         **SMALL_LLAMA, head_dim=16, tie_word_embeddings=True, rope_parameters={
@@ -883,8 +890,9 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     rope scaling), a Mistral, a Qwen2 (q, k, v biases), a Qwen3 (q, k norms, wider heads), a
     Phi-3 (q, k, v fused in one tensor, gate and up in another), one as Phi-3.5 mini (longrope,
     its long factors past the original context, its short ones within), a Qwen3 with yarn, an
-    OLMo 2 (outputs normed, not inputs; q and k over all heads): logits within 1e-5 of
-    transformers';
+    OLMo 2 (outputs normed, not inputs; q and k over all heads), an OLMo 3 (3 of 4 layers
+    sliding, the full one's rope yarn-scaled, its config.json in both forms): logits within
+    1e-5 of transformers';
     written back through Llama's table as shards with an index and a config.json (a Phi-3 as
     the Llama it computes as, a Mistral
     with its sliding window; the context it declared, whatever the training window); a
@@ -903,15 +911,17 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     assert section["tie_head"] == (family in ("llama3", "qwen2", "qwen3", "phi4", "gemma",
                                               "gemma2", "gemma3"))
     assert section.get("gemma", 0) == {"gemma": 1, "gemma2": 2, "gemma3": 2}.get(family, 0)
-    assert section.get("window_pattern", 0) == {"gemma2": 2, "gemma3": 3}.get(family, 0)
+    assert section.get("window_pattern", 0) == {"gemma2": 2, "gemma3": 3, "olmo3": 4}.get(
+        family, 0)
     assert section.get("n_experts", 0) == (4 if which.endswith(("mixtral", "moe")) else 0)
     assert section.get("shared_expert_d_ff", 0) == (40 if which == "qwen2-moe" else 0)
     assert section["partial_rotary_factor"] == (0.5 if family == "phi4" else 1.0)
     assert section["qkv_bias"] == (family == "qwen2")
-    assert section["qk_norm"] == (family in ("qwen3", "gemma3", "olmo2"))
-    assert section.get("olmo", 0) == (2 if family == "olmo2" else 0)
+    assert section["qk_norm"] == (family in ("qwen3", "gemma3", "olmo2", "olmo3"))
+    assert section.get("olmo", 0) == (2 if family in ("olmo2", "olmo3") else 0)
     assert (family == "qwen3") == (section["head_dim"] == 16)
-    assert section["sliding_window"] == {"mistral": 16, "gemma2": 5, "gemma3": 5}.get(family, 0)
+    assert section["sliding_window"] == {"mistral": 16, "gemma2": 5, "gemma3": 5,
+                                         "olmo3": 5}.get(family, 0)
     counted = sum(p.numel() for n, p in cls_of(which)(FAMILIES[which][1]).named_parameters()
                   if not n.startswith(("model.vision_tower", "model.multi_modal_projector")))
     assert GPTConfig(**section).n_params == counted  # the planner's count, the head tied once
@@ -939,9 +949,9 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     # Whether a feature changes the logits is the model's, not the layout's: shown at tp 1 only
     # (at tp 2 the logits equal transformers' above, with the feature, all the same).
     counts = tp == 1
-    if counts and family in ("gemma2", "gemma3"):  # the sliding layers' window (and base) count
+    if counts and family in ("gemma2", "gemma3", "olmo3"):  # the sliding layers' window, base
         for plain in ({"sliding_window": 0, "window_pattern": 0, "rope_local_theta": 0.0},
-                      *([{"rope_local_theta": 0.0}] if family == "gemma3" else [])):
+                      *([{"rope_local_theta": 0.0}] if family in ("gemma3", "olmo3") else [])):
             other = logits_of(llama.Llama(dataclasses.replace(cfg, **plain)), params)
             assert rel(other, theirs) > 1e-3, plain
     if counts and section.get("n_experts"):  # the routing counts: one expert a token differs
@@ -951,9 +961,17 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
         uncapped = logits_of(llama.Llama(dataclasses.replace(cfg, attn_softcap=0.0)), params)
         assert rel(uncapped, theirs) > 1e-3 and np.abs(ours).max() < 3.0 < np.abs(
             logits_of(llama.Llama(dataclasses.replace(cfg, logit_softcap=0.0)), params)).max()
-    if counts and which in ("phi3.5", "phi4-mini", "qwen3-yarn"):  # the scaling counts
+    if counts and which in ("phi3.5", "phi4-mini", "qwen3-yarn", "olmo3"):  # the scaling counts
         unscaled = logits_of(llama.Llama(dataclasses.replace(cfg, rope_type="default")), params)
         assert rel(unscaled, theirs) > 1e-3
+    if counts and which == "olmo3":  # as its files before transformers 5: one base for both
+        hf_file = json.loads((llama_dir / "config.json").read_text())
+        rope = hf_file.pop("rope_parameters")
+        hf_file.update(rope_theta=2e4, rope_scaling={k: v for k, v in rope[
+            "full_attention"].items() if k != "rope_theta"})
+        (tmp_path / "legacy").mkdir()
+        (tmp_path / "legacy" / "config.json").write_text(json.dumps(hf_file))
+        assert llama_config.read_config(tmp_path / "legacy") == section
     if which == "phi3.5":  # longrope's long factors at 16 tokens, its short ones at 8
         short = TOKENS[:, :8]
         within = np.asarray(jax.jit(lambda p: model.apply({"params": p}, short))(params))
@@ -1090,11 +1108,11 @@ def test_a_tensor_taken_in_ranges_is_read_once_whole_and_written_back_whole(fami
 @pytest.mark.slow
 # (the plain Llama's untied head and rotary positions are the Mistral's, trained here too)
 @pytest.mark.parametrize("which", ["llama3", "qwen2", "qwen3", "mistral", "phi4-mini",
-                                   "gemma2", "olmo2", "mixtral"])
+                                   "gemma2", "olmo3", "mixtral"])
 def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, family_dir):
     """train.py --init-from a Llama directory (one made as Llama 3.2 is, a Qwen2, a Qwen3, a
     Mistral whose sliding window is set to 5 of the 16 tokens, one as Phi-4-mini: longrope,
-    heads rotated in half, written back as Phi-3's fused tensors; a Gemma 2, an OLMo 2; a
+    heads rotated in half, written back as Phi-3's fused tensors; a Gemma 2, an OLMo 3; a
     Mixtral with its
     load-balancing loss on at 0.02): the model section from its config.json, its first loss
     transformers' on that batch (with the Mixtral's weighted balance loss, reported as its
@@ -1388,8 +1406,7 @@ NO_FAMILY = [({"gemma": 2, "n_experts": 4}, "gemma"), ({"gemma": 1, "qkv_bias": 
              ({"sliding_window": 4, "window_pattern": 2}, "window_pattern"),
              ({"attn_softcap": 5.0}, "attn_softcap"),
              ({"gemma": 1, "query_pre_attn_scalar": 3.0}, "query_pre_attn_scalar"),
-             ({"olmo": 2}, "olmo"), ({"olmo": 2, "qk_norm": True, "sliding_window": 4},
-                                     "sliding_window")]
+             ({"olmo": 2}, "olmo"), ({"olmo": 2, "qk_norm": True, "n_experts": 4}, "olmo")]
 
 
 def test_a_model_no_family_computes_is_refused_before_anything_is_written(tmp_path, capsys):

@@ -390,7 +390,8 @@ def _check_llama(m: dict) -> None:
     if (m["window_pattern"] or m["rope_local_theta"]) and not m["sliding_window"]:
         raise ConfigError("model.window_pattern and model.rope_local_theta are the sliding "
                           "layers' (Gemma 2's and 3's): set model.sliding_window too")
-    if m["qkv_bias"] + m["qk_norm"] + bool(m["sliding_window"]) > 1 + bool(m["gemma"]):
+    if m["qkv_bias"] + m["qk_norm"] + bool(m["sliding_window"]) > 1 + bool(m["gemma"]
+                                                                          or m["olmo"]):
         raise ConfigError("model.qkv_bias, model.qk_norm and model.sliding_window together are "
                           "no Hugging Face family's decoder (Qwen2 has the first, Qwen3 the "
                           "second, Mistral the third): set one")

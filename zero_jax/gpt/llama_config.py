@@ -1,8 +1,8 @@
 """The Llama family's config.json, both ways: read into the demo's model section, refusing
 what ``zero_jax.gpt.llama`` does not compute (another activation, biases, rope type, a Qwen's
 sliding window, ...), and written for a model, then read back to prove transformers would
-compute the same model (``hf_config``). Twelve ``model_type``s: Llama, Mistral, Phi-3, Qwen2,
-Qwen3, Gemma 1-3, OLMo 2 and the experts of Mixtral, Qwen2-MoE and Qwen3-MoE."""
+compute the same model (``hf_config``). Thirteen ``model_type``s: Llama, Mistral, Phi-3,
+Qwen2, Qwen3, Gemma 1-3, OLMo 2 and 3 and the experts of Mixtral, Qwen2-MoE and Qwen3-MoE."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model",
 # windows; Qwen2 with biases on q, k and v (``qkv_bias``), Qwen3 with q and k normed
 # (``qk_norm``); Mistral and Phi-3 with a window or none (``sliding_window``), Phi-3 with
 # its q, k, v and its gate and up projections fused in two tensors, without dropout, rotating
-# whole heads or a share of each (``partial_rotary_factor``, Phi-4-mini's); OLMo 2 without
-# biases or dropout.
+# whole heads or a share of each (``partial_rotary_factor``, Phi-4-mini's); OLMo 2 and 3
+# without biases or dropout.
 FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
             "mistral": {"hidden_act": "silu"},
             "phi3": {"hidden_act": "silu", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
@@ -39,6 +39,7 @@ FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias":
             "gemma3_text": {"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
                             "use_bidirectional_attention": None},
             "olmo2": {"hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0},
+            "olmo3": {"hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0},
             "mixtral": {"hidden_act": "silu", "router_jitter_noise": 0.0},
             "qwen2_moe": {"hidden_act": "silu", "qkv_bias": True, "use_sliding_window": False,
                           "decoder_sparse_step": 1, "mlp_only_layers": []},
@@ -94,8 +95,8 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
         hf["mlp_only_layers"] = []
     if hf.get("use_bidirectional_attention") is False:
         hf["use_bidirectional_attention"] = None
-    if hf["model_type"] == "gemma3_text":
-        hf = _gemma3_rope(path, hf)
+    if hf["model_type"] in ("gemma3_text", "olmo3"):
+        hf = _layer_rope(path, hf)
     for key, want in FAMILIES[hf["model_type"]].items():
         got = hf.get(key, rope_parameters.get(key, want) if isinstance(rope_parameters, dict)
                      else want)
@@ -112,7 +113,7 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
         raise WeightsError(f"{path} has tie_word_embeddings {tied!r}, not true or false: pass a "
                            "model whose config.json has one of them")
     window = hf.get("sliding_window") if hf["model_type"] in (
-        "mistral", "mixtral", "phi3", "gemma2", "gemma3_text") else None
+        "mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "olmo3") else None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or window < 1):
         raise WeightsError(f"{path} has sliding_window {window!r}, not a number of tokens: pass "
@@ -120,12 +121,14 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
     gemma = _gemma(path, hf, model["n_layers"], window) \
         if hf["model_type"].startswith("gemma") else {}
     experts = _moe(path, hf) if hf["model_type"] in moe.NAMES else {}
-    return {**model, "seq_len": min(model["seq_len"], WINDOW), **gemma, **experts,
+    olmo = _olmo3(path, hf, model["n_layers"], window) if hf["model_type"] == "olmo3" else {}
+    return {**model, "seq_len": min(model["seq_len"], WINDOW), **gemma, **experts, **olmo,
             "max_positions": model["seq_len"], "sliding_window": window or 0,
             "arch": "llama", "tie_head": tied,
             "qkv_bias": hf["model_type"] in ("qwen2", "qwen2_moe"),
-            "qk_norm": hf["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2"),
-            **({"olmo": 2} if hf["model_type"] == "olmo2" else {}),
+            "qk_norm": hf["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2",
+                                            "olmo3"),
+            **({"olmo": 2} if hf["model_type"].startswith("olmo") else {}),
             "head_dim": 0 if head_dim * model["n_heads"] == model["d_model"] else head_dim,
             "partial_rotary_factor": partial, **_rope(path, hf, int(head_dim * partial))}
 
@@ -137,16 +140,7 @@ def _gemma(path: pathlib.Path, hf: dict, n_layers: int, window: int | None) -> d
     if hf["model_type"] == "gemma":
         return {"gemma": 1}
     three = hf["model_type"] == "gemma3_text"
-    pattern = hf.get("sliding_window_pattern", 6) if three else 2
-    types = hf.get("layer_types")
-    if isinstance(types, list):  # none full: every layer slides
-        pattern = types.index("full_attention") + 1 if "full_attention" in types \
-            else n_layers + 1
-    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1 or (
-            types is not None and types != _layer_types(pattern, n_layers)):
-        raise WeightsError(f"{path} has layer_types {str(types)[:60]}; this demo slides the "
-                           "window of every layer but each N-th: pass a model whose layers "
-                           "are so")
+    pattern = _pattern(path, hf, n_layers, hf.get("sliding_window_pattern", 6) if three else 2)
     if three and not window:  # its sliding layers would still rotate at their own base
         raise WeightsError(f"{path} has sliding_window None; this demo's Gemma 3 slides a "
                            "window: pass a model whose config.json has one")
@@ -163,6 +157,31 @@ def _gemma(path: pathlib.Path, hf: dict, n_layers: int, window: int | None) -> d
                                "model whose config.json has one, or null")
         out[ours] = float(value or 0)
     return out
+
+
+def _pattern(path: pathlib.Path, hf: dict, n_layers: int, default: int) -> int:
+    """Every how many layers one is full, the others sliding: from ``layer_types`` (none full:
+    past the last), else ``default``; layers otherwise are refused."""
+    pattern, types = default, hf.get("layer_types")
+    if isinstance(types, list):
+        pattern = types.index("full_attention") + 1 if "full_attention" in types \
+            else n_layers + 1
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1 or (
+            types is not None and types != _layer_types(pattern, n_layers)):
+        raise WeightsError(f"{path} has layer_types {str(types)[:60]}; this demo slides the "
+                           "window of every layer but each N-th: pass a model whose layers "
+                           "are so")
+    return pattern
+
+
+def _olmo3(path: pathlib.Path, hf: dict, n_layers: int, window: int | None) -> dict:
+    """OLMo 3's sliding layers: every layer's but each 4th by default, rotating at the base
+    ``_layer_rope`` found for them, unscaled."""
+    if not window:
+        raise WeightsError(f"{path} has sliding_window None; this demo's OLMo 3 slides a "
+                           "window: pass a model whose config.json has one")
+    return {"window_pattern": _pattern(path, hf, n_layers, 4),
+            "rope_local_theta": hf["rope_local_base_freq"]}
 
 
 def _moe(path: pathlib.Path, hf: dict) -> dict:
@@ -210,19 +229,22 @@ def _layer_types(pattern: int, n_layers: int) -> list[str]:
             for i in range(n_layers)]
 
 
-def _gemma3_rope(path: pathlib.Path, hf: dict) -> dict:
-    """``hf`` with Gemma 3's rope keys as the other families have theirs: the full layers'
-    (``rope_parameters.full_attention`` in transformers 5's files, else ``rope_theta`` and
-    ``rope_scaling``, a base of 1,000,000 by default) as the model's, the sliding layers'
-    plain base (``rope_local_base_freq``, 10,000 by default) beside them."""
-    params = hf.get("rope_parameters")
-    local = {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}
+def _layer_rope(path: pathlib.Path, hf: dict) -> dict:
+    """``hf`` with Gemma 3's or OLMo 3's rope keys as the other families have theirs: the full
+    layers' (``rope_parameters.full_attention`` in transformers 5's files, else ``rope_theta``
+    and ``rope_scaling``; a base of 1,000,000 by default, OLMo 3's 500,000) as the model's, the
+    sliding layers' plain base beside them (``rope_local_base_freq``: Gemma 3's 10,000 by
+    default; OLMo 3's the full layers' where the file gives one base)."""
+    gemma = hf["model_type"] == "gemma3_text"
+    params, base = hf.get("rope_parameters"), hf.get("rope_theta", 1e6 if gemma else 5e5)
+    local = {"rope_theta": hf.get("rope_local_base_freq", 10000.0) if gemma else base}
     if isinstance(params, dict) and "full_attention" in params:
         local = params.get("sliding_attention") or local
         hf = {**hf, "rope_parameters": params["full_attention"]}
     elif not isinstance(params, dict):
-        hf = {**hf, "rope_theta": hf.get("rope_theta", 1_000_000.0)}
-    theta = local.get("rope_theta", 10000.0) if isinstance(local, dict) else local
+        hf = {**hf, "rope_theta": base}
+    theta = local.get("rope_theta", 10000.0 if gemma else 5e5) if isinstance(local, dict) \
+        else local
     if not isinstance(local, dict) or local.get("rope_type", "default") != "default" or \
             isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
         raise WeightsError(f"{path} has sliding layers' rope {str(local)[:60]}; this demo "
@@ -323,7 +345,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                 "olmo3": "Olmo3ForCausalLM"}
 
 
 def family_of(c: GPTConfig) -> str:
@@ -331,13 +354,14 @@ def family_of(c: GPTConfig) -> str:
     normed) or Mixtral's; Gemma's three; Phi-3's where heads rotate in part (only its class
     computes that; its tensors then ``phi3_mapping``'s); Qwen2's with ``qkv_bias``, Qwen3's with
     ``qk_norm``, Mistral's with ``sliding_window``, else Llama's (a Mistral without its window
-    computes as one); OLMo 2's with its norms (``olmo``), q and k normed."""
+    computes as one); OLMo 2's with its norms (``olmo``), q and k normed, OLMo 3's with a
+    window too."""
     if c.olmo:
         if c.n_experts or not c.qk_norm:
             raise WeightsError("model.olmo with experts or without qk_norm is no Hugging Face "
                                "family's (OLMo 2 norms its q and k; OLMoE's norms are not "
                                "these): not written")
-        return "olmo2"
+        return "olmo3" if c.sliding_window else "olmo2"
     if c.n_experts:
         if not (c.qk_norm or c.qkv_bias or c.moe_norm_topk):
             raise WeightsError("model.moe_norm_topk false without qk_norm or qkv_bias is no "
@@ -361,9 +385,10 @@ def write_config(directory: pathlib.Path, model: dict, dtype: str = "float32") -
 def hf_config(model: dict, dtype: str = "float32") -> dict:
     """A config.json for the demo's ``model`` section, as transformers reads it, of
     ``family_of`` its model; the rope scaling in the ``rope_scaling`` form Llama 3's files use,
-    which transformers 4 and 5 both read. Read back (``read_config``), it must give the model
-    it was written for: a model no family computes (Gemma 2's norms with experts, Gemma's with
-    q/k/v biases) is refused before anything is written, naming the first key it loses."""
+    which transformers 4 and 5 both read (OLMo 3's by layer type, transformers 5's form). Read
+    back (``read_config``), it must give the model it was written for: a model no family
+    computes (Gemma 2's norms with experts, Gemma's with q/k/v biases) is refused before
+    anything is written, naming the first key it loses."""
     c = GPTConfig(**model)
     family = family_of(c)
     hf = {"architectures": [ARCHITECTURES[family]], "model_type": family,
@@ -388,6 +413,12 @@ def hf_config(model: dict, dtype: str = "float32") -> dict:
         keys = ("factor",) if c.rope_type == "linear" else tuple(ROPE_KEYS)
         hf["rope_scaling"] = {"rope_type": c.rope_type,
                               **{k: getattr(c, ROPE_KEYS[k]) for k in keys}}
+    if family == "olmo3":  # by layer type, as transformers 5 writes it: from the legacy form
+        # it gives the sliding layers its default base (500,000), not rope_theta
+        full = {"rope_type": "default", **hf.pop("rope_scaling", {}),
+                "rope_theta": hf.pop("rope_theta")}
+        hf["rope_parameters"] = {"full_attention": full, "sliding_attention": {
+            "rope_type": "default", "rope_theta": c.rope_local_theta or c.rope_theta}}
     _check_read_back(c, family, hf)
     return hf
 
@@ -410,7 +441,7 @@ def _computes(c: GPTConfig) -> dict:
             "n_heads": c.n_heads, "d_ff": c.d_ff, "norm_eps": c.norm_eps,
             "n_kv_heads": c.kv_heads, "rope_theta": c.rope_theta, "head_dim": c.dh,
             "partial_rotary_factor": c.rotary_dim / c.dh, "tie_head": c.tie_head,
-            "qkv_bias": c.qkv_bias, "qk_norm": c.qk_norm, "gemma": c.gemma,
+            "qkv_bias": c.qkv_bias, "qk_norm": c.qk_norm, "gemma": c.gemma, "olmo": c.olmo,
             "attn_softcap": c.attn_softcap, "logit_softcap": c.logit_softcap,
             "sliding_window": c.sliding_window if sliding else 0,
             "window_pattern": pattern,
@@ -439,10 +470,11 @@ def _check_read_back(c: GPTConfig, family: str, hf: dict) -> None:
 def _family_keys(c: GPTConfig, family: str) -> dict:
     """The keys of config.json that only ``family`` has, as its files on the Hub name them."""
     out: dict = {}
-    if family in ("gemma2", "gemma3_text"):  # none written, not the configs' default
+    if family in ("gemma2", "gemma3_text", "olmo3"):  # none written, not the configs' default
         out.update(sliding_window=c.sliding_window or None,
-                   layer_types=_layer_types(c.window_pattern or c.n_layers + 1, c.n_layers),
-                   attn_logit_softcapping=c.attn_softcap or None,
+                   layer_types=_layer_types(c.window_pattern or c.n_layers + 1, c.n_layers))
+    if family in ("gemma2", "gemma3_text"):
+        out.update(attn_logit_softcapping=c.attn_softcap or None,
                    final_logit_softcapping=c.logit_softcap or None,
                    query_pre_attn_scalar=_number(c.query_pre_attn_scalar or c.dh))
         if c.rope_local_theta:
