@@ -633,6 +633,10 @@ FAMILIES = {  # name: (class, config, torch seed)
             "full_attention": {"rope_type": "yarn", "rope_theta": 2e4, "factor": 4.0,
                                "original_max_position_embeddings": 4},
             "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}), 17),
+    # OLMoE: Llama's norms, q and k normed over all heads at once, 2 of 4 experts a token,
+    # their weights as they are
+    "olmoe": (transformers.OlmoeForCausalLM, transformers.OlmoeConfig(
+        **SMALL_LLAMA, num_experts=4, num_experts_per_tok=2), 18),
     # as Qwen3's model card extends its context: yarn, 4 times an original 4 tokens
     "qwen3-yarn": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         **SMALL_LLAMA, head_dim=16, tie_word_embeddings=True, rope_parameters={
@@ -890,7 +894,8 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     rope scaling), a Mistral, a Qwen2 (q, k, v biases), a Qwen3 (q, k norms, wider heads), a
     Phi-3 (q, k, v fused in one tensor, gate and up in another), one as Phi-3.5 mini (longrope,
     its long factors past the original context, its short ones within), a Qwen3 with yarn, an
-    OLMo 2 (outputs normed, not inputs; q and k over all heads), an OLMo 3 (3 of 4 layers
+    OLMo 2 (outputs normed, not inputs; q and k over all heads), an OLMoE (inputs normed, q
+    and k over all heads, experts), an OLMo 3 (3 of 4 layers
     sliding, the full one's rope yarn-scaled, its config.json in both forms): logits within
     1e-5 of transformers';
     written back through Llama's table as shards with an index and a config.json (a Phi-3 as
@@ -917,8 +922,8 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     assert section.get("shared_expert_d_ff", 0) == (40 if which == "qwen2-moe" else 0)
     assert section["partial_rotary_factor"] == (0.5 if family == "phi4" else 1.0)
     assert section["qkv_bias"] == (family == "qwen2")
-    assert section["qk_norm"] == (family in ("qwen3", "gemma3", "olmo2", "olmo3"))
-    assert section.get("olmo", 0) == (2 if family in ("olmo2", "olmo3") else 0)
+    assert section["qk_norm"] == (family in ("qwen3", "gemma3", "olmo2", "olmo3", "olmoe"))
+    assert section.get("olmo", 0) == {"olmoe": 1, "olmo2": 2, "olmo3": 2}.get(family, 0)
     assert (family == "qwen3") == (section["head_dim"] == 16)
     assert section["sliding_window"] == {"mistral": 16, "gemma2": 5, "gemma3": 5,
                                          "olmo3": 5}.get(family, 0)
@@ -1406,7 +1411,8 @@ NO_FAMILY = [({"gemma": 2, "n_experts": 4}, "gemma"), ({"gemma": 1, "qkv_bias": 
              ({"sliding_window": 4, "window_pattern": 2}, "window_pattern"),
              ({"attn_softcap": 5.0}, "attn_softcap"),
              ({"gemma": 1, "query_pre_attn_scalar": 3.0}, "query_pre_attn_scalar"),
-             ({"olmo": 2}, "olmo"), ({"olmo": 2, "qk_norm": True, "n_experts": 4}, "olmo")]
+             ({"olmo": 2}, "olmo"), ({"olmo": 2, "qk_norm": True, "n_experts": 4}, "olmo"),
+             ({"olmo": 1, "qk_norm": True}, "olmo")]
 
 
 def test_a_model_no_family_computes_is_refused_before_anything_is_written(tmp_path, capsys):

@@ -42,7 +42,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # heads head_dim wide, 0: d_model / n_heads; max_positions the context it declares, which
     # an export writes back, 0: seq_len; sliding_window Mistral's, 0: none; gemma 1 or 2,
     # Gemma's conventions, with the soft caps, query scalar and window pattern of Gemma 2 and
-    # 3; olmo 2, OLMo 2's norms: GPTConfig).
+    # 3; olmo 1 or 2, OLMo's norms: GPTConfig).
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512,
               "seq_len": 64, "remat": "auto", "arch": "gpt2", "norm_eps": 1e-5,
               "n_kv_heads": 0, "rope_theta": 10000.0, "rope_type": "default",
@@ -363,8 +363,8 @@ def _check_llama(m: dict) -> None:
                               f"{m[key]}): 0 is none")
     if m["gemma"] not in (0, 1, 2):
         raise ConfigError(f"model.gemma must be 0, 1 or 2 (got {m['gemma']})")
-    if m["olmo"] not in (0, 2):
-        raise ConfigError(f"model.olmo must be 0 or 2 (got {m['olmo']})")
+    if m["olmo"] not in (0, 1, 2):
+        raise ConfigError(f"model.olmo must be 0, 1 or 2 (got {m['olmo']})")
     if m["olmo"] and m["gemma"]:
         raise ConfigError("model.olmo and model.gemma place the norms each its own way: set "
                           "one")

@@ -2,8 +2,9 @@
 the head untied or tied to the embedding, biases on q, k and v or an RMSNorm over each head's
 q and k, or neither: Llama, Mistral and Phi-3 with their sliding windows, Qwen2, Qwen3; with
 Gemma's norms, embedding scale and GELU gate, Gemma and Gemma 2 with its output norms and soft
-caps; OLMo 2, its outputs normed in place of its inputs, q and k over all heads at once) with
-Hugging Face's tensor names, its layers under ``nn.scan`` as ``blocks``.
+caps; OLMoE, q and k normed over all heads at once, and OLMo 2 and 3, their outputs normed in
+place of their inputs too) with Hugging Face's tensor names, its layers under ``nn.scan`` as
+``blocks``.
 
 Rotary positions rotate the two halves of each head (Hugging Face's ``rotate_half``), so its
 q and k projections are read as they are stored, with no permutation of their rows. Their
@@ -175,8 +176,8 @@ class LlamaBlock(nn.Module):
         dense = lambda features, name, bias=False, **kw: nn.DenseGeneral(
             features, use_bias=bias, name=name, **kw)
         # Gemma 2's outputs' norms beside the inputs', OLMo 2's in their place
-        after = lambda y, name: norm(c, name)(y) if c.gemma == 2 or c.olmo else y
-        before = lambda y, name: y if c.olmo else norm(c, name)(y)
+        after = lambda y, name: norm(c, name)(y) if c.gemma == 2 or c.olmo == 2 else y
+        before = lambda y, name: y if c.olmo == 2 else norm(c, name)(y)
         h = before(x, "ln1")
         inv, scale = rope_frequencies(c, c.rotary_dim, t), rope_scale(c)
         if sliding is not None and c.rope_local_theta:  # the sliding layers' own base
@@ -185,7 +186,7 @@ class LlamaBlock(nn.Module):
             scale = jnp.where(sliding, 1.0, scale) if scale != 1.0 else scale
         q, k = dense((c.n_heads, dh), "q", c.qkv_bias)(h), dense((c.kv_heads, dh), "k",
                                                                   c.qkv_bias)(h)
-        if c.qk_norm and c.olmo:  # over all heads at once, a scale per column (OLMo 2)
+        if c.qk_norm and c.olmo:  # over all heads at once, a scale per column (OLMo's)
             q, k = (norm(c, n)(y.reshape(b, t, -1)).reshape(y.shape)
                     for y, n in ((q, "q_norm"), (k, "k_norm")))
         elif c.qk_norm:  # over each head's width, the one scale shared by the heads
@@ -272,9 +273,9 @@ def mapping(c: GPTConfig) -> Mapping:
     # pre_feedforward_layernorm; Llama's post_attention_layernorm is the MLP input's; OLMo 2
     # norms the outputs alone
     outputs = {"post_attn": "post_attention", "post_mlp": "post_feedforward"}
-    norms = {"ln2": "pre_feedforward", **outputs} if c.gemma == 2 else outputs if c.olmo \
+    norms = {"ln2": "pre_feedforward", **outputs} if c.gemma == 2 else outputs if c.olmo == 2 \
         else {"ln2": "post_attention"}
-    inputs = [] if c.olmo else [Tensor(h + "input_layernorm.weight", "blocks/ln1/scale")]
+    inputs = [] if c.olmo == 2 else [Tensor(h + "input_layernorm.weight", "blocks/ln1/scale")]
     rows = [Tensor("model.embed_tokens.weight", "wte", pad=(0, c.vocab_size)),
             Tensor("model.norm.weight", "ln_f/scale"), *head, *inputs,
             *(Tensor(f"{h}{theirs}_layernorm.weight", f"blocks/{ours}/scale")

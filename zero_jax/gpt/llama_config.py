@@ -1,8 +1,9 @@
 """The Llama family's config.json, both ways: read into the demo's model section, refusing
 what ``zero_jax.gpt.llama`` does not compute (another activation, biases, rope type, a Qwen's
 sliding window, ...), and written for a model, then read back to prove transformers would
-compute the same model (``hf_config``). Thirteen ``model_type``s: Llama, Mistral, Phi-3,
-Qwen2, Qwen3, Gemma 1-3, OLMo 2 and 3 and the experts of Mixtral, Qwen2-MoE and Qwen3-MoE."""
+compute the same model (``hf_config``). Fourteen ``model_type``s: Llama, Mistral, Phi-3,
+Qwen2, Qwen3, Gemma 1-3, OLMo 2 and 3 and the experts of Mixtral, Qwen2-MoE, Qwen3-MoE and
+OLMoE."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model",
 # windows; Qwen2 with biases on q, k and v (``qkv_bias``), Qwen3 with q and k normed
 # (``qk_norm``); Mistral and Phi-3 with a window or none (``sliding_window``), Phi-3 with
 # its q, k, v and its gate and up projections fused in two tensors, without dropout, rotating
-# whole heads or a share of each (``partial_rotary_factor``, Phi-4-mini's); OLMo 2 and 3
-# without biases or dropout.
+# whole heads or a share of each (``partial_rotary_factor``, Phi-4-mini's); the OLMos
+# without biases or dropout, OLMoE without clipping q, k and v.
 FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
             "mistral": {"hidden_act": "silu"},
             "phi3": {"hidden_act": "silu", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
@@ -45,7 +46,9 @@ FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias":
                           "decoder_sparse_step": 1, "mlp_only_layers": []},
             "qwen3_moe": {"hidden_act": "silu", "attention_bias": False,
                           "use_sliding_window": False, "decoder_sparse_step": 1,
-                          "mlp_only_layers": []}}
+                          "mlp_only_layers": []},
+            "olmoe": {"hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+                      "clip_qkv": None}}
 # Gemma 3's text keys at transformers' defaults: the text_config of its image-text models on
 # the Hub (4B and up) holds only those that differ
 GEMMA3_TEXT = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
@@ -127,8 +130,9 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
             "arch": "llama", "tie_head": tied,
             "qkv_bias": hf["model_type"] in ("qwen2", "qwen2_moe"),
             "qk_norm": hf["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2",
-                                            "olmo3"),
-            **({"olmo": 2} if hf["model_type"].startswith("olmo") else {}),
+                                            "olmo3", "olmoe"),
+            **({"olmo": 1 if hf["model_type"] == "olmoe" else 2}
+               if hf["model_type"].startswith("olmo") else {}),
             "head_dim": 0 if head_dim * model["n_heads"] == model["d_model"] else head_dim,
             "partial_rotary_factor": partial, **_rope(path, hf, int(head_dim * partial))}
 
@@ -185,15 +189,15 @@ def _olmo3(path: pathlib.Path, hf: dict, n_layers: int, window: int | None) -> d
 
 
 def _moe(path: pathlib.Path, hf: dict) -> dict:
-    """A Mixtral's or Qwen3-MoE's experts: how many, how many a token takes, their width
-    (Qwen3-MoE's ``moe_intermediate_size``), whether the chosen ones' weights renormalize, the
+    """A Mixtral's, Qwen-MoE's or OLMoE's experts: how many, how many a token takes, their
+    width (the Qwens' ``moe_intermediate_size``), whether the chosen ones' weights renormalize, the
     weight of their load-balancing loss where transformers adds it (``output_router_logits``;
     0.001 by default)."""
     mixtral = hf["model_type"] == "mixtral"
     got = {"num_local_experts": hf.get("num_local_experts", hf.get("num_experts")),
            "num_experts_per_tok": hf.get("num_experts_per_tok"),
-           "moe_intermediate_size": hf["intermediate_size"] if mixtral
-           else hf.get("moe_intermediate_size")}
+           "moe_intermediate_size": hf["intermediate_size"] if hf["model_type"] in (
+               "mixtral", "olmoe") else hf.get("moe_intermediate_size")}
     for key, value in got.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise WeightsError(f"{path} has {key} {value!r}, not a positive whole number: pass "
@@ -346,7 +350,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                 "olmo3": "Olmo3ForCausalLM"}
+                 "olmo3": "Olmo3ForCausalLM", "olmoe": "OlmoeForCausalLM"}
 
 
 def family_of(c: GPTConfig) -> str:
@@ -354,14 +358,14 @@ def family_of(c: GPTConfig) -> str:
     normed) or Mixtral's; Gemma's three; Phi-3's where heads rotate in part (only its class
     computes that; its tensors then ``phi3_mapping``'s); Qwen2's with ``qkv_bias``, Qwen3's with
     ``qk_norm``, Mistral's with ``sliding_window``, else Llama's (a Mistral without its window
-    computes as one); OLMo 2's with its norms (``olmo``), q and k normed, OLMo 3's with a
-    window too."""
+    computes as one); the OLMos' with their norms (``olmo``), q and k normed: OLMoE's
+    (``olmo`` 1) with experts, OLMo 3's (2) with a window, else OLMo 2's."""
     if c.olmo:
-        if c.n_experts or not c.qk_norm:
-            raise WeightsError("model.olmo with experts or without qk_norm is no Hugging Face "
-                               "family's (OLMo 2 norms its q and k; OLMoE's norms are not "
-                               "these): not written")
-        return "olmo3" if c.sliding_window else "olmo2"
+        if not c.qk_norm or bool(c.n_experts) != (c.olmo == 1):
+            raise WeightsError("model.olmo without qk_norm, 1 without experts or 2 with them "
+                               "is no Hugging Face family's (OLMoE, OLMo 2 and 3 norm q and "
+                               "k, OLMoE its inputs, with experts): not written")
+        return "olmoe" if c.n_experts else "olmo3" if c.sliding_window else "olmo2"
     if c.n_experts:
         if not (c.qk_norm or c.qkv_bias or c.moe_norm_topk):
             raise WeightsError("model.moe_norm_topk false without qk_norm or qkv_bias is no "
@@ -486,8 +490,9 @@ def _family_keys(c: GPTConfig, family: str) -> dict:
         if c.router_aux_loss_coef:  # else transformers' default, for a run that turns it on
             out["router_aux_loss_coef"] = c.router_aux_loss_coef
         if family != "mixtral":
-            out.update(moe_intermediate_size=c.expert_d_ff or c.d_ff,
-                       norm_topk_prob=c.moe_norm_topk)
+            out.update(norm_topk_prob=c.moe_norm_topk)
+        if family not in ("mixtral", "olmoe"):  # their experts intermediate_size wide
+            out.update(moe_intermediate_size=c.expert_d_ff or c.d_ff)
         if family == "qwen2_moe":
             out.update(shared_expert_intermediate_size=c.shared_expert_d_ff)
     if family == "phi3":  # its original context beside the rope keys, where Phi3Config reads it

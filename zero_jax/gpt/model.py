@@ -73,8 +73,9 @@ class GPTConfig:
     # sqrt(d_model), a tanh-GELU gate; 2: Gemma 2's and 3's norms of the attention's and the
     # MLP's outputs too); 0: none
     gemma: int = 0
-    # llama: OLMo 2's conventions (2: RMSNorms of the attention's and the MLP's outputs in
-    # place of their inputs'; with qk_norm, q and k normed over all heads at once); 0: none
+    # llama: OLMo's conventions (1: with qk_norm, q and k normed over all heads at once, as
+    # OLMoE; 2: also RMSNorms of the attention's and the MLP's outputs in place of their
+    # inputs', as OLMo 2 and 3); 0: none
     olmo: int = 0
     # llama: sliding_window on every layer but each window_pattern-th (Gemma 2: 2, Gemma 3:
     # 6), those rotating at base rope_local_theta where it is set; 0: every layer alike
@@ -146,7 +147,7 @@ class GPTConfig:
         if self.arch == "llama":  # no position table
             q, kv = self.n_heads * self.dh, self.kv_heads * self.dh
             head = 0 if self.tie_head else V * d
-            normed = q + kv if self.olmo else 2 * self.dh  # OLMo 2's over all heads
+            normed = q + kv if self.olmo else 2 * self.dh  # OLMo's over all heads
             extra = (q + 2 * kv if self.qkv_bias else 0) + (normed if self.qk_norm else 0)
             extra += 2 * d if self.gemma == 2 else 0  # the outputs' norms
             if self.n_experts:  # the router and the experts for the dense MLP
