@@ -637,6 +637,10 @@ FAMILIES = {  # name: (class, config, torch seed)
     # their weights as they are
     "olmoe": (transformers.OlmoeForCausalLM, transformers.OlmoeConfig(
         **SMALL_LLAMA, num_experts=4, num_experts_per_tok=2), 18),
+    # SmolLM3: Llama's layers, every 4th of 4 without rotary positions (NoPE), the head tied
+    "smollm3": (transformers.SmolLM3ForCausalLM, transformers.SmolLM3Config(
+        **{**SMALL_LLAMA, "num_hidden_layers": 4}, pad_token_id=0, bos_token_id=None,
+        eos_token_id=None), 19),
     # as Qwen3's model card extends its context: yarn, 4 times an original 4 tokens
     "qwen3-yarn": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         **SMALL_LLAMA, head_dim=16, tie_word_embeddings=True, rope_parameters={
@@ -895,7 +899,8 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     Phi-3 (q, k, v fused in one tensor, gate and up in another), one as Phi-3.5 mini (longrope,
     its long factors past the original context, its short ones within), a Qwen3 with yarn, an
     OLMo 2 (outputs normed, not inputs; q and k over all heads), an OLMoE (inputs normed, q
-    and k over all heads, experts), an OLMo 3 (3 of 4 layers
+    and k over all heads, experts), a SmolLM3 (every 4th layer without rotary positions), an
+    OLMo 3 (3 of 4 layers
     sliding, the full one's rope yarn-scaled, its config.json in both forms): logits within
     1e-5 of transformers';
     written back through Llama's table as shards with an index and a config.json (a Phi-3 as
@@ -914,7 +919,8 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     section = llama_config.read_config(llama_dir)
     family = which.split("-")[0]
     assert section["tie_head"] == (family in ("llama3", "qwen2", "qwen3", "phi4", "gemma",
-                                              "gemma2", "gemma3"))
+                                              "gemma2", "gemma3", "smollm3"))
+    assert section.get("nope_every", 0) == (4 if family == "smollm3" else 0)
     assert section.get("gemma", 0) == {"gemma": 1, "gemma2": 2, "gemma3": 2}.get(family, 0)
     assert section.get("window_pattern", 0) == {"gemma2": 2, "gemma3": 3, "olmo3": 4}.get(
         family, 0)
@@ -959,6 +965,9 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
                       *([{"rope_local_theta": 0.0}] if family in ("gemma3", "olmo3") else [])):
             other = logits_of(llama.Llama(dataclasses.replace(cfg, **plain)), params)
             assert rel(other, theirs) > 1e-3, plain
+    if counts and family == "smollm3":  # its layers without positions count
+        roped = logits_of(llama.Llama(dataclasses.replace(cfg, nope_every=0)), params)
+        assert rel(roped, theirs) > 1e-3
     if counts and section.get("n_experts"):  # the routing counts: one expert a token differs
         one = logits_of(llama.Llama(dataclasses.replace(cfg, experts_per_token=1)), params)
         assert rel(one, theirs) > 1e-3

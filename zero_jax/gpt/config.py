@@ -42,7 +42,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # heads head_dim wide, 0: d_model / n_heads; max_positions the context it declares, which
     # an export writes back, 0: seq_len; sliding_window Mistral's, 0: none; gemma 1 or 2,
     # Gemma's conventions, with the soft caps, query scalar and window pattern of Gemma 2 and
-    # 3; olmo 1 or 2, OLMo's norms: GPTConfig).
+    # 3; olmo 1 or 2, OLMo's norms; nope_every, SmolLM3's layers without rotary positions:
+    # GPTConfig).
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512,
               "seq_len": 64, "remat": "auto", "arch": "gpt2", "norm_eps": 1e-5,
               "n_kv_heads": 0, "rope_theta": 10000.0, "rope_type": "default",
@@ -51,7 +52,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
               "rope_long_factor": [], "rope_attention_factor": 0.0,
               "partial_rotary_factor": 1.0, "tie_head": False,
               "qkv_bias": False, "qk_norm": False, "head_dim": 0, "max_positions": 0,
-              "sliding_window": 0, "gemma": 0, "olmo": 0, "window_pattern": 0,
+              "sliding_window": 0, "gemma": 0, "olmo": 0, "window_pattern": 0, "nope_every": 0,
               "rope_local_theta": 0.0,
               "n_experts": 0, "experts_per_token": 2, "expert_d_ff": 0, "moe_norm_topk": True,
               "shared_expert_d_ff": 0, "router_aux_loss_coef": 0.0,
@@ -356,6 +357,7 @@ def _check_llama(m: dict) -> None:
         if m[key] < 0:
             raise ConfigError(f"model.{key} must be at least 0 (got {m[key]}): 0 is {zero}")
     for key in ("attn_softcap", "logit_softcap", "query_pre_attn_scalar", "window_pattern",
+                "nope_every",
                 "rope_local_theta", "n_experts", "expert_d_ff", "shared_expert_d_ff",
                 "router_aux_loss_coef", "router_z_loss_coef", "expert_capacity_factor"):
         if not 0 <= m[key] < math.inf:
@@ -372,10 +374,11 @@ def _check_llama(m: dict) -> None:
                                  or m["max_positions"] or m["sliding_window"] or m["gemma"]
                                  or m["olmo"] or m["attn_softcap"] or m["logit_softcap"]
                                  or m["query_pre_attn_scalar"] or m["window_pattern"]
-                                 or m["rope_local_theta"] or m["n_experts"]):
+                                 or m["rope_local_theta"] or m["n_experts"] or m["nope_every"]):
         raise ConfigError("model.head_dim, model.qkv_bias, model.qk_norm, model.max_positions, "
-                          "model.sliding_window, Gemma's and OLMo's keys and model.n_experts "
-                          "are the llama arch's: set model.arch=llama, or leave them out")
+                          "model.sliding_window, Gemma's, OLMo's and SmolLM3's keys and "
+                          "model.n_experts are the llama arch's: set model.arch=llama, or leave "
+                          "them out")
     if (m["shared_expert_d_ff"] or m["router_aux_loss_coef"] or m["router_z_loss_coef"]
             or m["expert_capacity_factor"]) and not m["n_experts"]:
         raise ConfigError("model.shared_expert_d_ff, model.router_aux_loss_coef, "

@@ -41,7 +41,7 @@ from zero_jax.step import make_eval_step, make_train_step
 BEFORE_KEYS = {"norm_eps": 1e-6, "vocab_multiple": 1}
 # Model keys that change what is computed, not what is stored: any value resumes a checkpoint.
 STATELESS_KEYS = ("remat", "attention", "max_positions", "sliding_window", "window_pattern",
-                  "rope_local_theta", "scan_unroll", "router_aux_loss_coef",
+                  "nope_every", "rope_local_theta", "scan_unroll", "router_aux_loss_coef",
                   "router_aux_loss_global", "router_z_loss_coef", "expert_capacity_factor")
 
 

@@ -167,9 +167,11 @@ class LlamaBlock(nn.Module):
     cfg: GPTConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, sliding: jax.Array | None) -> tuple[jax.Array, None]:
+    def __call__(self, x: jax.Array, sliding: jax.Array | None,
+                 rotary: jax.Array | None) -> tuple[jax.Array, None]:
         """``sliding``: whether this layer's attention slides (``window_pattern``'s layers; None:
-        every layer alike)."""
+        every layer alike); ``rotary``: whether its q and k rotate (``nope_every``'s layers do
+        not; None: every layer's do)."""
         c = self.cfg
         b, t, d = x.shape
         dh = c.dh
@@ -191,7 +193,10 @@ class LlamaBlock(nn.Module):
                     for y, n in ((q, "q_norm"), (k, "k_norm")))
         elif c.qk_norm:  # over each head's width, the one scale shared by the heads
             q, k = norm(c, "q_norm")(q), norm(c, "k_norm")(k)
-        q, k = rope(q, inv, scale), rope(k, inv, scale)
+        if rotary is None:
+            q, k = rope(q, inv, scale), rope(k, inv, scale)
+        else:
+            q, k = (jnp.where(rotary, rope(y, inv, scale), y) for y in (q, k))
         v = dense((c.kv_heads, dh), "v", c.qkv_bias)(h)
         # query head i reads kv head i // rep
         attend = lambda window: attention.causal(  # noqa: E731
@@ -250,7 +255,9 @@ class Llama(nn.Module):
         sliding = None  # the layers whose window slides, where not all
         if c.window_pattern and c.sliding_window:
             sliding = (jnp.arange(c.n_layers) + 1) % c.window_pattern != 0
-        x, stats = stack(c, name="blocks")(x, sliding)
+        # the layers whose q and k rotate, where not all (SmolLM3's NoPE layers do not)
+        rotary = (jnp.arange(c.n_layers) + 1) % c.nope_every != 0 if c.nope_every else None
+        x, stats = stack(c, name="blocks")(x, sliding, rotary)
         if stats is not None:  # for a loss that applies with mutable=["losses"] (lm_loss)
             balance, z = stats
             if c.router_aux_loss_coef:

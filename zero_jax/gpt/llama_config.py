@@ -1,9 +1,9 @@
 """The Llama family's config.json, both ways: read into the demo's model section, refusing
 what ``zero_jax.gpt.llama`` does not compute (another activation, biases, rope type, a Qwen's
 sliding window, ...), and written for a model, then read back to prove transformers would
-compute the same model (``hf_config``). Fourteen ``model_type``s: Llama, Mistral, Phi-3,
-Qwen2, Qwen3, Gemma 1-3, OLMo 2 and 3 and the experts of Mixtral, Qwen2-MoE, Qwen3-MoE and
-OLMoE."""
+compute the same model (``hf_config``). Fifteen ``model_type``s: Llama, Mistral, Phi-3,
+Qwen2, Qwen3, Gemma 1-3, OLMo 2 and 3, SmolLM3 and the experts of Mixtral, Qwen2-MoE,
+Qwen3-MoE and OLMoE."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model",
 # (``qk_norm``); Mistral and Phi-3 with a window or none (``sliding_window``), Phi-3 with
 # its q, k, v and its gate and up projections fused in two tensors, without dropout, rotating
 # whole heads or a share of each (``partial_rotary_factor``, Phi-4-mini's); the OLMos
-# without biases or dropout, OLMoE without clipping q, k and v.
+# without biases or dropout, OLMoE without clipping q, k and v; SmolLM3 without biases or
+# a sliding window.
 FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
             "mistral": {"hidden_act": "silu"},
             "phi3": {"hidden_act": "silu", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
@@ -47,6 +48,8 @@ FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias":
             "qwen3_moe": {"hidden_act": "silu", "attention_bias": False,
                           "use_sliding_window": False, "decoder_sparse_step": 1,
                           "mlp_only_layers": []},
+            "smollm3": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+                        "use_sliding_window": False},
             "olmoe": {"hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
                       "clip_qkv": None}}
 # Gemma 3's text keys at transformers' defaults: the text_config of its image-text models on
@@ -124,8 +127,10 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
     gemma = _gemma(path, hf, model["n_layers"], window) \
         if hf["model_type"].startswith("gemma") else {}
     experts = _moe(path, hf) if hf["model_type"] in moe.NAMES else {}
-    olmo = _olmo3(path, hf, model["n_layers"], window) if hf["model_type"] == "olmo3" else {}
-    return {**model, "seq_len": min(model["seq_len"], WINDOW), **gemma, **experts, **olmo,
+    kind, n = hf["model_type"], model["n_layers"]  # the layers that differ, as OLMo 3's, SmolLM3's
+    layers = _olmo3(path, hf, n, window) if kind == "olmo3" else _nope(path, hf, n) \
+        if kind == "smollm3" else {}
+    return {**model, "seq_len": min(model["seq_len"], WINDOW), **gemma, **experts, **layers,
             "max_positions": model["seq_len"], "sliding_window": window or 0,
             "arch": "llama", "tie_head": tied,
             "qkv_bias": hf["model_type"] in ("qwen2", "qwen2_moe"),
@@ -186,6 +191,22 @@ def _olmo3(path: pathlib.Path, hf: dict, n_layers: int, window: int | None) -> d
                            "window: pass a model whose config.json has one")
     return {"window_pattern": _pattern(path, hf, n_layers, 4),
             "rope_local_theta": hf["rope_local_base_freq"]}
+
+
+def _nope(path: pathlib.Path, hf: dict, n_layers: int) -> dict:
+    """SmolLM3's layers without rotary positions: every N-th (``no_rope_layers``, 0 where a layer
+    has none, else every ``no_rope_layer_interval``-th, 4 by default); layers otherwise are
+    refused."""
+    layers, every = hf.get("no_rope_layers"), hf.get("no_rope_layer_interval", 4)
+    if isinstance(layers, list):
+        every = layers.index(0) + 1 if 0 in layers else 0
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0 or (
+            layers is not None and layers != [int(not every or (i + 1) % every != 0)
+                                              for i in range(n_layers)]):
+        raise WeightsError(f"{path} has no_rope_layers {str(layers)[:60]}; this demo takes "
+                           "rotary positions off every N-th layer: pass a model whose layers "
+                           "are so")
+    return {"nope_every": every}
 
 
 def _moe(path: pathlib.Path, hf: dict) -> dict:
@@ -350,7 +371,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                 "olmo3": "Olmo3ForCausalLM", "olmoe": "OlmoeForCausalLM"}
+                 "olmo3": "Olmo3ForCausalLM", "olmoe": "OlmoeForCausalLM",
+                 "smollm3": "SmolLM3ForCausalLM"}
 
 
 def family_of(c: GPTConfig) -> str:
@@ -359,7 +381,8 @@ def family_of(c: GPTConfig) -> str:
     computes that; its tensors then ``phi3_mapping``'s); Qwen2's with ``qkv_bias``, Qwen3's with
     ``qk_norm``, Mistral's with ``sliding_window``, else Llama's (a Mistral without its window
     computes as one); the OLMos' with their norms (``olmo``), q and k normed: OLMoE's
-    (``olmo`` 1) with experts, OLMo 3's (2) with a window, else OLMo 2's."""
+    (``olmo`` 1) with experts, OLMo 3's (2) with a window, else OLMo 2's; SmolLM3's with
+    layers without rotary positions (``nope_every``)."""
     if c.olmo:
         if not c.qk_norm or bool(c.n_experts) != (c.olmo == 1):
             raise WeightsError("model.olmo without qk_norm, 1 without experts or 2 with them "
@@ -377,6 +400,8 @@ def family_of(c: GPTConfig) -> str:
         return "qwen2_moe" if c.qkv_bias else "qwen3_moe" if c.qk_norm else "mixtral"
     if c.gemma:
         return "gemma" if c.gemma == 1 else "gemma3_text" if c.qk_norm else "gemma2"
+    if c.nope_every:
+        return "smollm3"
     return ("phi3" if c.rotary_dim < c.dh else "qwen2" if c.qkv_bias else "qwen3"
             if c.qk_norm else "mistral" if c.sliding_window else "llama")
 
@@ -446,6 +471,7 @@ def _computes(c: GPTConfig) -> dict:
             "n_kv_heads": c.kv_heads, "rope_theta": c.rope_theta, "head_dim": c.dh,
             "partial_rotary_factor": c.rotary_dim / c.dh, "tie_head": c.tie_head,
             "qkv_bias": c.qkv_bias, "qk_norm": c.qk_norm, "gemma": c.gemma, "olmo": c.olmo,
+            "nope_every": c.nope_every if c.nope_every <= c.n_layers else 0,
             "attn_softcap": c.attn_softcap, "logit_softcap": c.logit_softcap,
             "sliding_window": c.sliding_window if sliding else 0,
             "window_pattern": pattern,
@@ -495,6 +521,9 @@ def _family_keys(c: GPTConfig, family: str) -> dict:
             out.update(moe_intermediate_size=c.expert_d_ff or c.d_ff)
         if family == "qwen2_moe":
             out.update(shared_expert_intermediate_size=c.shared_expert_d_ff)
+    if family == "smollm3":
+        out.update(no_rope_layer_interval=c.nope_every, pad_token_id=None, no_rope_layers=[
+            int((i + 1) % c.nope_every != 0) for i in range(c.n_layers)])
     if family == "phi3":  # its original context beside the rope keys, where Phi3Config reads it
         out.update(partial_rotary_factor=c.partial_rotary_factor, pad_token_id=None,
                    original_max_position_embeddings=c.rope_original_max_positions
