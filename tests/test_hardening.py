@@ -312,8 +312,10 @@ ROWS = [
      "model.attention=cudnn cannot run here: it runs on CUDA GPUs only (these devices are cpu)"),
     ("head_dim of gpt2", [*T, "--set", "model.head_dim=16"], None,
      "model.head_dim, model.qkv_bias, model.qk_norm, model.max_positions, "
-     "model.sliding_window, Gemma's, OLMo's and SmolLM3's keys and model.n_experts are the "
-     "llama arch's"),
+     "model.sliding_window, Gemma's, OLMo's, SmolLM3's and Granite's keys and model.n_experts "
+     "are the llama arch's"),
+    ("logits scaled by 0", [*T, "--config", "llama", "--set", "model.logits_scaling=0"], None,
+     "model.logits_scaling must be a finite number above 0 (got 0.0): 1 is none"),
     ("nope of gpt2", [*T, "--set", "model.nope_every=4"], None,
      "model.n_experts are the llama arch's: set model.arch=llama"),
     ("window pattern, no window", [*T, "--config", "llama", "--set", "model.window_pattern=2"],

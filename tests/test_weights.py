@@ -641,6 +641,11 @@ FAMILIES = {  # name: (class, config, torch seed)
     "smollm3": (transformers.SmolLM3ForCausalLM, transformers.SmolLM3Config(
         **{**SMALL_LLAMA, "num_hidden_layers": 4}, pad_token_id=0, bos_token_id=None,
         eos_token_id=None), 19),
+    # Granite: Llama's layers with its multipliers (the scores' 1/16: 1 / head_dim, as Granite
+    # 3's are)
+    "granite": (transformers.GraniteForCausalLM, transformers.GraniteConfig(
+        **SMALL_LLAMA, embedding_multiplier=6.0, residual_multiplier=0.25,
+        attention_multiplier=0.0625, logits_scaling=4.0), 20),
     # as Qwen3's model card extends its context: yarn, 4 times an original 4 tokens
     "qwen3-yarn": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         **SMALL_LLAMA, head_dim=16, tie_word_embeddings=True, rope_parameters={
@@ -899,7 +904,8 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     Phi-3 (q, k, v fused in one tensor, gate and up in another), one as Phi-3.5 mini (longrope,
     its long factors past the original context, its short ones within), a Qwen3 with yarn, an
     OLMo 2 (outputs normed, not inputs; q and k over all heads), an OLMoE (inputs normed, q
-    and k over all heads, experts), a SmolLM3 (every 4th layer without rotary positions), an
+    and k over all heads, experts), a SmolLM3 (every 4th layer without rotary positions), a
+    Granite (its four multipliers), an
     OLMo 3 (3 of 4 layers
     sliding, the full one's rope yarn-scaled, its config.json in both forms): logits within
     1e-5 of transformers';
@@ -965,6 +971,11 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
                       *([{"rope_local_theta": 0.0}] if family in ("gemma3", "olmo3") else [])):
             other = logits_of(llama.Llama(dataclasses.replace(cfg, **plain)), params)
             assert rel(other, theirs) > 1e-3, plain
+    if counts and family == "granite":  # each multiplier counts
+        for one in ({"embedding_multiplier": 1.0}, {"residual_multiplier": 1.0},
+                    {"logits_scaling": 1.0}, {"query_pre_attn_scalar": 0.0}):
+            other = logits_of(llama.Llama(dataclasses.replace(cfg, **one)), params)
+            assert rel(other, theirs) > 1e-3, one
     if counts and family == "smollm3":  # its layers without positions count
         roped = logits_of(llama.Llama(dataclasses.replace(cfg, nope_every=0)), params)
         assert rel(roped, theirs) > 1e-3

@@ -42,8 +42,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # heads head_dim wide, 0: d_model / n_heads; max_positions the context it declares, which
     # an export writes back, 0: seq_len; sliding_window Mistral's, 0: none; gemma 1 or 2,
     # Gemma's conventions, with the soft caps, query scalar and window pattern of Gemma 2 and
-    # 3; olmo 1 or 2, OLMo's norms; nope_every, SmolLM3's layers without rotary positions:
-    # GPTConfig).
+    # 3; olmo 1 or 2, OLMo's norms; nope_every, SmolLM3's layers without rotary positions;
+    # Granite's multipliers: GPTConfig).
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512,
               "seq_len": 64, "remat": "auto", "arch": "gpt2", "norm_eps": 1e-5,
               "n_kv_heads": 0, "rope_theta": 10000.0, "rope_type": "default",
@@ -57,7 +57,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
               "n_experts": 0, "experts_per_token": 2, "expert_d_ff": 0, "moe_norm_topk": True,
               "shared_expert_d_ff": 0, "router_aux_loss_coef": 0.0,
               "router_aux_loss_global": False, "router_z_loss_coef": 0.0,
-              "expert_capacity_factor": 0.0,
+              "expert_capacity_factor": 0.0, "embedding_multiplier": 1.0,
+              "residual_multiplier": 1.0, "logits_scaling": 1.0,
               "attn_softcap": 0.0, "logit_softcap": 0.0,
               "query_pre_attn_scalar": 0.0, "attention": "auto", "vocab_multiple": 128,
               "scan_unroll": 1},
@@ -363,6 +364,10 @@ def _check_llama(m: dict) -> None:
         if not 0 <= m[key] < math.inf:
             raise ConfigError(f"model.{key} must be a finite number of at least 0 (got "
                               f"{m[key]}): 0 is none")
+    for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+        if not 0 < m[key] < math.inf:
+            raise ConfigError(f"model.{key} must be a finite number above 0 (got {m[key]}): "
+                              "1 is none")
     if m["gemma"] not in (0, 1, 2):
         raise ConfigError(f"model.gemma must be 0, 1 or 2 (got {m['gemma']})")
     if m["olmo"] not in (0, 1, 2):
@@ -374,11 +379,13 @@ def _check_llama(m: dict) -> None:
                                  or m["max_positions"] or m["sliding_window"] or m["gemma"]
                                  or m["olmo"] or m["attn_softcap"] or m["logit_softcap"]
                                  or m["query_pre_attn_scalar"] or m["window_pattern"]
-                                 or m["rope_local_theta"] or m["n_experts"] or m["nope_every"]):
+                                 or m["rope_local_theta"] or m["n_experts"] or m["nope_every"]
+                                 or (m["embedding_multiplier"], m["residual_multiplier"],
+                                     m["logits_scaling"]) != (1, 1, 1)):
         raise ConfigError("model.head_dim, model.qkv_bias, model.qk_norm, model.max_positions, "
-                          "model.sliding_window, Gemma's, OLMo's and SmolLM3's keys and "
-                          "model.n_experts are the llama arch's: set model.arch=llama, or leave "
-                          "them out")
+                          "model.sliding_window, Gemma's, OLMo's, SmolLM3's and Granite's keys "
+                          "and model.n_experts are the llama arch's: set model.arch=llama, or "
+                          "leave them out")
     if (m["shared_expert_d_ff"] or m["router_aux_loss_coef"] or m["router_z_loss_coef"]
             or m["expert_capacity_factor"]) and not m["n_experts"]:
         raise ConfigError("model.shared_expert_d_ff, model.router_aux_loss_coef, "

@@ -204,16 +204,17 @@ class LlamaBlock(nn.Module):
             c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar else None, c.attn_softcap)
         att = attend(c.sliding_window) if sliding is None else jax.lax.cond(
             sliding, lambda: attend(c.sliding_window), lambda: attend(0))
-        x = x + after(dense(d, "o", axis=(-2, -1))(att), "post_attn")
+        residual = lambda y: y if c.residual_multiplier == 1 else c.residual_multiplier * y
+        x = x + residual(after(dense(d, "o", axis=(-2, -1))(att), "post_attn"))
         h = before(x, "ln2")
         if c.n_experts:  # the routing's statistics out as the layer loop's, where they count
             y, stats = MoE(c.n_experts, c.experts_per_token, c.expert_d_ff or c.d_ff,
                            c.moe_norm_topk, swiglu, c.shared_expert_d_ff,
                            c.expert_capacity_factor, name="moe")(h)
-            return x + after(y, "post_mlp"), stats if c.router_losses else None
+            return x + residual(after(y, "post_mlp")), stats if c.router_losses else None
         gate, up = dense(c.d_ff, "gate")(h), dense(c.d_ff, "up")(h)
         mid = nn.gelu(gate, approximate=True) * up if c.gemma else swiglu(gate, up)
-        return x + after(dense(d, "down")(mid), "post_mlp"), None
+        return x + residual(after(dense(d, "down")(mid), "post_mlp")), None
 
 
 class Head(nn.Module):
@@ -252,6 +253,8 @@ class Llama(nn.Module):
         x = take_rows(wte, tokens)
         if c.gemma:  # in the compute dtype, as transformers rounds the factor
             x = x * jnp.asarray(math.sqrt(c.d_model), x.dtype)
+        if c.embedding_multiplier != 1:  # Granite's
+            x = x * c.embedding_multiplier
         sliding = None  # the layers whose window slides, where not all
         if c.window_pattern and c.sliding_window:
             sliding = (jnp.arange(c.n_layers) + 1) % c.window_pattern != 0
@@ -266,6 +269,8 @@ class Llama(nn.Module):
             if c.router_z_loss_coef:  # over every layer's tokens, as transformers' Switch
                 self.sow("losses", "router_z_loss", z.sum() / (c.n_layers * tokens.size))
         x = norm(c, "ln_f")(x)
+        if c.logits_scaling != 1:  # Granite's: the logits divided, through the head's matmul
+            x = x / c.logits_scaling
         return x, wte.T if c.tie_head else Head(c.padded_vocab, name="head")(c.d_model)
 
 

@@ -1,9 +1,9 @@
 """The Llama family's config.json, both ways: read into the demo's model section, refusing
 what ``zero_jax.gpt.llama`` does not compute (another activation, biases, rope type, a Qwen's
 sliding window, ...), and written for a model, then read back to prove transformers would
-compute the same model (``hf_config``). Fifteen ``model_type``s: Llama, Mistral, Phi-3,
-Qwen2, Qwen3, Gemma 1-3, OLMo 2 and 3, SmolLM3 and the experts of Mixtral, Qwen2-MoE,
-Qwen3-MoE and OLMoE."""
+compute the same model (``hf_config``). Sixteen ``model_type``s: Llama, Mistral, Phi-3,
+Qwen2, Qwen3, Gemma 1-3, OLMo 2 and 3, SmolLM3, Granite and the experts of Mixtral,
+Qwen2-MoE, Qwen3-MoE and OLMoE."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model",
 # its q, k, v and its gate and up projections fused in two tensors, without dropout, rotating
 # whole heads or a share of each (``partial_rotary_factor``, Phi-4-mini's); the OLMos
 # without biases or dropout, OLMoE without clipping q, k and v; SmolLM3 without biases or
-# a sliding window.
+# a sliding window; Granite without biases or dropout.
 FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
             "mistral": {"hidden_act": "silu"},
             "phi3": {"hidden_act": "silu", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
@@ -48,6 +48,8 @@ FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias":
             "qwen3_moe": {"hidden_act": "silu", "attention_bias": False,
                           "use_sliding_window": False, "decoder_sparse_step": 1,
                           "mlp_only_layers": []},
+            "granite": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+                        "attention_dropout": 0.0},
             "smollm3": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
                         "use_sliding_window": False},
             "olmoe": {"hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
@@ -130,6 +132,7 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
     kind, n = hf["model_type"], model["n_layers"]  # the layers that differ, as OLMo 3's, SmolLM3's
     layers = _olmo3(path, hf, n, window) if kind == "olmo3" else _nope(path, hf, n) \
         if kind == "smollm3" else {}
+    layers |= _granite(path, hf) if kind == "granite" else {}
     return {**model, "seq_len": min(model["seq_len"], WINDOW), **gemma, **experts, **layers,
             "max_positions": model["seq_len"], "sliding_window": window or 0,
             "arch": "llama", "tie_head": tied,
@@ -191,6 +194,20 @@ def _olmo3(path: pathlib.Path, hf: dict, n_layers: int, window: int | None) -> d
                            "window: pass a model whose config.json has one")
     return {"window_pattern": _pattern(path, hf, n_layers, 4),
             "rope_local_theta": hf["rope_local_base_freq"]}
+
+
+def _granite(path: pathlib.Path, hf: dict) -> dict:
+    """Granite's multipliers, 1 where its file has none; its attention's as the scores' scalar
+    (``query_pre_attn_scalar``, whose -1/2 power scales the scores)."""
+    got = {k: hf.get(k, 1.0) for k in ("embedding_multiplier", "residual_multiplier",
+                                       "logits_scaling", "attention_multiplier")}
+    for key, value in got.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not \
+                0 < value < float("inf"):
+            raise WeightsError(f"{path} has {key} {value!r}, not a positive number: pass a "
+                               "model whose config.json has one")
+    scalar = 1.0 / got.pop("attention_multiplier") ** 2
+    return {**{k: float(v) for k, v in got.items()}, "query_pre_attn_scalar": scalar}
 
 
 def _nope(path: pathlib.Path, hf: dict, n_layers: int) -> dict:
@@ -372,7 +389,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmo2": "Olmo2ForCausalLM",
                  "olmo3": "Olmo3ForCausalLM", "olmoe": "OlmoeForCausalLM",
-                 "smollm3": "SmolLM3ForCausalLM"}
+                 "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM"}
 
 
 def family_of(c: GPTConfig) -> str:
@@ -382,7 +399,7 @@ def family_of(c: GPTConfig) -> str:
     ``qk_norm``, Mistral's with ``sliding_window``, else Llama's (a Mistral without its window
     computes as one); the OLMos' with their norms (``olmo``), q and k normed: OLMoE's
     (``olmo`` 1) with experts, OLMo 3's (2) with a window, else OLMo 2's; SmolLM3's with
-    layers without rotary positions (``nope_every``)."""
+    layers without rotary positions (``nope_every``); Granite's with its multipliers."""
     if c.olmo:
         if not c.qk_norm or bool(c.n_experts) != (c.olmo == 1):
             raise WeightsError("model.olmo without qk_norm, 1 without experts or 2 with them "
@@ -402,6 +419,9 @@ def family_of(c: GPTConfig) -> str:
         return "gemma" if c.gemma == 1 else "gemma3_text" if c.qk_norm else "gemma2"
     if c.nope_every:
         return "smollm3"
+    if c.query_pre_attn_scalar or (c.embedding_multiplier, c.residual_multiplier,
+                                   c.logits_scaling) != (1, 1, 1):
+        return "granite"
     return ("phi3" if c.rotary_dim < c.dh else "qwen2" if c.qkv_bias else "qwen3"
             if c.qk_norm else "mistral" if c.sliding_window else "llama")
 
@@ -472,6 +492,8 @@ def _computes(c: GPTConfig) -> dict:
             "partial_rotary_factor": c.rotary_dim / c.dh, "tie_head": c.tie_head,
             "qkv_bias": c.qkv_bias, "qk_norm": c.qk_norm, "gemma": c.gemma, "olmo": c.olmo,
             "nope_every": c.nope_every if c.nope_every <= c.n_layers else 0,
+            "embedding_multiplier": c.embedding_multiplier,
+            "residual_multiplier": c.residual_multiplier, "logits_scaling": c.logits_scaling,
             "attn_softcap": c.attn_softcap, "logit_softcap": c.logit_softcap,
             "sliding_window": c.sliding_window if sliding else 0,
             "window_pattern": pattern,
@@ -521,6 +543,10 @@ def _family_keys(c: GPTConfig, family: str) -> dict:
             out.update(moe_intermediate_size=c.expert_d_ff or c.d_ff)
         if family == "qwen2_moe":
             out.update(shared_expert_intermediate_size=c.shared_expert_d_ff)
+    if family == "granite":
+        out.update(embedding_multiplier=c.embedding_multiplier,
+                   residual_multiplier=c.residual_multiplier, logits_scaling=c.logits_scaling,
+                   attention_multiplier=(c.query_pre_attn_scalar or c.dh) ** -0.5)
     if family == "smollm3":
         out.update(no_rope_layer_interval=c.nope_every, pad_token_id=None, no_rope_layers=[
             int((i + 1) % c.nope_every != 0) for i in range(c.n_layers)])

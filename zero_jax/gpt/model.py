@@ -82,6 +82,12 @@ class GPTConfig:
     window_pattern: int = 0
     # llama: every nope_every-th layer attends without rotary positions (SmolLM3: 4); 0: none
     nope_every: int = 0
+    # llama: Granite's multipliers: of the embedding's rows, of each sublayer's output before
+    # it is added to the residual, and the final hidden states divided by logits_scaling
+    # (its attention_multiplier is query_pre_attn_scalar's -1/2 power); 1: none
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     rope_local_theta: float = 0.0
     # llama: a mixture of n_experts SwiGLU experts (zero_jax.gpt.moe) for the MLP, each token
     # through its top experts_per_token, expert_d_ff wide (0: d_ff), their weights renormalized
