@@ -1133,11 +1133,12 @@ def test_a_tensor_taken_in_ranges_is_read_once_whole_and_written_back_whole(fami
 @pytest.mark.slow
 # (the plain Llama's untied head and rotary positions are the Mistral's, trained here too)
 @pytest.mark.parametrize("which", ["llama3", "qwen2", "qwen3", "mistral", "phi4-mini",
-                                   "gemma2", "olmo3", "mixtral"])
+                                   "gemma2", "olmo3", "granite", "mixtral"])
 def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, family_dir):
     """train.py --init-from a Llama directory (one made as Llama 3.2 is, a Qwen2, a Qwen3, a
     Mistral whose sliding window is set to 5 of the 16 tokens, one as Phi-4-mini: longrope,
-    heads rotated in half, written back as Phi-3's fused tensors; a Gemma 2, an OLMo 3; a
+    heads rotated in half, written back as Phi-3's fused tensors; a Gemma 2, an OLMo 3, a
+    Granite (its logits scaled inside the chunked loss); a
     Mixtral with its
     load-balancing loss on at 0.02): the model section from its config.json, its first loss
     transformers' on that batch (with the Mixtral's weighted balance loss, reported as its
