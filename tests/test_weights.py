@@ -1012,10 +1012,10 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     assert rel(torch_logits_of(transformers.AutoModelForCausalLM, out), ours) < 1e-5
 
 
-@pytest.mark.parametrize("which", ["mixtral", "qwen3-moe"])
+@pytest.mark.parametrize("which", ["mixtral", "qwen3-moe", "olmoe"])
 def test_the_experts_load_balancing_loss_is_transformers(which, family_dir, tmp_path):
-    """``model.router_aux_loss_coef``: the load-balancing loss over a Mixtral's and a
-    Qwen3-MoE's layers (top 2 of 4 experts) and its gradient in each layer's router within
+    """``model.router_aux_loss_coef``: the load-balancing loss over a Mixtral's, a Qwen3-MoE's
+    and an OLMoE's layers (top 2 of 4 experts) and its gradient in each layer's router within
     1e-5 of transformers' (``output_router_logits``); ``model.router_z_loss_coef``: ST-MoE's
     router z-loss as transformers' ``router_z_loss_func`` (Switch Transformers') computes it
     over those layers' router logits, and its gradient; ``lm_loss`` adds each times its
