@@ -177,7 +177,7 @@ class LlamaBlock(nn.Module):
         dh = c.dh
         dense = lambda features, name, bias=False, **kw: nn.DenseGeneral(
             features, use_bias=bias, name=name, **kw)
-        # Gemma 2's outputs' norms beside the inputs', OLMo 2's in their place
+        # Gemma 2's outputs' norms beside the inputs', OLMo 2's and 3's in their place
         after = lambda y, name: norm(c, name)(y) if c.gemma == 2 or c.olmo == 2 else y
         before = lambda y, name: y if c.olmo == 2 else norm(c, name)(y)
         h = before(x, "ln1")

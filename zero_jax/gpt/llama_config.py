@@ -89,8 +89,9 @@ def read_config(directory: str | os.PathLike) -> dict:
             hf = {**GEMMA3_TEXT, **hf}
         assert isinstance(hf, dict) and hf.get("model_type") in FAMILIES
     except (OSError, ValueError, AssertionError, KeyError, TypeError):
-        raise WeightsError(f"{path} is missing or not a Llama, Mistral, Qwen, Phi-3, Gemma "
-                           "or OLMo 2 config.json: pass a Hugging Face directory of one") from None
+        raise WeightsError(f"{path} is missing or not the config.json of a model_type this "
+                           f"demo reads ({', '.join(FAMILIES)}): pass a Hugging Face directory "
+                           "of one") from None
     return _model_section(path, hf)
 
 
@@ -129,11 +130,12 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
     gemma = _gemma(path, hf, model["n_layers"], window) \
         if hf["model_type"].startswith("gemma") else {}
     experts = _moe(path, hf) if hf["model_type"] in moe.NAMES else {}
-    kind, n = hf["model_type"], model["n_layers"]  # the layers that differ, as OLMo 3's, SmolLM3's
-    layers = _olmo3(path, hf, n, window) if kind == "olmo3" else _nope(path, hf, n) \
-        if kind == "smollm3" else {}
-    layers |= _granite(path, hf) if kind == "granite" else {}
-    return {**model, "seq_len": min(model["seq_len"], WINDOW), **gemma, **experts, **layers,
+    kind, n = hf["model_type"], model["n_layers"]
+    # one family's own keys: OLMo 3's windows, SmolLM3's layers without positions, Granite's
+    # multipliers
+    own = _olmo3(path, hf, n, window) if kind == "olmo3" else _nope(path, hf, n) \
+        if kind == "smollm3" else _granite(path, hf) if kind == "granite" else {}
+    return {**model, "seq_len": min(model["seq_len"], WINDOW), **gemma, **experts, **own,
             "max_positions": model["seq_len"], "sliding_window": window or 0,
             "arch": "llama", "tie_head": tied,
             "qkv_bias": hf["model_type"] in ("qwen2", "qwen2_moe"),

@@ -80,6 +80,7 @@ class GPTConfig:
     # llama: sliding_window on every layer but each window_pattern-th (Gemma 2: 2, Gemma 3:
     # 6), those rotating at base rope_local_theta where it is set; 0: every layer alike
     window_pattern: int = 0
+    rope_local_theta: float = 0.0
     # llama: every nope_every-th layer attends without rotary positions (SmolLM3: 4); 0: none
     nope_every: int = 0
     # llama: Granite's multipliers: of the embedding's rows, of each sublayer's output before
@@ -88,7 +89,6 @@ class GPTConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
-    rope_local_theta: float = 0.0
     # llama: a mixture of n_experts SwiGLU experts (zero_jax.gpt.moe) for the MLP, each token
     # through its top experts_per_token, expert_d_ff wide (0: d_ff), their weights renormalized
     # over those with moe_norm_topk (Mixtral's; Qwen3-MoE's norm_topk_prob); 0: a dense MLP
