@@ -2,6 +2,7 @@
 every stage, and the compiled program holds the forward only (its gradients are unread)."""
 
 import collections
+import dataclasses
 import json
 import pathlib
 import sys
@@ -81,6 +82,32 @@ def test_the_compiled_program_is_the_forward_alone(small, mesh, trained):
     assert kinds(evaluate)["all-gather"] > 0 and kinds(evaluate)["all-reduce"] == 1
     # The backward computes about twice the forward: the program is about a third of the step.
     assert 0.2 < step_flops(evaluate) / step_flops(step) < 0.4
+
+
+def test_the_experts_evaluate_at_their_own_capacity():
+    """Experts trained at a capacity (0.25: pairs dropped) evaluate every pair by default
+    (``model.eval_capacity_factor`` 0), as the exported model computes them: one device's loss of
+    the uncapped model on the batch; at an evaluation capacity of their own, each device's row
+    capped as one device caps it alone."""
+    sets = ["model.arch=llama", "model.n_experts=4", "model.expert_capacity_factor=0.25",
+            "model.n_layers=1", "model.d_model=32", "model.d_ff=64", "model.seq_len=16",
+            "train.batch_size=8", "zero.stage=3"]
+    batch = np.asarray(jax.random.randint(KEY, (8, 17), 0, 256))
+    losses = {}
+    for factor in (0.0, 0.25):
+        exp = Experiment.build(config.load("tiny", [*sets, f"model.eval_capacity_factor={factor}"]),
+                               zj.make_mesh(8))
+        state = zj.init_state(exp.plan, exp.init, exp.tx, KEY)
+        metrics = exp.eval_step()(state.params, jax.device_put(batch, exp.batch_sharding))
+        losses[factor] = float(metrics["loss"])
+    params = jax.device_get(state.params)
+    at = lambda factor: lm_loss(build_model(dataclasses.replace(  # noqa: E731
+        exp.model, expert_capacity_factor=factor)))
+    dropless = float(jax.jit(at(0.0))(params, batch))
+    rows = jax.jit(lambda p: jax.lax.map(lambda r: at(0.25)(p, r[None]), batch))(params)
+    assert abs(losses[0.0] - dropless) < 1e-5 * dropless
+    assert abs(losses[0.25] - float(np.mean(rows))) < 1e-5 * losses[0.25]
+    assert abs(losses[0.25] - losses[0.0]) > 1e-3 * losses[0.0]
 
 
 def one_device_eval(ckpt: pathlib.Path, sets: list[str], step: int, tokens) -> float:

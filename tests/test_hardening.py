@@ -323,8 +323,9 @@ ROWS = [
      "and 3's): set model.sliding_window too"),
     ("capacity, no experts", [*T, "--config", "llama", "--set",
                               "model.expert_capacity_factor=1.25"], None,
-     "model.shared_expert_d_ff, model.router_aux_loss_coef, model.router_z_loss_coef and "
-     "model.expert_capacity_factor are a mixture of experts': set model.n_experts too"),
+     "model.shared_expert_d_ff, model.router_aux_loss_coef, model.router_z_loss_coef, "
+     "model.expert_capacity_factor and model.eval_capacity_factor are a mixture of experts': "
+     "set model.n_experts too"),
     ("balance loss infinite", [*T, "--config", "llama", "--set", "model.n_experts=4", "--set",
                                "model.router_aux_loss_coef=inf"], None,
      "model.router_aux_loss_coef must be a finite number of at least 0 (got inf)"),

@@ -1507,10 +1507,10 @@ def test_a_checkpoint_from_before_norm_eps_resumes_only_with_its_epsilon():
 
 
 def test_the_balance_loss_weight_may_change_on_resume():
-    """``model.router_aux_loss_coef`` (and ``_global``), ``model.router_z_loss_coef`` and
-    ``model.expert_capacity_factor`` change what is computed, not the state: a checkpoint
-    written before the keys (or with other values) resumes with any; the experts' count does
-    not."""
+    """``model.router_aux_loss_coef`` (and ``_global``), ``model.router_z_loss_coef``,
+    ``model.expert_capacity_factor`` and ``model.eval_capacity_factor`` change what is computed,
+    not the state: a checkpoint written before the keys (or with other values) resumes with
+    any; the experts' count does not."""
     from zero_jax.checkpoint import CheckpointError
     from zero_jax.gpt import config as configs
     from zero_jax.gpt.experiment import check_compatible
@@ -1518,12 +1518,13 @@ def test_the_balance_loss_weight_may_change_on_resume():
     moe = ["model.arch=llama", "model.n_experts=4"]
     old = configs.load("tiny", moe)
     for key in ("router_aux_loss_coef", "router_aux_loss_global", "router_z_loss_coef",
-                "expert_capacity_factor"):
+                "expert_capacity_factor", "eval_capacity_factor"):
         del old["model"][key]
     check_compatible({"config": old}, configs.load("tiny", [*moe, "model.router_aux_loss_coef=0.01",
                                                             "model.router_aux_loss_global=true",
                                                             "model.router_z_loss_coef=0.001",
-                                                            "model.expert_capacity_factor=1.25"]))
+                                                            "model.expert_capacity_factor=1.25",
+                                                            "model.eval_capacity_factor=2.0"]))
     with pytest.raises(CheckpointError, match=r"written for model.n_experts=4 but the config "
                                               r"says 8"):
         check_compatible({"config": old}, configs.load("tiny", ["model.arch=llama",

@@ -57,7 +57,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
               "n_experts": 0, "experts_per_token": 2, "expert_d_ff": 0, "moe_norm_topk": True,
               "shared_expert_d_ff": 0, "router_aux_loss_coef": 0.0,
               "router_aux_loss_global": False, "router_z_loss_coef": 0.0,
-              "expert_capacity_factor": 0.0, "embedding_multiplier": 1.0,
+              "expert_capacity_factor": 0.0, "eval_capacity_factor": 0.0,
+              "embedding_multiplier": 1.0,
               "residual_multiplier": 1.0, "logits_scaling": 1.0,
               "attn_softcap": 0.0, "logit_softcap": 0.0,
               "query_pre_attn_scalar": 0.0, "attention": "auto", "vocab_multiple": 128,
@@ -360,7 +361,8 @@ def _check_llama(m: dict) -> None:
     for key in ("attn_softcap", "logit_softcap", "query_pre_attn_scalar", "window_pattern",
                 "nope_every",
                 "rope_local_theta", "n_experts", "expert_d_ff", "shared_expert_d_ff",
-                "router_aux_loss_coef", "router_z_loss_coef", "expert_capacity_factor"):
+                "router_aux_loss_coef", "router_z_loss_coef", "expert_capacity_factor",
+                "eval_capacity_factor"):
         if not 0 <= m[key] < math.inf:
             raise ConfigError(f"model.{key} must be a finite number of at least 0 (got "
                               f"{m[key]}): 0 is none")
@@ -387,10 +389,11 @@ def _check_llama(m: dict) -> None:
                           "and model.n_experts are the llama arch's: set model.arch=llama, or "
                           "leave them out")
     if (m["shared_expert_d_ff"] or m["router_aux_loss_coef"] or m["router_z_loss_coef"]
-            or m["expert_capacity_factor"]) and not m["n_experts"]:
+            or m["expert_capacity_factor"] or m["eval_capacity_factor"]) and not m["n_experts"]:
         raise ConfigError("model.shared_expert_d_ff, model.router_aux_loss_coef, "
-                          "model.router_z_loss_coef and model.expert_capacity_factor are a "
-                          "mixture of experts': set model.n_experts too")
+                          "model.router_z_loss_coef, model.expert_capacity_factor and "
+                          "model.eval_capacity_factor are a mixture of experts': set "
+                          "model.n_experts too")
     if m["router_aux_loss_global"] and not m["router_aux_loss_coef"]:
         raise ConfigError("model.router_aux_loss_global says where the experts' balance loss "
                           "is taken: set its weight, model.router_aux_loss_coef, too")

@@ -42,7 +42,8 @@ BEFORE_KEYS = {"norm_eps": 1e-6, "vocab_multiple": 1}
 # Model keys that change what is computed, not what is stored: any value resumes a checkpoint.
 STATELESS_KEYS = ("remat", "attention", "max_positions", "sliding_window", "window_pattern",
                   "nope_every", "rope_local_theta", "scan_unroll", "router_aux_loss_coef",
-                  "router_aux_loss_global", "router_z_loss_coef", "expert_capacity_factor")
+                  "router_aux_loss_global", "router_z_loss_coef", "expert_capacity_factor",
+                  "eval_capacity_factor")
 
 
 @dataclasses.dataclass
@@ -99,8 +100,11 @@ class Experiment:
         return cls(cfg, mesh, model_cfg, init, tx, plan, step)
 
     def eval_step(self) -> Callable:
-        """``make_eval_step`` for this run's model and plan (``train.eval_every``)."""
-        return make_eval_step(self.plan, lm_loss(build_model(self.model),
+        """``make_eval_step`` for this run's model and plan (``train.eval_every``), its experts
+        at the evaluation's capacity."""
+        model = dataclasses.replace(self.model,
+                                    expert_capacity_factor=self.model.eval_capacity_factor)
+        return make_eval_step(self.plan, lm_loss(build_model(model),
                                                  self.cfg["train"]["completion_only"]),
                               has_aux=self.model.router_losses)
 

@@ -108,6 +108,9 @@ class GPTConfig:
     # llama: each expert takes at most this times its even share of a device's (token, choice)
     # pairs, the rest dropped (GShard's capacity factor; static shapes); 0: none dropped
     expert_capacity_factor: float = 0.0
+    # llama: the same for evaluation (DeepSpeed-MoE's eval_capacity_factor); 0: none dropped,
+    # as the exported model computes
+    eval_capacity_factor: float = 0.0
     attn_softcap: float = 0.0  # llama: scores capped by softcap * tanh(s / softcap); 0: none
     logit_softcap: float = 0.0  # llama: the same of the final logits (Gemma 2's)
     query_pre_attn_scalar: float = 0.0  # llama: scores times its -1/2 power; 0: head_dim's
