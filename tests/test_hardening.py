@@ -337,6 +337,8 @@ ROWS = [
      "model.gemma must be 0, 1 or 2 (got 3)"),
     ("olmo 3", [*T, "--config", "llama", "--set", "model.olmo=3"], None,
      "model.olmo must be 0, 1 or 2 (got 3)"),
+    ("olmo 1 without q, k norms", [*T, "--config", "llama", "--set", "model.olmo=1"], None,
+     "model.olmo 1 norms q and k over all heads at once: set model.qk_norm too"),
     ("olmo and gemma", [*T, "--config", "llama", "--set", "model.olmo=2", "--set",
                         "model.gemma=2"], None,
      "model.olmo and model.gemma place the norms each its own way: set one"),

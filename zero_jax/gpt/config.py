@@ -377,6 +377,9 @@ def _check_llama(m: dict) -> None:
     if m["olmo"] and m["gemma"]:
         raise ConfigError("model.olmo and model.gemma place the norms each its own way: set "
                           "one")
+    if m["olmo"] == 1 and not m["qk_norm"]:
+        raise ConfigError("model.olmo 1 norms q and k over all heads at once: set "
+                          "model.qk_norm too")
     if m["arch"] != "llama" and (m["head_dim"] or m["qkv_bias"] or m["qk_norm"]
                                  or m["max_positions"] or m["sliding_window"] or m["gemma"]
                                  or m["olmo"] or m["attn_softcap"] or m["logit_softcap"]
