@@ -905,10 +905,8 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     its long factors past the original context, its short ones within), a Qwen3 with yarn, an
     OLMo 2 (outputs normed, not inputs; q and k over all heads), an OLMoE (inputs normed, q
     and k over all heads, experts), a SmolLM3 (every 4th layer without rotary positions), a
-    Granite (its four multipliers), an
-    OLMo 3 (3 of 4 layers
-    sliding, the full one's rope yarn-scaled, its config.json in both forms): logits within
-    1e-5 of transformers';
+    Granite (its four multipliers), an OLMo 3 (3 of 4 layers sliding, the full one's rope
+    yarn-scaled, its config.json in both forms): logits within 1e-5 of transformers';
     written back through Llama's table as shards with an index and a config.json (a Phi-3 as
     the Llama it computes as, a Mistral
     with its sliding window; the context it declared, whatever the training window); a
@@ -1138,9 +1136,8 @@ def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, famil
     """train.py --init-from a Llama directory (one made as Llama 3.2 is, a Qwen2, a Qwen3, a
     Mistral whose sliding window is set to 5 of the 16 tokens, one as Phi-4-mini: longrope,
     heads rotated in half, written back as Phi-3's fused tensors; a Gemma 2, an OLMo 3, a
-    Granite (its logits scaled inside the chunked loss); a
-    Mixtral with its
-    load-balancing loss on at 0.02): the model section from its config.json, its first loss
+    Granite (its logits scaled inside the chunked loss); a Mixtral with its load-balancing
+    loss on at 0.02): the model section from its config.json, its first loss
     transformers' on that batch (with the Mixtral's weighted balance loss, reported as its
     ``balance_loss``); two SGD steps; the export loads in transformers with zero_jax's logits
     of the trained checkpoint."""
