@@ -27,6 +27,7 @@ HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model",
 # whole heads or a share of each (``partial_rotary_factor``, Phi-4-mini's); the OLMos
 # without biases or dropout, OLMoE without clipping q, k and v; SmolLM3 without biases or
 # a sliding window; Granite without biases or dropout.
+_PLAIN = {"hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0}
 FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
             "mistral": {"hidden_act": "silu"},
             "phi3": {"hidden_act": "silu", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
@@ -40,20 +41,17 @@ FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias":
                        "use_bidirectional_attention": None},
             "gemma3_text": {"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
                             "use_bidirectional_attention": None},
-            "olmo2": {"hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0},
-            "olmo3": {"hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0},
+            "olmo2": _PLAIN, "olmo3": _PLAIN,
             "mixtral": {"hidden_act": "silu", "router_jitter_noise": 0.0},
             "qwen2_moe": {"hidden_act": "silu", "qkv_bias": True, "use_sliding_window": False,
                           "decoder_sparse_step": 1, "mlp_only_layers": []},
             "qwen3_moe": {"hidden_act": "silu", "attention_bias": False,
                           "use_sliding_window": False, "decoder_sparse_step": 1,
                           "mlp_only_layers": []},
-            "granite": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-                        "attention_dropout": 0.0},
+            "granite": {**_PLAIN, "mlp_bias": False},
             "smollm3": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
                         "use_sliding_window": False},
-            "olmoe": {"hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
-                      "clip_qkv": None}}
+            "olmoe": {**_PLAIN, "clip_qkv": None}}
 # Gemma 3's text keys at transformers' defaults: the text_config of its image-text models on
 # the Hub (4B and up) holds only those that differ
 GEMMA3_TEXT = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
@@ -220,8 +218,7 @@ def _nope(path: pathlib.Path, hf: dict, n_layers: int) -> dict:
     if isinstance(layers, list):
         every = layers.index(0) + 1 if 0 in layers else 0
     if isinstance(every, bool) or not isinstance(every, int) or every < 0 or (
-            layers is not None and layers != [int(not every or (i + 1) % every != 0)
-                                              for i in range(n_layers)]):
+            layers is not None and layers != _no_rope_layers(every, n_layers)):
         raise WeightsError(f"{path} has no_rope_layers {str(layers)[:60]}; this demo takes "
                            "rotary positions off every N-th layer: pass a model whose layers "
                            "are so")
@@ -265,6 +262,11 @@ def _moe(path: pathlib.Path, hf: dict) -> dict:
     return {"n_experts": n, "experts_per_token": k, "moe_norm_topk": norm,
             "expert_d_ff": 0 if f == hf["intermediate_size"] else f,
             "shared_expert_d_ff": shared, "router_aux_loss_coef": float(coef)}
+
+
+def _no_rope_layers(every: int, n_layers: int) -> list[int]:
+    """transformers' ``no_rope_layers`` of SmolLM3: 0 for every ``every``-th layer (none: 0)."""
+    return [int(not every or (i + 1) % every != 0) for i in range(n_layers)]
 
 
 def _layer_types(pattern: int, n_layers: int) -> list[str]:
@@ -550,8 +552,8 @@ def _family_keys(c: GPTConfig, family: str) -> dict:
                    residual_multiplier=c.residual_multiplier, logits_scaling=c.logits_scaling,
                    attention_multiplier=(c.query_pre_attn_scalar or c.dh) ** -0.5)
     if family == "smollm3":
-        out.update(no_rope_layer_interval=c.nope_every, pad_token_id=None, no_rope_layers=[
-            int((i + 1) % c.nope_every != 0) for i in range(c.n_layers)])
+        out.update(no_rope_layer_interval=c.nope_every, pad_token_id=None,
+                   no_rope_layers=_no_rope_layers(c.nope_every, c.n_layers))
     if family == "phi3":  # its original context beside the rope keys, where Phi3Config reads it
         out.update(partial_rotary_factor=c.partial_rotary_factor, pad_token_id=None,
                    original_max_position_embeddings=c.rope_original_max_positions

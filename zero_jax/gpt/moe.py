@@ -33,11 +33,10 @@ from zero_jax.weights import Tensor
 TENSOR_PARALLEL = (Rule(r"^blocks/moe/(shared_)?(gate|up)$", model_dim=-1),
                    Rule(r"^blocks/moe/(shared_)?down$", model_dim=-2))
 # Hugging Face's names under a layer: the router, and each expert's gate, up and down
+_MLP = ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))
 NAMES = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{e}.",
                      ("w1", "w3", "w2")),
-         "qwen2_moe": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")),
-         "qwen3_moe": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")),
-         "olmoe": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))}
+         "qwen2_moe": _MLP, "qwen3_moe": _MLP, "olmoe": _MLP}
 
 
 class MoE(nn.Module):
