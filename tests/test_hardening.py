@@ -311,9 +311,18 @@ ROWS = [
     ("attention cudnn on cpu", [*T, "--set", "model.attention=cudnn"], None,
      "model.attention=cudnn cannot run here: it runs on CUDA GPUs only (these devices are cpu)"),
     ("head_dim of gpt2", [*T, "--set", "model.head_dim=16"], None,
-     "model.head_dim, model.qkv_bias, model.qk_norm, model.max_positions, "
+     "model.head_dim, model.qkv_bias, model.qk_norm, "
      "model.sliding_window, Gemma's, OLMo's, SmolLM3's and Granite's keys and model.n_experts "
      "are the llama arch's"),
+    ("parallel residual of gpt2", [*T, "--set", "model.parallel_residual=true"], None,
+     "model.parallel_residual and model.hidden_act are the neox arch's: set model.arch=neox"),
+    ("activation unknown", [*T, "--set", "model.arch=neox", "--set", "model.hidden_act=relu"],
+     None, "model.hidden_act must be one of gelu, gelu_new, gelu_pytorch_tanh, gelu_fast "
+     "(got 'relu')"),
+    ("neox grouped-query", [*T, "--set", "model.arch=neox", "--set", "model.n_kv_heads=2"],
+     None, "model.n_kv_heads and model.rope_type are not the neox arch's"),
+    ("declared context of gpt2", [*T, "--set", "model.max_positions=128"], None,
+     "model.max_positions is the context a Hugging Face export declares for rotary positions"),
     ("logits scaled by 0", [*T, "--config", "llama", "--set", "model.logits_scaling=0"], None,
      "model.logits_scaling must be a finite number above 0 (got 0.0): 1 is none"),
     ("nope of gpt2", [*T, "--set", "model.nope_every=4"], None,

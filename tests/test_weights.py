@@ -654,8 +654,23 @@ FAMILIES = {  # name: (class, config, torch seed)
 }
 
 
+# GPT-NeoX as Pythia is made (a quarter of each head rotated, layer norms with biases, the
+# attention and the MLP side by side, the head untied), and with the MLP after the attention,
+# tanh's GELU and the head tied (heads of 16: 4 of their columns rotate)
+SMALL_NEOX = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 96,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 16,
+              "rotary_pct": 0.25}
+NEOX = {
+    "pythia": (transformers.GPTNeoXForCausalLM, transformers.GPTNeoXConfig(
+        **SMALL_NEOX, use_parallel_residual=True, tie_word_embeddings=False), 21),
+    "neox-sequential": (transformers.GPTNeoXForCausalLM, transformers.GPTNeoXConfig(
+        **SMALL_NEOX, use_parallel_residual=False, tie_word_embeddings=True,
+        hidden_act="gelu_new", rotary_emb_base=500.0), 22),
+}
+
+
 def cls_of(which: str):
-    return FAMILIES[which][0]
+    return {**FAMILIES, **NEOX}[which][0]
 
 
 def longrope_file(path: pathlib.Path) -> None:
@@ -685,7 +700,7 @@ def gemma3_file(path: pathlib.Path) -> None:
 
 def _family(tmp_path_factory, name: str) -> pathlib.Path:
     """transformers' model of that family saved, every tensor random."""
-    cls, config, seed = FAMILIES[name]
+    cls, config, seed = {**FAMILIES, **NEOX}[name]
     torch.manual_seed(seed)
     model = cls(config).eval()
     with torch.no_grad():
@@ -805,6 +820,35 @@ def test_the_shipped_llama_3_2_config_is_llama_3_2_1b(tmp_path, capsys):
         assert cfg["model"]["seq_len"] == (4096 if sets else 1024)
 
 
+PYTHIA_14M = {  # EleutherAI/pythia-14m's config.json (its later form: dropouts, rope_scaling)
+    "architectures": ["GPTNeoXForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "bos_token_id": 0, "classifier_dropout": 0.1, "eos_token_id": 0, "hidden_act": "gelu",
+    "hidden_dropout": 0.0, "hidden_size": 128, "initializer_range": 0.02,
+    "intermediate_size": 512, "layer_norm_eps": 1e-5, "max_position_embeddings": 2048,
+    "model_type": "gpt_neox", "num_attention_heads": 4, "num_hidden_layers": 6,
+    "rope_scaling": None, "rotary_emb_base": 10000, "rotary_pct": 0.25,
+    "tie_word_embeddings": False, "use_cache": False, "use_parallel_residual": True,
+    "vocab_size": 50304}
+
+
+def test_pythia_14m_reads_as_transformers_reads_it(tmp_path):
+    """Pythia-14m's config.json gives its model section (a quarter of each 32-wide head
+    rotated, at base 10,000, the attention and MLP side by side, the head untied, the whole
+    2,048-token context as the training window), and the parameter count transformers builds
+    from it."""
+    (tmp_path / "config.json").write_text(json.dumps(PYTHIA_14M))
+    section = hf.read_config(tmp_path)
+    assert section == {"vocab_size": 50304, "d_model": 128, "n_layers": 6, "n_heads": 4,
+                       "d_ff": 512, "seq_len": 2048, "max_positions": 2048, "norm_eps": 1e-5,
+                       "arch": "neox", "hidden_act": "gelu", "tie_head": False,
+                       "parallel_residual": True, "rope_theta": 10000.0,
+                       "partial_rotary_factor": 0.25}
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(tmp_path))
+    assert GPTConfig(**section).n_params == sum(p.numel() for p in model.parameters())
+
+
 MIXTRAL_8X7B = {  # mistralai/Mixtral-8x7B-v0.1's config.json
     "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
     "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
@@ -869,18 +913,32 @@ LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does
 }
 
 
-@pytest.mark.parametrize("key", LLAMA_NOT_COMPUTED)
+NEOX_NOT_COMPUTED = {  # the same of the demo's GPT-NeoX
+    "hidden_act": {"hidden_act": "relu"},
+    "attention_bias": {"attention_bias": False},
+    "hidden_dropout": {"hidden_dropout": 0.1},
+    "rope_type": {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                      "rope_theta": 10000.0, "partial_rotary_factor": 0.25}},
+    "rotary_pct": {"rope_parameters": None, "rotary_pct": "quarter"},
+    "use_parallel_residual": {"use_parallel_residual": "yes"},
+}
+
+
+@pytest.mark.parametrize("which, key", [*(("llama", k) for k in LLAMA_NOT_COMPUTED),
+                                        *(("pythia", k) for k in NEOX_NOT_COMPUTED)])
 def test_a_llama_asking_for_what_the_model_lacks_is_refused_naming_the_key(
-        llama_dir, gpt2, tmp_path, key, capsys):
+        family_dir, gpt2, tmp_path, which, key, capsys):
     """train.py --init-from a Llama whose config.json asks for a rope type other than default,
     linear, llama3, longrope and yarn, for attention biases or a scaling factor that is no
     number, longrope factors that are not one per rotary pair, DeepSeek's yarn, a Mistral or
-    Qwen2 with a sliding window: one line naming the key, exit code 2, nothing written."""
+    Qwen2 with a sliding window; a GPT-NeoX with another activation, no biases, dropout, its
+    rotary positions scaled: one line naming the key, exit code 2, nothing written."""
     import shutil
 
     bad = tmp_path / "bad"
-    shutil.copytree(llama_dir, bad)
-    _config(bad, **LLAMA_NOT_COMPUTED[key])
+    shutil.copytree(family_dir(which), bad)
+    capsys.readouterr()  # transformers' progress, where the directory was made here
+    _config(bad, **(LLAMA_NOT_COMPUTED if which == "llama" else NEOX_NOT_COMPUTED)[key])
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     code = train_py.main(["--init-from", str(bad), "--steps", "1", "--data",
                           str(gpt2["tokens"]), "--checkpoint-dir", str(ckpt), "--metrics",
@@ -1010,6 +1068,61 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     assert rel(torch_logits_of(transformers.AutoModelForCausalLM, out), ours) < 1e-5
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("which", list(NEOX))
+def test_a_gpt_neox_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path, tp,
+                                                                   family_dir):
+    """A GPT-NeoX as Pythia is made, and one with its MLP after the attention (tanh's GELU, tied
+    head, another rotary base), read at stage 3 (x tensor parallel 2) through GPT-NeoX's names
+    (q, k, v fused head by head): logits within 1e-5 of transformers'; its config.json read
+    alike in Pythia's form on the Hub; what each of its features changes counts; written back
+    from the shards with a config.json, transformers loads it with the same logits."""
+    from zero_jax.gpt import neox
+
+    directory = family_dir(which)
+    if directory not in _THEIRS:
+        _THEIRS[directory] = torch_logits_of(transformers.AutoModelForCausalLM, directory)
+    theirs = _THEIRS[directory]
+    section = hf.read_config(directory)
+    pythia = which == "pythia"
+    assert (section["arch"], section["parallel_residual"], section["tie_head"],
+            section["partial_rotary_factor"], section["rope_theta"], section["hidden_act"],
+            section["max_positions"]) == ("neox", pythia, not pythia, 0.25,
+                                          10000.0 if pythia else 500.0,
+                                          "gelu" if pythia else "gelu_new", 16)
+    counted = sum(p.numel() for p in cls_of(which)(NEOX[which][1]).parameters())
+    assert GPTConfig(**section).n_params == counted
+    cfg = GPTConfig(**section, remat="none", vocab_multiple=128)
+    model = neox.NeoX(cfg)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), TOKENS[:1, :-1])["params"])
+    mesh = zj.make_mesh(axes={"data": 8 // tp, **({"model": tp} if tp > 1 else {})})
+    plan = zj.make_plan(shapes, mesh, stage=3, layers=LAYERS,
+                        rules=list(neox.tensor_parallel(cfg)) if tp > 1 else [])
+    files, mapping = hf.weights_source(directory)
+    params = load_params(plan, files, mapping)
+    assert files.bytes_read == sum(i.nbytes for i in files.tensors.values())
+    ours = logits_of(model, params)
+    assert rel(ours, theirs) < 1e-5, rel(ours, theirs)
+    if tp == 1:  # each feature counts (the model's, not the layout's)
+        for other in ({"parallel_residual": not pythia}, {"partial_rotary_factor": 0.5},
+                      {"hidden_act": "gelu_new" if pythia else "gelu"}):
+            changed = logits_of(neox.NeoX(dataclasses.replace(cfg, **other)), params)
+            assert rel(changed, theirs) > 5e-5, other  # 150 times the agreement
+        hub = json.loads((directory / "config.json").read_text())  # as Pythia's on the Hub
+        rope = hub.pop("rope_parameters")
+        hub.update(rotary_pct=rope["partial_rotary_factor"], rotary_emb_base=rope["rope_theta"])
+        (tmp_path / "hub").mkdir()
+        (tmp_path / "hub" / "config.json").write_text(json.dumps(hub))
+        assert hf.read_config(tmp_path / "hub") == section
+
+    out = tmp_path / "out"
+    zj.save_safetensors(params, out, hf.mapping(section), np.float32, 20_000)
+    hf.write_config(out, {**section, "seq_len": 8}, "float32")  # the declared context back
+    assert (out / "model.safetensors.index.json").exists()
+    assert hf.read_config(out) == section
+    assert rel(torch_logits_of(transformers.AutoModelForCausalLM, out), ours) < 1e-5
+
+
 @pytest.mark.parametrize("which", ["mixtral", "qwen3-moe", "olmoe"])
 def test_the_experts_load_balancing_loss_is_transformers(which, family_dir, tmp_path):
     """``model.router_aux_loss_coef``: the load-balancing loss over a Mixtral's, a Qwen3-MoE's
@@ -1131,17 +1244,17 @@ def test_a_tensor_taken_in_ranges_is_read_once_whole_and_written_back_whole(fami
 @pytest.mark.slow
 # (the plain Llama's untied head and rotary positions are the Mistral's, trained here too)
 @pytest.mark.parametrize("which", ["llama3", "qwen2", "qwen3", "mistral", "phi4-mini",
-                                   "gemma2", "olmo3", "granite", "mixtral"])
+                                   "gemma2", "olmo3", "granite", "mixtral", "pythia"])
 def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, family_dir):
     """train.py --init-from a Llama directory (one made as Llama 3.2 is, a Qwen2, a Qwen3, a
     Mistral whose sliding window is set to 5 of the 16 tokens, one as Phi-4-mini: longrope,
     heads rotated in half, written back as Phi-3's fused tensors; a Gemma 2, an OLMo 3, a
     Granite (its logits scaled inside the chunked loss); a Mixtral with its load-balancing
-    loss on at 0.02): the model section from its config.json, its first loss
-    transformers' on that batch (with the Mixtral's weighted balance loss, reported as its
-    ``balance_loss``); two SGD steps; the export loads in transformers with zero_jax's logits
-    of the trained checkpoint."""
-    from zero_jax.gpt import llama, llama_config
+    loss on at 0.02) or a GPT-NeoX made as Pythia is: the model section from its config.json,
+    its first loss transformers' on that batch (with the Mixtral's weighted balance loss,
+    reported as its ``balance_loss``); two SGD steps; the export loads in transformers with
+    zero_jax's logits of the trained checkpoint."""
+    from zero_jax.gpt.model import build
 
     llama_dir = family_dir(which)
     window = {"sliding_window": 5} if which == "mistral" else {}
@@ -1174,9 +1287,9 @@ def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, famil
     ckpts = zj.Checkpoints(ckpt, read_only=True)
     trained = ckpts.read_params()
     ckpts.close()
-    model = llama.Llama(GPTConfig(**{**llama_config.read_config(llama_dir), **window}, remat="none",
-                                  vocab_multiple=128))
-    assert llama_config.read_config(out)["sliding_window"] == model.cfg.sliding_window
+    model = build(GPTConfig(**{**hf.read_config(llama_dir), **window}, remat="none",
+                            vocab_multiple=128))
+    assert hf.read_config(out).get("sliding_window", 0) == model.cfg.sliding_window
     ours = logits_of(model, trained)
     theirs = torch_logits_of(transformers.AutoModelForCausalLM, out)
     assert rel(theirs, ours) < 1e-5

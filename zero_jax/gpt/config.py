@@ -20,6 +20,7 @@ import yaml
 from zero_jax.blocks import GATHER, REMAT
 from zero_jax.gpt.attention import IMPLEMENTATIONS
 from zero_jax.gpt.llama_config import ROPE_TYPES
+from zero_jax.gpt.neox import ACTIVATIONS as NEOX_ACTIVATIONS
 from zero_jax.offload import Nvme
 
 
@@ -43,7 +44,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # an export writes back, 0: seq_len; sliding_window Mistral's, 0: none; gemma 1 or 2,
     # Gemma's conventions, with the soft caps, query scalar and window pattern of Gemma 2 and
     # 3; olmo 1 or 2, OLMo's norms; nope_every, SmolLM3's layers without rotary positions;
-    # Granite's multipliers: GPTConfig).
+    # Granite's multipliers; or neox (GPT-NeoX's, Pythia's: layer norms with biases, rotary
+    # positions on a share of each head, a GELU MLP, parallel_residual): GPTConfig).
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512,
               "seq_len": 64, "remat": "auto", "arch": "gpt2", "norm_eps": 1e-5,
               "n_kv_heads": 0, "rope_theta": 10000.0, "rope_type": "default",
@@ -53,7 +55,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
               "partial_rotary_factor": 1.0, "tie_head": False,
               "qkv_bias": False, "qk_norm": False, "head_dim": 0, "max_positions": 0,
               "sliding_window": 0, "gemma": 0, "olmo": 0, "window_pattern": 0, "nope_every": 0,
-              "rope_local_theta": 0.0,
+              "rope_local_theta": 0.0, "parallel_residual": False, "hidden_act": "gelu",
               "n_experts": 0, "experts_per_token": 2, "expert_d_ff": 0, "moe_norm_topk": True,
               "shared_expert_d_ff": 0, "router_aux_loss_coef": 0.0,
               "router_aux_loss_global": False, "router_z_loss_coef": 0.0,
@@ -129,7 +131,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 
 INT32_MAX = 2**31 - 1  # token ids and the step counter are int32 (JAX without x64)
 OPTIMIZERS = ("adamw", "adam", "sgd")
-ARCHS = ("gpt2", "llama")
+ARCHS = ("gpt2", "llama", "neox")
 SCHEDULES = ("cosine", "constant", "linear", "deepspeed_cosine")
 WARMUPS = ("linear", "log")
 
@@ -328,6 +330,7 @@ def validate(config: dict) -> None:
         raise ConfigError(f"model.vocab_size must be at most {INT32_MAX} (got "
                           f"{m['vocab_size']}): token ids are int32")
     _check_llama(m)
+    _check_neox(m)
     if not m["head_dim"] and m["d_model"] % m["n_heads"]:
         raise ConfigError(f"model.d_model {m['d_model']} is not divisible by model.n_heads "
                           f"{m['n_heads']}")
@@ -381,13 +384,13 @@ def _check_llama(m: dict) -> None:
         raise ConfigError("model.olmo 1 norms q and k over all heads at once: set "
                           "model.qk_norm too")
     if m["arch"] != "llama" and (m["head_dim"] or m["qkv_bias"] or m["qk_norm"]
-                                 or m["max_positions"] or m["sliding_window"] or m["gemma"]
+                                 or m["sliding_window"] or m["gemma"]
                                  or m["olmo"] or m["attn_softcap"] or m["logit_softcap"]
                                  or m["query_pre_attn_scalar"] or m["window_pattern"]
                                  or m["rope_local_theta"] or m["n_experts"] or m["nope_every"]
                                  or (m["embedding_multiplier"], m["residual_multiplier"],
                                      m["logits_scaling"]) != (1, 1, 1)):
-        raise ConfigError("model.head_dim, model.qkv_bias, model.qk_norm, model.max_positions, "
+        raise ConfigError("model.head_dim, model.qkv_bias, model.qk_norm, "
                           "model.sliding_window, Gemma's, OLMo's, SmolLM3's and Granite's keys "
                           "and model.n_experts are the llama arch's: set model.arch=llama, or "
                           "leave them out")
@@ -413,6 +416,24 @@ def _check_llama(m: dict) -> None:
                           "second, Mistral the third): set one")
 
 
+def _check_neox(m: dict) -> None:
+    """What only the GPT-NeoX decoder computes, asked of it alone; what it lacks refused."""
+    if m["hidden_act"] not in NEOX_ACTIVATIONS:
+        raise ConfigError(f"model.hidden_act must be one of {', '.join(NEOX_ACTIVATIONS)} (got "
+                          f"{m['hidden_act']!r}): GELU, exact or tanh's")
+    if m["arch"] != "neox" and (m["parallel_residual"] or m["hidden_act"] != "gelu"):
+        raise ConfigError("model.parallel_residual and model.hidden_act are the neox arch's: "
+                          "set model.arch=neox, or leave them out")
+    if m["arch"] == "neox" and (m["n_kv_heads"] not in (0, m["n_heads"])
+                                or m["rope_type"] != "default"):
+        raise ConfigError("model.n_kv_heads and model.rope_type are not the neox arch's (every "
+                          "head its own keys, rotary positions unscaled): leave them out")
+    if m["arch"] == "gpt2" and m["max_positions"]:
+        raise ConfigError("model.max_positions is the context a Hugging Face export declares "
+                          "for rotary positions (the llama and neox archs); GPT-2's is seq_len: "
+                          "leave it out")
+
+
 def _check_rope(m: dict) -> None:
     """The rotary positions' scaling, as Hugging Face's rope types check theirs."""
     kind = m["rope_type"]
@@ -432,10 +453,10 @@ def _check_rope(m: dict) -> None:
     if not (0 < m["partial_rotary_factor"] <= 1 and rotary >= 2 and rotary % 2 == 0):
         raise ConfigError(f"model.partial_rotary_factor {m['partial_rotary_factor']} must rotate "
                           f"an even part of each {dh}-wide head: a share in (0, 1] of it")
-    if m["partial_rotary_factor"] < 1 and (m["arch"] != "llama" or m["qkv_bias"]
+    if m["partial_rotary_factor"] < 1 and (m["arch"] == "gpt2" or m["qkv_bias"]
                                            or m["qk_norm"]):
         raise ConfigError("model.partial_rotary_factor below 1 is Phi-3's (the llama arch, "
-                          "without qkv_bias or qk_norm): set it to 1")
+                          "without qkv_bias or qk_norm) and GPT-NeoX's: set it to 1")
     pairs = rotary // 2
     if kind == "longrope" and not (m["rope_original_max_positions"] >= 1
                                    and m["rope_attention_factor"] >= 0 and all(

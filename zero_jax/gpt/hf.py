@@ -15,7 +15,7 @@ import pathlib
 import shutil
 import sys
 
-from zero_jax.gpt import llama_config
+from zero_jax.gpt import llama_config, neox
 from zero_jax.gpt.data import Tokenizer
 from zero_jax.gpt.model import GPTConfig
 from zero_jax.safetensors_writer import COMPANION_FILES
@@ -62,10 +62,12 @@ def read_config(directory: str | os.PathLike) -> dict:
                            "directory (config.json and safetensors)") from None
     if hf.get("model_type") in (*llama_config.FAMILIES, "gemma3"):
         return llama_config.read_config(directory)
+    if hf.get("model_type") == "gpt_neox":
+        return neox.read_config(path, hf)
     if hf.get("model_type") != "gpt2":
         raise WeightsError(f"{path} is model_type {hf.get('model_type')!r}; this demo reads "
-                           f"gpt2, {', '.join(llama_config.FAMILIES)} and gemma3's text: pass a "
-                           "directory of one")
+                           f"gpt2, gpt_neox, {', '.join(llama_config.FAMILIES)} and gemma3's "
+                           "text: pass a directory of one")
     for key, want in GPT2_FIXED.items():
         if key in hf and hf[key] != want:
             raise WeightsError(f"{path} has {key} {hf[key]!r}; this demo's GPT-2 computes "
@@ -104,7 +106,9 @@ def weights_source(directory: str | os.PathLike):
 
 
 def mapping(model: dict, prefix: str = "transformer.") -> Mapping:
-    """The mapping of the demo's ``model`` section: GPT-2's or Llama's."""
+    """The mapping of the demo's ``model`` section: GPT-2's, Llama's or GPT-NeoX's."""
+    if model.get("arch") == "neox":
+        return neox.mapping(GPTConfig(**model))
     if model.get("arch", "gpt2") == "llama":
         from zero_jax.gpt import llama
 
@@ -133,10 +137,12 @@ def load(plan, directory: str | os.PathLike, check_only: bool = False):
 
 
 def write_config(directory: pathlib.Path, model: dict, dtype: str) -> None:
-    """A GPT-2 or Llama config.json for this demo's ``model`` section, as transformers reads
-    it."""
+    """A GPT-2, Llama or GPT-NeoX config.json for this demo's ``model`` section, as
+    transformers reads it."""
     if model.get("arch", "gpt2") == "llama":
         return llama_config.write_config(directory, model, dtype)
+    if model.get("arch") == "neox":
+        return neox.write_config(directory, model, dtype)
     hf = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
           **{theirs: model[ours] for theirs, ours in GPT2_KEYS.items()}, **GPT2_FIXED,
           "layer_norm_epsilon": model.get("norm_eps", 1e-5),

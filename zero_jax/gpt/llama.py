@@ -21,11 +21,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zero_jax.blocks import remat_policy
 from zero_jax.embedding import take_rows
 from zero_jax.gpt import attention, moe
 from zero_jax.gpt.llama_config import family_of
-from zero_jax.gpt.model import GPTConfig, block_remat
+from zero_jax.gpt.model import GPTConfig, layer_stack
 from zero_jax.gpt.moe import MoE
 from zero_jax.plan import Rule
 from zero_jax.weights import Mapping, Tensor
@@ -244,12 +243,7 @@ class Llama(nn.Module):
         """The last hidden states and the head's kernel (``GPT.features``)."""
         c = self.cfg
         wte = self.param("wte", nn.initializers.normal(0.02), (c.padded_vocab, c.d_model))
-        block = LlamaBlock
-        if c.remat != "none":
-            policy = remat_policy(block_remat(c, wte.dtype))
-            block = nn.remat(block, prevent_cse=False, policy=policy)
-        stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                        length=c.n_layers, unroll=c.scan_unroll)
+        stack = layer_stack(LlamaBlock, c, wte.dtype)
         x = take_rows(wte, tokens)
         if c.gemma:  # in the compute dtype, as transformers rounds the factor
             x = x * jnp.asarray(math.sqrt(c.d_model), x.dtype)

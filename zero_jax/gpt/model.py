@@ -45,10 +45,10 @@ class GPTConfig:
     d_ff: int = 512
     seq_len: int = 64
     remat: str = "full"  # policy of each block's remat (zero_jax.blocks.remat_policy)
-    arch: str = "gpt2"  # or "llama" (zero_jax.gpt.llama)
+    arch: str = "gpt2"  # or "llama" (zero_jax.gpt.llama) or "neox" (zero_jax.gpt.neox)
     norm_eps: float = LN_EPS
     n_kv_heads: int = 0  # llama: key/value heads (grouped-query attention); 0: n_heads
-    rope_theta: float = 10000.0  # llama: the rotary positions' base
+    rope_theta: float = 10000.0  # llama, neox: the rotary positions' base
     # llama: their scaling, as Hugging Face's rope types "linear" and "llama3" (Llama 3.1, 3.2)
     rope_type: str = "default"
     rope_factor: float = 1.0
@@ -58,12 +58,13 @@ class GPTConfig:
     rope_short_factor: tuple[float, ...] = ()  # longrope (Phi-3): a factor per rotary pair
     rope_long_factor: tuple[float, ...] = ()  # the same, for sequences past the original
     rope_attention_factor: float = 0.0  # longrope: cos and sin scaled; 0: from rope_factor
-    partial_rotary_factor: float = 1.0  # llama: the share of each head rotated (Phi-4-mini's)
-    tie_head: bool = False  # llama: the head is the embedding's transpose (GPT-2's always is)
+    # llama, neox: the share of each head rotated (Phi-4-mini's 0.75, Pythia's 0.25)
+    partial_rotary_factor: float = 1.0
+    tie_head: bool = False  # llama, neox: the head is the embedding's transpose (GPT-2's is)
     qkv_bias: bool = False  # llama: biases on the q, k and v projections (Qwen2)
     qk_norm: bool = False  # llama: an RMSNorm over each head's q and k before rotary (Qwen3)
     head_dim: int = 0  # llama: each head's width; 0: d_model / n_heads
-    # llama: the context config.json declares (max_position_embeddings), written back on
+    # llama, neox: the context config.json declares (max_position_embeddings), written back on
     # export whatever window seq_len trains at; 0: seq_len
     max_positions: int = 0
     # llama: Mistral's and Phi-3's sliding window: each token attends to itself and the
@@ -111,6 +112,10 @@ class GPTConfig:
     # llama: the same for evaluation (DeepSpeed-MoE's eval_capacity_factor); 0: none dropped,
     # as the exported model computes
     eval_capacity_factor: float = 0.0
+    # neox: the attention and the MLP both read the layer's input, their outputs added to it
+    # together (GPT-NeoX's use_parallel_residual)
+    parallel_residual: bool = False
+    hidden_act: str = "gelu"  # neox: the MLP's GELU, exact ("gelu") or tanh's (gelu_new, ...)
     attn_softcap: float = 0.0  # llama: scores capped by softcap * tanh(s / softcap); 0: none
     logit_softcap: float = 0.0  # llama: the same of the final logits (Gemma 2's)
     query_pre_attn_scalar: float = 0.0  # llama: scores times its -1/2 power; 0: head_dim's
@@ -167,6 +172,8 @@ class GPTConfig:
                 extra += 3 * d * self.shared_expert_d_ff + d if self.shared_expert_d_ff else 0
             return V * d + head + d + L * (2 * d + 2 * d * q + 2 * d * kv + 3 * d * f + extra)
         per_layer = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+        if self.arch == "neox":  # GPT-2's layers, no position table, the head its own
+            return V * d * (1 if self.tie_head else 2) + L * per_layer + 2 * d
         return V * d + self.seq_len * d + L * per_layer + 2 * d
 
     @property
@@ -254,14 +261,17 @@ class GPT(nn.Module):
         takes the head's matmul inside (``zero_jax.losses.cross_entropy``)."""
         c = self.cfg
         x, wte = embed(self, c, tokens)
-        block = Block
-        if c.remat != "none":
-            block = nn.remat(block, prevent_cse=False, policy=remat_policy(block_remat(c, x.dtype)))
-        stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                        length=c.n_layers, unroll=c.scan_unroll)
-        x, _ = stack(c, name="blocks")(x, None)
+        x, _ = layer_stack(Block, c, x.dtype)(c, name="blocks")(x, None)
         x = nn.LayerNorm(epsilon=c.norm_eps, name="ln_f")(x)
         return x, wte.T  # output head tied to the embedding, as GPT-2
+
+
+def layer_stack(block: type[nn.Module], c: GPTConfig, dtype) -> type[nn.Module]:
+    """``block`` under the config's remat (``block_remat``), scanned over its layers."""
+    if c.remat != "none":
+        block = nn.remat(block, prevent_cse=False, policy=remat_policy(block_remat(c, dtype)))
+    return nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                   length=c.n_layers, unroll=c.scan_unroll)
 
 
 def block_remat(c: GPTConfig, dtype) -> str:
@@ -281,14 +291,18 @@ def build(cfg: GPTConfig) -> nn.Module:
         from zero_jax.gpt.llama import Llama
 
         return Llama(cfg)
+    if cfg.arch == "neox":
+        from zero_jax.gpt.neox import NeoX
+
+        return NeoX(cfg)
     return GPT(cfg)
 
 
 def tensor_parallel(cfg: GPTConfig) -> tuple[Rule, ...]:
-    if cfg.arch == "llama":
-        from zero_jax.gpt import llama
+    if cfg.arch in ("llama", "neox"):
+        from zero_jax.gpt import llama, neox
 
-        return llama.tensor_parallel(cfg)
+        return (llama if cfg.arch == "llama" else neox).tensor_parallel(cfg)
     return TENSOR_PARALLEL
 
 
