@@ -17,7 +17,7 @@ import jax
 from zero_jax.embedding import take_rows
 from zero_jax.gpt import attention
 from zero_jax.gpt.llama import Head, rope, rope_frequencies
-from zero_jax.gpt.model import GPTConfig, layer_stack
+from zero_jax.gpt.model import GPT, GPTConfig, layer_stack
 from zero_jax.plan import Rule
 from zero_jax.tensorfiles import WeightsError
 from zero_jax.weights import Mapping, Tensor
@@ -61,15 +61,8 @@ class NeoXBlock(nn.Module):
         return (x + att + mlp if c.parallel_residual else y + mlp), None
 
 
-class NeoX(nn.Module):
-    """The demo's model when ``cfg.arch`` is "neox"."""
-
-    cfg: GPTConfig
-
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """The logits over the vocabulary (its padding left out)."""
-        x, head = self.features(tokens)
-        return (x @ head)[..., :self.cfg.vocab_size]
+class NeoX(GPT):
+    """The demo's model when ``cfg.arch`` is "neox" (GPT's logits of its ``features``)."""
 
     @nn.compact
     def features(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
