@@ -254,15 +254,20 @@ def test_the_llama_family_trains_at_stage_3_with_prefetch_as_on_one_device(opt, 
 # The demo's GPT-NeoX as Pythia is made: layer norms with biases, a quarter of each head rotated,
 # q, k and v fused head by head, the attention and the MLP side by side, the head untied.
 PYTHIA_LIKE = {"arch": "neox", "vocab_size": 64, "d_model": 32, "n_layers": 4, "n_heads": 4,
-               "d_ff": 64, "seq_len": 16, "parallel_residual": True,
+               "d_ff": 64, "seq_len": 16, "parallel_residual": 1,
                "partial_rotary_factor": 0.25, "remat": "none", "vocab_multiple": 128}
+# and as Phi-2 is: one norm for both, tanh's GELU, the head's bias (cut with its columns)
+PHI_LIKE = {**PYTHIA_LIKE, "parallel_residual": 2, "head_bias": True, "hidden_act": "gelu_new",
+            "partial_rotary_factor": 0.5}
 
 
-@pytest.mark.parametrize("opt, tp", [("sgd", 2), ("adamw", 1)])
-def test_gpt_neox_trains_at_stage_3_with_prefetch_as_on_one_device(opt, tp, mesh):
-    """``PYTHIA_LIKE`` at stage 3 with prefetch on 8 devices (x tensor parallel 2: the fused
-    q, k, v cut by heads, their biases with them): its first gradient and 4 steps' losses and
-    parameters as one-device optax's on the same batches. k's bias past the rotated columns
+@pytest.mark.parametrize("opt, tp, which", [("sgd", 2, "pythia"), ("adamw", 1, "pythia"),
+                                            ("sgd", 2, "phi"), ("adamw", 2, "phi")])
+def test_gpt_neox_trains_at_stage_3_with_prefetch_as_on_one_device(opt, tp, which, mesh):
+    """``PYTHIA_LIKE`` and ``PHI_LIKE`` at stage 3 with prefetch on 8 devices (x tensor
+    parallel 2: the fused q, k, v cut by heads, their biases with them; the head's bias with
+    its columns): the first gradient and 4 steps' losses and parameters as one-device optax's
+    on the same batches. k's bias past the rotated columns
     adds the same to every score of a query: its gradient is zero but for rounding (asserted),
     which Adam scales up to whole steps on either side; the parameters are compared without
     it."""
@@ -270,7 +275,7 @@ def test_gpt_neox_trains_at_stage_3_with_prefetch_as_on_one_device(opt, tp, mesh
     from zero_jax.gpt.model import GPTConfig, init_fn, lm_loss
     from zero_jax.gpt.neox import NeoX, tensor_parallel
 
-    cfg = GPTConfig(**PYTHIA_LIKE)
+    cfg = GPTConfig(**(PYTHIA_LIKE if which == "pythia" else PHI_LIKE))
     model = NeoX(cfg)
     if tp > 1:
         mesh = make_mesh(axes={"data": 8 // tp, "model": tp})

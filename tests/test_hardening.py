@@ -314,8 +314,14 @@ ROWS = [
      "model.head_dim, model.qkv_bias, model.qk_norm, "
      "model.sliding_window, Gemma's, OLMo's, SmolLM3's and Granite's keys and model.n_experts "
      "are the llama arch's"),
-    ("parallel residual of gpt2", [*T, "--set", "model.parallel_residual=true"], None,
-     "model.parallel_residual and model.hidden_act are the neox arch's: set model.arch=neox"),
+    ("parallel residual of gpt2", [*T, "--set", "model.parallel_residual=1"], None,
+     "model.parallel_residual, model.head_bias and model.hidden_act are the neox arch's: set "
+     "model.arch=neox"),
+    ("parallel residual 3", [*T, "--set", "model.arch=neox", "--set",
+                             "model.parallel_residual=3"], None,
+     "model.parallel_residual must be 0, 1 or 2 (got 3)"),
+    ("head bias tied", [*T, "--set", "model.arch=neox", "--set", "model.head_bias=true", "--set",
+                        "model.tie_head=true"], None, "model.head_bias is an untied head's"),
     ("activation unknown", [*T, "--set", "model.arch=neox", "--set", "model.hidden_act=relu"],
      None, "model.hidden_act must be one of gelu, gelu_new, gelu_pytorch_tanh, gelu_fast "
      "(got 'relu')"),

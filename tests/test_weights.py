@@ -646,6 +646,10 @@ FAMILIES = {  # name: (class, config, torch seed)
     "granite": (transformers.GraniteForCausalLM, transformers.GraniteConfig(
         **SMALL_LLAMA, embedding_multiplier=6.0, residual_multiplier=0.25,
         attention_multiplier=0.0625, logits_scaling=4.0), 20),
+    # Seed-OSS: Qwen2's biases on q, k and v, heads wider than hidden_size / heads (as its
+    # 128 of 5,120 / 80), its config.json's dropout rates read past
+    "seed-oss": (transformers.SeedOssForCausalLM, transformers.SeedOssConfig(
+        **SMALL_LLAMA, head_dim=16, attention_dropout=0.1, residual_dropout=0.1), 23),
     # as Qwen3's model card extends its context: yarn, 4 times an original 4 tokens
     "qwen3-yarn": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         **SMALL_LLAMA, head_dim=16, tie_word_embeddings=True, rope_parameters={
@@ -666,7 +670,18 @@ NEOX = {
     "neox-sequential": (transformers.GPTNeoXForCausalLM, transformers.GPTNeoXConfig(
         **SMALL_NEOX, use_parallel_residual=False, tie_word_embeddings=True,
         hidden_act="gelu_new", rotary_emb_base=500.0), 22),
+    # Phi-2's layers: one norm for the attention and the MLP side by side, q, k and v in three
+    # projections, 0.4 of each head rotated (Phi-2's share; 6 of these heads' 16 columns), the
+    # head with a bias, its residual dropout read past
+    "phi": (transformers.PhiForCausalLM, transformers.PhiConfig(
+        **{k: v for k, v in SMALL_NEOX.items() if k != "rotary_pct"},
+        partial_rotary_factor=0.4, resid_pdrop=0.1), 24),
 }
+# what each reads as: parallel_residual, head_bias, tie_head, partial_rotary_factor, rope_theta,
+# hidden_act
+NEOX_SECTIONS = {"pythia": (1, False, False, 0.25, 10000.0, "gelu"),
+                 "neox-sequential": (0, False, True, 0.25, 500.0, "gelu_new"),
+                 "phi": (2, True, False, 0.4, 10000.0, "gelu_new")}
 
 
 def cls_of(which: str):
@@ -841,7 +856,7 @@ def test_pythia_14m_reads_as_transformers_reads_it(tmp_path):
     assert section == {"vocab_size": 50304, "d_model": 128, "n_layers": 6, "n_heads": 4,
                        "d_ff": 512, "seq_len": 2048, "max_positions": 2048, "norm_eps": 1e-5,
                        "arch": "neox", "hidden_act": "gelu", "tie_head": False,
-                       "parallel_residual": True, "rope_theta": 10000.0,
+                       "parallel_residual": 1, "head_bias": False, "rope_theta": 10000.0,
                        "partial_rotary_factor": 0.25}
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(
@@ -916,7 +931,6 @@ LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does
 NEOX_NOT_COMPUTED = {  # the same of the demo's GPT-NeoX
     "hidden_act": {"hidden_act": "relu"},
     "attention_bias": {"attention_bias": False},
-    "hidden_dropout": {"hidden_dropout": 0.1},
     "rope_type": {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
                                       "rope_theta": 10000.0, "partial_rotary_factor": 0.25}},
     "rotary_pct": {"rope_parameters": None, "rotary_pct": "quarter"},
@@ -949,6 +963,27 @@ def test_a_llama_asking_for_what_the_model_lacks_is_refused_naming_the_key(
     assert not ckpt.exists() and not metrics.exists()
 
 
+def test_dropout_in_a_config_json_is_read_past_and_said(family_dir, tmp_path, capsys):
+    """A Phi-3 whose config.json sets dropout rates (as Phi-2's and Seed-OSS's do): training
+    settings, not the model; the model section is the one without them, and train.py says in
+    one line that the demo trains without dropout (as MaxText and torchtune do)."""
+    import shutil
+
+    from zero_jax.gpt.cli import load_config, parse_args
+
+    source = family_dir("phi3")
+    shutil.copytree(source, tmp_path / "phi3")
+    _config(tmp_path / "phi3", resid_pdrop=0.1, attention_dropout=0.05, embd_pdrop=0.0,
+            classifier_dropout=0.1)
+    assert hf.read_config(tmp_path / "phi3") == hf.read_config(source)
+    capsys.readouterr()
+    cfg = load_config(parse_args(["--init-from", str(tmp_path / "phi3")]))
+    assert capsys.readouterr().out == (f"--init-from {tmp_path / 'phi3'}: its config.json sets "
+                                       "attention_dropout 0.05, resid_pdrop 0.1; the demo's "
+                                       "models train without dropout\n")
+    assert cfg["model"]["arch"] == "llama"
+
+
 _THEIRS: dict[pathlib.Path, np.ndarray] = {}
 
 
@@ -964,9 +999,9 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     OLMo 2 (outputs normed, not inputs; q and k over all heads), an OLMoE (inputs normed, q
     and k over all heads, experts), a SmolLM3 (every 4th layer without rotary positions), a
     Granite (its four multipliers), an OLMo 3 (3 of 4 layers sliding, the full one's rope
-    yarn-scaled, its config.json in both forms): logits within 1e-5 of transformers';
-    written back through Llama's table as shards with an index and a config.json (a Phi-3 as
-    the Llama it computes as, a Mistral
+    yarn-scaled, its config.json in both forms), a Seed-OSS (q, k, v biases, wider heads):
+    logits within 1e-5 of transformers'; written back through Llama's table as shards with an
+    index and a config.json (a Phi-3 as the Llama it computes as, a Seed-OSS as Qwen2, a Mistral
     with its sliding window; the context it declared, whatever the training window); a
     Mistral's and a Phi-3's window of 5 tokens, shorter than the sequence, as transformers
     computes it),
@@ -989,10 +1024,10 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     assert section.get("n_experts", 0) == (4 if which.endswith(("mixtral", "moe")) else 0)
     assert section.get("shared_expert_d_ff", 0) == (40 if which == "qwen2-moe" else 0)
     assert section["partial_rotary_factor"] == (0.5 if family == "phi4" else 1.0)
-    assert section["qkv_bias"] == (family == "qwen2")
+    assert section["qkv_bias"] == (family in ("qwen2", "seed"))
     assert section["qk_norm"] == (family in ("qwen3", "gemma3", "olmo2", "olmo3", "olmoe"))
     assert section.get("olmo", 0) == {"olmoe": 1, "olmo2": 2, "olmo3": 2}.get(family, 0)
-    assert (family == "qwen3") == (section["head_dim"] == 16)
+    assert (family in ("qwen3", "seed")) == (section["head_dim"] == 16)
     assert section["sliding_window"] == {"mistral": 16, "gemma2": 5, "gemma3": 5,
                                          "olmo3": 5}.get(family, 0)
     counted = sum(p.numel() for n, p in cls_of(which)(FAMILIES[which][1]).named_parameters()
@@ -1072,11 +1107,12 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
 @pytest.mark.parametrize("which", list(NEOX))
 def test_a_gpt_neox_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path, tp,
                                                                    family_dir):
-    """A GPT-NeoX as Pythia is made, and one with its MLP after the attention (tanh's GELU, tied
-    head, another rotary base), read at stage 3 (x tensor parallel 2) through GPT-NeoX's names
-    (q, k, v fused head by head): logits within 1e-5 of transformers'; its config.json read
-    alike in Pythia's form on the Hub; what each of its features changes counts; written back
-    from the shards with a config.json, transformers loads it with the same logits."""
+    """A GPT-NeoX as Pythia is made, one with its MLP after the attention (tanh's GELU, tied
+    head, another rotary base), and a Phi as Phi-2 is made (one norm a layer, q, k and v in
+    three tensors, a head bias), read at stage 3 (x tensor parallel 2): logits within 1e-5 of
+    transformers'; a GPT-NeoX's config.json read alike in Pythia's form on the Hub; what each
+    feature changes counts; written back from the shards with a config.json, transformers
+    loads it with the same logits."""
     from zero_jax.gpt import neox
 
     directory = family_dir(which)
@@ -1084,12 +1120,10 @@ def test_a_gpt_neox_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_pa
         _THEIRS[directory] = torch_logits_of(transformers.AutoModelForCausalLM, directory)
     theirs = _THEIRS[directory]
     section = hf.read_config(directory)
-    pythia = which == "pythia"
-    assert (section["arch"], section["parallel_residual"], section["tie_head"],
-            section["partial_rotary_factor"], section["rope_theta"], section["hidden_act"],
-            section["max_positions"]) == ("neox", pythia, not pythia, 0.25,
-                                          10000.0 if pythia else 500.0,
-                                          "gelu" if pythia else "gelu_new", 16)
+    keys = ("parallel_residual", "head_bias", "tie_head", "partial_rotary_factor",
+            "rope_theta", "hidden_act")
+    assert tuple(section[k] for k in keys) == NEOX_SECTIONS[which]
+    assert (section["arch"], section["max_positions"]) == ("neox", 16)
     counted = sum(p.numel() for p in cls_of(which)(NEOX[which][1]).parameters())
     assert GPTConfig(**section).n_params == counted
     cfg = GPTConfig(**section, remat="none", vocab_multiple=128)
@@ -1104,10 +1138,12 @@ def test_a_gpt_neox_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_pa
     ours = logits_of(model, params)
     assert rel(ours, theirs) < 1e-5, rel(ours, theirs)
     if tp == 1:  # each feature counts (the model's, not the layout's)
-        for other in ({"parallel_residual": not pythia}, {"partial_rotary_factor": 0.5},
-                      {"hidden_act": "gelu_new" if pythia else "gelu"}):
+        for other in ({"parallel_residual": 1 - cfg.parallel_residual} if which != "phi" else
+                      {"head_bias": False}, {"partial_rotary_factor": 0.5},
+                      {"hidden_act": "gelu" if cfg.hidden_act != "gelu" else "gelu_new"}):
             changed = logits_of(neox.NeoX(dataclasses.replace(cfg, **other)), params)
             assert rel(changed, theirs) > 5e-5, other  # 150 times the agreement
+    if tp == 1 and which != "phi":
         hub = json.loads((directory / "config.json").read_text())  # as Pythia's on the Hub
         rope = hub.pop("rope_parameters")
         hub.update(rotary_pct=rope["partial_rotary_factor"], rotary_emb_base=rope["rope_theta"])
@@ -1244,13 +1280,15 @@ def test_a_tensor_taken_in_ranges_is_read_once_whole_and_written_back_whole(fami
 @pytest.mark.slow
 # (the plain Llama's untied head and rotary positions are the Mistral's, trained here too)
 @pytest.mark.parametrize("which", ["llama3", "qwen2", "qwen3", "mistral", "phi4-mini",
-                                   "gemma2", "olmo3", "granite", "mixtral", "pythia"])
+                                   "gemma2", "olmo3", "granite", "mixtral", "seed-oss",
+                                   "pythia", "phi"])
 def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, family_dir):
     """train.py --init-from a Llama directory (one made as Llama 3.2 is, a Qwen2, a Qwen3, a
     Mistral whose sliding window is set to 5 of the 16 tokens, one as Phi-4-mini: longrope,
     heads rotated in half, written back as Phi-3's fused tensors; a Gemma 2, an OLMo 3, a
     Granite (its logits scaled inside the chunked loss); a Mixtral with its load-balancing
-    loss on at 0.02) or a GPT-NeoX made as Pythia is: the model section from its config.json,
+    loss on at 0.02; a Seed-OSS, exported as Qwen2), a GPT-NeoX made as Pythia is or a Phi
+    (its head's bias inside the chunked loss): the model section from its config.json,
     its first loss transformers' on that batch (with the Mixtral's weighted balance loss,
     reported as its ``balance_loss``); two SGD steps; the export loads in transformers with
     zero_jax's logits of the trained checkpoint."""

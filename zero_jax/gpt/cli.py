@@ -366,6 +366,10 @@ def load_config(args: argparse.Namespace) -> dict:
         args.init_from = hub_directory(args.init_from, configs.ConfigError)
         overrides = hf.config_overrides(args.init_from) + overrides
         window_notice(args, hf.read_config(args.init_from))
+        if rates := hf.dropout(args.init_from):
+            print(f"--init-from {args.init_from}: its config.json sets "
+                  f"{', '.join(f'{k} {v:g}' for k, v in rates.items())}; the demo's models "
+                  "train without dropout", flush=True)
     for flag, key in [("stage", "zero.stage"), ("steps", "train.steps"),
                       ("seed", "train.seed"), ("zero3_size", "zero.zero3_size"),
                       ("tensor_parallel", "mesh.tensor_parallel")]:

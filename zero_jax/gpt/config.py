@@ -44,8 +44,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # an export writes back, 0: seq_len; sliding_window Mistral's, 0: none; gemma 1 or 2,
     # Gemma's conventions, with the soft caps, query scalar and window pattern of Gemma 2 and
     # 3; olmo 1 or 2, OLMo's norms; nope_every, SmolLM3's layers without rotary positions;
-    # Granite's multipliers; or neox (GPT-NeoX's, Pythia's: layer norms with biases, rotary
-    # positions on a share of each head, a GELU MLP, parallel_residual): GPTConfig).
+    # Granite's multipliers; or neox (GPT-NeoX's and Phi's: layer norms with biases, rotary
+    # positions on a share of each head, a GELU MLP, parallel_residual, Phi's head_bias):
+    # GPTConfig).
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512,
               "seq_len": 64, "remat": "auto", "arch": "gpt2", "norm_eps": 1e-5,
               "n_kv_heads": 0, "rope_theta": 10000.0, "rope_type": "default",
@@ -55,7 +56,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
               "partial_rotary_factor": 1.0, "tie_head": False,
               "qkv_bias": False, "qk_norm": False, "head_dim": 0, "max_positions": 0,
               "sliding_window": 0, "gemma": 0, "olmo": 0, "window_pattern": 0, "nope_every": 0,
-              "rope_local_theta": 0.0, "parallel_residual": False, "hidden_act": "gelu",
+              "rope_local_theta": 0.0, "parallel_residual": 0, "head_bias": False,
+              "hidden_act": "gelu",
               "n_experts": 0, "experts_per_token": 2, "expert_d_ff": 0, "moe_norm_topk": True,
               "shared_expert_d_ff": 0, "router_aux_loss_coef": 0.0,
               "router_aux_loss_global": False, "router_z_loss_coef": 0.0,
@@ -421,9 +423,17 @@ def _check_neox(m: dict) -> None:
     if m["hidden_act"] not in NEOX_ACTIVATIONS:
         raise ConfigError(f"model.hidden_act must be one of {', '.join(NEOX_ACTIVATIONS)} (got "
                           f"{m['hidden_act']!r}): GELU, exact or tanh's")
-    if m["arch"] != "neox" and (m["parallel_residual"] or m["hidden_act"] != "gelu"):
-        raise ConfigError("model.parallel_residual and model.hidden_act are the neox arch's: "
-                          "set model.arch=neox, or leave them out")
+    if m["parallel_residual"] not in (0, 1, 2):
+        raise ConfigError(f"model.parallel_residual must be 0, 1 or 2 (got "
+                          f"{m['parallel_residual']!r}): the MLP after the attention, beside it "
+                          "with a norm each, or beside it with one norm")
+    if m["arch"] != "neox" and (m["parallel_residual"] or m["head_bias"]
+                                or m["hidden_act"] != "gelu"):
+        raise ConfigError("model.parallel_residual, model.head_bias and model.hidden_act are "
+                          "the neox arch's: set model.arch=neox, or leave them out")
+    if m["head_bias"] and m["tie_head"]:
+        raise ConfigError("model.head_bias is an untied head's (Phi's): set model.tie_head "
+                          "false, or leave model.head_bias out")
     if m["arch"] == "neox" and (m["n_kv_heads"] not in (0, m["n_heads"])
                                 or m["rope_type"] != "default"):
         raise ConfigError("model.n_kv_heads and model.rope_type are not the neox arch's (every "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 import sys
 
@@ -62,12 +63,13 @@ def read_config(directory: str | os.PathLike) -> dict:
                            "directory (config.json and safetensors)") from None
     if hf.get("model_type") in (*llama_config.FAMILIES, "gemma3"):
         return llama_config.read_config(directory)
-    if hf.get("model_type") == "gpt_neox":
+    if hf.get("model_type") in neox.FAMILIES:
         return neox.read_config(path, hf)
     if hf.get("model_type") != "gpt2":
         raise WeightsError(f"{path} is model_type {hf.get('model_type')!r}; this demo reads "
-                           f"gpt2, gpt_neox, {', '.join(llama_config.FAMILIES)} and gemma3's "
-                           "text: pass a directory of one")
+                           f"gpt2, {', '.join(neox.FAMILIES)}, "
+                           f"{', '.join(llama_config.FAMILIES)} and gemma3's text: pass a "
+                           "directory of one")
     for key, want in GPT2_FIXED.items():
         if key in hf and hf[key] != want:
             raise WeightsError(f"{path} has {key} {hf[key]!r}; this demo's GPT-2 computes "
@@ -78,6 +80,16 @@ def read_config(directory: str | os.PathLike) -> dict:
         raise WeightsError(f"{path} has no {e.args[0]}: pass a GPT-2 config.json") from None
     model["d_ff"] = hf.get("n_inner") or 4 * model["d_model"]
     return {**model, "arch": "gpt2", "norm_eps": hf.get("layer_norm_epsilon", 1e-5)}
+
+
+def dropout(directory: str | os.PathLike) -> dict[str, float]:
+    """The dropout rates above 0 that a directory's config.json sets (``attention_dropout``,
+    ``resid_pdrop``, ...; a classification head's aside): training settings, not the model,
+    which the demo's models train without, as MaxText's and torchtune's do."""
+    hf = json.loads((pathlib.Path(directory) / CONFIG).read_text())
+    hf = hf.get("text_config", hf) if hf.get("model_type") == "gemma3" else hf
+    return {k: v for k, v in hf.items() if re.search(r"(dropout|pdrop)$", k)
+            and k != "classifier_dropout" and isinstance(v, (int, float)) and v > 0}
 
 
 def config_overrides(directory: str | os.PathLike) -> list[str]:
@@ -123,6 +135,8 @@ def check_writable(model: dict) -> None:
     computes."""
     if model.get("arch", "gpt2") == "llama":
         llama_config.hf_config(model)
+    if model.get("arch") == "neox":
+        neox.hf_config(model)
 
 
 def load(plan, directory: str | os.PathLike, check_only: bool = False):
@@ -197,7 +211,7 @@ def saver(directory: str, step, model: dict, every: int, last: int, stop, guard,
 
 def export(checkpoint_dir: str, out: str, step: int | None = None, dtype: str = "fp32",
            max_shard_bytes: int | None = None) -> dict:
-    """A demo checkpoint as a Hugging Face GPT-2, Llama or Qwen directory: config.json (from the
+    """A demo checkpoint as a Hugging Face directory of its family: config.json (from the
     model config the run stored) and model.safetensors (or shards and their index), streamed;
     the tokenizer files of the directory the run was initialized from beside them."""
     from zero_jax import export as library

@@ -218,13 +218,20 @@ class LlamaBlock(nn.Module):
 
 class Head(nn.Module):
     """The output head's kernel ``(d_model, padded_vocab)``, as ``nn.Dense`` names and
-    initializes it; its matmul is the loss's (``zero_jax.losses.cross_entropy``)."""
+    initializes it; its matmul is the loss's (``zero_jax.losses.cross_entropy``). With
+    ``bias`` (Phi's), its bias is one more row of it, which the loss's matmul adds against a
+    feature of ones the hidden states end with: no other loss needed."""
 
     features: int
+    bias: bool = False
 
     @nn.compact
     def __call__(self, d: int) -> jax.Array:
-        return self.param("kernel", nn.initializers.lecun_normal(), (d, self.features))
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (d, self.features))
+        if not self.bias:
+            return kernel
+        bias = self.param("bias", nn.initializers.zeros, (self.features,))
+        return jnp.concatenate([kernel, bias[None].astype(kernel.dtype)])
 
 
 class Llama(nn.Module):

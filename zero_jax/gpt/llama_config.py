@@ -1,9 +1,9 @@
 """The Llama family's config.json, both ways: read into the demo's model section, refusing
 what ``zero_jax.gpt.llama`` does not compute (another activation, biases, rope type, a Qwen's
 sliding window, ...), and written for a model, then read back to prove transformers would
-compute the same model (``hf_config``). Sixteen ``model_type``s: Llama, Mistral, Phi-3,
-Qwen2, Qwen3, Gemma 1-3, OLMo 2 and 3, SmolLM3, Granite and the experts of Mixtral,
-Qwen2-MoE, Qwen3-MoE and OLMoE."""
+compute the same model (``hf_config``). Seventeen ``model_type``s: Llama, Mistral, Phi-3,
+Qwen2, Qwen3, Gemma 1-3, OLMo 2 and 3, SmolLM3, Granite, Seed-OSS (written back as the Qwen2
+it computes as) and the experts of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE."""
 
 from __future__ import annotations
 
@@ -23,15 +23,15 @@ HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model",
 # this model to compute it (anything else is refused): the Qwens without their sliding
 # windows; Qwen2 with biases on q, k and v (``qkv_bias``), Qwen3 with q and k normed
 # (``qk_norm``); Mistral and Phi-3 with a window or none (``sliding_window``), Phi-3 with
-# its q, k, v and its gate and up projections fused in two tensors, without dropout, rotating
-# whole heads or a share of each (``partial_rotary_factor``, Phi-4-mini's); the OLMos
-# without biases or dropout, OLMoE without clipping q, k and v; SmolLM3 without biases or
-# a sliding window; Granite without biases or dropout.
-_PLAIN = {"hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0}
+# its q, k, v and its gate and up projections fused in two tensors, rotating whole heads or a
+# share of each (``partial_rotary_factor``, Phi-4-mini's); the OLMos without biases, OLMoE
+# without clipping q, k and v; SmolLM3 without biases or a sliding window; Granite without
+# biases; Seed-OSS with biases on q, k and v or none (``attention_bias``), none elsewhere.
+# Dropout rates are training settings, not the model: read past (``hf.dropout``).
+_PLAIN = {"hidden_act": "silu", "attention_bias": False}
 FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
             "mistral": {"hidden_act": "silu"},
-            "phi3": {"hidden_act": "silu", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-                     "attention_dropout": 0.0},
+            "phi3": {"hidden_act": "silu"},
             "qwen2": {"hidden_act": "silu", "use_sliding_window": False},
             "qwen3": {"hidden_act": "silu", "attention_bias": False,
                       "use_sliding_window": False},
@@ -51,7 +51,8 @@ FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias":
             "granite": {**_PLAIN, "mlp_bias": False},
             "smollm3": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
                         "use_sliding_window": False},
-            "olmoe": {**_PLAIN, "clip_qkv": None}}
+            "olmoe": {**_PLAIN, "clip_qkv": None},
+            "seed_oss": {"hidden_act": "silu", "attention_out_bias": False, "mlp_bias": False}}
 # Gemma 3's text keys at transformers' defaults: the text_config of its image-text models on
 # the Hub (4B and up) holds only those that differ
 GEMMA3_TEXT = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
@@ -116,9 +117,11 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
         raise WeightsError(f"{path} has no {e.args[0]}: pass a Llama config.json") from None
     head_dim = hf.get("head_dim") or model["d_model"] // model["n_heads"]
     partial = _partial_rotary(path, hf, head_dim)
-    if not isinstance(tied := hf.get("tie_word_embeddings", False), bool):
-        raise WeightsError(f"{path} has tie_word_embeddings {tied!r}, not true or false: pass a "
-                           "model whose config.json has one of them")
+    for key, default in (("tie_word_embeddings", False), ("attention_bias", False)):
+        if not isinstance(hf.get(key, default), bool):
+            raise WeightsError(f"{path} has {key} {hf[key]!r}, not true or false: pass a "
+                               "model whose config.json has one of them")
+    tied = hf.get("tie_word_embeddings", False)
     window = hf.get("sliding_window") if hf["model_type"] in (
         "mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "olmo3") else None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
@@ -136,7 +139,8 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
     return {**model, "seq_len": min(model["seq_len"], WINDOW), **gemma, **experts, **own,
             "max_positions": model["seq_len"], "sliding_window": window or 0,
             "arch": "llama", "tie_head": tied,
-            "qkv_bias": hf["model_type"] in ("qwen2", "qwen2_moe"),
+            "qkv_bias": hf["model_type"] in ("qwen2", "qwen2_moe") or (
+                kind == "seed_oss" and hf.get("attention_bias", True)),
             "qk_norm": hf["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2",
                                             "olmo3", "olmoe"),
             **({"olmo": 1 if hf["model_type"] == "olmoe" else 2}

@@ -113,8 +113,10 @@ class GPTConfig:
     # as the exported model computes
     eval_capacity_factor: float = 0.0
     # neox: the attention and the MLP both read the layer's input, their outputs added to it
-    # together (GPT-NeoX's use_parallel_residual)
-    parallel_residual: bool = False
+    # together (1: each through its own norm, GPT-NeoX's use_parallel_residual; 2: through one,
+    # Phi's); 0: the MLP after the attention
+    parallel_residual: int = 0
+    head_bias: bool = False  # neox: the output head has a bias (Phi's)
     hidden_act: str = "gelu"  # neox: the MLP's GELU, exact ("gelu") or tanh's (gelu_new, ...)
     attn_softcap: float = 0.0  # llama: scores capped by softcap * tanh(s / softcap); 0: none
     logit_softcap: float = 0.0  # llama: the same of the final logits (Gemma 2's)
@@ -173,7 +175,9 @@ class GPTConfig:
             return V * d + head + d + L * (2 * d + 2 * d * q + 2 * d * kv + 3 * d * f + extra)
         per_layer = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
         if self.arch == "neox":  # GPT-2's layers, no position table, the head its own
-            return V * d * (1 if self.tie_head else 2) + L * per_layer + 2 * d
+            head = 0 if self.tie_head else V * d + (V if self.head_bias else 0)
+            shared = 2 * d if self.parallel_residual == 2 else 0  # one norm a layer
+            return V * d + head + L * (per_layer - shared) + 2 * d
         return V * d + self.seq_len * d + L * per_layer + 2 * d
 
     @property
