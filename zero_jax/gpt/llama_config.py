@@ -96,7 +96,6 @@ def read_config(directory: str | os.PathLike) -> dict:
 
 def _model_section(path: pathlib.Path, hf: dict) -> dict:
     """``read_config``'s model section of the config.json ``hf`` read from ``path``."""
-    rope_parameters = hf.get("rope_parameters")
     if hf["model_type"] == "gemma" and hf.get("hidden_act") == "gelu":
         hf["hidden_act"] = "gelu_pytorch_tanh"  # Gemma's first files: meant so (transformers)
     if hf.get("mlp_only_layers", []) is None:  # transformers' default: none
@@ -105,16 +104,7 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
         hf["use_bidirectional_attention"] = None
     if hf["model_type"] in ("gemma3_text", "olmo3"):
         hf = _layer_rope(path, hf)
-    for key, want in FAMILIES[hf["model_type"]].items():
-        got = hf.get(key, rope_parameters.get(key, want) if isinstance(rope_parameters, dict)
-                     else want)
-        if got != want:
-            raise WeightsError(f"{path} has {key} {got!r}; this demo's Llama computes "
-                               f"{want!r} only: pass a model with {key} {want!r}")
-    try:
-        model = {ours: hf[theirs] for theirs, ours in HF_KEYS.items()}
-    except KeyError as e:
-        raise WeightsError(f"{path} has no {e.args[0]}: pass a Llama config.json") from None
+    model = section_keys(path, hf, FAMILIES[hf["model_type"]], HF_KEYS, "Llama")
     head_dim = hf.get("head_dim") or model["d_model"] // model["n_heads"]
     partial = _partial_rotary(path, hf, head_dim)
     for key, default in (("tie_word_embeddings", False), ("attention_bias", False)):
@@ -277,6 +267,22 @@ def _layer_types(pattern: int, n_layers: int) -> list[str]:
     """transformers' ``layer_types`` of Gemma 2 and 3: every ``pattern``-th layer full."""
     return ["sliding_attention" if (i + 1) % pattern else "full_attention"
             for i in range(n_layers)]
+
+
+def section_keys(path: pathlib.Path, hf: dict, fixed: dict, keys: dict, what: str) -> dict:
+    """``hf``'s values of ``keys`` (config.json's name -> the model section's), once each key of
+    ``fixed`` (in the file, or its ``rope_parameters``, or absent) is the value this demo's
+    ``what`` computes; else one line naming the key."""
+    rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    for key, want in fixed.items():
+        if (got := hf.get(key, rope.get(key, want))) != want:
+            raise WeightsError(f"{path} has {key} {got!r}; this demo's {what} computes "
+                               f"{want!r} only: pass a model with {key} {want!r}")
+    try:
+        return {ours: hf[theirs] for theirs, ours in keys.items()}
+    except KeyError as e:
+        raise WeightsError(f"{path} has no {e.args[0]}: pass a complete {what} "
+                           "config.json") from None
 
 
 def _layer_rope(path: pathlib.Path, hf: dict) -> dict:

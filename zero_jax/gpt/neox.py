@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from zero_jax.embedding import take_rows
 from zero_jax.gpt import attention
 from zero_jax.gpt.llama import Head, rope, rope_frequencies
-from zero_jax.gpt.llama_config import TENSORS_ALONE
+from zero_jax.gpt.llama_config import TENSORS_ALONE, section_keys
 from zero_jax.gpt.model import GPT, GPTConfig, layer_stack
 from zero_jax.plan import Rule
 from zero_jax.tensorfiles import WeightsError
@@ -162,15 +162,8 @@ def read_config(path: pathlib.Path, hf: dict) -> dict:
     if (act := hf.get("hidden_act", act)) not in ACTIVATIONS:
         raise WeightsError(f"{path} has hidden_act {act!r}; this demo's GPT-NeoX computes "
                            f"{', '.join(ACTIVATIONS)}: pass a model with one of them")
-    for key, want in {**fixed, "rope_type": "default", "rope_scaling": None}.items():
-        got = hf.get(key, rope.get(key, want))
-        if got != want:
-            raise WeightsError(f"{path} has {key} {got!r}; this demo's GPT-NeoX computes "
-                               f"{want!r} only: pass a model with {key} {want!r}")
-    try:
-        model = {ours: hf[theirs] for theirs, ours in KEYS.items()}
-    except KeyError as e:
-        raise WeightsError(f"{path} has no {e.args[0]}: pass a complete config.json") from None
+    model = section_keys(path, hf, {**fixed, "rope_type": "default", "rope_scaling": None}, KEYS,
+                         "GPT-NeoX")
     if hf.get("num_key_value_heads") not in (None, model["n_heads"]):
         raise WeightsError(f"{path} has num_key_value_heads {hf['num_key_value_heads']!r}; this "
                            f"demo's GPT-NeoX gives each head its own keys: pass a model with "
