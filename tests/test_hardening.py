@@ -312,8 +312,8 @@ ROWS = [
      "model.attention=cudnn cannot run here: it runs on CUDA GPUs only (these devices are cpu)"),
     ("head_dim of gpt2", [*T, "--set", "model.head_dim=16"], None,
      "model.head_dim, model.qkv_bias, model.qk_norm, "
-     "model.sliding_window, Gemma's, OLMo's, SmolLM3's and Granite's keys and model.n_experts "
-     "are the llama arch's"),
+     "model.sliding_window, Gemma's, OLMo's, StableLM's, SmolLM3's and Granite's keys and "
+     "model.n_experts are the llama arch's"),
     ("parallel residual of gpt2", [*T, "--set", "model.parallel_residual=1"], None,
      "model.parallel_residual, model.head_bias and model.hidden_act are the neox arch's: set "
      "model.arch=neox"),
@@ -356,7 +356,10 @@ ROWS = [
      "model.olmo 1 norms q and k over all heads at once: set model.qk_norm too"),
     ("olmo and gemma", [*T, "--config", "llama", "--set", "model.olmo=2", "--set",
                         "model.gemma=2"], None,
-     "model.olmo and model.gemma place the norms each its own way: set one"),
+     "model.olmo, model.gemma and model.layer_norm make or place the norms each its own way"),
+    ("layer norm and gemma", [*T, "--config", "llama", "--set", "model.layer_norm=true",
+                              "--set", "model.gemma=1"], None,
+     "model.olmo, model.gemma and model.layer_norm make or place the norms each its own way"),
     ("qkv bias and qk norm", [*T, "--config", "llama", "--set", "model.qkv_bias=true", "--set",
                               "model.qk_norm=true"], None,
      "model.qkv_bias, model.qk_norm and model.sliding_window together are no Hugging Face "

@@ -650,6 +650,9 @@ FAMILIES = {  # name: (class, config, torch seed)
     # 128 of 5,120 / 80), its config.json's dropout rates read past
     "seed-oss": (transformers.SeedOssForCausalLM, transformers.SeedOssConfig(
         **SMALL_LLAMA, head_dim=16, attention_dropout=0.1, residual_dropout=0.1), 23),
+    # StableLM 2: LayerNorms with biases, q, k, v biases, half of each head rotated
+    "stablelm": (transformers.StableLmForCausalLM, transformers.StableLmConfig(
+        **SMALL_LLAMA, use_qkv_bias=True, partial_rotary_factor=0.5), 25),
     # as Qwen3's model card extends its context: yarn, 4 times an original 4 tokens
     "qwen3-yarn": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         **SMALL_LLAMA, head_dim=16, tie_word_embeddings=True, rope_parameters={
@@ -999,7 +1002,8 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     OLMo 2 (outputs normed, not inputs; q and k over all heads), an OLMoE (inputs normed, q
     and k over all heads, experts), a SmolLM3 (every 4th layer without rotary positions), a
     Granite (its four multipliers), an OLMo 3 (3 of 4 layers sliding, the full one's rope
-    yarn-scaled, its config.json in both forms), a Seed-OSS (q, k, v biases, wider heads):
+    yarn-scaled, its config.json in both forms), a Seed-OSS (q, k, v biases, wider heads), a
+    StableLM (LayerNorms with biases, q, k, v biases, half of each head rotated):
     logits within 1e-5 of transformers'; written back through Llama's table as shards with an
     index and a config.json (a Phi-3 as the Llama it computes as, a Seed-OSS as Qwen2, a Mistral
     with its sliding window; the context it declared, whatever the training window); a
@@ -1023,8 +1027,9 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
         family, 0)
     assert section.get("n_experts", 0) == (4 if which.endswith(("mixtral", "moe")) else 0)
     assert section.get("shared_expert_d_ff", 0) == (40 if which == "qwen2-moe" else 0)
-    assert section["partial_rotary_factor"] == (0.5 if family == "phi4" else 1.0)
-    assert section["qkv_bias"] == (family in ("qwen2", "seed"))
+    assert section["partial_rotary_factor"] == (0.5 if family in ("phi4", "stablelm") else 1.0)
+    assert section["qkv_bias"] == (family in ("qwen2", "seed", "stablelm"))
+    assert section.get("layer_norm", False) == (family == "stablelm")
     assert section["qk_norm"] == (family in ("qwen3", "gemma3", "olmo2", "olmo3", "olmoe"))
     assert section.get("olmo", 0) == {"olmoe": 1, "olmo2": 2, "olmo3": 2}.get(family, 0)
     assert (family in ("qwen3", "seed")) == (section["head_dim"] == 16)
@@ -1067,6 +1072,9 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
                     {"logits_scaling": 1.0}, {"query_pre_attn_scalar": 0.0}):
             other = logits_of(llama.Llama(dataclasses.replace(cfg, **one)), params)
             assert rel(other, theirs) > 1e-3, one
+    if counts and family == "stablelm":  # its LayerNorms count
+        rms = logits_of(llama.Llama(dataclasses.replace(cfg, layer_norm=False)), params)
+        assert rel(rms, theirs) > 1e-3
     if counts and family == "smollm3":  # its layers without positions count
         roped = logits_of(llama.Llama(dataclasses.replace(cfg, nope_every=0)), params)
         assert rel(roped, theirs) > 1e-3
@@ -1304,13 +1312,14 @@ def test_a_tensor_taken_in_ranges_is_read_once_whole_and_written_back_whole(fami
 # (the plain Llama's untied head and rotary positions are the Mistral's, trained here too)
 @pytest.mark.parametrize("which", ["llama3", "qwen2", "qwen3", "mistral", "phi4-mini",
                                    "gemma2", "olmo3", "granite", "mixtral", "seed-oss",
-                                   "pythia", "phi"])
+                                   "stablelm", "pythia", "phi"])
 def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, family_dir):
     """train.py --init-from a Llama directory (one made as Llama 3.2 is, a Qwen2, a Qwen3, a
     Mistral whose sliding window is set to 5 of the 16 tokens, one as Phi-4-mini: longrope,
     heads rotated in half, written back as Phi-3's fused tensors; a Gemma 2, an OLMo 3, a
     Granite (its logits scaled inside the chunked loss); a Mixtral with its load-balancing
-    loss on at 0.02; a Seed-OSS, exported as Qwen2), a GPT-NeoX made as Pythia is or a Phi
+    loss on at 0.02; a Seed-OSS, exported as Qwen2; a StableLM), a GPT-NeoX made as Pythia is
+    or a Phi
     (its head's bias inside the chunked loss): the model section from its config.json,
     its first loss transformers' on that batch (with the Mixtral's weighted balance loss,
     reported as its ``balance_loss``); two SGD steps; the export loads in transformers with

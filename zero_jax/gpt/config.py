@@ -55,7 +55,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
               "rope_long_factor": [], "rope_attention_factor": 0.0,
               "partial_rotary_factor": 1.0, "tie_head": False,
               "qkv_bias": False, "qk_norm": False, "head_dim": 0, "max_positions": 0,
-              "sliding_window": 0, "gemma": 0, "olmo": 0, "window_pattern": 0, "nope_every": 0,
+              "sliding_window": 0, "gemma": 0, "olmo": 0, "layer_norm": False, "window_pattern": 0,
+              "nope_every": 0,
               "rope_local_theta": 0.0, "parallel_residual": 0, "head_bias": False,
               "hidden_act": "gelu",
               "n_experts": 0, "experts_per_token": 2, "expert_d_ff": 0, "moe_norm_topk": True,
@@ -379,23 +380,23 @@ def _check_llama(m: dict) -> None:
         raise ConfigError(f"model.gemma must be 0, 1 or 2 (got {m['gemma']})")
     if m["olmo"] not in (0, 1, 2):
         raise ConfigError(f"model.olmo must be 0, 1 or 2 (got {m['olmo']})")
-    if m["olmo"] and m["gemma"]:
-        raise ConfigError("model.olmo and model.gemma place the norms each its own way: set "
-                          "one")
+    if bool(m["olmo"]) + bool(m["gemma"]) + m["layer_norm"] > 1:
+        raise ConfigError("model.olmo, model.gemma and model.layer_norm make or place the norms "
+                          "each its own way: set one")
     if m["olmo"] == 1 and not m["qk_norm"]:
         raise ConfigError("model.olmo 1 norms q and k over all heads at once: set "
                           "model.qk_norm too")
     if m["arch"] != "llama" and (m["head_dim"] or m["qkv_bias"] or m["qk_norm"]
-                                 or m["sliding_window"] or m["gemma"]
+                                 or m["sliding_window"] or m["gemma"] or m["layer_norm"]
                                  or m["olmo"] or m["attn_softcap"] or m["logit_softcap"]
                                  or m["query_pre_attn_scalar"] or m["window_pattern"]
                                  or m["rope_local_theta"] or m["n_experts"] or m["nope_every"]
                                  or (m["embedding_multiplier"], m["residual_multiplier"],
                                      m["logits_scaling"]) != (1, 1, 1)):
         raise ConfigError("model.head_dim, model.qkv_bias, model.qk_norm, "
-                          "model.sliding_window, Gemma's, OLMo's, SmolLM3's and Granite's keys "
-                          "and model.n_experts are the llama arch's: set model.arch=llama, or "
-                          "leave them out")
+                          "model.sliding_window, Gemma's, OLMo's, StableLM's, SmolLM3's and "
+                          "Granite's keys and model.n_experts are the llama arch's: set "
+                          "model.arch=llama, or leave them out")
     if (m["shared_expert_d_ff"] or m["router_aux_loss_coef"] or m["router_z_loss_coef"]
             or m["expert_capacity_factor"] or m["eval_capacity_factor"]) and not m["n_experts"]:
         raise ConfigError("model.shared_expert_d_ff, model.router_aux_loss_coef, "
@@ -463,10 +464,11 @@ def _check_rope(m: dict) -> None:
     if not (0 < m["partial_rotary_factor"] <= 1 and rotary >= 2 and rotary % 2 == 0):
         raise ConfigError(f"model.partial_rotary_factor {m['partial_rotary_factor']} must rotate "
                           f"an even part of each {dh}-wide head: a share in (0, 1] of it")
-    if m["partial_rotary_factor"] < 1 and (m["arch"] == "gpt2" or m["qkv_bias"]
-                                           or m["qk_norm"]):
+    if m["partial_rotary_factor"] < 1 and (m["arch"] == "gpt2" or m["qk_norm"] or (
+            m["qkv_bias"] and not m["layer_norm"])):
         raise ConfigError("model.partial_rotary_factor below 1 is Phi-3's (the llama arch, "
-                          "without qkv_bias or qk_norm) and GPT-NeoX's: set it to 1")
+                          "without qkv_bias or qk_norm), StableLM's (layer_norm) and "
+                          "GPT-NeoX's: set it to 1")
     pairs = rotary // 2
     if kind == "longrope" and not (m["rope_original_max_positions"] >= 1
                                    and m["rope_attention_factor"] >= 0 and all(

@@ -1,5 +1,6 @@
-"""The demo's models in Hugging Face's layout: config.json and GPT-2's (or Llama's,
-``llama.py``, its config.json ``llama_config.py``) tensor names.
+"""The demo's models in Hugging Face's layout: config.json and GPT-2's tensor names here; the
+Llamas' in ``llama.py`` (their config.json ``llama_config.py``), GPT-NeoX's and Phi's in
+``neox.py``: this module picks by the model section's ``arch``.
 
 GPT-2's safetensors hold ``Conv1D`` weights as ``(in, out)``, which is a Flax kernel already:
 its fused ``c_attn`` is this model's ``(d, 3, heads, head_dim)`` qkv kernel with its output
@@ -125,7 +126,8 @@ def mapping(model: dict, prefix: str = "transformer.") -> Mapping:
         from zero_jax.gpt import llama
 
         c = GPTConfig(**model)  # heads rotated in part are Phi-3's, written as its tensors
-        return llama.phi3_mapping(c) if c.rotary_dim < c.dh else llama.mapping(c)
+        phi3 = c.rotary_dim < c.dh and not c.layer_norm  # StableLM's are Llama's tensors
+        return llama.phi3_mapping(c) if phi3 else llama.mapping(c)
     return gpt2_mapping(model, prefix)
 
 

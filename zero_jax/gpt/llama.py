@@ -159,6 +159,8 @@ class GemmaNorm(nn.Module):
 
 
 def norm(c: GPTConfig, name: str) -> nn.Module:
+    if c.layer_norm:  # StableLM's
+        return nn.LayerNorm(epsilon=c.norm_eps, name=name)
     return (GemmaNorm if c.gemma else nn.RMSNorm)(epsilon=c.norm_eps, name=name)
 
 
@@ -309,6 +311,9 @@ def mapping(c: GPTConfig) -> Mapping:
     for name in ("gate", "up", "down") if not c.n_experts else ():
         rows.append(Tensor(f"{h}mlp.{name}_proj.weight", f"blocks/{name}/kernel",
                            transpose=(1, 0)))
+    if c.layer_norm:  # each norm's bias beside its weight
+        rows += [Tensor(t.name.replace(".weight", ".bias"), t.path.replace("/scale", "/bias"))
+                 for t in rows if t.path.endswith("/scale")]
     tied = (r"^lm_head\.weight$",) if c.tie_head else ()
     return Mapping(tuple(rows), ignore=(r"rotary_emb\.inv_freq$", *tied))
 

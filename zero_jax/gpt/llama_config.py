@@ -26,7 +26,9 @@ HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model",
 # its q, k, v and its gate and up projections fused in two tensors, rotating whole heads or a
 # share of each (``partial_rotary_factor``, Phi-4-mini's); the OLMos without biases, OLMoE
 # without clipping q, k and v; SmolLM3 without biases or a sliding window; Granite without
-# biases; Seed-OSS with biases on q, k and v or none (``attention_bias``), none elsewhere.
+# biases; Seed-OSS with biases on q, k and v or none (``attention_bias``), none elsewhere;
+# StableLM with LayerNorms (``layer_norm``), q, k, v biases or none (``use_qkv_bias``), a
+# share of each head rotated, without q and k norms or the parallel residual.
 # Dropout rates are training settings, not the model: read past (``hf.dropout``).
 _PLAIN = {"hidden_act": "silu", "attention_bias": False}
 FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
@@ -52,7 +54,9 @@ FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias":
             "smollm3": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
                         "use_sliding_window": False},
             "olmoe": {**_PLAIN, "clip_qkv": None},
-            "seed_oss": {"hidden_act": "silu", "attention_out_bias": False, "mlp_bias": False}}
+            "seed_oss": {"hidden_act": "silu", "attention_out_bias": False, "mlp_bias": False},
+            "stablelm": {"hidden_act": "silu", "qk_layernorm": False,
+                         "use_parallel_residual": False}}
 # Gemma 3's text keys at transformers' defaults: the text_config of its image-text models on
 # the Hub (4B and up) holds only those that differ
 GEMMA3_TEXT = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
@@ -96,6 +100,8 @@ def read_config(directory: str | os.PathLike) -> dict:
 
 def _model_section(path: pathlib.Path, hf: dict) -> dict:
     """``read_config``'s model section of the config.json ``hf`` read from ``path``."""
+    if hf["model_type"] == "stablelm":  # its LayerNorms' epsilon, under the RMSNorms' key
+        hf = {**hf, "rms_norm_eps": hf.get("layer_norm_eps", 1e-5)}
     if hf["model_type"] == "gemma" and hf.get("hidden_act") == "gelu":
         hf["hidden_act"] = "gelu_pytorch_tanh"  # Gemma's first files: meant so (transformers)
     if hf.get("mlp_only_layers", []) is None:  # transformers' default: none
@@ -107,7 +113,8 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
     model = section_keys(path, hf, FAMILIES[hf["model_type"]], HF_KEYS, "Llama")
     head_dim = hf.get("head_dim") or model["d_model"] // model["n_heads"]
     partial = _partial_rotary(path, hf, head_dim)
-    for key, default in (("tie_word_embeddings", False), ("attention_bias", False)):
+    for key, default in (("tie_word_embeddings", False), ("attention_bias", False),
+                         ("use_qkv_bias", False)):
         if not isinstance(hf.get(key, default), bool):
             raise WeightsError(f"{path} has {key} {hf[key]!r}, not true or false: pass a "
                                "model whose config.json has one of them")
@@ -130,7 +137,9 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
             "max_positions": model["seq_len"], "sliding_window": window or 0,
             "arch": "llama", "tie_head": tied,
             "qkv_bias": hf["model_type"] in ("qwen2", "qwen2_moe") or (
-                kind == "seed_oss" and hf.get("attention_bias", True)),
+                kind == "seed_oss" and hf.get("attention_bias", True)) or hf.get(
+                "use_qkv_bias", False),
+            **({"layer_norm": True} if kind == "stablelm" else {}),
             "qk_norm": hf["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2",
                                             "olmo3", "olmoe"),
             **({"olmo": 1 if hf["model_type"] == "olmoe" else 2}
@@ -309,12 +318,14 @@ def _layer_rope(path: pathlib.Path, hf: dict) -> dict:
 
 
 def _partial_rotary(path: pathlib.Path, hf: dict, dh: int) -> float:
-    """The share of each head a Phi-3 rotates (Phi-4-mini: 0.75), beside the rope keys or among
-    them; 1 for the other families, whose transformers classes rotate whole heads."""
-    if hf["model_type"] != "phi3":
+    """The share of each head a Phi-3 (Phi-4-mini: 0.75) or a StableLM (0.25 where the file
+    says none, as transformers reads it) rotates, beside the rope keys or among them; 1 for
+    the other families, whose transformers classes rotate whole heads."""
+    if hf["model_type"] not in ("phi3", "stablelm"):
         return 1.0
     params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
-    factor = hf.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    default = 0.25 if hf["model_type"] == "stablelm" else 1.0
+    factor = hf.get("partial_rotary_factor", params.get("partial_rotary_factor", default))
     if (isinstance(factor, bool) or not isinstance(factor, (int, float))
             or not 0 < factor <= 1 or int(dh * factor) % 2 or int(dh * factor) < 2):
         raise WeightsError(f"{path} has partial_rotary_factor {factor!r}, not a share of its "
@@ -403,7 +414,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmo2": "Olmo2ForCausalLM",
                  "olmo3": "Olmo3ForCausalLM", "olmoe": "OlmoeForCausalLM",
-                 "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM"}
+                 "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
+                 "stablelm": "StableLmForCausalLM"}
 
 
 def family_of(c: GPTConfig) -> str:
@@ -413,7 +425,10 @@ def family_of(c: GPTConfig) -> str:
     ``qk_norm``, Mistral's with ``sliding_window``, else Llama's (a Mistral without its window
     computes as one); the OLMos' with their norms (``olmo``), q and k normed: OLMoE's
     (``olmo`` 1) with experts, OLMo 3's (2) with a window, else OLMo 2's; SmolLM3's with
-    layers without rotary positions (``nope_every``); Granite's with its multipliers."""
+    layers without rotary positions (``nope_every``); Granite's with its multipliers;
+    StableLM's with LayerNorms."""
+    if c.layer_norm:
+        return "stablelm"
     if c.olmo:
         if not c.qk_norm or bool(c.n_experts) != (c.olmo == 1):
             raise WeightsError("model.olmo without qk_norm, 1 without experts or 2 with them "
@@ -482,6 +497,8 @@ def hf_config(model: dict, dtype: str = "float32") -> dict:
                 "rope_theta": hf.pop("rope_theta")}
         hf["rope_parameters"] = {"full_attention": full, "sliding_attention": {
             "rope_type": "default", "rope_theta": c.rope_local_theta or c.rope_theta}}
+    if family == "stablelm":  # its LayerNorms' epsilon under their own key
+        hf["layer_norm_eps"] = hf.pop("rms_norm_eps")
     _check_read_back(c, family, hf)
     return hf
 
@@ -505,6 +522,7 @@ def _computes(c: GPTConfig) -> dict:
             "n_kv_heads": c.kv_heads, "rope_theta": c.rope_theta, "head_dim": c.dh,
             "partial_rotary_factor": c.rotary_dim / c.dh, "tie_head": c.tie_head,
             "qkv_bias": c.qkv_bias, "qk_norm": c.qk_norm, "gemma": c.gemma, "olmo": c.olmo,
+            "layer_norm": c.layer_norm,
             "nope_every": c.nope_every if c.nope_every <= c.n_layers else 0,
             "embedding_multiplier": c.embedding_multiplier,
             "residual_multiplier": c.residual_multiplier, "logits_scaling": c.logits_scaling,
@@ -568,6 +586,8 @@ def _family_keys(c: GPTConfig, family: str) -> dict:
         out.update(partial_rotary_factor=c.partial_rotary_factor, pad_token_id=None,
                    original_max_position_embeddings=c.rope_original_max_positions
                    or c.max_positions or c.seq_len)
+    if family == "stablelm":
+        out.update(use_qkv_bias=c.qkv_bias, partial_rotary_factor=c.partial_rotary_factor)
     return out
 
 

@@ -74,6 +74,7 @@ class GPTConfig:
     # sqrt(d_model), a tanh-GELU gate; 2: Gemma 2's and 3's norms of the attention's and the
     # MLP's outputs too); 0: none
     gemma: int = 0
+    layer_norm: bool = False  # llama: LayerNorms with biases for the RMSNorms (StableLM's)
     # llama: OLMo's conventions (1: with qk_norm, q and k normed over all heads at once, as
     # OLMoE; 2: also RMSNorms of the attention's and the MLP's outputs in place of their
     # inputs', as OLMo 2 and 3); 0: none
@@ -168,11 +169,13 @@ class GPTConfig:
             normed = q + kv if self.olmo else 2 * self.dh  # OLMo's over all heads
             extra = (q + 2 * kv if self.qkv_bias else 0) + (normed if self.qk_norm else 0)
             extra += 2 * d if self.gemma == 2 else 0  # the outputs' norms
+            extra += 2 * d if self.layer_norm else 0  # the norms' biases (ln_f's below)
             if self.n_experts:  # the router and the experts for the dense MLP
                 extra += d * self.n_experts + self.n_experts * 3 * d * (
                     self.expert_d_ff or f) - 3 * d * f
                 extra += 3 * d * self.shared_expert_d_ff + d if self.shared_expert_d_ff else 0
-            return V * d + head + d + L * (2 * d + 2 * d * q + 2 * d * kv + 3 * d * f + extra)
+            final = 2 * d if self.layer_norm else d
+            return V * d + head + final + L * (2 * d + 2 * d * q + 2 * d * kv + 3 * d * f + extra)
         per_layer = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
         if self.arch == "neox":  # GPT-2's layers, no position table, the head its own
             head = 0 if self.tie_head else V * d + (V if self.head_bias else 0)
