@@ -312,11 +312,20 @@ ROWS = [
      "model.attention=cudnn cannot run here: it runs on CUDA GPUs only (these devices are cpu)"),
     ("head_dim of gpt2", [*T, "--set", "model.head_dim=16"], None,
      "model.head_dim, model.qkv_bias, model.qk_norm, "
-     "model.sliding_window, Gemma's, OLMo's, StableLM's, SmolLM3's and Granite's keys and "
-     "model.n_experts are the llama arch's"),
+     "model.sliding_window, Gemma's, OLMo's, StableLM's, Cohere's, SmolLM3's and Granite's "
+     "keys and model.n_experts are the llama arch's"),
     ("parallel residual of gpt2", [*T, "--set", "model.parallel_residual=1"], None,
-     "model.parallel_residual, model.head_bias and model.hidden_act are the neox arch's: set "
-     "model.arch=neox"),
+     "model.parallel_residual, model.head_bias and model.hidden_act are the neox arch's "
+     "(parallel_residual 2, one norm for both, the llama arch's too): set model.arch=neox"),
+    ("llama parallel residual 1", [*T, "--config", "llama", "--set",
+                                   "model.parallel_residual=1"], None,
+     "model.parallel_residual, model.head_bias and model.hidden_act are the neox arch's"),
+    ("layer norm 3", [*T, "--config", "llama", "--set", "model.layer_norm=3"], None,
+     "model.layer_norm must be 0, 1 or 2 (got 3)"),
+    ("interleaved rotary in part", [*T, "--config", "llama", "--set",
+                                    "model.rope_interleaved=true", "--set",
+                                    "model.partial_rotary_factor=0.5"], None,
+     "model.partial_rotary_factor below 1 is Phi-3's"),
     ("parallel residual 3", [*T, "--set", "model.arch=neox", "--set",
                              "model.parallel_residual=3"], None,
      "model.parallel_residual must be 0, 1 or 2 (got 3)"),
@@ -357,7 +366,7 @@ ROWS = [
     ("olmo and gemma", [*T, "--config", "llama", "--set", "model.olmo=2", "--set",
                         "model.gemma=2"], None,
      "model.olmo, model.gemma and model.layer_norm make or place the norms each its own way"),
-    ("layer norm and gemma", [*T, "--config", "llama", "--set", "model.layer_norm=true",
+    ("layer norm and gemma", [*T, "--config", "llama", "--set", "model.layer_norm=1",
                               "--set", "model.gemma=1"], None,
      "model.olmo, model.gemma and model.layer_norm make or place the norms each its own way"),
     ("qkv bias and qk norm", [*T, "--config", "llama", "--set", "model.qkv_bias=true", "--set",

@@ -653,6 +653,19 @@ FAMILIES = {  # name: (class, config, torch seed)
     # StableLM 2: LayerNorms with biases, q, k, v biases, half of each head rotated
     "stablelm": (transformers.StableLmForCausalLM, transformers.StableLmConfig(
         **SMALL_LLAMA, use_qkv_bias=True, partial_rotary_factor=0.5), 25),
+    # Cohere (Command R, Aya): one LayerNorm without biases before the attention and the MLP
+    # side by side, rotary pairs side by side, the logits scaled, the head tied; Cohere 2
+    # (Command R7B): 3 of 4 layers sliding (5 tokens), the 4th without rotary positions
+    "cohere": (transformers.CohereForCausalLM, transformers.CohereConfig(
+        **SMALL_LLAMA, logit_scale=0.25), 26),
+    "cohere2": (transformers.Cohere2ForCausalLM, transformers.Cohere2Config(
+        **{**SMALL_LLAMA, "num_hidden_layers": 4}, sliding_window=5, logit_scale=0.25), 27),
+    # Helium and Ernie 4.5: Llama's layers, rotary pairs side by side; Ernie's heads wider
+    # than hidden_size / heads, its head tied
+    "helium": (transformers.HeliumForCausalLM, transformers.HeliumConfig(
+        **SMALL_LLAMA, head_dim=8), 28),
+    "ernie": (transformers.Ernie4_5ForCausalLM, transformers.Ernie4_5Config(
+        **SMALL_LLAMA, head_dim=16), 29),
     # as Qwen3's model card extends its context: yarn, 4 times an original 4 tokens
     "qwen3-yarn": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         **SMALL_LLAMA, head_dim=16, tie_word_embeddings=True, rope_parameters={
@@ -1003,7 +1016,10 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     and k over all heads, experts), a SmolLM3 (every 4th layer without rotary positions), a
     Granite (its four multipliers), an OLMo 3 (3 of 4 layers sliding, the full one's rope
     yarn-scaled, its config.json in both forms), a Seed-OSS (q, k, v biases, wider heads), a
-    StableLM (LayerNorms with biases, q, k, v biases, half of each head rotated):
+    StableLM (LayerNorms with biases, q, k, v biases, half of each head rotated), a Cohere and
+    a Cohere 2 (one LayerNorm without biases, rotary pairs side by side, the logits scaled;
+    3 of 4 layers sliding, the 4th without rotary positions), a Helium and an Ernie 4.5
+    (rotary pairs side by side; the Helium written back as Ernie 4.5):
     logits within 1e-5 of transformers'; written back through Llama's table as shards with an
     index and a config.json (a Phi-3 as the Llama it computes as, a Seed-OSS as Qwen2, a Mistral
     with its sliding window; the context it declared, whatever the training window); a
@@ -1020,21 +1036,25 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     section = llama_config.read_config(llama_dir)
     family = which.split("-")[0]
     assert section["tie_head"] == (family in ("llama3", "qwen2", "qwen3", "phi4", "gemma",
-                                              "gemma2", "gemma3", "smollm3"))
-    assert section.get("nope_every", 0) == (4 if family == "smollm3" else 0)
+                                              "gemma2", "gemma3", "smollm3", "cohere",
+                                              "cohere2", "ernie"))
+    assert section.get("nope_every", 0) == (4 if family in ("smollm3", "cohere2") else 0)
     assert section.get("gemma", 0) == {"gemma": 1, "gemma2": 2, "gemma3": 2}.get(family, 0)
-    assert section.get("window_pattern", 0) == {"gemma2": 2, "gemma3": 3, "olmo3": 4}.get(
-        family, 0)
+    assert section.get("window_pattern", 0) == {"gemma2": 2, "gemma3": 3, "olmo3": 4,
+                                                 "cohere2": 4}.get(family, 0)
     assert section.get("n_experts", 0) == (4 if which.endswith(("mixtral", "moe")) else 0)
     assert section.get("shared_expert_d_ff", 0) == (40 if which == "qwen2-moe" else 0)
     assert section["partial_rotary_factor"] == (0.5 if family in ("phi4", "stablelm") else 1.0)
     assert section["qkv_bias"] == (family in ("qwen2", "seed", "stablelm"))
-    assert section.get("layer_norm", False) == (family == "stablelm")
+    assert section.get("layer_norm", 0) == {"stablelm": 1, "cohere": 2, "cohere2": 2}.get(
+        family, 0)
+    assert section.get("rope_interleaved", False) == (family in ("cohere", "cohere2", "helium",
+                                                                "ernie"))
     assert section["qk_norm"] == (family in ("qwen3", "gemma3", "olmo2", "olmo3", "olmoe"))
     assert section.get("olmo", 0) == {"olmoe": 1, "olmo2": 2, "olmo3": 2}.get(family, 0)
-    assert (family in ("qwen3", "seed")) == (section["head_dim"] == 16)
+    assert (family in ("qwen3", "seed", "ernie")) == (section["head_dim"] == 16)
     assert section["sliding_window"] == {"mistral": 16, "gemma2": 5, "gemma3": 5,
-                                         "olmo3": 5}.get(family, 0)
+                                         "olmo3": 5, "cohere2": 5}.get(family, 0)
     counted = sum(p.numel() for n, p in cls_of(which)(FAMILIES[which][1]).named_parameters()
                   if not n.startswith(("model.vision_tower", "model.multi_modal_projector")))
     assert GPTConfig(**section).n_params == counted  # the planner's count, the head tied once
@@ -1062,7 +1082,14 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     # Whether a feature changes the logits is the model's, not the layout's: shown at tp 1 only
     # (at tp 2 the logits equal transformers' above, with the feature, all the same).
     counts = tp == 1
-    if counts and family in ("gemma2", "gemma3", "olmo3"):  # the sliding layers' window, base
+    if counts and family in ("helium", "ernie"):  # the rotary pairs count
+        halves = logits_of(llama.Llama(dataclasses.replace(cfg, rope_interleaved=False)), params)
+        assert rel(halves, theirs) > 1e-3
+    if counts and family.startswith("cohere"):  # its norms, rotary pairs and logit scale count
+        for one in ({"layer_norm": 0}, {"rope_interleaved": False}, {"logits_scaling": 1.0}):
+            other = logits_of(llama.Llama(dataclasses.replace(cfg, **one)), params)
+            assert rel(other, theirs) > 1e-3, one
+    if counts and family in ("gemma2", "gemma3", "olmo3", "cohere2"):  # the sliding window
         for plain in ({"sliding_window": 0, "window_pattern": 0, "rope_local_theta": 0.0},
                       *([{"rope_local_theta": 0.0}] if family in ("gemma3", "olmo3") else [])):
             other = logits_of(llama.Llama(dataclasses.replace(cfg, **plain)), params)
@@ -1312,13 +1339,14 @@ def test_a_tensor_taken_in_ranges_is_read_once_whole_and_written_back_whole(fami
 # (the plain Llama's untied head and rotary positions are the Mistral's, trained here too)
 @pytest.mark.parametrize("which", ["llama3", "qwen2", "qwen3", "mistral", "phi4-mini",
                                    "gemma2", "olmo3", "granite", "mixtral", "seed-oss",
-                                   "stablelm", "pythia", "phi"])
+                                   "stablelm", "cohere2", "pythia", "phi"])
 def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, family_dir):
     """train.py --init-from a Llama directory (one made as Llama 3.2 is, a Qwen2, a Qwen3, a
     Mistral whose sliding window is set to 5 of the 16 tokens, one as Phi-4-mini: longrope,
     heads rotated in half, written back as Phi-3's fused tensors; a Gemma 2, an OLMo 3, a
     Granite (its logits scaled inside the chunked loss); a Mixtral with its load-balancing
-    loss on at 0.02; a Seed-OSS, exported as Qwen2; a StableLM), a GPT-NeoX made as Pythia is
+    loss on at 0.02; a Seed-OSS, exported as Qwen2; a StableLM; a Cohere 2), a GPT-NeoX made
+    as Pythia is
     or a Phi
     (its head's bias inside the chunked loss): the model section from its config.json,
     its first loss transformers' on that batch (with the Mixtral's weighted balance loss,

@@ -55,7 +55,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
               "rope_long_factor": [], "rope_attention_factor": 0.0,
               "partial_rotary_factor": 1.0, "tie_head": False,
               "qkv_bias": False, "qk_norm": False, "head_dim": 0, "max_positions": 0,
-              "sliding_window": 0, "gemma": 0, "olmo": 0, "layer_norm": False, "window_pattern": 0,
+              "sliding_window": 0, "gemma": 0, "olmo": 0, "layer_norm": 0, "window_pattern": 0,
+              "rope_interleaved": False,
               "nope_every": 0,
               "rope_local_theta": 0.0, "parallel_residual": 0, "head_bias": False,
               "hidden_act": "gelu",
@@ -376,26 +377,18 @@ def _check_llama(m: dict) -> None:
         if not 0 < m[key] < math.inf:
             raise ConfigError(f"model.{key} must be a finite number above 0 (got {m[key]}): "
                               "1 is none")
-    if m["gemma"] not in (0, 1, 2):
-        raise ConfigError(f"model.gemma must be 0, 1 or 2 (got {m['gemma']})")
-    if m["olmo"] not in (0, 1, 2):
-        raise ConfigError(f"model.olmo must be 0, 1 or 2 (got {m['olmo']})")
-    if bool(m["olmo"]) + bool(m["gemma"]) + m["layer_norm"] > 1:
-        raise ConfigError("model.olmo, model.gemma and model.layer_norm make or place the norms "
-                          "each its own way: set one")
-    if m["olmo"] == 1 and not m["qk_norm"]:
-        raise ConfigError("model.olmo 1 norms q and k over all heads at once: set "
-                          "model.qk_norm too")
+    _check_norms(m)
     if m["arch"] != "llama" and (m["head_dim"] or m["qkv_bias"] or m["qk_norm"]
                                  or m["sliding_window"] or m["gemma"] or m["layer_norm"]
+                                 or m["rope_interleaved"]
                                  or m["olmo"] or m["attn_softcap"] or m["logit_softcap"]
                                  or m["query_pre_attn_scalar"] or m["window_pattern"]
                                  or m["rope_local_theta"] or m["n_experts"] or m["nope_every"]
                                  or (m["embedding_multiplier"], m["residual_multiplier"],
                                      m["logits_scaling"]) != (1, 1, 1)):
         raise ConfigError("model.head_dim, model.qkv_bias, model.qk_norm, "
-                          "model.sliding_window, Gemma's, OLMo's, StableLM's, SmolLM3's and "
-                          "Granite's keys and model.n_experts are the llama arch's: set "
+                          "model.sliding_window, Gemma's, OLMo's, StableLM's, Cohere's, SmolLM3's "
+                          "and Granite's keys and model.n_experts are the llama arch's: set "
                           "model.arch=llama, or leave them out")
     if (m["shared_expert_d_ff"] or m["router_aux_loss_coef"] or m["router_z_loss_coef"]
             or m["expert_capacity_factor"] or m["eval_capacity_factor"]) and not m["n_experts"]:
@@ -428,10 +421,12 @@ def _check_neox(m: dict) -> None:
         raise ConfigError(f"model.parallel_residual must be 0, 1 or 2 (got "
                           f"{m['parallel_residual']!r}): the MLP after the attention, beside it "
                           "with a norm each, or beside it with one norm")
-    if m["arch"] != "neox" and (m["parallel_residual"] or m["head_bias"]
-                                or m["hidden_act"] != "gelu"):
+    if m["arch"] != "neox" and (m["head_bias"] or m["hidden_act"] != "gelu" or
+                                m["parallel_residual"] not in ((0, 2) if m["arch"] == "llama"
+                                                               else (0,))):
         raise ConfigError("model.parallel_residual, model.head_bias and model.hidden_act are "
-                          "the neox arch's: set model.arch=neox, or leave them out")
+                          "the neox arch's (parallel_residual 2, one norm for both, the llama "
+                          "arch's too): set model.arch=neox, or leave them out")
     if m["head_bias"] and m["tie_head"]:
         raise ConfigError("model.head_bias is an untied head's (Phi's): set model.tie_head "
                           "false, or leave model.head_bias out")
@@ -443,6 +438,23 @@ def _check_neox(m: dict) -> None:
         raise ConfigError("model.max_positions is the context a Hugging Face export declares "
                           "for rotary positions (the llama and neox archs); GPT-2's is seq_len: "
                           "leave it out")
+
+
+def _check_norms(m: dict) -> None:
+    """The Llama decoder's norm conventions: Gemma's, OLMo's, LayerNorms; one at a time."""
+    if m["gemma"] not in (0, 1, 2):
+        raise ConfigError(f"model.gemma must be 0, 1 or 2 (got {m['gemma']})")
+    if m["olmo"] not in (0, 1, 2):
+        raise ConfigError(f"model.olmo must be 0, 1 or 2 (got {m['olmo']})")
+    if m["layer_norm"] not in (0, 1, 2):
+        raise ConfigError(f"model.layer_norm must be 0, 1 or 2 (got {m['layer_norm']}): "
+                          "RMSNorms, LayerNorms with biases, without")
+    if bool(m["olmo"]) + bool(m["gemma"]) + bool(m["layer_norm"]) > 1:
+        raise ConfigError("model.olmo, model.gemma and model.layer_norm make or place the norms "
+                          "each its own way: set one")
+    if m["olmo"] == 1 and not m["qk_norm"]:
+        raise ConfigError("model.olmo 1 norms q and k over all heads at once: set "
+                          "model.qk_norm too")
 
 
 def _check_rope(m: dict) -> None:
@@ -465,7 +477,7 @@ def _check_rope(m: dict) -> None:
         raise ConfigError(f"model.partial_rotary_factor {m['partial_rotary_factor']} must rotate "
                           f"an even part of each {dh}-wide head: a share in (0, 1] of it")
     if m["partial_rotary_factor"] < 1 and (m["arch"] == "gpt2" or m["qk_norm"] or (
-            m["qkv_bias"] and not m["layer_norm"])):
+            m["qkv_bias"] and not m["layer_norm"]) or m["rope_interleaved"]):
         raise ConfigError("model.partial_rotary_factor below 1 is Phi-3's (the llama arch, "
                           "without qkv_bias or qk_norm), StableLM's (layer_norm) and "
                           "GPT-NeoX's: set it to 1")

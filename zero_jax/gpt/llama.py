@@ -15,6 +15,7 @@ frequencies are scaled as Hugging Face's ``linear`` and ``llama3`` rope types sc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import flax.linen as nn
@@ -100,17 +101,24 @@ def rope_scale(c: GPTConfig) -> float:
     return math.sqrt(1 + math.log(c.rope_factor) / math.log(c.rope_original_max_positions))
 
 
-def rope(x: jax.Array, inv: jax.Array, scale: float = 1.0) -> jax.Array:
+def rope(x: jax.Array, inv: jax.Array, scale: float = 1.0, interleaved: bool = False
+         ) -> jax.Array:
     """Rotary positions on ``(batch, seq, heads, head_dim)`` at frequencies ``inv``, halves
-    rotated as HF does, cosines and sines times ``scale`` (``rope_scale``); only the first
+    rotated as HF does (``interleaved``: each even column with the odd one after it, as
+    Cohere's), cosines and sines times ``scale`` (``rope_scale``); only the first
     ``2 len(inv)`` of each head where that is less than its width (partial rotary)."""
     if 2 * inv.shape[0] < x.shape[-1]:
         rotated = rope(x[..., :2 * inv.shape[0]], inv, scale)
         return jnp.concatenate([rotated, x[..., 2 * inv.shape[0]:]], -1)
     t, dh = x.shape[1], x.shape[-1]
     angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv[None]
-    angles = jnp.concatenate([angles, angles], -1)[None, :, None]
-    half = jnp.concatenate([-x[..., dh // 2:], x[..., :dh // 2]], -1)
+    if interleaved:
+        angles = jnp.repeat(angles, 2, -1)[None, :, None]
+        pairs = x.reshape(*x.shape[:-1], dh // 2, 2)
+        half = jnp.stack([-pairs[..., 1], pairs[..., 0]], -1).reshape(x.shape)
+    else:
+        angles = jnp.concatenate([angles, angles], -1)[None, :, None]
+        half = jnp.concatenate([-x[..., dh // 2:], x[..., :dh // 2]], -1)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     if not isinstance(scale, float) or scale != 1.0:  # traced: a layer's (window_pattern)
         cos, sin = cos * scale, sin * scale
@@ -159,8 +167,8 @@ class GemmaNorm(nn.Module):
 
 
 def norm(c: GPTConfig, name: str) -> nn.Module:
-    if c.layer_norm:  # StableLM's
-        return nn.LayerNorm(epsilon=c.norm_eps, name=name)
+    if c.layer_norm:  # StableLM's (1), Cohere's without biases (2)
+        return nn.LayerNorm(epsilon=c.norm_eps, use_bias=c.layer_norm == 1, name=name)
     return (GemmaNorm if c.gemma else nn.RMSNorm)(epsilon=c.norm_eps, name=name)
 
 
@@ -194,10 +202,11 @@ class LlamaBlock(nn.Module):
                     for y, n in ((q, "q_norm"), (k, "k_norm")))
         elif c.qk_norm:  # over each head's width, the one scale shared by the heads
             q, k = norm(c, "q_norm")(q), norm(c, "k_norm")(k)
+        rotate = functools.partial(rope, inv=inv, scale=scale, interleaved=c.rope_interleaved)
         if rotary is None:
-            q, k = rope(q, inv, scale), rope(k, inv, scale)
+            q, k = rotate(q), rotate(k)
         else:
-            q, k = (jnp.where(rotary, rope(y, inv, scale), y) for y in (q, k))
+            q, k = (jnp.where(rotary, rotate(y), y) for y in (q, k))
         v = dense((c.kv_heads, dh), "v", c.qkv_bias)(h)
         # query head i reads kv head i // rep
         attend = lambda window: attention.causal(  # noqa: E731
@@ -207,7 +216,8 @@ class LlamaBlock(nn.Module):
             sliding, lambda: attend(c.sliding_window), lambda: attend(0))
         residual = lambda y: y if c.residual_multiplier == 1 else c.residual_multiplier * y
         x = x + residual(after(dense(d, "o", axis=(-2, -1))(att), "post_attn"))
-        h = before(x, "ln2")
+        # the MLP reads the attention's input through its norm (Cohere's), or the sum's own
+        h = h if c.parallel_residual else before(x, "ln2")
         if c.n_experts:  # the routing's statistics out as the layer loop's, where they count
             y, stats = MoE(c.n_experts, c.experts_per_token, c.expert_d_ff or c.d_ff,
                            c.moe_norm_topk, swiglu, c.shared_expert_d_ff,
@@ -289,7 +299,7 @@ def mapping(c: GPTConfig) -> Mapping:
     # norms the outputs alone
     outputs = {"post_attn": "post_attention", "post_mlp": "post_feedforward"}
     norms = {"ln2": "pre_feedforward", **outputs} if c.gemma == 2 else outputs if c.olmo == 2 \
-        else {"ln2": "post_attention"}
+        else {} if c.parallel_residual else {"ln2": "post_attention"}  # Cohere: one norm
     inputs = [] if c.olmo == 2 else [Tensor(h + "input_layernorm.weight", "blocks/ln1/scale")]
     rows = [Tensor("model.embed_tokens.weight", "wte", pad=(0, c.vocab_size)),
             Tensor("model.norm.weight", "ln_f/scale"), *head, *inputs,
@@ -311,7 +321,7 @@ def mapping(c: GPTConfig) -> Mapping:
     for name in ("gate", "up", "down") if not c.n_experts else ():
         rows.append(Tensor(f"{h}mlp.{name}_proj.weight", f"blocks/{name}/kernel",
                            transpose=(1, 0)))
-    if c.layer_norm:  # each norm's bias beside its weight
+    if c.layer_norm == 1:  # each norm's bias beside its weight
         rows += [Tensor(t.name.replace(".weight", ".bias"), t.path.replace("/scale", "/bias"))
                  for t in rows if t.path.endswith("/scale")]
     tied = (r"^lm_head\.weight$",) if c.tie_head else ()

@@ -1,8 +1,9 @@
 """The Llama family's config.json, both ways: read into the demo's model section, refusing
 what ``zero_jax.gpt.llama`` does not compute (another activation, biases, rope type, a Qwen's
 sliding window, ...), and written for a model, then read back to prove transformers would
-compute the same model (``hf_config``). Seventeen ``model_type``s: Llama, Mistral, Phi-3,
+compute the same model (``hf_config``). Twenty-two ``model_type``s: Llama, Mistral, Phi-3,
 Qwen2, Qwen3, Gemma 1-3, OLMo 2 and 3, SmolLM3, Granite, Seed-OSS (written back as the Qwen2
+it computes as), StableLM, Cohere 1 and 2, Ernie 4.5, Helium (written back as the Ernie 4.5
 it computes as) and the experts of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE."""
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model",
 # without clipping q, k and v; SmolLM3 without biases or a sliding window; Granite without
 # biases; Seed-OSS with biases on q, k and v or none (``attention_bias``), none elsewhere;
 # StableLM with LayerNorms (``layer_norm``), q, k, v biases or none (``use_qkv_bias``), a
-# share of each head rotated, without q and k norms or the parallel residual.
+# share of each head rotated, without q and k norms or the parallel residual; Cohere (Command
+# R, Aya) and Cohere 2 (Command R7B) without biases or q and k norms; Helium and Ernie 4.5
+# (dense) without biases, their rotary pairs side by side.
 # Dropout rates are training settings, not the model: read past (``hf.dropout``).
 _PLAIN = {"hidden_act": "silu", "attention_bias": False}
 FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
@@ -56,7 +59,14 @@ FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias":
             "olmoe": {**_PLAIN, "clip_qkv": None},
             "seed_oss": {"hidden_act": "silu", "attention_out_bias": False, "mlp_bias": False},
             "stablelm": {"hidden_act": "silu", "qk_layernorm": False,
-                         "use_parallel_residual": False}}
+                         "use_parallel_residual": False},
+            "cohere": {**_PLAIN, "use_qk_norm": False}, "cohere2": _PLAIN,
+            "helium": {**_PLAIN, "mlp_bias": False},
+            "ernie4_5": {"hidden_act": "silu", "use_bias": False}}
+# Their LayerNorms' epsilon under its own key (read as the RMSNorms')
+LAYER_NORM_EPS = ("stablelm", "cohere", "cohere2")
+# Their rotary pairs side by side (``rope_interleaved``)
+INTERLEAVED = ("cohere", "cohere2", "helium", "ernie4_5")
 # Gemma 3's text keys at transformers' defaults: the text_config of its image-text models on
 # the Hub (4B and up) holds only those that differ
 GEMMA3_TEXT = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
@@ -100,7 +110,7 @@ def read_config(directory: str | os.PathLike) -> dict:
 
 def _model_section(path: pathlib.Path, hf: dict) -> dict:
     """``read_config``'s model section of the config.json ``hf`` read from ``path``."""
-    if hf["model_type"] == "stablelm":  # its LayerNorms' epsilon, under the RMSNorms' key
+    if hf["model_type"] in LAYER_NORM_EPS:
         hf = {**hf, "rms_norm_eps": hf.get("layer_norm_eps", 1e-5)}
     if hf["model_type"] == "gemma" and hf.get("hidden_act") == "gelu":
         hf["hidden_act"] = "gelu_pytorch_tanh"  # Gemma's first files: meant so (transformers)
@@ -120,7 +130,7 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
                                "model whose config.json has one of them")
     tied = hf.get("tie_word_embeddings", False)
     window = hf.get("sliding_window") if hf["model_type"] in (
-        "mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "olmo3") else None
+        "mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "olmo3", "cohere2") else None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or window < 1):
         raise WeightsError(f"{path} has sliding_window {window!r}, not a number of tokens: pass "
@@ -132,14 +142,16 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
     # one family's own keys: OLMo 3's windows, SmolLM3's layers without positions, Granite's
     # multipliers
     own = _olmo3(path, hf, n, window) if kind == "olmo3" else _nope(path, hf, n) \
-        if kind == "smollm3" else _granite(path, hf) if kind == "granite" else {}
+        if kind == "smollm3" else _granite(path, hf) if kind == "granite" else _cohere(
+            path, hf, n, window) if kind.startswith("cohere") else {}
     return {**model, "seq_len": min(model["seq_len"], WINDOW), **gemma, **experts, **own,
             "max_positions": model["seq_len"], "sliding_window": window or 0,
             "arch": "llama", "tie_head": tied,
             "qkv_bias": hf["model_type"] in ("qwen2", "qwen2_moe") or (
                 kind == "seed_oss" and hf.get("attention_bias", True)) or hf.get(
                 "use_qkv_bias", False),
-            **({"layer_norm": True} if kind == "stablelm" else {}),
+            **({"layer_norm": 1} if kind == "stablelm" else {}),
+            **({"rope_interleaved": True} if kind in INTERLEAVED else {}),
             "qk_norm": hf["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2",
                                             "olmo3", "olmoe"),
             **({"olmo": 1 if hf["model_type"] == "olmoe" else 2}
@@ -197,6 +209,26 @@ def _olmo3(path: pathlib.Path, hf: dict, n_layers: int, window: int | None) -> d
                            "window: pass a model whose config.json has one")
     return {"window_pattern": _pattern(path, hf, n_layers, 4),
             "rope_local_theta": hf["rope_local_base_freq"]}
+
+
+def _cohere(path: pathlib.Path, hf: dict, n_layers: int, window: int | None) -> dict:
+    """Cohere's: one LayerNorm without biases before the attention and the MLP side by side,
+    the logits times ``logit_scale`` (the hidden states divided by
+    its inverse, ``logits_scaling``); Cohere 2's window on every layer but each N-th (4th by
+    default), the full layers without rotary positions."""
+    scale = hf.get("logit_scale", 0.0625)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not \
+            0 < scale < float("inf"):
+        raise WeightsError(f"{path} has logit_scale {scale!r}, not a positive number: pass a "
+                           "model whose config.json has one")
+    out = {"layer_norm": 2, "parallel_residual": 2, "logits_scaling": 1 / scale}
+    if hf["model_type"] == "cohere2":
+        if not window:
+            raise WeightsError(f"{path} has sliding_window None; this demo's Cohere 2 slides a "
+                               "window: pass a model whose config.json has one")
+        pattern = _pattern(path, hf, n_layers, hf.get("sliding_window_pattern", 4))
+        out.update(window_pattern=pattern, nope_every=pattern)
+    return out
 
 
 def _granite(path: pathlib.Path, hf: dict) -> dict:
@@ -415,7 +447,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmo2": "Olmo2ForCausalLM",
                  "olmo3": "Olmo3ForCausalLM", "olmoe": "OlmoeForCausalLM",
                  "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
-                 "stablelm": "StableLmForCausalLM"}
+                 "stablelm": "StableLmForCausalLM", "cohere": "CohereForCausalLM",
+                 "cohere2": "Cohere2ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM"}
 
 
 def family_of(c: GPTConfig) -> str:
@@ -426,9 +459,14 @@ def family_of(c: GPTConfig) -> str:
     computes as one); the OLMos' with their norms (``olmo``), q and k normed: OLMoE's
     (``olmo`` 1) with experts, OLMo 3's (2) with a window, else OLMo 2's; SmolLM3's with
     layers without rotary positions (``nope_every``); Granite's with its multipliers;
-    StableLM's with LayerNorms."""
+    StableLM's with LayerNorms, Cohere's (2 with a window) without their biases; Ernie 4.5's
+    with rotary pairs side by side."""
+    if c.layer_norm == 2:
+        return "cohere2" if c.sliding_window else "cohere"
     if c.layer_norm:
         return "stablelm"
+    if c.rope_interleaved:  # Helium's too, whose output projection is hidden_size wide only
+        return "ernie4_5"
     if c.olmo:
         if not c.qk_norm or bool(c.n_experts) != (c.olmo == 1):
             raise WeightsError("model.olmo without qk_norm, 1 without experts or 2 with them "
@@ -497,7 +535,7 @@ def hf_config(model: dict, dtype: str = "float32") -> dict:
                 "rope_theta": hf.pop("rope_theta")}
         hf["rope_parameters"] = {"full_attention": full, "sliding_attention": {
             "rope_type": "default", "rope_theta": c.rope_local_theta or c.rope_theta}}
-    if family == "stablelm":  # its LayerNorms' epsilon under their own key
+    if family in LAYER_NORM_EPS:
         hf["layer_norm_eps"] = hf.pop("rms_norm_eps")
     _check_read_back(c, family, hf)
     return hf
@@ -522,7 +560,8 @@ def _computes(c: GPTConfig) -> dict:
             "n_kv_heads": c.kv_heads, "rope_theta": c.rope_theta, "head_dim": c.dh,
             "partial_rotary_factor": c.rotary_dim / c.dh, "tie_head": c.tie_head,
             "qkv_bias": c.qkv_bias, "qk_norm": c.qk_norm, "gemma": c.gemma, "olmo": c.olmo,
-            "layer_norm": c.layer_norm,
+            "layer_norm": c.layer_norm, "parallel_residual": c.parallel_residual,
+            "rope_interleaved": c.rope_interleaved,
             "nope_every": c.nope_every if c.nope_every <= c.n_layers else 0,
             "embedding_multiplier": c.embedding_multiplier,
             "residual_multiplier": c.residual_multiplier, "logits_scaling": c.logits_scaling,
@@ -554,7 +593,7 @@ def _check_read_back(c: GPTConfig, family: str, hf: dict) -> None:
 def _family_keys(c: GPTConfig, family: str) -> dict:
     """The keys of config.json that only ``family`` has, as its files on the Hub name them."""
     out: dict = {}
-    if family in ("gemma2", "gemma3_text", "olmo3"):  # none written, not the configs' default
+    if family in ("gemma2", "gemma3_text", "olmo3", "cohere2"):  # none: not the default
         out.update(sliding_window=c.sliding_window or None,
                    layer_types=_layer_types(c.window_pattern or c.n_layers + 1, c.n_layers))
     if family in ("gemma2", "gemma3_text"):
@@ -588,6 +627,8 @@ def _family_keys(c: GPTConfig, family: str) -> dict:
                    or c.max_positions or c.seq_len)
     if family == "stablelm":
         out.update(use_qkv_bias=c.qkv_bias, partial_rotary_factor=c.partial_rotary_factor)
+    if family.startswith("cohere"):
+        out.update(logit_scale=1 / c.logits_scaling)
     return out
 
 

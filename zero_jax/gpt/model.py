@@ -74,7 +74,9 @@ class GPTConfig:
     # sqrt(d_model), a tanh-GELU gate; 2: Gemma 2's and 3's norms of the attention's and the
     # MLP's outputs too); 0: none
     gemma: int = 0
-    layer_norm: bool = False  # llama: LayerNorms with biases for the RMSNorms (StableLM's)
+    # llama: LayerNorms for the RMSNorms (1: with biases, StableLM's; 2: without, Cohere's)
+    layer_norm: int = 0
+    rope_interleaved: bool = False  # llama: rotary pairs side by side, (0, 1), (2, 3)... (Cohere's)
     # llama: OLMo's conventions (1: with qk_norm, q and k normed over all heads at once, as
     # OLMoE; 2: also RMSNorms of the attention's and the MLP's outputs in place of their
     # inputs', as OLMo 2 and 3); 0: none
@@ -113,9 +115,9 @@ class GPTConfig:
     # llama: the same for evaluation (DeepSpeed-MoE's eval_capacity_factor); 0: none dropped,
     # as the exported model computes
     eval_capacity_factor: float = 0.0
-    # neox: the attention and the MLP both read the layer's input, their outputs added to it
-    # together (1: each through its own norm, GPT-NeoX's use_parallel_residual; 2: through one,
-    # Phi's); 0: the MLP after the attention
+    # neox, llama: the attention and the MLP both read the layer's input, their outputs added to
+    # it together (1: each through its own norm, GPT-NeoX's use_parallel_residual; 2: through
+    # one, Phi's and Cohere's); 0: the MLP after the attention
     parallel_residual: int = 0
     head_bias: bool = False  # neox: the output head has a bias (Phi's)
     hidden_act: str = "gelu"  # neox: the MLP's GELU, exact ("gelu") or tanh's (gelu_new, ...)
@@ -169,12 +171,13 @@ class GPTConfig:
             normed = q + kv if self.olmo else 2 * self.dh  # OLMo's over all heads
             extra = (q + 2 * kv if self.qkv_bias else 0) + (normed if self.qk_norm else 0)
             extra += 2 * d if self.gemma == 2 else 0  # the outputs' norms
-            extra += 2 * d if self.layer_norm else 0  # the norms' biases (ln_f's below)
+            extra += 2 * d if self.layer_norm == 1 else 0  # the norms' biases (ln_f's below)
+            extra -= d if self.parallel_residual else 0  # one norm for both
             if self.n_experts:  # the router and the experts for the dense MLP
                 extra += d * self.n_experts + self.n_experts * 3 * d * (
                     self.expert_d_ff or f) - 3 * d * f
                 extra += 3 * d * self.shared_expert_d_ff + d if self.shared_expert_d_ff else 0
-            final = 2 * d if self.layer_norm else d
+            final = 2 * d if self.layer_norm == 1 else d
             return V * d + head + final + L * (2 * d + 2 * d * q + 2 * d * kv + 3 * d * f + extra)
         per_layer = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
         if self.arch == "neox":  # GPT-2's layers, no position table, the head its own
