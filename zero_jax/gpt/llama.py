@@ -3,10 +3,12 @@ the head untied or tied to the embedding, biases on q, k and v or an RMSNorm ove
 q and k, or neither: Llama, Mistral and Phi-3 with their sliding windows, Qwen2, Qwen3; with
 Gemma's norms, embedding scale and GELU gate, Gemma and Gemma 2 with its output norms and soft
 caps; OLMoE, q and k normed over all heads at once, and OLMo 2 and 3, their outputs normed in
-place of their inputs too) with Hugging Face's tensor names, its layers under ``nn.scan`` as
+place of their inputs too; with LayerNorms, StableLM and Cohere, whose attention and MLP read
+one norm side by side) with Hugging Face's tensor names, its layers under ``nn.scan`` as
 ``blocks``.
 
-Rotary positions rotate the two halves of each head (Hugging Face's ``rotate_half``), so its
+Rotary positions rotate the two halves of each head (Hugging Face's ``rotate_half``), or its
+pairs of columns side by side (``rope_interleaved``: Cohere's, Helium's, Ernie 4.5's), so its
 q and k projections are read as they are stored, with no permutation of their rows. Their
 frequencies are scaled as Hugging Face's ``linear`` and ``llama3`` rope types scale them (Llama
 3.1 and 3.2 use ``llama3``). Its config.json, read and written: ``llama_config``.
