@@ -477,10 +477,10 @@ def _check_rope(m: dict) -> None:
         raise ConfigError(f"model.partial_rotary_factor {m['partial_rotary_factor']} must rotate "
                           f"an even part of each {dh}-wide head: a share in (0, 1] of it")
     if m["partial_rotary_factor"] < 1 and (m["arch"] == "gpt2" or m["qk_norm"] or (
-            m["qkv_bias"] and not m["layer_norm"]) or m["rope_interleaved"]):
+            m["qkv_bias"] and not (m["layer_norm"] or m["rope_interleaved"]))):
         raise ConfigError("model.partial_rotary_factor below 1 is Phi-3's (the llama arch, "
-                          "without qkv_bias or qk_norm), StableLM's (layer_norm) and "
-                          "GPT-NeoX's: set it to 1")
+                          "without qkv_bias or qk_norm), StableLM's (layer_norm), GLM's "
+                          "(rope_interleaved) and GPT-NeoX's: set it to 1")
     pairs = rotary // 2
     if kind == "longrope" and not (m["rope_original_max_positions"] >= 1
                                    and m["rope_attention_factor"] >= 0 and all(

@@ -125,9 +125,10 @@ def mapping(model: dict, prefix: str = "transformer.") -> Mapping:
     if model.get("arch", "gpt2") == "llama":
         from zero_jax.gpt import llama
 
-        c = GPTConfig(**model)  # heads rotated in part are Phi-3's, written as its tensors
-        phi3 = c.rotary_dim < c.dh and not c.layer_norm  # StableLM's are Llama's tensors
-        return llama.phi3_mapping(c) if phi3 else llama.mapping(c)
+        c = GPTConfig(**model)  # the family that computes it says how its tensors are kept
+        family = llama_config.family_of(c)
+        return llama.phi3_mapping(c, qkv=family == "phi3") if family in ("phi3", "glm") \
+            else llama.mapping(c)
     return gpt2_mapping(model, prefix)
 
 

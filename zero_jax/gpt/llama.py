@@ -8,7 +8,7 @@ one norm side by side) with Hugging Face's tensor names, its layers under ``nn.s
 ``blocks``.
 
 Rotary positions rotate the two halves of each head (Hugging Face's ``rotate_half``), or its
-pairs of columns side by side (``rope_interleaved``: Cohere's, Helium's, Ernie 4.5's), so its
+pairs of columns side by side (``rope_interleaved``: Cohere's, Helium's, Ernie 4.5's, GLM's), so its
 q and k projections are read as they are stored, with no permutation of their rows. Their
 frequencies are scaled as Hugging Face's ``linear`` and ``llama3`` rope types scale them (Llama
 3.1 and 3.2 use ``llama3``). Its config.json, read and written: ``llama_config``.
@@ -110,7 +110,7 @@ def rope(x: jax.Array, inv: jax.Array, scale: float = 1.0, interleaved: bool = F
     Cohere's), cosines and sines times ``scale`` (``rope_scale``); only the first
     ``2 len(inv)`` of each head where that is less than its width (partial rotary)."""
     if 2 * inv.shape[0] < x.shape[-1]:
-        rotated = rope(x[..., :2 * inv.shape[0]], inv, scale)
+        rotated = rope(x[..., :2 * inv.shape[0]], inv, scale, interleaved)
         return jnp.concatenate([rotated, x[..., 2 * inv.shape[0]:]], -1)
     t, dh = x.shape[1], x.shape[-1]
     angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv[None]
@@ -338,14 +338,15 @@ def text_mapping(text: Mapping) -> Mapping:
         r"^language_model\.lm_head\.weight$"))
 
 
-def phi3_mapping(c: GPTConfig) -> Mapping:
+def phi3_mapping(c: GPTConfig, qkv: bool = True) -> Mapping:
     """Hugging Face's ``Phi3ForCausalLM`` tensors: Llama's, but for q, k and v in one
     ``qkv_proj`` and the gate and up projections in one ``gate_up_proj``, each parameter
-    taking its rows (and an export writing it there). A trained Phi-3 is written back as the
-    Llama it computes as, unless its heads rotate in part (``llama_config.write_config``)."""
+    taking its rows (and an export writing it there); without ``qkv``, GLM's (its q, k and v
+    apart). A trained Phi-3 is written back as the Llama it computes as, unless its heads
+    rotate in part (``llama_config.write_config``)."""
     h = "model.layers.{layer}."
     fused = {"q": (0, c.n_heads), "k": (c.n_heads, c.kv_heads),
-             "v": (c.n_heads + c.kv_heads, c.kv_heads)}
+             "v": (c.n_heads + c.kv_heads, c.kv_heads)} if qkv else {}
     llama = mapping(c)
     taken = {f"blocks/{n}/kernel" for n in (*fused, "gate", "up")}
     rows = [t for t in llama.tensors if t.path not in taken]

@@ -1,10 +1,10 @@
 """The Llama family's config.json, both ways: read into the demo's model section, refusing
 what ``zero_jax.gpt.llama`` does not compute (another activation, biases, rope type, a Qwen's
 sliding window, ...), and written for a model, then read back to prove transformers would
-compute the same model (``hf_config``). Twenty-two ``model_type``s: Llama, Mistral, Phi-3,
+compute the same model (``hf_config``). Twenty-three ``model_type``s: Llama, Mistral, Phi-3,
 Qwen2, Qwen3, Gemma 1-3, OLMo 2 and 3, SmolLM3, Granite, Seed-OSS (written back as the Qwen2
 it computes as), StableLM, Cohere 1 and 2, Ernie 4.5, Helium (written back as the Ernie 4.5
-it computes as) and the experts of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE."""
+it computes as), GLM and the experts of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE."""
 
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model",
 # StableLM with LayerNorms (``layer_norm``), q, k, v biases or none (``use_qkv_bias``), a
 # share of each head rotated, without q and k norms or the parallel residual; Cohere (Command
 # R, Aya) and Cohere 2 (Command R7B) without biases or q and k norms; Helium and Ernie 4.5
-# (dense) without biases, their rotary pairs side by side.
+# (dense) without biases, their rotary pairs side by side; GLM (GLM-4-9B) with q, k, v biases
+# or none (``attention_bias``), half of each head rotated in pairs side by side, its gate and
+# up projections fused.
 # Dropout rates are training settings, not the model: read past (``hf.dropout``).
 _PLAIN = {"hidden_act": "silu", "attention_bias": False}
 FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
@@ -62,11 +64,12 @@ FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias":
                          "use_parallel_residual": False},
             "cohere": {**_PLAIN, "use_qk_norm": False}, "cohere2": _PLAIN,
             "helium": {**_PLAIN, "mlp_bias": False},
-            "ernie4_5": {"hidden_act": "silu", "use_bias": False}}
+            "ernie4_5": {"hidden_act": "silu", "use_bias": False},
+            "glm": {"hidden_act": "silu"}}
 # Their LayerNorms' epsilon under its own key (read as the RMSNorms')
 LAYER_NORM_EPS = ("stablelm", "cohere", "cohere2")
 # Their rotary pairs side by side (``rope_interleaved``)
-INTERLEAVED = ("cohere", "cohere2", "helium", "ernie4_5")
+INTERLEAVED = ("cohere", "cohere2", "helium", "ernie4_5", "glm")
 # Gemma 3's text keys at transformers' defaults: the text_config of its image-text models on
 # the Hub (4B and up) holds only those that differ
 GEMMA3_TEXT = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
@@ -148,7 +151,7 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
             "max_positions": model["seq_len"], "sliding_window": window or 0,
             "arch": "llama", "tie_head": tied,
             "qkv_bias": hf["model_type"] in ("qwen2", "qwen2_moe") or (
-                kind == "seed_oss" and hf.get("attention_bias", True)) or hf.get(
+                kind in ("seed_oss", "glm") and hf.get("attention_bias", True)) or hf.get(
                 "use_qkv_bias", False),
             **({"layer_norm": 1} if kind == "stablelm" else {}),
             **({"rope_interleaved": True} if kind in INTERLEAVED else {}),
@@ -350,13 +353,13 @@ def _layer_rope(path: pathlib.Path, hf: dict) -> dict:
 
 
 def _partial_rotary(path: pathlib.Path, hf: dict, dh: int) -> float:
-    """The share of each head a Phi-3 (Phi-4-mini: 0.75) or a StableLM (0.25 where the file
-    says none, as transformers reads it) rotates, beside the rope keys or among them; 1 for
-    the other families, whose transformers classes rotate whole heads."""
-    if hf["model_type"] not in ("phi3", "stablelm"):
+    """The share of each head a Phi-3 (Phi-4-mini: 0.75), a StableLM or a GLM (0.25 and 0.5
+    where the file says none, as transformers reads it) rotates, beside the rope keys or among
+    them; 1 for the other families, whose transformers classes rotate whole heads."""
+    if hf["model_type"] not in ("phi3", "stablelm", "glm"):
         return 1.0
     params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
-    default = 0.25 if hf["model_type"] == "stablelm" else 1.0
+    default = {"stablelm": 0.25, "glm": 0.5}.get(hf["model_type"], 1.0)
     factor = hf.get("partial_rotary_factor", params.get("partial_rotary_factor", default))
     if (isinstance(factor, bool) or not isinstance(factor, (int, float))
             or not 0 < factor <= 1 or int(dh * factor) % 2 or int(dh * factor) < 2):
@@ -448,7 +451,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "olmo3": "Olmo3ForCausalLM", "olmoe": "OlmoeForCausalLM",
                  "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
                  "stablelm": "StableLmForCausalLM", "cohere": "CohereForCausalLM",
-                 "cohere2": "Cohere2ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM"}
+                 "cohere2": "Cohere2ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM",
+                 "glm": "GlmForCausalLM"}
 
 
 def family_of(c: GPTConfig) -> str:
@@ -460,13 +464,13 @@ def family_of(c: GPTConfig) -> str:
     (``olmo`` 1) with experts, OLMo 3's (2) with a window, else OLMo 2's; SmolLM3's with
     layers without rotary positions (``nope_every``); Granite's with its multipliers;
     StableLM's with LayerNorms, Cohere's (2 with a window) without their biases; Ernie 4.5's
-    with rotary pairs side by side."""
+    with rotary pairs side by side (GLM's where they rotate in part)."""
     if c.layer_norm == 2:
         return "cohere2" if c.sliding_window else "cohere"
     if c.layer_norm:
         return "stablelm"
     if c.rope_interleaved:  # Helium's too, whose output projection is hidden_size wide only
-        return "ernie4_5"
+        return "glm" if c.rotary_dim < c.dh else "ernie4_5"
     if c.olmo:
         if not c.qk_norm or bool(c.n_experts) != (c.olmo == 1):
             raise WeightsError("model.olmo without qk_norm, 1 without experts or 2 with them "
@@ -629,6 +633,9 @@ def _family_keys(c: GPTConfig, family: str) -> dict:
         out.update(use_qkv_bias=c.qkv_bias, partial_rotary_factor=c.partial_rotary_factor)
     if family.startswith("cohere"):
         out.update(logit_scale=1 / c.logits_scaling)
+    if family == "glm":
+        out.update(attention_bias=c.qkv_bias, partial_rotary_factor=c.partial_rotary_factor,
+                   pad_token_id=None)  # its default is past a smaller vocabulary
     return out
 
 
