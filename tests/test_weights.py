@@ -670,6 +670,9 @@ FAMILIES = {  # name: (class, config, torch seed)
     # gate and up in one tensor
     "glm": (transformers.GlmForCausalLM, transformers.GlmConfig(
         **SMALL_LLAMA, head_dim=16, pad_token_id=0), 30),
+    # GLM-4 (0414): GLM's layers with norms of the attention's and MLP's outputs too
+    "glm4": (transformers.Glm4ForCausalLM, transformers.Glm4Config(
+        **SMALL_LLAMA, head_dim=16, pad_token_id=0), 31),
     # as Qwen3's model card extends its context: yarn, 4 times an original 4 tokens
     "qwen3-yarn": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         **SMALL_LLAMA, head_dim=16, tie_word_embeddings=True, rope_parameters={
@@ -1024,7 +1027,8 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     a Cohere 2 (one LayerNorm without biases, rotary pairs side by side, the logits scaled;
     3 of 4 layers sliding, the 4th without rotary positions), a Helium and an Ernie 4.5
     (rotary pairs side by side; the Helium written back as Ernie 4.5), a GLM (pairs side by
-    side on half of each head, q, k, v biases, gate and up in one tensor):
+    side on half of each head, q, k, v biases, gate and up in one tensor), a GLM-4 (its
+    outputs normed too):
     logits within 1e-5 of transformers'; written back through Llama's table as shards with an
     index and a config.json (a Phi-3 as the Llama it computes as, a Seed-OSS as Qwen2, a Mistral
     with its sliding window; the context it declared, whatever the training window); a
@@ -1049,16 +1053,17 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
                                                  "cohere2": 4}.get(family, 0)
     assert section.get("n_experts", 0) == (4 if which.endswith(("mixtral", "moe")) else 0)
     assert section.get("shared_expert_d_ff", 0) == (40 if which == "qwen2-moe" else 0)
-    assert section["partial_rotary_factor"] == (0.5 if family in ("phi4", "stablelm", "glm")
-                                                else 1.0)
-    assert section["qkv_bias"] == (family in ("qwen2", "seed", "stablelm", "glm"))
+    assert section["partial_rotary_factor"] == (0.5 if family in ("phi4", "stablelm", "glm",
+                                                                  "glm4") else 1.0)
+    assert section["qkv_bias"] == (family in ("qwen2", "seed", "stablelm", "glm", "glm4"))
+    assert section.get("output_norms", False) == (family == "glm4")
     assert section.get("layer_norm", 0) == {"stablelm": 1, "cohere": 2, "cohere2": 2}.get(
         family, 0)
     assert section.get("rope_interleaved", False) == (family in ("cohere", "cohere2", "helium",
-                                                                "ernie", "glm"))
+                                                                "ernie", "glm", "glm4"))
     assert section["qk_norm"] == (family in ("qwen3", "gemma3", "olmo2", "olmo3", "olmoe"))
     assert section.get("olmo", 0) == {"olmoe": 1, "olmo2": 2, "olmo3": 2}.get(family, 0)
-    assert (family in ("qwen3", "seed", "ernie", "glm")) == (section["head_dim"] == 16)
+    assert (family in ("qwen3", "seed", "ernie", "glm", "glm4")) == (section["head_dim"] == 16)
     assert section["sliding_window"] == {"mistral": 16, "gemma2": 5, "gemma3": 5,
                                          "olmo3": 5, "cohere2": 5}.get(family, 0)
     counted = sum(p.numel() for n, p in cls_of(which)(FAMILIES[which][1]).named_parameters()
@@ -1088,7 +1093,10 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     # Whether a feature changes the logits is the model's, not the layout's: shown at tp 1 only
     # (at tp 2 the logits equal transformers' above, with the feature, all the same).
     counts = tp == 1
-    if counts and family in ("helium", "ernie", "glm"):  # the rotary pairs count
+    if counts and family == "glm4":  # its outputs' norms count
+        plain = logits_of(llama.Llama(dataclasses.replace(cfg, output_norms=False)), params)
+        assert rel(plain, theirs) > 1e-3
+    if counts and family in ("helium", "ernie", "glm", "glm4"):  # the rotary pairs count
         halves = logits_of(llama.Llama(dataclasses.replace(cfg, rope_interleaved=False)), params)
         assert rel(halves, theirs) > 1e-3
     if counts and family.startswith("cohere"):  # its norms, rotary pairs and logit scale count
@@ -1345,16 +1353,14 @@ def test_a_tensor_taken_in_ranges_is_read_once_whole_and_written_back_whole(fami
 # (the plain Llama's untied head and rotary positions are the Mistral's, trained here too)
 @pytest.mark.parametrize("which", ["llama3", "qwen2", "qwen3", "mistral", "phi4-mini",
                                    "gemma2", "olmo3", "granite", "mixtral", "seed-oss",
-                                   "stablelm", "cohere2", "glm", "pythia", "phi"])
+                                   "stablelm", "cohere2", "glm4", "pythia", "phi"])
 def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, family_dir):
-    """train.py --init-from a Llama directory (one made as Llama 3.2 is, a Qwen2, a Qwen3, a
-    Mistral whose sliding window is set to 5 of the 16 tokens, one as Phi-4-mini: longrope,
-    heads rotated in half, written back as Phi-3's fused tensors; a Gemma 2, an OLMo 3, a
-    Granite (its logits scaled inside the chunked loss); a Mixtral with its load-balancing
-    loss on at 0.02; a Seed-OSS, exported as Qwen2; a StableLM; a Cohere 2; a GLM), a GPT-NeoX made
-    as Pythia is
-    or a Phi
-    (its head's bias inside the chunked loss): the model section from its config.json,
+    """train.py --init-from a Llama directory (one made as Llama 3.2 is, a Qwen2, a Qwen3, a Mistral
+    whose sliding window is set to 5 of the 16 tokens, one as Phi-4-mini: longrope, heads
+    rotated in half, written back as Phi-3's fused tensors; a Gemma 2, an OLMo 3, a Granite (its
+    logits scaled inside the chunked loss); a Mixtral with its load-balancing loss on at 0.02; a
+    Seed-OSS, exported as Qwen2; a StableLM; a Cohere 2; a GLM-4), a GPT-NeoX made as Pythia is
+    or a Phi (its head's bias inside the chunked loss): the model section from its config.json,
     its first loss transformers' on that batch (with the Mixtral's weighted balance loss,
     reported as its ``balance_loss``); two SGD steps; the export loads in transformers with
     zero_jax's logits of the trained checkpoint."""

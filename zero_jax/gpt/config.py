@@ -56,7 +56,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
               "partial_rotary_factor": 1.0, "tie_head": False,
               "qkv_bias": False, "qk_norm": False, "head_dim": 0, "max_positions": 0,
               "sliding_window": 0, "gemma": 0, "olmo": 0, "layer_norm": 0, "window_pattern": 0,
-              "rope_interleaved": False,
+              "rope_interleaved": False, "output_norms": False,
               "nope_every": 0,
               "rope_local_theta": 0.0, "parallel_residual": 0, "head_bias": False,
               "hidden_act": "gelu",
@@ -380,7 +380,7 @@ def _check_llama(m: dict) -> None:
     _check_norms(m)
     if m["arch"] != "llama" and (m["head_dim"] or m["qkv_bias"] or m["qk_norm"]
                                  or m["sliding_window"] or m["gemma"] or m["layer_norm"]
-                                 or m["rope_interleaved"]
+                                 or m["rope_interleaved"] or m["output_norms"]
                                  or m["olmo"] or m["attn_softcap"] or m["logit_softcap"]
                                  or m["query_pre_attn_scalar"] or m["window_pattern"]
                                  or m["rope_local_theta"] or m["n_experts"] or m["nope_every"]
@@ -455,6 +455,9 @@ def _check_norms(m: dict) -> None:
     if m["olmo"] == 1 and not m["qk_norm"]:
         raise ConfigError("model.olmo 1 norms q and k over all heads at once: set "
                           "model.qk_norm too")
+    if m["output_norms"] and (m["gemma"] or m["olmo"]):
+        raise ConfigError("model.output_norms adds norms of the outputs to Llama's, which "
+                          "model.gemma 2 and model.olmo 2 place their own way: set one")
 
 
 def _check_rope(m: dict) -> None:

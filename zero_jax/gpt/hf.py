@@ -127,7 +127,7 @@ def mapping(model: dict, prefix: str = "transformer.") -> Mapping:
 
         c = GPTConfig(**model)  # the family that computes it says how its tensors are kept
         family = llama_config.family_of(c)
-        return llama.phi3_mapping(c, qkv=family == "phi3") if family in ("phi3", "glm") \
+        return llama.phi3_mapping(c, qkv=family == "phi3") if family in ("phi3", "glm", "glm4") \
             else llama.mapping(c)
     return gpt2_mapping(model, prefix)
 

@@ -189,7 +189,8 @@ class LlamaBlock(nn.Module):
         dense = lambda features, name, bias=False, **kw: nn.DenseGeneral(
             features, use_bias=bias, name=name, **kw)
         # Gemma 2's outputs' norms beside the inputs', OLMo 2's and 3's in their place
-        after = lambda y, name: norm(c, name)(y) if c.gemma == 2 or c.olmo == 2 else y
+        after = lambda y, name: norm(c, name)(y) if c.gemma == 2 or c.olmo == 2 \
+            or c.output_norms else y
         before = lambda y, name: y if c.olmo == 2 else norm(c, name)(y)
         h = before(x, "ln1")
         inv, scale = rope_frequencies(c, c.rotary_dim, t), rope_scale(c)
@@ -302,6 +303,8 @@ def mapping(c: GPTConfig) -> Mapping:
     outputs = {"post_attn": "post_attention", "post_mlp": "post_feedforward"}
     norms = {"ln2": "pre_feedforward", **outputs} if c.gemma == 2 else outputs if c.olmo == 2 \
         else {} if c.parallel_residual else {"ln2": "post_attention"}  # Cohere: one norm
+    if c.output_norms:  # GLM-4's: the outputs' beside Llama's
+        norms = {**norms, "post_attn": "post_self_attn", "post_mlp": "post_mlp"}
     inputs = [] if c.olmo == 2 else [Tensor(h + "input_layernorm.weight", "blocks/ln1/scale")]
     rows = [Tensor("model.embed_tokens.weight", "wte", pad=(0, c.vocab_size)),
             Tensor("model.norm.weight", "ln_f/scale"), *head, *inputs,

@@ -1,10 +1,10 @@
 """The Llama family's config.json, both ways: read into the demo's model section, refusing
 what ``zero_jax.gpt.llama`` does not compute (another activation, biases, rope type, a Qwen's
 sliding window, ...), and written for a model, then read back to prove transformers would
-compute the same model (``hf_config``). Twenty-three ``model_type``s: Llama, Mistral, Phi-3,
+compute the same model (``hf_config``). Twenty-four ``model_type``s: Llama, Mistral, Phi-3,
 Qwen2, Qwen3, Gemma 1-3, OLMo 2 and 3, SmolLM3, Granite, Seed-OSS (written back as the Qwen2
 it computes as), StableLM, Cohere 1 and 2, Ernie 4.5, Helium (written back as the Ernie 4.5
-it computes as), GLM and the experts of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE."""
+it computes as), GLM, GLM-4 and the experts of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model",
 # R, Aya) and Cohere 2 (Command R7B) without biases or q and k norms; Helium and Ernie 4.5
 # (dense) without biases, their rotary pairs side by side; GLM (GLM-4-9B) with q, k, v biases
 # or none (``attention_bias``), half of each head rotated in pairs side by side, its gate and
-# up projections fused.
+# up projections fused; GLM-4 (0414) with norms of the outputs too (``output_norms``).
 # Dropout rates are training settings, not the model: read past (``hf.dropout``).
 _PLAIN = {"hidden_act": "silu", "attention_bias": False}
 FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
@@ -65,11 +65,11 @@ FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias":
             "cohere": {**_PLAIN, "use_qk_norm": False}, "cohere2": _PLAIN,
             "helium": {**_PLAIN, "mlp_bias": False},
             "ernie4_5": {"hidden_act": "silu", "use_bias": False},
-            "glm": {"hidden_act": "silu"}}
+            "glm": {"hidden_act": "silu"}, "glm4": {"hidden_act": "silu"}}
 # Their LayerNorms' epsilon under its own key (read as the RMSNorms')
 LAYER_NORM_EPS = ("stablelm", "cohere", "cohere2")
 # Their rotary pairs side by side (``rope_interleaved``)
-INTERLEAVED = ("cohere", "cohere2", "helium", "ernie4_5", "glm")
+INTERLEAVED = ("cohere", "cohere2", "helium", "ernie4_5", "glm", "glm4")
 # Gemma 3's text keys at transformers' defaults: the text_config of its image-text models on
 # the Hub (4B and up) holds only those that differ
 GEMMA3_TEXT = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
@@ -151,10 +151,11 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
             "max_positions": model["seq_len"], "sliding_window": window or 0,
             "arch": "llama", "tie_head": tied,
             "qkv_bias": hf["model_type"] in ("qwen2", "qwen2_moe") or (
-                kind in ("seed_oss", "glm") and hf.get("attention_bias", True)) or hf.get(
+                kind in ("seed_oss", "glm", "glm4") and hf.get("attention_bias", True)) or hf.get(
                 "use_qkv_bias", False),
             **({"layer_norm": 1} if kind == "stablelm" else {}),
             **({"rope_interleaved": True} if kind in INTERLEAVED else {}),
+            **({"output_norms": True} if kind == "glm4" else {}),
             "qk_norm": hf["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2",
                                             "olmo3", "olmoe"),
             **({"olmo": 1 if hf["model_type"] == "olmoe" else 2}
@@ -356,10 +357,10 @@ def _partial_rotary(path: pathlib.Path, hf: dict, dh: int) -> float:
     """The share of each head a Phi-3 (Phi-4-mini: 0.75), a StableLM or a GLM (0.25 and 0.5
     where the file says none, as transformers reads it) rotates, beside the rope keys or among
     them; 1 for the other families, whose transformers classes rotate whole heads."""
-    if hf["model_type"] not in ("phi3", "stablelm", "glm"):
+    if hf["model_type"] not in ("phi3", "stablelm", "glm", "glm4"):
         return 1.0
     params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
-    default = {"stablelm": 0.25, "glm": 0.5}.get(hf["model_type"], 1.0)
+    default = {"stablelm": 0.25, "glm": 0.5, "glm4": 0.5}.get(hf["model_type"], 1.0)
     factor = hf.get("partial_rotary_factor", params.get("partial_rotary_factor", default))
     if (isinstance(factor, bool) or not isinstance(factor, (int, float))
             or not 0 < factor <= 1 or int(dh * factor) % 2 or int(dh * factor) < 2):
@@ -452,7 +453,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
                  "stablelm": "StableLmForCausalLM", "cohere": "CohereForCausalLM",
                  "cohere2": "Cohere2ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM",
-                 "glm": "GlmForCausalLM"}
+                 "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM"}
 
 
 def family_of(c: GPTConfig) -> str:
@@ -470,7 +471,7 @@ def family_of(c: GPTConfig) -> str:
     if c.layer_norm:
         return "stablelm"
     if c.rope_interleaved:  # Helium's too, whose output projection is hidden_size wide only
-        return "glm" if c.rotary_dim < c.dh else "ernie4_5"
+        return ("glm4" if c.output_norms else "glm") if c.rotary_dim < c.dh else "ernie4_5"
     if c.olmo:
         if not c.qk_norm or bool(c.n_experts) != (c.olmo == 1):
             raise WeightsError("model.olmo without qk_norm, 1 without experts or 2 with them "
@@ -565,6 +566,7 @@ def _computes(c: GPTConfig) -> dict:
             "partial_rotary_factor": c.rotary_dim / c.dh, "tie_head": c.tie_head,
             "qkv_bias": c.qkv_bias, "qk_norm": c.qk_norm, "gemma": c.gemma, "olmo": c.olmo,
             "layer_norm": c.layer_norm, "parallel_residual": c.parallel_residual,
+            "output_norms": c.output_norms,
             "rope_interleaved": c.rope_interleaved,
             "nope_every": c.nope_every if c.nope_every <= c.n_layers else 0,
             "embedding_multiplier": c.embedding_multiplier,
@@ -633,7 +635,7 @@ def _family_keys(c: GPTConfig, family: str) -> dict:
         out.update(use_qkv_bias=c.qkv_bias, partial_rotary_factor=c.partial_rotary_factor)
     if family.startswith("cohere"):
         out.update(logit_scale=1 / c.logits_scaling)
-    if family == "glm":
+    if family in ("glm", "glm4"):
         out.update(attention_bias=c.qkv_bias, partial_rotary_factor=c.partial_rotary_factor,
                    pad_token_id=None)  # its default is past a smaller vocabulary
     return out

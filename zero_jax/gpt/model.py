@@ -77,6 +77,9 @@ class GPTConfig:
     # llama: LayerNorms for the RMSNorms (1: with biases, StableLM's; 2: without, Cohere's)
     layer_norm: int = 0
     rope_interleaved: bool = False  # llama: rotary pairs side by side, (0, 1), (2, 3)... (Cohere's)
+    # llama: RMSNorms of the attention's and the MLP's outputs too, beside their inputs' (GLM-4's
+    # sandwich; Gemma 2's are gemma 2's)
+    output_norms: bool = False
     # llama: OLMo's conventions (1: with qk_norm, q and k normed over all heads at once, as
     # OLMoE; 2: also RMSNorms of the attention's and the MLP's outputs in place of their
     # inputs', as OLMo 2 and 3); 0: none
@@ -170,7 +173,7 @@ class GPTConfig:
             head = 0 if self.tie_head else V * d
             normed = q + kv if self.olmo else 2 * self.dh  # OLMo's over all heads
             extra = (q + 2 * kv if self.qkv_bias else 0) + (normed if self.qk_norm else 0)
-            extra += 2 * d if self.gemma == 2 else 0  # the outputs' norms
+            extra += 2 * d if self.gemma == 2 or self.output_norms else 0  # the outputs' norms
             extra += 2 * d if self.layer_norm == 1 else 0  # the norms' biases (ln_f's below)
             extra -= d if self.parallel_residual else 0  # one norm for both
             if self.n_experts:  # the router and the experts for the dense MLP
