@@ -673,6 +673,11 @@ FAMILIES = {  # name: (class, config, torch seed)
     # GLM-4 (0414): GLM's layers with norms of the attention's and MLP's outputs too
     "glm4": (transformers.Glm4ForCausalLM, transformers.Glm4Config(
         **SMALL_LLAMA, head_dim=16, pad_token_id=0), 31),
+    # GraniteMoE: Granite's multipliers, 2 of 4 experts a token, every expert's weights in one
+    # tensor (gate and up fused)
+    "granitemoe": (transformers.GraniteMoeForCausalLM, transformers.GraniteMoeConfig(
+        **SMALL_LLAMA, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=6.0,
+        residual_multiplier=0.25, attention_multiplier=0.0625, logits_scaling=4.0), 32),
     # as Qwen3's model card extends its context: yarn, 4 times an original 4 tokens
     "qwen3-yarn": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         **SMALL_LLAMA, head_dim=16, tie_word_embeddings=True, rope_parameters={
@@ -1028,7 +1033,7 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     3 of 4 layers sliding, the 4th without rotary positions), a Helium and an Ernie 4.5
     (rotary pairs side by side; the Helium written back as Ernie 4.5), a GLM (pairs side by
     side on half of each head, q, k, v biases, gate and up in one tensor), a GLM-4 (its
-    outputs normed too):
+    outputs normed too), a GraniteMoE (every expert in one tensor, gate and up fused):
     logits within 1e-5 of transformers'; written back through Llama's table as shards with an
     index and a config.json (a Phi-3 as the Llama it computes as, a Seed-OSS as Qwen2, a Mistral
     with its sliding window; the context it declared, whatever the training window); a
@@ -1108,7 +1113,7 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
                       *([{"rope_local_theta": 0.0}] if family in ("gemma3", "olmo3") else [])):
             other = logits_of(llama.Llama(dataclasses.replace(cfg, **plain)), params)
             assert rel(other, theirs) > 1e-3, plain
-    if counts and family == "granite":  # each multiplier counts
+    if counts and family.startswith("granite"):  # each multiplier counts
         for one in ({"embedding_multiplier": 1.0}, {"residual_multiplier": 1.0},
                     {"logits_scaling": 1.0}, {"query_pre_attn_scalar": 0.0}):
             other = logits_of(llama.Llama(dataclasses.replace(cfg, **one)), params)
@@ -1231,16 +1236,16 @@ def test_bf16_logits_are_as_near_the_fp32_model_as_transformers_bf16(which, fami
     assert rel(ours, exact) < 1.25 * rel(theirs, exact), (rel(ours, exact), rel(theirs, exact))
 
 
-@pytest.mark.parametrize("which", ["mixtral", "qwen3-moe", "olmoe"])
+@pytest.mark.parametrize("which", ["mixtral", "qwen3-moe", "olmoe", "granitemoe"])
 def test_the_experts_load_balancing_loss_is_transformers(which, family_dir, tmp_path):
-    """``model.router_aux_loss_coef``: the load-balancing loss over a Mixtral's, a Qwen3-MoE's
-    and an OLMoE's layers (top 2 of 4 experts) and its gradient in each layer's router within
-    1e-5 of transformers' (``output_router_logits``); ``model.router_z_loss_coef``: ST-MoE's
-    router z-loss as transformers' ``router_z_loss_func`` (Switch Transformers') computes it
-    over those layers' router logits, and its gradient; ``lm_loss`` adds each times its
-    weight, and returns each as a metric.
-    config.json carries the weight both ways: a file without ``output_router_logits`` reads as
-    0 (transformers adds none), one written with a weight reads back with it, and transformers
+    """``model.router_aux_loss_coef``: the load-balancing loss over a Mixtral's, a Qwen3-MoE's, an
+    OLMoE's and a GraniteMoE's layers (top 2 of 4 experts) and its gradient in each layer's
+    router within 1e-5 of transformers' (``output_router_logits``);
+    ``model.router_z_loss_coef``: ST-MoE's router z-loss as transformers' ``router_z_loss_func``
+    (Switch Transformers') computes it over those layers' router logits, and its gradient;
+    ``lm_loss`` adds each times its weight, and returns each as a metric.
+    config.json carries the weight both ways: a file without ``output_router_logits`` reads as 0
+    (transformers adds none), one written with a weight reads back with it, and transformers
     reads it as on with that weight."""
     from transformers.models.switch_transformers.modeling_switch_transformers import (
         router_z_loss_func,
@@ -1260,8 +1265,9 @@ def test_the_experts_load_balancing_loss_is_transformers(which, family_dir, tmp_
     for name, loss in (("balance_loss", out.aux_loss), ("router_z_loss", z_loss)):
         theirs.zero_grad()
         loss.backward(retain_graph=True)
+        router = "block_sparse_moe.router" if which == "granitemoe" else "mlp.gate"
         refs[name] = loss.item(), np.stack([theirs.get_parameter(
-            f"model.layers.{i}.mlp.gate.weight").grad.numpy().T
+            f"model.layers.{i}.{router}.weight").grad.numpy().T
             for i in range(section["n_layers"])])
 
     cfg = GPTConfig(**{**section, "router_aux_loss_coef": 0.02}, remat="none",

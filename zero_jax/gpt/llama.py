@@ -322,7 +322,8 @@ def mapping(c: GPTConfig) -> Mapping:
         rows += [Tensor(f"{h}self_attn.{n}_norm.weight", f"blocks/{n}_norm/scale")
                  for n in ("q", "k")]
     if c.n_experts:
-        rows += moe.rows(family_of(c), c.n_experts, h, bool(c.shared_expert_d_ff))
+        rows += moe.rows(family_of(c), c.n_experts, h, bool(c.shared_expert_d_ff),
+                         c.expert_d_ff or c.d_ff)
     for name in ("gate", "up", "down") if not c.n_experts else ():
         rows.append(Tensor(f"{h}mlp.{name}_proj.weight", f"blocks/{name}/kernel",
                            transpose=(1, 0)))

@@ -1,10 +1,11 @@
 """The Llama family's config.json, both ways: read into the demo's model section, refusing
 what ``zero_jax.gpt.llama`` does not compute (another activation, biases, rope type, a Qwen's
 sliding window, ...), and written for a model, then read back to prove transformers would
-compute the same model (``hf_config``). Twenty-four ``model_type``s: Llama, Mistral, Phi-3,
+compute the same model (``hf_config``). Twenty-five ``model_type``s: Llama, Mistral, Phi-3,
 Qwen2, Qwen3, Gemma 1-3, OLMo 2 and 3, SmolLM3, Granite, Seed-OSS (written back as the Qwen2
 it computes as), StableLM, Cohere 1 and 2, Ernie 4.5, Helium (written back as the Ernie 4.5
-it computes as), GLM, GLM-4 and the experts of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE."""
+it computes as), GLM, GLM-4 and the experts of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and
+GraniteMoE."""
 
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias":
             "cohere": {**_PLAIN, "use_qk_norm": False}, "cohere2": _PLAIN,
             "helium": {**_PLAIN, "mlp_bias": False},
             "ernie4_5": {"hidden_act": "silu", "use_bias": False},
-            "glm": {"hidden_act": "silu"}, "glm4": {"hidden_act": "silu"}}
+            "glm": {"hidden_act": "silu"}, "glm4": {"hidden_act": "silu"},
+            "granitemoe": _PLAIN}
 # Their LayerNorms' epsilon under its own key (read as the RMSNorms')
 LAYER_NORM_EPS = ("stablelm", "cohere", "cohere2")
 # Their rotary pairs side by side (``rope_interleaved``)
@@ -145,7 +147,7 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
     # one family's own keys: OLMo 3's windows, SmolLM3's layers without positions, Granite's
     # multipliers
     own = _olmo3(path, hf, n, window) if kind == "olmo3" else _nope(path, hf, n) \
-        if kind == "smollm3" else _granite(path, hf) if kind == "granite" else _cohere(
+        if kind == "smollm3" else _granite(path, hf) if kind.startswith("granite") else _cohere(
             path, hf, n, window) if kind.startswith("cohere") else {}
     return {**model, "seq_len": min(model["seq_len"], WINDOW), **gemma, **experts, **own,
             "max_positions": model["seq_len"], "sliding_window": window or 0,
@@ -269,11 +271,11 @@ def _moe(path: pathlib.Path, hf: dict) -> dict:
     width (the Qwens' ``moe_intermediate_size``), whether the chosen ones' weights renormalize, the
     weight of their load-balancing loss where transformers adds it (``output_router_logits``;
     0.001 by default)."""
-    mixtral = hf["model_type"] == "mixtral"
+    mixtral = hf["model_type"] in ("mixtral", "granitemoe")  # experts intermediate_size wide
     got = {"num_local_experts": hf.get("num_local_experts", hf.get("num_experts")),
            "num_experts_per_tok": hf.get("num_experts_per_tok"),
-           "moe_intermediate_size": hf["intermediate_size"] if hf["model_type"] in (
-               "mixtral", "olmoe") else hf.get("moe_intermediate_size")}
+           "moe_intermediate_size": hf["intermediate_size"] if mixtral or hf["model_type"] ==
+           "olmoe" else hf.get("moe_intermediate_size")}
     for key, value in got.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise WeightsError(f"{path} has {key} {value!r}, not a positive whole number: pass "
@@ -453,7 +455,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
                  "stablelm": "StableLmForCausalLM", "cohere": "CohereForCausalLM",
                  "cohere2": "Cohere2ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM",
-                 "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM"}
+                 "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM",
+                 "granitemoe": "GraniteMoeForCausalLM"}
 
 
 def family_of(c: GPTConfig) -> str:
@@ -486,7 +489,10 @@ def family_of(c: GPTConfig) -> str:
         if bool(c.shared_expert_d_ff) != c.qkv_bias:
             raise WeightsError("model.shared_expert_d_ff goes with qkv_bias (Qwen2-MoE's) in "
                                "Hugging Face's families: not written")
-        return "qwen2_moe" if c.qkv_bias else "qwen3_moe" if c.qk_norm else "mixtral"
+        granite = c.query_pre_attn_scalar or (c.embedding_multiplier, c.residual_multiplier,
+                                              c.logits_scaling) != (1, 1, 1)
+        return "qwen2_moe" if c.qkv_bias else "qwen3_moe" if c.qk_norm else "granitemoe" \
+            if granite else "mixtral"
     if c.gemma:
         return "gemma" if c.gemma == 1 else "gemma3_text" if c.qk_norm else "gemma2"
     if c.nope_every:
@@ -609,18 +615,19 @@ def _family_keys(c: GPTConfig, family: str) -> dict:
         if c.rope_local_theta:
             out["rope_local_base_freq"] = c.rope_local_theta
     if c.n_experts:
-        out.update({"num_local_experts" if family == "mixtral" else "num_experts": c.n_experts,
+        local = family in ("mixtral", "granitemoe")  # their keys' names, experts' widths
+        out.update({"num_local_experts" if local else "num_experts": c.n_experts,
                     "num_experts_per_tok": c.experts_per_token,
                     "output_router_logits": bool(c.router_aux_loss_coef)})
         if c.router_aux_loss_coef:  # else transformers' default, for a run that turns it on
             out["router_aux_loss_coef"] = c.router_aux_loss_coef
-        if family != "mixtral":
+        if not local:
             out.update(norm_topk_prob=c.moe_norm_topk)
-        if family not in ("mixtral", "olmoe"):  # their experts intermediate_size wide
+        if not local and family != "olmoe":  # theirs intermediate_size wide
             out.update(moe_intermediate_size=c.expert_d_ff or c.d_ff)
         if family == "qwen2_moe":
             out.update(shared_expert_intermediate_size=c.shared_expert_d_ff)
-    if family == "granite":
+    if family.startswith("granite"):
         out.update(embedding_multiplier=c.embedding_multiplier,
                    residual_multiplier=c.residual_multiplier, logits_scaling=c.logits_scaling,
                    attention_multiplier=(c.query_pre_attn_scalar or c.dh) ** -0.5)

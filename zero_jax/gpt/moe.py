@@ -36,7 +36,10 @@ TENSOR_PARALLEL = (Rule(r"^blocks/moe/(shared_)?(gate|up)$", model_dim=-1),
 _MLP = ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))
 NAMES = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{e}.",
                      ("w1", "w3", "w2")),
-         "qwen2_moe": _MLP, "qwen3_moe": _MLP, "olmoe": _MLP}
+         "qwen2_moe": _MLP, "qwen3_moe": _MLP, "olmoe": _MLP,
+         # every expert's in one tensor: the router, gate and up fused, down
+         "granitemoe": ("block_sparse_moe.router.layer", "block_sparse_moe.",
+                        ("input_linear", "input_linear", "output_linear"))}
 
 
 class MoE(nn.Module):
@@ -213,11 +216,19 @@ def balance_loss(stats: jax.Array, tokens: int, whole_batch: bool = False) -> ja
     return stats.shape[-1] * jnp.sum(jax.lax.stop_gradient(counts) * probs)
 
 
-def rows(family: str, n_experts: int, layer: str, shared: bool) -> list[Tensor]:
+def rows(family: str, n_experts: int, layer: str, shared: bool, d_ff: int) -> list[Tensor]:
     """The mapping's rows of a layer's router and experts (``layer``: the names' prefix): each
     expert's PyTorch Linear weight transposed, the experts stacked on a new first axis; the
-    shared expert's and its gate's (Qwen2-MoE's)."""
+    shared expert's and its gate's (Qwen2-MoE's). GraniteMoE keeps every expert in one tensor
+    (its gate and up projections in one, ``d_ff`` rows each): the experts' axis is its first."""
     router, expert, (gate, up, down) = NAMES[family]
+    if family == "granitemoe":
+        def stack(name: str, ours: str, take=None):
+            return Tensor(f"{layer}{expert}{name}.weight", f"blocks/moe/{ours}",
+                          transpose=(0, 2, 1), take=take)
+        return [Tensor(f"{layer}{router}.weight", "blocks/moe/router", transpose=(1, 0)),
+                stack(gate, "gate", (1, 0, d_ff)), stack(up, "up", (1, d_ff, 2 * d_ff)),
+                stack(down, "down")]
     experts = lambda w: tuple(f"{layer}{expert.format(e=i)}{w}.weight"  # noqa: E731
                               for i in range(n_experts))
     out = [Tensor(f"{layer}{router}.weight", "blocks/moe/router", transpose=(1, 0)),
