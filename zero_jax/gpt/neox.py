@@ -21,7 +21,7 @@ from zero_jax.embedding import take_rows
 from zero_jax.gpt import attention
 from zero_jax.gpt.llama import Head, rope, rope_frequencies
 from zero_jax.gpt.llama_config import TENSORS_ALONE, section_keys
-from zero_jax.gpt.model import GPT, GPTConfig, layer_stack
+from zero_jax.gpt.model import GPT, GPTConfig, gelu, layer_stack
 from zero_jax.plan import Rule
 from zero_jax.tensorfiles import WeightsError
 from zero_jax.weights import Mapping, Tensor
@@ -61,9 +61,16 @@ class NeoXBlock(nn.Module):
         # the MLP reads the layer's input (parallel) or the attention's output added to it
         y = x if c.parallel_residual else x + att
         h = h if c.parallel_residual == 2 else norm("ln2")(y)
-        mlp = nn.Dense(d, name="fc2")(nn.gelu(nn.Dense(c.d_ff, name="fc1")(h),
-                                              approximate=c.hidden_act != "gelu"))
+        mlp = nn.Dense(d, name="fc2")(_gelu(c, nn.Dense(c.d_ff, name="fc1")(h)))
         return (x + att + mlp if c.parallel_residual else y + mlp), None
+
+
+def _gelu(c: GPTConfig, x: jax.Array) -> jax.Array:
+    """The MLP's GELU in fp32, rounded to ``x``'s dtype as PyTorch computes a bf16 one: tanh's
+    is GPT-2's (its gradient written out, ``model.gelu``), the exact one ``erf``'s."""
+    if c.hidden_act != "gelu":
+        return gelu(x)
+    return nn.gelu(x.astype(jnp.float32), approximate=False).astype(x.dtype)
 
 
 class NeoX(GPT):
