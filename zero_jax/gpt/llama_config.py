@@ -144,20 +144,12 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
         if hf["model_type"].startswith("gemma") else {}
     experts = _moe(path, hf) if hf["model_type"] in moe.NAMES else {}
     kind, n = hf["model_type"], model["n_layers"]
-    # one family's own keys: OLMo 3's windows, SmolLM3's layers without positions, Granite's
-    # multipliers
-    own = _olmo3(path, hf, n, window) if kind == "olmo3" else _nope(path, hf, n) \
-        if kind == "smollm3" else _granite(path, hf) if kind.startswith("granite") else _cohere(
-            path, hf, n, window) if kind.startswith("cohere") else {}
+    own = OWN_KEYS[kind](path, hf, n, window) if kind in OWN_KEYS else {}
     return {**model, "seq_len": min(model["seq_len"], WINDOW), **gemma, **experts, **own,
             "max_positions": model["seq_len"], "sliding_window": window or 0,
             "arch": "llama", "tie_head": tied,
-            "qkv_bias": hf["model_type"] in ("qwen2", "qwen2_moe") or (
-                kind in ("seed_oss", "glm", "glm4") and hf.get("attention_bias", True)) or hf.get(
-                "use_qkv_bias", False),
-            **({"layer_norm": 1} if kind == "stablelm" else {}),
+            "qkv_bias": _qkv_bias(kind, hf),
             **({"rope_interleaved": True} if kind in INTERLEAVED else {}),
-            **({"output_norms": True} if kind == "glm4" else {}),
             "qk_norm": hf["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2",
                                             "olmo3", "olmoe"),
             **({"olmo": 1 if hf["model_type"] == "olmoe" else 2}
@@ -207,6 +199,15 @@ def _pattern(path: pathlib.Path, hf: dict, n_layers: int, default: int) -> int:
     return pattern
 
 
+def _qkv_bias(kind: str, hf: dict) -> bool:
+    """Whether q, k and v have biases: always Qwen2's; Seed-OSS's and GLM's as
+    ``attention_bias`` says (true by default), StableLM's as ``use_qkv_bias`` (false); the
+    others' never (their fixed keys refuse them)."""
+    if kind in ("seed_oss", "glm", "glm4"):
+        return hf.get("attention_bias", True)
+    return kind in ("qwen2", "qwen2_moe") or hf.get("use_qkv_bias", False)
+
+
 def _olmo3(path: pathlib.Path, hf: dict, n_layers: int, window: int | None) -> dict:
     """OLMo 3's sliding layers: every layer's but each 4th by default, rotating at the base
     ``_layer_rope`` found for them, unscaled."""
@@ -237,7 +238,7 @@ def _cohere(path: pathlib.Path, hf: dict, n_layers: int, window: int | None) -> 
     return out
 
 
-def _granite(path: pathlib.Path, hf: dict) -> dict:
+def _granite(path: pathlib.Path, hf: dict, *_) -> dict:
     """Granite's multipliers, 1 where its file has none; its attention's as the scores' scalar
     (``query_pre_attn_scalar``, whose -1/2 power scales the scores)."""
     got = {k: hf.get(k, 1.0) for k in ("embedding_multiplier", "residual_multiplier",
@@ -251,7 +252,7 @@ def _granite(path: pathlib.Path, hf: dict) -> dict:
     return {**{k: float(v) for k, v in got.items()}, "query_pre_attn_scalar": scalar}
 
 
-def _nope(path: pathlib.Path, hf: dict, n_layers: int) -> dict:
+def _nope(path: pathlib.Path, hf: dict, n_layers: int, _) -> dict:
     """SmolLM3's layers without rotary positions: every N-th (``no_rope_layers``, 0 where a layer
     has none, else every ``no_rope_layer_interval``-th, 4 by default); layers otherwise are
     refused."""
@@ -264,6 +265,14 @@ def _nope(path: pathlib.Path, hf: dict, n_layers: int) -> dict:
                            "rotary positions off every N-th layer: pass a model whose layers "
                            "are so")
     return {"nope_every": every}
+
+
+# One family's own keys, by model_type: ``(path, hf, n_layers, window) -> keys`` (OLMo 3's
+# windows, SmolLM3's layers without positions, Granite's multipliers, Cohere's norms and scale,
+# StableLM's LayerNorms, GLM-4's outputs' norms)
+OWN_KEYS = {"olmo3": _olmo3, "smollm3": _nope, "granite": _granite, "granitemoe": _granite,
+            "cohere": _cohere, "cohere2": _cohere,
+            "stablelm": lambda *_: {"layer_norm": 1}, "glm4": lambda *_: {"output_norms": True}}
 
 
 def _moe(path: pathlib.Path, hf: dict) -> dict:
