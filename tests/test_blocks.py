@@ -478,10 +478,10 @@ def test_an_input_that_does_not_fit_a_module_outside_the_blocks_is_flax_own_erro
 
 
 def test_gathering_by_module_waits_one_module_back_within_one_trace():
-    """Prefetch by module (``blocks.modules.Previous``): a module's gather waits for the inputs of
+    """Prefetch by module (``blocks.prefetch.Previous``): a module's gather waits for the inputs of
     what ran before it in the same trace (the block, for its first module), else (no
     prefetch, or an inner transform's trace) for its own. Each mutation of the rule fails."""
-    from zero_jax.blocks.modules import Previous as _Previous
+    from zero_jax.blocks.prefetch import Previous as _Previous
 
     seen = {}
 

@@ -46,7 +46,7 @@ ORBAX_READ_COROUTINE = "_read_array_index_and_device_put"
 def trace_state() -> Any:
     """``jax.extend.core.get_opaque_trace_state``: a token of the trace now running, equal
     for two points of one trace (as Flax checks its own), so that a value from another one (an
-    inner transform's tracer) is never used here (``zero_jax.blocks.modules.Previous``)."""
+    inner transform's tracer) is never used here (``zero_jax.blocks.prefetch.Previous``)."""
     import jax.extend
 
     return jax.extend.core.get_opaque_trace_state(convention="flax")

@@ -355,7 +355,7 @@ class Plan:
 
     @property
     def block_prefetch(self) -> bool:
-        """Prefetch a whole block ahead (``zero_jax.blocks.scan``, ``zero_jax.blocks.chain``);
+        """Prefetch a whole block ahead (``zero_jax.blocks.prefetch``);
         gathering by module, prefetch runs one module ahead inside the blocks instead."""
         return self.prefetch and self.gather == "block"
 
@@ -669,7 +669,7 @@ def _check_combination(stage: int, layers: Layers | None, offload: Offload, comm
 
 
 def prefetchable(stage: int, has_layers: bool) -> bool:
-    """Whether prefetch (``zero_jax.blocks.scan``) can run: stage 3's per-layer gathers."""
+    """Whether prefetch (``zero_jax.blocks.prefetch``) can run: stage 3's per-layer gathers."""
     return stage == 3 and has_layers
 
 

@@ -229,7 +229,7 @@ def materialize_tree(tree: PyTree, after: tuple = ()) -> PyTree:
 def reduce_tree(tree: PyTree, grads: PyTree, hold: PyTree = ()) -> tuple[PyTree, PyTree]:
     """The gradient of ``tree`` (with ``Shard``s) from ``grads``, that of its whole leaves as
     ``materialize_tree`` made them: what the backward of ``materialize_tree`` does, for a loop
-    that differentiates the whole leaves itself (``zero_jax.blocks.scan``). Returns it and
+    that differentiates the whole leaves itself (``zero_jax.blocks.prefetch``). Returns it and
     ``hold``, passed back once the gradients are packed into their buckets (for a loop that
     carries them: ``buckets.reduce_scatter``)."""
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_shard)

@@ -5,7 +5,9 @@ their backward, gathered one ahead.
 - ``runtime``: ``Runtime``, built once per step, entered once per trace of the loss;
 - ``remat``: what a block keeps for its backward (policies, Pa, offload) and every remat;
 - ``linen``, ``nnx``: the two frameworks' hooks; ``modules``: gathering module by module;
-- ``scan``, ``chain``: prefetch for scanned stacks and for blocks called one after another;
+- ``prefetch``: gathering one block ahead, one mechanism with three cases (a scanned stack's
+  loop, handoffs between blocks called one after another, the module before);
+- ``scan``, ``chain``: finding those scanned stacks and those blocks while the loss is traced;
 - ``tiling``: a parameter too large to gather whole, gathered a tile at a time.
 """
 

@@ -23,8 +23,8 @@ def interceptor(trace: Any) -> Callable:
     remat's optimization barriers (``zero_jax.mesh.keep_remat_barriers``, at import). At stages
     0-2 a block reads the whole copy its ``Shard``s carry (rematerialized too with
     ``remat_all``). With prefetch's chain, a gathering block hands the next one its weights
-    (``zero_jax.blocks.chain``); gathering by module, each module with parameters of its own
-    makes them whole as it runs (``_gathered_here``)."""
+    (``zero_jax.blocks.prefetch.handoff``); gathering by module, each module with parameters of
+    its own makes them whole as it runs (``_gathered_here``)."""
     rt = trace.runtime
     names, seen = frozenset(rt.names), trace.seen
 

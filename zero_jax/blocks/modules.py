@@ -1,6 +1,6 @@
 """Gathering by module (``Layers(gather="module")``), for linen and NNX alike: each module in a
 block makes its own parameters whole as it runs, as DeepSpeed ZeRO-3's hooks do, at most one
-module's weights whole at a time; with prefetch, one module ahead (``Previous``)."""
+module's weights whole at a time; with prefetch, one module ahead (``prefetch.Previous``)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 
 import jax
 
-from zero_jax import internals
+from zero_jax.blocks.prefetch import Previous, gather_after
 from zero_jax.blocks.remat import all_but_gathered
-from zero_jax.shards import Shard, after_inputs, is_shard, materialize_tree
+from zero_jax.shards import Shard, is_shard
 
 PyTree = Any
 
@@ -37,7 +37,7 @@ def module_whole(shards: PyTree, args: tuple, kwargs: dict, heavy: bool) -> PyTr
     alone = lambda x: dataclasses.replace(x, comm=dataclasses.replace(x.comm, bucket_bytes=0))
     if heavy:
         shards = jax.tree.map(alone, shards, is_leaf=is_shard)
-    return materialize_tree(after_inputs(shards, args, kwargs))
+    return gather_after(shards, args, kwargs)
 
 
 def _outweighs(shards: Iterable[Shard], args: tuple, kwargs: dict) -> bool:
@@ -47,27 +47,6 @@ def _outweighs(shards: Iterable[Shard], args: tuple, kwargs: dict) -> bool:
                 if x.kind == "gather")
     return whole > sum(x.size for x in jax.tree.leaves((args, kwargs))
                        if isinstance(x, jax.Array))
-
-
-class Previous:
-    """Gathering by module with prefetch: the inputs of the module that ran last in the block
-    being traced. The next module's gather waits for them rather than for its own inputs, so
-    it can run while that module computes: one module ahead, as DeepSpeed ZeRO-3 prefetches
-    the next module's parameters. Only within one trace (an inner transform's tracers stay in
-    it); a block starts afresh (its first module waits for the block's inputs)."""
-
-    def __init__(self, ahead: bool):
-        self.ahead, self.inputs, self.trace = ahead, None, None
-
-    def ran(self, args: tuple, kwargs: dict) -> None:
-        self.inputs, self.trace = (args, kwargs), internals.trace_state()
-
-    def after(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """What a module called with ``args``, ``kwargs`` gathers after; it is then the last."""
-        same = self.inputs is not None and self.trace == internals.trace_state()
-        before = self.inputs if self.ahead and same else (args, kwargs)
-        self.ran(args, kwargs)
-        return before
 
 
 def _held(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -164,8 +164,8 @@ class Saved:
         shape (``backward``). ``offload`` keeps what ``full`` does: the input, moved by
         ``save``.
 
-        ``in_loop``: ``fn`` is a layer of a loop (prefetch's, ``blocks.scan``), whose body keeps
-        XLA from merging the recompute with the forward. Remat's barrier (``prevent_cse``) is
+        ``in_loop``: ``fn`` is a layer of a loop (prefetch's, ``prefetch.run_stack``), whose body
+        keeps XLA from merging the recompute with the forward. Remat's barrier (``prevent_cse``) is
         left out there but with Pa (``barrier``), as ``nn.remat`` under ``nn.scan`` leaves it:
         with it, each saved value the backward slices out of the loop's stacks is copied out
         before it is read (on an H100, 1.8 GB per layer of gpt2-124m's saved matmul outputs, 6%

@@ -5,13 +5,13 @@ context manager (``tracing``) that installs every Flax/NNX hook together and rem
 together: the linen interceptor (``zero_jax.blocks.linen``), NNX's blocks
 (``zero_jax.blocks.nnx``, through ``internals.BLOCKS``, the one piece of context: an NNX model is
 merged by the user's loss, which passes nothing to it), and with prefetch the layer loops of
-scanned stacks (``zero_jax.blocks.scan``) and the handoffs of blocks called one after another
+scanned stacks (``zero_jax.blocks.scan``) and the blocks called one after another
 (``zero_jax.blocks.chain``). What one trace learns lives in its ``Trace``.
 
-Prefetch has one contract with three cases, by the shape the blocks take: a scanned stack's
-loop carries layer i+1's weights (``scan``), blocks called one after another hand them on
-(``chain``, in the order a first trace recorded), and gathering by module each module's gather
-waits for the module before it (``modules.Previous``).
+Prefetch is one mechanism with three cases, by the shape the blocks take
+(``zero_jax.blocks.prefetch``): a scanned stack's loop carries layer i+1's weights, blocks
+called one after another hand them on (in the order a first trace recorded, ``chain``), and
+gathering by module each module's gather waits for the module before it (``Previous``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from flax.errors import ScopeParamShapeError
 from zero_jax import internals
 from zero_jax.blocks import chain as chains
 from zero_jax.blocks import linen, scan
-from zero_jax.blocks.modules import Previous
+from zero_jax.blocks.prefetch import Previous
 from zero_jax.blocks.remat import Saved
 
 PyTree = Any

@@ -1,25 +1,8 @@
-"""Prefetch: the layer loop of a scanned stack, owned so that layer i+1's gather runs beside
-layer i, and layer i+1's gradient reduction beside layer i's backward.
-
-Inside ``nn.scan`` a block sees one layer's slice of the stack, and the only way from one
-iteration to the next is the scan's carry, which is the model's. So for the stacks it prefetches
-zero_jax runs the loop itself, as FSDP2 does: a ``custom_vjp`` over the whole stack whose
-forward loop carries the next layer's gathered weights (issued at the top of the iteration, so
-nothing in it waits on the layer's compute), and whose backward loop carries the previous
-layer's weights and the next layer's whole gradient, each layer's backward built from what its
-forward kept as the remat policy says (``full``: its input, recomputing the rest; ``dots``:
-also its matmuls' outputs; ``offload`` keeps the inputs in host memory, Pa cut over ``model``:
-``remat.Saved``), never its gathered weights, which the backward has again. Each iteration's
-collectives then need nothing it computes, and XLA's scheduler can run them under its matmuls
-(on GPU; read from the compiled program in bench/gpu.py). With tensor parallelism each rank
-does this with its slice of the layer over ``data``, as ``shards.per_model_rank`` runs every
-ZeRO collective. A forward iteration holds two gathered layers, a backward one also two whole
-layer gradients. What the loops carry is replaced in place: each layer is cut out of its bucket
-once the layer before is done with its weights, and each backward iteration starts once the
-gradient it carried in is packed for its reduction, so XLA writes the new value over the old
-rather than copying both in and out of the carry. The first gather of each loop runs before it,
-the last layer after it, the last layer of the backward also before it: nothing is gathered or
-reduced twice, the bytes are those of the plain step.
+"""Scanned stacks: the named ``nn.scan`` and ``nnx.scan`` stacks, found while the loss is traced.
+With prefetch each runs as prefetch's loop (``zero_jax.blocks.prefetch.run_stack``), its
+arguments split into the scanned and the broadcast ones; without, its name is marked while its
+loop body is traced (``looping``), so that its layers' remat leaves out the barrier the loop
+makes needless.
 
 A stack whose blocks draw random numbers (dropout) gets one key per layer and stream, drawn from
 the stack's scope (``_layer_keys``); each layer's backward recomputes with the key its forward
@@ -27,13 +10,13 @@ drew.
 
 Linen gives no hook at a scan's boundary (``intercept_methods`` sees only the per-layer calls),
 so ``stacks`` wraps ``flax.core.lift.scan`` while the loss is traced: the scans of the named
-blocks that it can run run here; for every other scan it changes nothing.
+blocks that it can run run as the loop; for every other scan it changes nothing. NNX's
+``nnx.scan`` is wrapped likewise (``nnx_stacks``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import sys
 from collections.abc import Callable, Iterator
@@ -44,120 +27,11 @@ import jax
 import jax.numpy as jnp
 
 from zero_jax import internals
+from zero_jax.blocks.prefetch import run_stack
 from zero_jax.blocks.remat import Saved
-from zero_jax.shards import after_inputs, is_shard, materialize_tree, reduce_tree
+from zero_jax.shards import is_shard
 
 PyTree = Any
-
-
-def _slice(tree: PyTree, i) -> PyTree:
-    """Layer ``i`` of a stack (``Shard``s stay ``Shard``s)."""
-    return jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, i, keepdims=False), tree)
-
-
-def _stacked(first: PyTree, rest: PyTree) -> PyTree:
-    return jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
-
-
-def _appended(rest: PyTree, last: PyTree) -> PyTree:
-    return jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), rest, last)
-
-
-def _sum(a: PyTree, b: PyTree) -> PyTree:
-    return jax.tree.map(jnp.add, a, b)
-
-
-def _differentiable(cts: PyTree) -> PyTree:
-    """Cotangents with those of integer inputs (``float0``: masks, positions) as ``None``, which
-    a ``custom_vjp`` backward may return for them, and which loops can carry and stack."""
-    return jax.tree.map(lambda g: None if g.dtype == jax.dtypes.float0 else g, cts)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def run_stack(layer: Callable, saved: Saved, unroll: int | bool, params_L: PyTree,
-              carry: PyTree, xs_L: PyTree, consts: PyTree, keys_L: PyTree
-              ) -> tuple[PyTree, PyTree]:
-    """``layer(params, carry, x, consts, keys) -> (carry, y)`` over the ``L`` layers of
-    ``params_L`` (whose cut leaves are ``Shard``s), ``xs_L`` and ``keys_L`` (random keys by
-    stream, one per layer), every layer seeing all of ``consts`` (a scan's broadcast arguments),
-    as ``jax.lax.scan`` with ``unroll`` (the stack's own); each layer's weights gathered one
-    layer ahead, its gradient reduced one layer behind; what each layer keeps for its backward
-    kept as ``saved`` says (its keys too: the backward draws what the forward drew)."""
-    return _forward(layer, saved, unroll, params_L, carry, xs_L, consts, keys_L)[0]
-
-
-def _forward(layer, saved, unroll, params_L, carry, xs_L, consts, keys_L):
-    n = jax.tree.leaves(params_L)[0].shape[0]
-    # The first gather of each loop waits for the loop's inputs, like every block's gather: else
-    # the scheduler may start it anywhere, and XLA may merge the backward's with the forward's.
-    whole = materialize_tree(after_inputs(_slice(params_L, 0), (carry, xs_L), {}))
-
-    def one(w, c, i):  # with Pa, c waits cut between layers, as the partitioner keeps it
-        (c, y), kept, _ = saved.linearize(layer, w, saved.whole(c), _slice(xs_L, i),
-                                          consts, _slice(keys_L, i), in_loop=True)
-        return saved.cut(c), y, kept
-
-    def body(state, i):
-        c, w = state
-        c, y, kept = one(w, c, i)
-        # Layer i+1 gathered while layer i computes, cut out of its bucket once layer i is
-        # done with its weights: in place of them.
-        ahead = materialize_tree(_slice(params_L, i + 1), after=(c, y))
-        return (c, ahead), (saved.save(c), kept, y)  # saved: layer i+1's input
-
-    (c, whole), (inputs, kept, ys) = jax.lax.scan(body, (carry, whole), jnp.arange(n - 1),
-                                                  unroll=unroll)
-    c, y, last = one(whole, c, n - 1)
-    return (c, _appended(ys, y)), (params_L, saved.save(carry), inputs, kept, last, xs_L,
-                                   consts, keys_L)
-
-
-def _backward(layer, saved, unroll, residuals, cts):
-    params_L, first, inputs, kept_L, last, xs_L, consts, keys_L = residuals
-    dc, dys = cts
-    n = jax.tree.leaves(params_L)[0].shape[0]
-
-    def one(w, i, c, kept, dc):  # layer i's backward from its input and what it kept
-        c, x, keys = saved.load(c), _slice(xs_L, i), _slice(keys_L, i)
-        # The recompute waits for the cotangent, as remat's barrier makes it (which the loop's
-        # layers go without, ``Saved.linearize``): else XLA may gather and recompute early.
-        w, c = jax.lax.optimization_barrier(((w, c), jax.tree.leaves(dc)))[0]
-        dw, dc, dx, dk = saved.backward(layer, kept, w, c, x, consts, keys, in_loop=True)(
-            (dc, _slice(dys, i)))[:4]
-        return dw, dc, _differentiable(dx), _differentiable(dk)
-
-    reduce = lambda i, dw, hold=(): reduce_tree(_slice(params_L, i), dw, hold)
-    whole = materialize_tree(after_inputs(_slice(params_L, n - 1), cts, {}))
-    if n == 1:
-        dw, dc, dx, dk = one(whole, 0, first, last, dc)
-        one_layer = lambda tree: jax.tree.map(lambda x: x[None], tree)
-        return one_layer(reduce(0, dw)[0]), dc, one_layer(dx), dk, None
-    # Layer n-1 before the loop, layer n-2's gather beside it; then iteration i gathers layer
-    # i-1 and reduce-scatters layer i+1's gradient while layer i computes.
-    behind = materialize_tree(after_inputs(_slice(params_L, n - 2), cts, {}))
-    dw, dc, dx_last, dk = one(whole, n - 1, _slice(inputs, n - 2), last, dc)
-
-    def body(state, i):
-        dc, w, pending, dk = state  # pending: layer i+1's gradient, whole; dk: consts' so far
-        c = _slice(inputs, i - 1)  # layer i's input, read in place: scanning a cut copies it
-        # Layer i's backward starts (from dc) once layer i+1's gradient is packed into its
-        # buckets, and layer i-1's weights are cut out of theirs once it is done: each new
-        # value then takes the place of the old one in the loop's carry.
-        reduced, dc = reduce(i + 1, pending, dc)
-        dw, dc, dx, dk_i = one(w, i, c, _slice(kept_L, i), dc)
-        behind = materialize_tree(_slice(params_L, i - 1), after=(dw, dc, dx))
-        return (dc, behind, dw, _sum(dk, dk_i)), (reduced, dx)
-
-    (dc, whole, pending, dk), (dps, dxs) = jax.lax.scan(body, (dc, behind, dw, dk),
-                                                        jnp.arange(1, n - 1), reverse=True,
-                                                        unroll=unroll)
-    dw, dc, dx, dk_0 = one(whole, 0, first, _slice(kept_L, 0), dc)
-    dps = _stacked(reduce(0, dw)[0], _stacked(reduce(1, pending)[0], dps))
-    # No gradient for the keys.
-    return dps, dc, _stacked(dx, _appended(dxs, dx_last)), _sum(dk, dk_0), None
-
-
-run_stack.defvjp(_forward, _backward)
 
 
 def _layer_keys(scope, split_rngs: dict, n: int) -> dict:
