@@ -312,8 +312,8 @@ ROWS = [
      "model.attention=cudnn cannot run here: it runs on CUDA GPUs only (these devices are cpu)"),
     ("head_dim of gpt2", [*T, "--set", "model.head_dim=16"], None,
      "model.head_dim, model.qkv_bias, model.qk_norm, "
-     "model.sliding_window, Gemma's, OLMo's, StableLM's, Cohere's, SmolLM3's and Granite's "
-     "keys and model.n_experts are the llama arch's"),
+     "model.sliding_window, Gemma's, OLMo's, StableLM's, Cohere's, SmolLM3's, Granite's and "
+     "GPT-OSS's keys and model.n_experts are the llama arch's"),
     ("parallel residual of gpt2", [*T, "--set", "model.parallel_residual=1"], None,
      "model.parallel_residual, model.head_bias and model.hidden_act are the neox arch's "
      "(parallel_residual 2, one norm for both, the llama arch's too): set model.arch=neox"),
@@ -323,6 +323,8 @@ ROWS = [
     ("output norms and gemma", [*T, "--config", "llama", "--set", "model.output_norms=true",
                                 "--set", "model.gemma=2"], None,
      "model.output_norms adds norms of the outputs to Llama's"),
+    ("gpt-oss without experts", [*T, "--config", "llama", "--set", "model.gpt_oss=true"], None,
+     "model.gpt_oss is GPT-OSS's mixture of experts, without q and k norms or a shared expert"),
     ("layer norm 3", [*T, "--config", "llama", "--set", "model.layer_norm=3"], None,
      "model.layer_norm must be 0, 1 or 2 (got 3)"),
     ("parallel residual 3", [*T, "--set", "model.arch=neox", "--set",

@@ -678,6 +678,15 @@ FAMILIES = {  # name: (class, config, torch seed)
     "granitemoe": (transformers.GraniteMoeForCausalLM, transformers.GraniteMoeConfig(
         **SMALL_LLAMA, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=6.0,
         residual_multiplier=0.25, attention_multiplier=0.0625, logits_scaling=4.0), 32),
+    # GPT-OSS: sinks, biases on q, k, v and o, 2 of 4 experts a token with biases (gate and up
+    # interleaved in one tensor), the router's too, their GLU clamped at 0.5 (not 7: these
+    # weights' gates pass 7 rarely), every other layer sliding over 5 tokens, yarn's ramp
+    # unrounded (from pair 0 to pair 2.02 of 8, not 3)
+    "gpt-oss": (transformers.GptOssForCausalLM, transformers.GptOssConfig(
+        **SMALL_LLAMA, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=5, swiglu_limit=0.5, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}), 33),
     # as Qwen3's model card extends its context: yarn, 4 times an original 4 tokens
     "qwen3-yarn": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
         **SMALL_LLAMA, head_dim=16, tie_word_embeddings=True, rope_parameters={
@@ -928,6 +937,54 @@ def test_the_shipped_mixtral_config_is_mixtral_8x7b(tmp_path):
     assert GPTConfig(**shipped).active_params == n - experts * 6 // 8 == 12_879_925_248
 
 
+GPT_OSS_20B = {  # openai/gpt-oss-20b's config.json
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+    "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
+    "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+    "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05, "rope_scaling": {
+        "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+        "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+    "swiglu_limit": 7.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "use_cache": True, "vocab_size": 201088}
+
+
+def test_the_shipped_gpt_oss_config_is_gpt_oss_20b(tmp_path):
+    """``configs/gpt-oss-20b.yaml`` is the model section ``--init-from`` reads from GPT-OSS 20B's
+    config.json once its experts are dequantized (the file without ``quantization_config``;
+    with it, refused), the training window aside, its load-balancing loss on at GPT-OSS's
+    weight as that file's reads with ``output_router_logits``; its parameter count
+    transformers' (20,914,757,184), 4,187,440,704 of them a token's (4 of 32 experts)."""
+    from zero_jax.gpt import config, llama_config
+
+    shipped = config.load("gpt-oss-20b")["model"]
+    (tmp_path / "config.json").write_text(json.dumps(GPT_OSS_20B))
+    with pytest.raises(WeightsError, match="has quantization_config 'mxfp4'"):
+        llama_config.read_config(tmp_path)
+    dequantized = {k: v for k, v in GPT_OSS_20B.items() if k != "quantization_config"}
+    for router in (False, True):
+        (tmp_path / "config.json").write_text(json.dumps({**dequantized,
+                                                          "output_router_logits": router}))
+        section = llama_config.read_config(tmp_path)
+        assert section.pop("seq_len") == 1024 and shipped["seq_len"] == 4096
+        assert section.pop("router_aux_loss_coef") == (0.9 if router else 0.0)
+        assert {k: shipped[k] for k in section} == section
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(tmp_path))
+    n = sum(p.numel() for p in model.parameters())
+    assert GPTConfig(**shipped).n_params == n == 20_914_757_184
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    assert GPTConfig(**shipped).active_params == n - experts * 28 // 32 == 4_187_440_704
+
+
 LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does not compute
     "rope_scaling.rope_type": {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
     "rope_parameters.rope_type": {"rope_parameters": {"rope_type": "dynamic", "factor": 8.0,
@@ -953,6 +1010,8 @@ LLAMA_NOT_COMPUTED = {  # config.json keys asking for what the demo's Llama does
                             "num_experts_per_tok": 8},
     "use_bidirectional_attention": {"model_type": "gemma", "hidden_act": "gelu",  # as read
                                     "use_bidirectional_attention": True},
+    # GPT-OSS's checkpoints on the Hub: its experts in MXFP4
+    "quantization_config": {"quantization_config": {"quant_method": "mxfp4"}},
 }
 
 
@@ -1055,12 +1114,14 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     assert section.get("nope_every", 0) == (4 if family in ("smollm3", "cohere2") else 0)
     assert section.get("gemma", 0) == {"gemma": 1, "gemma2": 2, "gemma3": 2}.get(family, 0)
     assert section.get("window_pattern", 0) == {"gemma2": 2, "gemma3": 3, "olmo3": 4,
-                                                 "cohere2": 4}.get(family, 0)
-    assert section.get("n_experts", 0) == (4 if which.endswith(("mixtral", "moe")) else 0)
+                                                 "cohere2": 4, "gpt": 2}.get(family, 0)
+    assert section.get("n_experts", 0) == (4 if which.endswith(("mixtral", "moe", "gpt-oss"))
+                                           else 0)
+    assert section.get("gpt_oss", False) == (family == "gpt")
     assert section.get("shared_expert_d_ff", 0) == (40 if which == "qwen2-moe" else 0)
     assert section["partial_rotary_factor"] == (0.5 if family in ("phi4", "stablelm", "glm",
                                                                   "glm4") else 1.0)
-    assert section["qkv_bias"] == (family in ("qwen2", "seed", "stablelm", "glm", "glm4"))
+    assert section["qkv_bias"] == (family in ("qwen2", "seed", "stablelm", "glm", "glm4", "gpt"))
     assert section.get("output_norms", False) == (family == "glm4")
     assert section.get("layer_norm", 0) == {"stablelm": 1, "cohere": 2, "cohere2": 2}.get(
         family, 0)
@@ -1068,9 +1129,10 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
                                                                 "ernie", "glm", "glm4"))
     assert section["qk_norm"] == (family in ("qwen3", "gemma3", "olmo2", "olmo3", "olmoe"))
     assert section.get("olmo", 0) == {"olmoe": 1, "olmo2": 2, "olmo3": 2}.get(family, 0)
-    assert (family in ("qwen3", "seed", "ernie", "glm", "glm4")) == (section["head_dim"] == 16)
+    assert (family in ("qwen3", "seed", "ernie", "glm", "glm4", "gpt")) == (
+        section["head_dim"] == 16)
     assert section["sliding_window"] == {"mistral": 16, "gemma2": 5, "gemma3": 5,
-                                         "olmo3": 5, "cohere2": 5}.get(family, 0)
+                                         "olmo3": 5, "cohere2": 5, "gpt": 5}.get(family, 0)
     counted = sum(p.numel() for n, p in cls_of(which)(FAMILIES[which][1]).named_parameters()
                   if not n.startswith(("model.vision_tower", "model.multi_modal_projector")))
     assert GPTConfig(**section).n_params == counted  # the planner's count, the head tied once
@@ -1108,7 +1170,14 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
         for one in ({"layer_norm": 0}, {"rope_interleaved": False}, {"logits_scaling": 1.0}):
             other = logits_of(llama.Llama(dataclasses.replace(cfg, **one)), params)
             assert rel(other, theirs) > 1e-3, one
-    if counts and family in ("gemma2", "gemma3", "olmo3", "cohere2"):  # the sliding window
+    if counts and family == "gpt":  # the sinks, the clamp and yarn's unrounded ramp count
+        sinkless = jax.tree.map(lambda x: x, params)
+        sinkless["blocks"]["sinks"] = np.full(params["blocks"]["sinks"].shape, -1e9, np.float32)
+        for other in (logits_of(model, sinkless), *(
+                logits_of(llama.Llama(dataclasses.replace(cfg, **one)), params)
+                for one in ({"swiglu_limit": 100.0}, {"rope_truncate": True}))):
+            assert rel(other, theirs) > 1e-3
+    if counts and family in ("gemma2", "gemma3", "olmo3", "cohere2", "gpt"):  # the window
         for plain in ({"sliding_window": 0, "window_pattern": 0, "rope_local_theta": 0.0},
                       *([{"rope_local_theta": 0.0}] if family in ("gemma3", "olmo3") else [])):
             other = logits_of(llama.Llama(dataclasses.replace(cfg, **plain)), params)
@@ -1155,6 +1224,43 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     assert (out / "model.safetensors.index.json").exists()
     assert llama_config.read_config(out) == section
     assert rel(torch_logits_of(transformers.AutoModelForCausalLM, out), ours) < 1e-5
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gpt_oss_gradients_are_transformers(tp, tmp_path, family_dir):
+    """A GPT-OSS (its sinks, biases, clamped experts and sliding layers) at stage 3 (x tensor
+    parallel 2): the gradient of the mean next-token loss on TOKENS, every parameter's, written
+    in transformers' names and layout (gate and up interleaved), equals the gradient PyTorch's
+    autograd gives transformers' model, each tensor within 1e-4 of its norm."""
+    from zero_jax.gpt import llama
+
+    directory = family_dir("gpt-oss")
+    section = hf.read_config(directory)
+    cfg = GPTConfig(**section, remat="full", vocab_multiple=128)
+    model = llama.Llama(cfg)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), TOKENS[:1, :-1])["params"])
+    mesh = zj.make_mesh(axes={"data": 8 // tp, **({"model": tp} if tp > 1 else {})})
+    plan = zj.make_plan(shapes, mesh, stage=3, layers=LAYERS,
+                        rules=list(llama.tensor_parallel(cfg)) if tp > 1 else [])
+    files, mapping = hf.weights_source(directory)
+    params = load_params(plan, files, mapping)
+    batch = jax.device_put(TOKENS, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+        "data")))
+    loss, grads = jax.jit(lambda p: zj.make_grad_fn(plan, lm_loss(model))(p, batch))(params)
+    zj.save_safetensors(grads, tmp_path / "grads", hf.mapping(section), np.float32)
+    ours = safetensors.numpy.load_file(tmp_path / "grads" / "model.safetensors")
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    logits = theirs(torch.tensor(TOKENS[:, :-1], dtype=torch.long)).logits
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.tensor(
+        TOKENS[:, 1:], dtype=torch.long).reshape(-1))
+    ref.backward()
+    assert float(loss) == pytest.approx(ref.item(), rel=1e-5)
+    named = dict(theirs.named_parameters())
+    assert set(ours) == set(named)
+    for name, g in ours.items():
+        want = named[name].grad.numpy()
+        assert np.linalg.norm(g - want) <= 1e-4 * np.linalg.norm(want), name
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -1359,14 +1465,15 @@ def test_a_tensor_taken_in_ranges_is_read_once_whole_and_written_back_whole(fami
 # (the plain Llama's untied head and rotary positions are the Mistral's, trained here too)
 @pytest.mark.parametrize("which", ["llama3", "qwen2", "qwen3", "mistral", "phi4-mini",
                                    "gemma2", "olmo3", "granite", "mixtral", "seed-oss",
-                                   "stablelm", "cohere2", "glm4", "pythia", "phi"])
+                                   "stablelm", "cohere2", "glm4", "gpt-oss", "pythia", "phi"])
 def test_train_py_fine_tunes_a_llama_and_exports_it(which, gpt2, tmp_path, family_dir):
     """train.py --init-from a Llama directory (one made as Llama 3.2 is, a Qwen2, a Qwen3, a Mistral
     whose sliding window is set to 5 of the 16 tokens, one as Phi-4-mini: longrope, heads
     rotated in half, written back as Phi-3's fused tensors; a Gemma 2, an OLMo 3, a Granite (its
     logits scaled inside the chunked loss); a Mixtral with its load-balancing loss on at 0.02; a
-    Seed-OSS, exported as Qwen2; a StableLM; a Cohere 2; a GLM-4), a GPT-NeoX made as Pythia is
-    or a Phi (its head's bias inside the chunked loss): the model section from its config.json,
+    Seed-OSS, exported as Qwen2; a StableLM; a Cohere 2; a GLM-4; a GPT-OSS), a GPT-NeoX made as
+    Pythia is or a Phi (its head's bias inside the chunked loss): the model section from its
+    config.json,
     its first loss transformers' on that batch (with the Mixtral's weighted balance loss,
     reported as its ``balance_loss``); two SGD steps; the export loads in transformers with
     zero_jax's logits of the trained checkpoint."""

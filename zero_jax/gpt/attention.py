@@ -40,17 +40,20 @@ def resolve(choice: str, platform: str, dtype, head_dim: int) -> str:
 
 
 def causal(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str,
-           window: int = 0, scale: float | None = None, softcap: float = 0.0) -> jax.Array:
+           window: int = 0, scale: float | None = None, softcap: float = 0.0,
+           sinks: jax.Array | None = None) -> jax.Array:
     """Causal attention of ``(batch, t, heads, head_dim)`` queries over keys and values with
     ``heads`` or fewer heads (grouped-query: query head i reads key head i // (heads / kv)).
     ``window``: each query reads its own and the ``window - 1`` keys before it (Mistral's and
     Phi-3's sliding window, as Hugging Face masks it); 0, or a window the sequence fits in,
     is the whole causal attention, with no window passed down (the same program). ``scale``:
     the scores' factor (default 1 / sqrt(head_dim)); ``softcap`` (Gemma 2's): the scores
-    are ``softcap * tanh(scores / softcap)``, which no fused kernel computes: the einsums."""
+    are ``softcap * tanh(scores / softcap)``, which no fused kernel computes: the einsums;
+    ``sinks`` (GPT-OSS's, one logit per head): a column of each row's softmax that no value
+    is read for, so that a query can attend to nothing; the einsums too."""
     local = (window - 1, 0) if 0 < window < q.shape[1] else None
-    if softcap:
-        return _softcapped(q, k, v, scale or q.shape[-1] ** -0.5, softcap, local)
+    if softcap or sinks is not None:
+        return _einsums(q, k, v, scale or q.shape[-1] ** -0.5, softcap, local, sinks)
     impl = resolve(implementation, jax.default_backend(), q.dtype, q.shape[-1])
     if impl == "cudnn" and jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in CUDNN_DTYPES]:
         impl = "xla"  # the fp32 trace of init, shapes only (a bf16 step was checked to fit)
@@ -63,29 +66,38 @@ def causal(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str,
     return attend(q, k, v)
 
 
-def _softcapped(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, cap: float,
-                local: tuple[int, int] | None) -> jax.Array:
+def _einsums(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, cap: float,
+             local: tuple[int, int] | None, sinks: jax.Array | None) -> jax.Array:
     """The attention of each ``QUERY_BLOCK`` queries at a time (all at once where the
     sequence is no multiple of it), each block rematerialized for the backward."""
     b, t, h, dh = q.shape
     n = t // QUERY_BLOCK if t > QUERY_BLOCK and t % QUERY_BLOCK == 0 else 1
     blocks = q.reshape(b, n, t // n, h, dh).swapaxes(0, 1)
-    block = jax.checkpoint(lambda args: _capped(*args, k, v, scale, cap, local))
+    block = jax.checkpoint(lambda args: _block(*args, k, v, scale, cap, local, sinks))
     out = jax.lax.map(block, (blocks, jnp.arange(n) * (t // n)))
     return out.swapaxes(0, 1).reshape(b, t, h, dh)
 
 
-def _capped(q: jax.Array, first: jax.Array, k: jax.Array, v: jax.Array, scale: float,
-            cap: float, local: tuple[int, int] | None) -> jax.Array:
+def _block(q: jax.Array, first: jax.Array, k: jax.Array, v: jax.Array, scale: float,
+           cap: float, local: tuple[int, int] | None, sinks: jax.Array | None) -> jax.Array:
     """Queries ``first`` on over all keys: the scores in fp32, capped, masked, their softmax
-    in the inputs' dtype (as transformers' eager attention computes it), the kv heads shared
-    by groups of queries."""
+    (with the sinks' column) in the inputs' dtype (as transformers' eager attention computes
+    it), the kv heads shared by groups of queries."""
     b, c, h, dh = q.shape
-    groups = q.reshape(b, c, k.shape[2], h // k.shape[2], dh)
+    g = k.shape[2]
+    groups = q.reshape(b, c, g, h // g, dh)
     scores = jnp.einsum("btgrd,bsgd->bgrts", groups, k,
                         preferred_element_type=jnp.float32) * scale
-    scores = cap * jnp.tanh(scores / cap)
+    if cap:
+        scores = cap * jnp.tanh(scores / cap)
     i, j = first + jnp.arange(c)[:, None], jnp.arange(k.shape[1])[None, :]
     seen = (j <= i) & ((i - j <= local[0]) if local else True)
-    p = jax.nn.softmax(jnp.where(seen, scores, -jnp.inf), axis=-1).astype(q.dtype)
+    scores = jnp.where(seen, scores, -jnp.inf)
+    if sinks is None:
+        p = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    else:  # the sink's column in the sum, not in what is read
+        sink = sinks.astype(jnp.float32).reshape(1, g, h // g, 1, 1)
+        top = jax.lax.stop_gradient(jnp.maximum(jnp.max(scores, -1, keepdims=True), sink))
+        e = jnp.exp(scores - top)
+        p = (e / (jnp.sum(e, -1, keepdims=True) + jnp.exp(sink - top))).astype(q.dtype)
     return jnp.einsum("bgrts,bsgd->btgrd", p, v).reshape(b, c, h, dh)

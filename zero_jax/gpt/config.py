@@ -44,20 +44,21 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # an export writes back, 0: seq_len; sliding_window Mistral's, 0: none; gemma 1 or 2,
     # Gemma's conventions, with the soft caps, query scalar and window pattern of Gemma 2 and
     # 3; olmo 1 or 2, OLMo's norms; nope_every, SmolLM3's layers without rotary positions;
-    # Granite's multipliers; or neox (GPT-NeoX's and Phi's: layer norms with biases, rotary
-    # positions on a share of each head, a GELU MLP, parallel_residual, Phi's head_bias):
+    # Granite's multipliers; gpt_oss, GPT-OSS's sinks, biases and clamped experts; or neox
+    # (GPT-NeoX's and Phi's: layer norms with biases, rotary positions on a share of each head,
+    # a GELU MLP, parallel_residual, Phi's head_bias):
     # GPTConfig).
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512,
               "seq_len": 64, "remat": "auto", "arch": "gpt2", "norm_eps": 1e-5,
               "n_kv_heads": 0, "rope_theta": 10000.0, "rope_type": "default",
               "rope_factor": 1.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
               "rope_original_max_positions": 0, "rope_short_factor": [],
-              "rope_long_factor": [], "rope_attention_factor": 0.0,
+              "rope_long_factor": [], "rope_attention_factor": 0.0, "rope_truncate": True,
               "partial_rotary_factor": 1.0, "tie_head": False,
               "qkv_bias": False, "qk_norm": False, "head_dim": 0, "max_positions": 0,
               "sliding_window": 0, "gemma": 0, "olmo": 0, "layer_norm": 0, "window_pattern": 0,
               "rope_interleaved": False, "output_norms": False,
-              "nope_every": 0,
+              "nope_every": 0, "gpt_oss": False, "swiglu_limit": 7.0,
               "rope_local_theta": 0.0, "parallel_residual": 0, "head_bias": False,
               "hidden_act": "gelu",
               "n_experts": 0, "experts_per_token": 2, "expert_d_ff": 0, "moe_norm_topk": True,
@@ -384,12 +385,13 @@ def _check_llama(m: dict) -> None:
                                  or m["olmo"] or m["attn_softcap"] or m["logit_softcap"]
                                  or m["query_pre_attn_scalar"] or m["window_pattern"]
                                  or m["rope_local_theta"] or m["n_experts"] or m["nope_every"]
+                                 or m["gpt_oss"]
                                  or (m["embedding_multiplier"], m["residual_multiplier"],
                                      m["logits_scaling"]) != (1, 1, 1)):
         raise ConfigError("model.head_dim, model.qkv_bias, model.qk_norm, "
-                          "model.sliding_window, Gemma's, OLMo's, StableLM's, Cohere's, SmolLM3's "
-                          "and Granite's keys and model.n_experts are the llama arch's: set "
-                          "model.arch=llama, or leave them out")
+                          "model.sliding_window, Gemma's, OLMo's, StableLM's, Cohere's, "
+                          "SmolLM3's, Granite's and GPT-OSS's keys and model.n_experts are the "
+                          "llama arch's: set model.arch=llama, or leave them out")
     if (m["shared_expert_d_ff"] or m["router_aux_loss_coef"] or m["router_z_loss_coef"]
             or m["expert_capacity_factor"] or m["eval_capacity_factor"]) and not m["n_experts"]:
         raise ConfigError("model.shared_expert_d_ff, model.router_aux_loss_coef, "
@@ -405,8 +407,14 @@ def _check_llama(m: dict) -> None:
     if (m["window_pattern"] or m["rope_local_theta"]) and not m["sliding_window"]:
         raise ConfigError("model.window_pattern and model.rope_local_theta are the sliding "
                           "layers' (Gemma 2's and 3's): set model.sliding_window too")
-    if m["qkv_bias"] + m["qk_norm"] + bool(m["sliding_window"]) > 1 + bool(m["gemma"]
-                                                                          or m["olmo"]):
+    if m["gpt_oss"] and (not m["n_experts"] or m["qk_norm"] or m["shared_expert_d_ff"]):
+        raise ConfigError("model.gpt_oss is GPT-OSS's mixture of experts, without q and k norms "
+                          "or a shared expert: set model.n_experts, leave the others out")
+    if not 0 < m["swiglu_limit"] < math.inf:
+        raise ConfigError(f"model.swiglu_limit must be a finite number above 0 (got "
+                          f"{m['swiglu_limit']}): GPT-OSS's is 7")
+    if m["qkv_bias"] + m["qk_norm"] + bool(m["sliding_window"]) > 1 + bool(
+            m["gemma"] or m["olmo"] or m["gpt_oss"]):
         raise ConfigError("model.qkv_bias, model.qk_norm and model.sliding_window together are "
                           "no Hugging Face family's decoder (Qwen2 has the first, Qwen3 the "
                           "second, Mistral the third): set one")

@@ -4,8 +4,8 @@ q and k, or neither: Llama, Mistral and Phi-3 with their sliding windows, Qwen2,
 Gemma's norms, embedding scale and GELU gate, Gemma and Gemma 2 with its output norms and soft
 caps; OLMoE, q and k normed over all heads at once, and OLMo 2 and 3, their outputs normed in
 place of their inputs too; with LayerNorms, StableLM and Cohere, whose attention and MLP read
-one norm side by side) with Hugging Face's tensor names, its layers under ``nn.scan`` as
-``blocks``.
+one norm side by side; GPT-OSS, with sinks in its attention's softmax and biased, clamped
+experts) with Hugging Face's tensor names, its layers under ``nn.scan`` as ``blocks``.
 
 Rotary positions rotate the two halves of each head (Hugging Face's ``rotate_half``), or its
 pairs of columns side by side (``rope_interleaved``: Cohere's, Helium's, Ernie 4.5's, GLM's), so its
@@ -47,7 +47,11 @@ def tensor_parallel(c: GPTConfig) -> tuple[Rule, ...]:
     kernels, the experts' as the MLP's where they are its, no head's rule where the head is
     the embedding's."""
     bias = (Rule(r"^blocks/(q|k|v)/bias$", model_dim=-2),) if c.qkv_bias else ()
-    mlp = moe.TENSOR_PARALLEL if c.n_experts else TENSOR_PARALLEL[2:4]
+    if c.gpt_oss:  # a sink per head, cut as the heads
+        bias += (Rule(r"^blocks/sinks$", model_dim=-1),)
+    mlp = TENSOR_PARALLEL[2:4]
+    if c.n_experts:  # GPT-OSS's gate and up in one tensor
+        mlp = moe.TENSOR_PARALLEL[1:] if c.gpt_oss else moe.TENSOR_PARALLEL[:2]
     return (*bias, *TENSOR_PARALLEL[:2], *mlp, TENSOR_PARALLEL[4],
             *(() if c.tie_head else TENSOR_PARALLEL[-1:]))
 
@@ -61,12 +65,15 @@ def rope_frequencies(c: GPTConfig, dh: int, t: int) -> jax.Array:
     (Phi-3) divides each by its own factor, ``rope_long_factor``'s for sequences longer than
     the original context, else ``rope_short_factor``'s; ``yarn`` divides those turning less
     than once in the original context by ``rope_factor``, keeps those turning over 32 times,
-    and ramps between."""
+    and ramps between (from the pairs where it turns so often, whole ones where
+    ``rope_truncate``)."""
     inv = 1.0 / c.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh)
     if c.rope_type == "yarn":  # slow pairs divided by the factor, fast ones kept, a ramp between
         fast, slow = (dh * math.log(c.rope_original_max_positions / (turns * 2 * math.pi))
                       / (2 * math.log(c.rope_theta)) for turns in (32, 1))
-        low, high = max(math.floor(fast), 0), min(math.ceil(slow), dh - 1)
+        if c.rope_truncate:  # the ramp's ends at whole pairs (all but GPT-OSS's)
+            fast, slow = math.floor(fast), math.ceil(slow)
+        low, high = max(fast, 0), min(slow, dh - 1)
         ramp = jnp.clip((jnp.arange(dh // 2, dtype=jnp.float32) - low)
                         / ((high - low) or 0.001), 0, 1)
         return inv / c.rope_factor * ramp + inv * (1 - ramp)
@@ -154,6 +161,15 @@ def _swiglu_bwd(res, dh: jax.Array) -> tuple[jax.Array, jax.Array]:
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
+def clamped_glu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    """GPT-OSS's experts' GLU: the gate clamped above at ``limit``, the up projection within
+    ``±limit``, ``(up + 1) * gate * sigmoid(1.702 gate)``; in fp32, rounded to the inputs'
+    dtype, as ``swiglu``."""
+    g = jnp.minimum(gate.astype(jnp.float32), limit)
+    u = jnp.clip(up.astype(jnp.float32), -limit, limit)
+    return ((u + 1) * g * jax.nn.sigmoid(1.702 * g)).astype(jnp.result_type(gate, up))
+
+
 class GemmaNorm(nn.Module):
     """Gemma's RMSNorm: in fp32, scaled by ``1 + scale`` (its weights are stored so, zero at
     init), then cast back, as transformers computes it."""
@@ -211,20 +227,24 @@ class LlamaBlock(nn.Module):
         else:
             q, k = (jnp.where(rotary, rotate(y), y) for y in (q, k))
         v = dense((c.kv_heads, dh), "v", c.qkv_bias)(h)
+        sinks = self.param("sinks", nn.initializers.zeros, (c.n_heads,)) if c.gpt_oss else None
         # query head i reads kv head i // rep
         attend = lambda window: attention.causal(  # noqa: E731
             q, k, v, c.attention, window,
-            c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar else None, c.attn_softcap)
+            c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar else None, c.attn_softcap,
+            sinks)
         att = attend(c.sliding_window) if sliding is None else jax.lax.cond(
             sliding, lambda: attend(c.sliding_window), lambda: attend(0))
         residual = lambda y: y if c.residual_multiplier == 1 else c.residual_multiplier * y
-        x = x + residual(after(dense(d, "o", axis=(-2, -1))(att), "post_attn"))
+        x = x + residual(after(dense(d, "o", c.gpt_oss, axis=(-2, -1))(att), "post_attn"))
         # the MLP reads the attention's input through its norm (Cohere's), or the sum's own
         h = h if c.parallel_residual else before(x, "ln2")
         if c.n_experts:  # the routing's statistics out as the layer loop's, where they count
+            gated = functools.partial(clamped_glu, limit=c.swiglu_limit) if c.gpt_oss \
+                else swiglu
             y, stats = MoE(c.n_experts, c.experts_per_token, c.expert_d_ff or c.d_ff,
-                           c.moe_norm_topk, swiglu, c.shared_expert_d_ff,
-                           c.expert_capacity_factor, name="moe")(h)
+                           c.moe_norm_topk, gated, c.shared_expert_d_ff,
+                           c.expert_capacity_factor, c.gpt_oss, name="moe")(h)
             return x + residual(after(y, "post_mlp")), stats if c.router_losses else None
         gate, up = dense(c.d_ff, "gate")(h), dense(c.d_ff, "up")(h)
         mid = nn.gelu(gate, approximate=True) * up if c.gemma else swiglu(gate, up)
@@ -312,6 +332,9 @@ def mapping(c: GPTConfig) -> Mapping:
               for ours, theirs in norms.items()),
             Tensor(h + "self_attn.o_proj.weight", "blocks/o/kernel", transpose=(1, 0),
                    split=(0, (c.n_heads, -1)))]
+    if c.gpt_oss:  # the output's bias, the sinks
+        rows += [Tensor(h + "self_attn.o_proj.bias", "blocks/o/bias"),
+                 Tensor(h + "self_attn.sinks", "blocks/sinks")]
     for name, heads in [("q", c.n_heads), ("k", c.kv_heads), ("v", c.kv_heads)]:
         rows.append(Tensor(f"{h}self_attn.{name}_proj.weight", f"blocks/{name}/kernel",
                            transpose=(1, 0), split=(1, (heads, -1))))

@@ -1,11 +1,11 @@
 """The Llama family's config.json, both ways: read into the demo's model section, refusing
 what ``zero_jax.gpt.llama`` does not compute (another activation, biases, rope type, a Qwen's
 sliding window, ...), and written for a model, then read back to prove transformers would
-compute the same model (``hf_config``). Twenty-five ``model_type``s: Llama, Mistral, Phi-3,
+compute the same model (``hf_config``). Twenty-six ``model_type``s: Llama, Mistral, Phi-3,
 Qwen2, Qwen3, Gemma 1-3, OLMo 2 and 3, SmolLM3, Granite, Seed-OSS (written back as the Qwen2
 it computes as), StableLM, Cohere 1 and 2, Ernie 4.5, Helium (written back as the Ernie 4.5
-it computes as), GLM, GLM-4 and the experts of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and
-GraniteMoE."""
+it computes as), GLM, GLM-4 and the experts of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+GraniteMoE and GPT-OSS."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model",
 # R, Aya) and Cohere 2 (Command R7B) without biases or q and k norms; Helium and Ernie 4.5
 # (dense) without biases, their rotary pairs side by side; GLM (GLM-4-9B) with q, k, v biases
 # or none (``attention_bias``), half of each head rotated in pairs side by side, its gate and
-# up projections fused; GLM-4 (0414) with norms of the outputs too (``output_norms``).
+# up projections fused; GLM-4 (0414) with norms of the outputs too (``output_norms``); GPT-OSS
+# with biases on every projection of the attention and its experts (``gpt_oss``).
 # Dropout rates are training settings, not the model: read past (``hf.dropout``).
 _PLAIN = {"hidden_act": "silu", "attention_bias": False}
 FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
@@ -67,7 +68,8 @@ FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias":
             "helium": {**_PLAIN, "mlp_bias": False},
             "ernie4_5": {"hidden_act": "silu", "use_bias": False},
             "glm": {"hidden_act": "silu"}, "glm4": {"hidden_act": "silu"},
-            "granitemoe": _PLAIN}
+            "granitemoe": _PLAIN,
+            "gpt_oss": {"attention_bias": True, "swiglu_alpha": 1.702}}
 # Their LayerNorms' epsilon under its own key (read as the RMSNorms')
 LAYER_NORM_EPS = ("stablelm", "cohere", "cohere2")
 # Their rotary pairs side by side (``rope_interleaved``)
@@ -81,8 +83,7 @@ GEMMA3_TEXT = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 
                "tie_word_embeddings": True}
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 # yarn as the Qwens use it: these of its keys at transformers' defaults (DeepSeek's mscale not)
-YARN_FIXED = {"beta_fast": 32, "beta_slow": 1, "mscale": None, "mscale_all_dim": None,
-              "truncate": True}
+YARN_FIXED = {"beta_fast": 32, "beta_slow": 1, "mscale": None, "mscale_all_dim": None}
 # The training window a directory's model starts with, where its declared context is longer
 # (Hugging Face's run_clm picks its block size so): Llama 3.2 declares 131,072 tokens.
 WINDOW = 1024
@@ -110,6 +111,12 @@ def read_config(directory: str | os.PathLike) -> dict:
         raise WeightsError(f"{path} is missing or not the config.json of a model_type this "
                            f"demo reads ({', '.join(FAMILIES)}): pass a Hugging Face directory "
                            "of one") from None
+    if quantized := hf.get("quantization_config"):
+        how = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+        raise WeightsError(f"{path} has quantization_config {how!r}; this demo reads "
+                           "floating-point weights: pass a model with floating-point weights "
+                           "(GPT-OSS's MXFP4 ones: loaded by transformers with "
+                           "Mxfp4Config(dequantize=True), then save_pretrained)")
     return _model_section(path, hf)
 
 
@@ -135,7 +142,8 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
                                "model whose config.json has one of them")
     tied = hf.get("tie_word_embeddings", False)
     window = hf.get("sliding_window") if hf["model_type"] in (
-        "mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "olmo3", "cohere2") else None
+        "mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "olmo3", "cohere2",
+        "gpt_oss") else None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or window < 1):
         raise WeightsError(f"{path} has sliding_window {window!r}, not a number of tokens: pass "
@@ -203,7 +211,7 @@ def _qkv_bias(kind: str, hf: dict) -> bool:
     """Whether q, k and v have biases: always Qwen2's; Seed-OSS's and GLM's as
     ``attention_bias`` says (true by default), StableLM's as ``use_qkv_bias`` (false); the
     others' never (their fixed keys refuse them)."""
-    if kind in ("seed_oss", "glm", "glm4"):
+    if kind in ("seed_oss", "glm", "glm4", "gpt_oss"):
         return hf.get("attention_bias", True)
     return kind in ("qwen2", "qwen2_moe") or hf.get("use_qkv_bias", False)
 
@@ -267,10 +275,23 @@ def _nope(path: pathlib.Path, hf: dict, n_layers: int, _) -> dict:
     return {"nope_every": every}
 
 
+def _gpt_oss(path: pathlib.Path, hf: dict, n_layers: int, window: int | None) -> dict:
+    """GPT-OSS's: its conventions (``gpt_oss``), its experts' clamp, every other layer
+    sliding (``layer_types``) where it has a window."""
+    limit = hf.get("swiglu_limit", 7.0)
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not \
+            0 < limit < float("inf"):
+        raise WeightsError(f"{path} has swiglu_limit {limit!r}, not a positive number: pass a "
+                           "model whose config.json has one")
+    return {"gpt_oss": True, "swiglu_limit": float(limit),
+            "window_pattern": _pattern(path, hf, n_layers, 2) if window else 0}
+
+
 # One family's own keys, by model_type: ``(path, hf, n_layers, window) -> keys`` (OLMo 3's
 # windows, SmolLM3's layers without positions, Granite's multipliers, Cohere's norms and scale,
-# StableLM's LayerNorms, GLM-4's outputs' norms)
+# StableLM's LayerNorms, GLM-4's outputs' norms, GPT-OSS's)
 OWN_KEYS = {"olmo3": _olmo3, "smollm3": _nope, "granite": _granite, "granitemoe": _granite,
+            "gpt_oss": _gpt_oss,
             "cohere": _cohere, "cohere2": _cohere,
             "stablelm": lambda *_: {"layer_norm": 1}, "glm4": lambda *_: {"output_norms": True}}
 
@@ -280,7 +301,8 @@ def _moe(path: pathlib.Path, hf: dict) -> dict:
     width (the Qwens' ``moe_intermediate_size``), whether the chosen ones' weights renormalize, the
     weight of their load-balancing loss where transformers adds it (``output_router_logits``;
     0.001 by default)."""
-    mixtral = hf["model_type"] in ("mixtral", "granitemoe")  # experts intermediate_size wide
+    # their experts intermediate_size wide, their chosen weights renormalized
+    mixtral = hf["model_type"] in ("mixtral", "granitemoe", "gpt_oss")
     got = {"num_local_experts": hf.get("num_local_experts", hf.get("num_experts")),
            "num_experts_per_tok": hf.get("num_experts_per_tok"),
            "moe_intermediate_size": hf["intermediate_size"] if mixtral or hf["model_type"] ==
@@ -444,6 +466,11 @@ def _extended(path: pathlib.Path, where: str, rope: dict, hf: dict, dh: int) -> 
             only = f"{key} {want!r} only" if want is not None else f"no {key}"
             raise WeightsError(f"{path} has {where}.{key} {rope[key]!r}; this demo's yarn "
                                f"computes {only}: pass a model with {only}")
+    if kind == "yarn":
+        if not isinstance(truncate := rope.get("truncate", True), bool):
+            raise WeightsError(f"{path} has {where}.truncate {truncate!r}, not true or false: "
+                               "pass a model whose config.json has one of them")
+        out["rope_truncate"] = truncate
     factor = rope.get("factor")
     factor = hf["max_position_embeddings"] / original if factor is None else factor
     attention = rope.get("attention_factor")
@@ -465,7 +492,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "stablelm": "StableLmForCausalLM", "cohere": "CohereForCausalLM",
                  "cohere2": "Cohere2ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM",
                  "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM",
-                 "granitemoe": "GraniteMoeForCausalLM"}
+                 "granitemoe": "GraniteMoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
 def family_of(c: GPTConfig) -> str:
@@ -477,7 +504,10 @@ def family_of(c: GPTConfig) -> str:
     (``olmo`` 1) with experts, OLMo 3's (2) with a window, else OLMo 2's; SmolLM3's with
     layers without rotary positions (``nope_every``); Granite's with its multipliers;
     StableLM's with LayerNorms, Cohere's (2 with a window) without their biases; Ernie 4.5's
-    with rotary pairs side by side (GLM's where they rotate in part)."""
+    with rotary pairs side by side (GLM's where they rotate in part); GPT-OSS's with its
+    conventions (``gpt_oss``)."""
+    if c.gpt_oss:
+        return "gpt_oss"
     if c.layer_norm == 2:
         return "cohere2" if c.sliding_window else "cohere"
     if c.layer_norm:
@@ -544,7 +574,8 @@ def hf_config(model: dict, dtype: str = "float32") -> dict:
         hf["rope_scaling"] = {"rope_type": "yarn", "factor": c.rope_factor,
                               "original_max_position_embeddings": c.rope_original_max_positions,
                               **({"attention_factor": c.rope_attention_factor}
-                                 if c.rope_attention_factor else {})}
+                                 if c.rope_attention_factor else {}),
+                              **({} if c.rope_truncate else {"truncate": False})}
     elif c.rope_type != "default":
         keys = ("factor",) if c.rope_type == "linear" else tuple(ROPE_KEYS)
         hf["rope_scaling"] = {"rope_type": c.rope_type,
@@ -591,6 +622,7 @@ def _computes(c: GPTConfig) -> dict:
             "window_pattern": pattern,
             "rope_local_theta": (c.rope_local_theta or c.rope_theta) if pattern else 0.0,
             "query_pre_attn_scalar": c.query_pre_attn_scalar or c.dh,
+            "gpt_oss": c.gpt_oss, "swiglu_limit": c.swiglu_limit if c.gpt_oss else 0.0,
             **(rope if c.rope_type != "default" else {}), **moe}
 
 
@@ -614,7 +646,7 @@ def _check_read_back(c: GPTConfig, family: str, hf: dict) -> None:
 def _family_keys(c: GPTConfig, family: str) -> dict:
     """The keys of config.json that only ``family`` has, as its files on the Hub name them."""
     out: dict = {}
-    if family in ("gemma2", "gemma3_text", "olmo3", "cohere2"):  # none: not the default
+    if family in ("gemma2", "gemma3_text", "olmo3", "cohere2", "gpt_oss"):  # none: not default
         out.update(sliding_window=c.sliding_window or None,
                    layer_types=_layer_types(c.window_pattern or c.n_layers + 1, c.n_layers))
     if family in ("gemma2", "gemma3_text"):
@@ -624,7 +656,7 @@ def _family_keys(c: GPTConfig, family: str) -> dict:
         if c.rope_local_theta:
             out["rope_local_base_freq"] = c.rope_local_theta
     if c.n_experts:
-        local = family in ("mixtral", "granitemoe")  # their keys' names, experts' widths
+        local = family in ("mixtral", "granitemoe", "gpt_oss")  # keys' names, experts' widths
         out.update({"num_local_experts" if local else "num_experts": c.n_experts,
                     "num_experts_per_tok": c.experts_per_token,
                     "output_router_logits": bool(c.router_aux_loss_coef)})
@@ -654,6 +686,8 @@ def _family_keys(c: GPTConfig, family: str) -> dict:
     if family in ("glm", "glm4"):
         out.update(attention_bias=c.qkv_bias, partial_rotary_factor=c.partial_rotary_factor,
                    pad_token_id=None)  # its default is past a smaller vocabulary
+    if family == "gpt_oss":
+        out.update(swiglu_limit=c.swiglu_limit)
     return out
 
 

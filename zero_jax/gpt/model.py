@@ -58,6 +58,7 @@ class GPTConfig:
     rope_short_factor: tuple[float, ...] = ()  # longrope (Phi-3): a factor per rotary pair
     rope_long_factor: tuple[float, ...] = ()  # the same, for sequences past the original
     rope_attention_factor: float = 0.0  # longrope: cos and sin scaled; 0: from rope_factor
+    rope_truncate: bool = True  # yarn: its ramp's ends rounded to whole pairs (GPT-OSS's not)
     # llama, neox: the share of each head rotated (Phi-4-mini's 0.75, Pythia's 0.25)
     partial_rotary_factor: float = 1.0
     tie_head: bool = False  # llama, neox: the head is the embedding's transpose (GPT-2's is)
@@ -123,6 +124,11 @@ class GPTConfig:
     # one, Phi's and Cohere's); 0: the MLP after the attention
     parallel_residual: int = 0
     head_bias: bool = False  # neox: the output head has a bias (Phi's)
+    # llama: GPT-OSS's conventions: a learned sink logit per head in each attention's softmax,
+    # a bias on the attention's output too, experts with biases (gate and up in one tensor,
+    # their columns interleaved) and a router with one, their GLU clamped at swiglu_limit
+    gpt_oss: bool = False
+    swiglu_limit: float = 7.0
     hidden_act: str = "gelu"  # neox: the MLP's GELU, exact ("gelu") or tanh's (gelu_new, ...)
     attn_softcap: float = 0.0  # llama: scores capped by softcap * tanh(s / softcap); 0: none
     logit_softcap: float = 0.0  # llama: the same of the final logits (Gemma 2's)
@@ -180,6 +186,8 @@ class GPTConfig:
                 extra += d * self.n_experts + self.n_experts * 3 * d * (
                     self.expert_d_ff or f) - 3 * d * f
                 extra += 3 * d * self.shared_expert_d_ff + d if self.shared_expert_d_ff else 0
+            if self.gpt_oss:  # the output's bias, the sinks, the router's and experts' biases
+                extra += d + self.n_heads + self.n_experts * (1 + 2 * (self.expert_d_ff or f) + d)
             final = 2 * d if self.layer_norm == 1 else d
             return V * d + head + final + L * (2 * d + 2 * d * q + 2 * d * kv + 3 * d * f + extra)
         per_layer = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
@@ -194,8 +202,9 @@ class GPTConfig:
         """The parameters a token computes with: ``n_params`` less the experts it does not
         take (what a step's FLOPs follow, 6 a parameter a token)."""
         unchosen = self.n_experts - self.experts_per_token if self.n_experts else 0
-        return self.n_params - self.n_layers * unchosen * 3 * self.d_model * (
-            self.expert_d_ff or self.d_ff)
+        f = self.expert_d_ff or self.d_ff
+        biases = 2 * f + self.d_model if self.gpt_oss else 0
+        return self.n_params - self.n_layers * unchosen * (3 * self.d_model * f + biases)
 
 
 class Block(nn.Module):

@@ -31,7 +31,9 @@ from zero_jax.weights import Tensor
 
 # the experts' gate and up projections by columns, their down projection by rows
 TENSOR_PARALLEL = (Rule(r"^blocks/moe/(shared_)?(gate|up)$", model_dim=-1),
-                   Rule(r"^blocks/moe/(shared_)?down$", model_dim=-2))
+                   Rule(r"^blocks/moe/(shared_)?down$", model_dim=-2),
+                   # GPT-OSS's: gate and up interleaved, a pair's two columns on one rank
+                   Rule(r"^blocks/moe/gate_up(_bias)?$", model_dim=-1))
 # Hugging Face's names under a layer: the router, and each expert's gate, up and down
 _MLP = ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))
 NAMES = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{e}.",
@@ -39,7 +41,10 @@ NAMES = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{e}.",
          "qwen2_moe": _MLP, "qwen3_moe": _MLP, "olmoe": _MLP,
          # every expert's in one tensor: the router, gate and up fused, down
          "granitemoe": ("block_sparse_moe.router.layer", "block_sparse_moe.",
-                        ("input_linear", "input_linear", "output_linear"))}
+                        ("input_linear", "input_linear", "output_linear")),
+         # every expert's in one tensor, (in, out) as they multiply, gate and up interleaved
+         "gpt_oss": ("mlp.router", "mlp.experts.", ("gate_up_proj", "gate_up_proj",
+                                                     "down_proj"))}
 
 
 class MoE(nn.Module):
@@ -47,7 +52,10 @@ class MoE(nn.Module):
     and ``up`` ``(n_experts, d, f)`` and ``down`` ``(n_experts, f, d)``; ``gated(gate, up)``
     their activation (SwiGLU's). ``shared_d_ff``: the shared expert's width (0: none), its
     ``shared_gate``, ``shared_up``, ``shared_down`` and ``shared_router`` ``(d, 1)``.
-    ``capacity_factor``: 0, every pair computed; else as ``capped``."""
+    ``capacity_factor``: 0, every pair computed; else as ``capped``. ``biased`` (GPT-OSS's):
+    the router has a bias (``router_bias``), the experts' gate and up are one ``gate_up``
+    ``(n_experts, d, 2 f)``, their columns interleaved (gate, up, gate, ...: as its
+    checkpoints hold them), and it and ``down`` have biases (``gate_up_bias``, ``down_bias``)."""
 
     n_experts: int
     experts_per_token: int
@@ -56,6 +64,7 @@ class MoE(nn.Module):
     gated: Callable[[jax.Array, jax.Array], jax.Array]
     shared_d_ff: int = 0
     capacity_factor: float = 0.0
+    biased: bool = False
 
     @nn.compact
     def __call__(self, h: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -66,11 +75,21 @@ class MoE(nn.Module):
         d, e, k = h.shape[-1], self.n_experts, self.experts_per_token
         init = nn.initializers.lecun_normal(batch_axis=(0,))
         router = self.param("router", nn.initializers.lecun_normal(), (d, e))
-        gate, up = (self.param(n, init, (e, d, self.d_ff)) for n in ("gate", "up"))
-        down = self.param("down", init, (e, self.d_ff, d))
+        if self.biased:
+            ws = (self.param("gate_up", init, (e, d, 2 * self.d_ff)),
+                  self.param("down", init, (e, self.d_ff, d)))
+            bs = tuple(self.param(n, nn.initializers.zeros, (e, w)) for n, w in
+                       (("gate_up_bias", 2 * self.d_ff), ("down_bias", d)))
+        else:
+            ws = (*(self.param(n, init, (e, d, self.d_ff)) for n in ("gate", "up")),
+                  self.param("down", init, (e, self.d_ff, d)))
         x = h.reshape(-1, d)
         # the router's logits in the compute dtype, their softmax in fp32 (transformers')
-        logits = (x @ router.astype(x.dtype)).astype(jnp.float32)
+        logits = x @ router.astype(x.dtype)
+        if self.biased:
+            logits = logits + self.param("router_bias", nn.initializers.zeros, (e,)).astype(
+                x.dtype)
+        logits = logits.astype(jnp.float32)
         p = jax.nn.softmax(logits, axis=-1)
         weights, chosen = jax.lax.top_k(p, k)
         if self.norm_topk:
@@ -83,13 +102,14 @@ class MoE(nn.Module):
         order = jnp.argsort(chosen.reshape(-1), stable=True)
         token = order % x.shape[0] if capped_ else order // k
         sizes = jnp.bincount(chosen.reshape(-1), length=e).astype(jnp.int32)
-        xs, ws = x[token], tuple(w.astype(x.dtype) for w in (gate, up, down))
+        xs, ws = x[token], tuple(w.astype(x.dtype) for w in ws)
+        bs = tuple(b.astype(x.dtype) for b in bs) if self.biased else None
         if capped_:
             c = capacity(x.shape[0], k, e, self.capacity_factor)
-            out = capped(xs, ws, sizes, self.gated, c)
-        else:
-            mid = self.gated(grouped_matmul(xs, ws[0], sizes), grouped_matmul(xs, ws[1], sizes))
-            out = grouped_matmul(mid, ws[2], sizes)
+            out = capped(xs, ws, sizes, self.gated, c, bs)
+        else:  # with biases, each pair's expert's, in the pairs' order
+            rows = bs and tuple(b[chosen.reshape(-1)[order]] for b in bs)
+            out = experts(lambda a, w: grouped_matmul(a, w, sizes), xs, ws, self.gated, rows)
         out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
         y = jnp.zeros_like(x).at[token].add(out)
         if self.shared_d_ff:
@@ -121,13 +141,24 @@ def capacity(tokens: int, k: int, n_experts: int, factor: float) -> int:
     return min(tokens, max(1, math.ceil(factor * tokens * k / n_experts)))
 
 
-def capped(xs: jax.Array, ws: tuple[jax.Array, ...], sizes: jax.Array, gated: Callable,
-           c: int) -> jax.Array:
-    """The experts' SwiGLU over the sorted rows ``xs`` (``sizes[e]`` rows of expert ``e``),
+def experts(matmul: Callable, xs: jax.Array, ws: tuple, gated: Callable,
+            biases: tuple | None = None) -> jax.Array:
+    """The experts' MLP over ``xs`` by ``matmul(xs, w)``: ``ws`` gate, up and down; with
+    ``biases`` (GPT-OSS's, as ``xs`` reads them), ``gate_up`` and down, the gate and up the
+    even and odd columns of ``gate_up``."""
+    if biases is None:
+        return matmul(gated(matmul(xs, ws[0]), matmul(xs, ws[1])), ws[2])
+    both = matmul(xs, ws[0]) + biases[0]
+    return matmul(gated(both[..., ::2], both[..., 1::2]), ws[1]) + biases[1]
+
+
+def capped(xs: jax.Array, ws: tuple, sizes: jax.Array, gated: Callable,
+           c: int, biases: tuple | None = None) -> jax.Array:
+    """The experts' MLP over the sorted rows ``xs`` (``sizes[e]`` rows of expert ``e``),
     each expert taking its first ``c`` rows (``MoE`` sorts them by choice, then
     token), the others dropped (zeros out): the rows scattered into an ``(experts,
-    capacity, d)`` buffer, and ``ws`` (gate, up, down) applied as batched GEMMs, whose shapes
-    are static."""
+    capacity, d)`` buffer, and ``ws`` (with ``biases``, each expert's, as ``experts`` takes
+    them) applied as batched GEMMs, whose shapes are static."""
     (m, d), e = xs.shape, sizes.shape[0]
     group, position = _runs(sizes, m)
     # past the buffer's end where dropped, each its own: the scatter skips it, the gather
@@ -135,8 +166,9 @@ def capped(xs: jax.Array, ws: tuple[jax.Array, ...], sizes: jax.Array, gated: Ca
     slot = jnp.where(position < c, group * c + position, e * c + jnp.arange(m))
     buf = jnp.zeros((e * c, d), xs.dtype).at[slot].set(xs, mode="drop", unique_indices=True)
     buf = buf.reshape(e, c, d)
-    mid = gated(jnp.einsum("ecd,edf->ecf", buf, ws[0]), jnp.einsum("ecd,edf->ecf", buf, ws[1]))
-    out = jnp.einsum("ecf,efd->ecd", mid, ws[2]).reshape(e * c, -1)
+    biases = biases and tuple(b[:, None] for b in biases)
+    out = experts(lambda a, w: jnp.einsum("ecd,edf->ecf", a, w), buf, ws, gated,
+                  biases).reshape(e * c, -1)
     return out.at[slot].get(mode="fill", fill_value=0, unique_indices=True)
 
 
@@ -220,8 +252,15 @@ def rows(family: str, n_experts: int, layer: str, shared: bool, d_ff: int) -> li
     """The mapping's rows of a layer's router and experts (``layer``: the names' prefix): each
     expert's PyTorch Linear weight transposed, the experts stacked on a new first axis; the
     shared expert's and its gate's (Qwen2-MoE's). GraniteMoE keeps every expert in one tensor
-    (its gate and up projections in one, ``d_ff`` rows each): the experts' axis is its first."""
+    (its gate and up projections in one, ``d_ff`` rows each): the experts' axis is its first.
+    GPT-OSS's every expert in one tensor too, as they multiply (``MoE.biased``), with biases."""
     router, expert, (gate, up, down) = NAMES[family]
+    if family == "gpt_oss":
+        return [Tensor(f"{layer}{router}.weight", "blocks/moe/router", transpose=(1, 0)),
+                Tensor(f"{layer}{router}.bias", "blocks/moe/router_bias"),
+                *(Tensor(f"{layer}{expert}{name}{end}", f"blocks/moe/{ours}{end}")
+                  for name, ours in ((gate, "gate_up"), (down, "down"))
+                  for end in ("", "_bias"))]
     if family == "granitemoe":
         def stack(name: str, ours: str, take=None):
             return Tensor(f"{layer}{expert}{name}.weight", f"blocks/moe/{ours}",
