@@ -958,20 +958,16 @@ GPT_OSS_20B = {  # openai/gpt-oss-20b's config.json
 
 def test_the_shipped_gpt_oss_config_is_gpt_oss_20b(tmp_path):
     """``configs/gpt-oss-20b.yaml`` is the model section ``--init-from`` reads from GPT-OSS 20B's
-    config.json once its experts are dequantized (the file without ``quantization_config``;
-    with it, refused), the training window aside, its load-balancing loss on at GPT-OSS's
+    config.json, its experts in MXFP4 or dequantized (the file without ``quantization_config``),
+    the training window aside, its load-balancing loss on at GPT-OSS's
     weight as that file's reads with ``output_router_logits``; its parameter count
     transformers' (20,914,757,184), 4,187,440,704 of them a token's (4 of 32 experts)."""
     from zero_jax.gpt import config, llama_config
 
     shipped = config.load("gpt-oss-20b")["model"]
-    (tmp_path / "config.json").write_text(json.dumps(GPT_OSS_20B))
-    with pytest.raises(WeightsError, match="has quantization_config 'mxfp4'"):
-        llama_config.read_config(tmp_path)
     dequantized = {k: v for k, v in GPT_OSS_20B.items() if k != "quantization_config"}
-    for router in (False, True):
-        (tmp_path / "config.json").write_text(json.dumps({**dequantized,
-                                                          "output_router_logits": router}))
+    for hub, router in ((GPT_OSS_20B, False), (dequantized, False), (dequantized, True)):
+        (tmp_path / "config.json").write_text(json.dumps({**hub, "output_router_logits": router}))
         section = llama_config.read_config(tmp_path)
         assert section.pop("seq_len") == 1024 and shipped["seq_len"] == 4096
         assert section.pop("router_aux_loss_coef") == (0.9 if router else 0.0)
@@ -1223,6 +1219,76 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     llama_config.write_config(out, {**section, "seq_len": 8})
     assert (out / "model.safetensors.index.json").exists()
     assert llama_config.read_config(out) == section
+    assert rel(torch_logits_of(transformers.AutoModelForCausalLM, out), ours) < 1e-5
+
+
+def mxfp4_dir(src: pathlib.Path, out: pathlib.Path) -> None:
+    """GPT-OSS's form on the Hub of a directory transformers saved: its experts' gate_up_proj
+    and down_proj as MXFP4 blocks and scales (random: every byte, scales 2^-5 to 2^0), its
+    config.json's quantization_config mxfp4."""
+    import shutil
+
+    shutil.copytree(src, out)
+    tensors, rng = safetensors.numpy.load_file(out / "model.safetensors"), np.random.default_rng(0)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, k, rows = tensors.pop(name).shape
+        tensors[name + "_blocks"] = rng.integers(0, 256, (experts, rows, k // 32, 16), np.uint8)
+        tensors[name + "_scales"] = rng.integers(122, 128, (experts, rows, k // 32), np.uint8)
+    safetensors.numpy.save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    _config(out, quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"]})
+
+
+def test_mxfp4_reads_as_transformers_dequantizes_and_only_the_groups_it_touches():
+    """An MXFP4 tensor (every byte, scales 2^-27 to 2^13) reads as transformers'
+    ``convert_moe_packed_tensors`` makes it, bit for bit; a slice reads the blocks and scales
+    of the 32-value groups it touches only."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from zero_jax.mxfp4 import Mxfp4
+
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, (3, 10, 4, 16), np.uint8)
+    scales = rng.integers(100, 141, (3, 10, 4), np.uint8)
+    want = convert_moe_packed_tensors(torch.tensor(blocks), torch.tensor(scales),
+                                      dtype=torch.float32).numpy()
+    whole = Mxfp4(blocks, scales)
+    assert whole.shape == want.shape == (3, 128, 10)
+    np.testing.assert_array_equal(np.asarray(whole), want)
+    part = whole[1:3][:, 40:70, 2:7]  # groups 1 and 2 of rows 2-6 of experts 1 and 2
+    np.testing.assert_array_equal(np.asarray(part), want[1:3, 40:70, 2:7])
+    assert part.nbytes == 2 * 5 * 2 * (16 + 1)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gpt_oss_with_mxfp4_experts_loads_as_transformers_dequantizes_it(tp, tmp_path,
+                                                                        family_dir):
+    """A GPT-OSS whose experts are MXFP4 (as on the Hub) read at stage 3 (x tensor parallel 2):
+    the model section of its unquantized form, the logits of transformers' own dequantized
+    model within 1e-5; written back unquantized, transformers loads it with those logits."""
+    from zero_jax.gpt import llama, llama_config
+
+    src, mx = family_dir("gpt-oss"), tmp_path / "mx"
+    mxfp4_dir(src, mx)
+    theirs = torch_logits_of(transformers.AutoModelForCausalLM, mx, dtype=torch.float32,
+                             quantization_config=transformers.Mxfp4Config(dequantize=True))
+    section = llama_config.read_config(mx)
+    assert section == llama_config.read_config(src)
+    cfg = GPTConfig(**section, remat="none", vocab_multiple=128)
+    model = llama.Llama(cfg)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), TOKENS[:1, :-1])["params"])
+    mesh = zj.make_mesh(axes={"data": 8 // tp, **({"model": tp} if tp > 1 else {})})
+    plan = zj.make_plan(shapes, mesh, stage=3, layers=LAYERS,
+                        rules=list(llama.tensor_parallel(cfg)) if tp > 1 else [])
+    params = load_params(plan, *hf.weights_source(mx))
+    ours = logits_of(model, params)
+    assert rel(ours, theirs) < 1e-5, rel(ours, theirs)
+    assert rel(ours, _THEIRS.get(src, torch_logits_of(transformers.AutoModelForCausalLM, src))
+               ) > 1e-3  # the experts read are the MXFP4 ones
+    out = tmp_path / "out"
+    zj.save_safetensors(params, out, hf.mapping(section), np.float32)
+    llama_config.write_config(out, section)
     assert rel(torch_logits_of(transformers.AutoModelForCausalLM, out), ours) < 1e-5
 
 

@@ -7,7 +7,9 @@ tensor is a ``numpy.memmap`` of the file, and a slice of it reads only the pages
 each process reads the bytes of its own shards, never a whole tensor it does not hold.
 
 A sharded set is several files and ``model.safetensors.index.json`` (``{"metadata":
-{"total_size"}, "weight_map": {name: file}}``), as Hugging Face writes them.
+{"total_size"}, "weight_map": {name: file}}``), as Hugging Face writes them. A tensor stored
+as MXFP4 blocks and scales (GPT-OSS's experts) is read as the floats they hold
+(``zero_jax.mxfp4``), under its own name.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
+
+from zero_jax import mxfp4
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -120,15 +124,28 @@ class TensorFiles:
                 self.tensors[name] = info
         self.source, self.bytes_read = path, 0
         self._maps: dict[pathlib.Path, np.memmap] = {}
+        self._mxfp4: dict[str, tuple[Info, Info]] = {}
+        for name, (blocks, scales) in mxfp4.pairs(list(self.tensors)).items():
+            pair = self.tensors.pop(blocks), self.tensors.pop(scales)
+            if why := mxfp4.problem(*((i.dtype, i.shape) for i in pair)):
+                raise WeightsError(f"tensor {name} in {pair[0].file} is stored as MXFP4, but "
+                                   f"{why}: re-save or re-download it")
+            self._mxfp4[name] = pair
+            self.tensors[name] = Info(pair[0].file, np.dtype(np.float32),
+                                      mxfp4.shape(pair[0].shape), pair[0].offset)
 
-    def view(self, name: str) -> np.ndarray:
-        info = self.tensors[name]
+    def _raw(self, info: Info) -> np.ndarray:
         if info.file not in self._maps:
             self._maps[info.file] = np.memmap(info.file, np.uint8, mode="r")
         raw = self._maps[info.file][info.offset:info.offset + info.nbytes]
         return raw.view(info.dtype).reshape(info.shape)
 
-    def read(self, view: np.ndarray) -> np.ndarray:
+    def view(self, name: str) -> np.ndarray | mxfp4.Mxfp4:
+        if name in self._mxfp4:
+            return mxfp4.Mxfp4(*(self._raw(info) for info in self._mxfp4[name]))
+        return self._raw(self.tensors[name])
+
+    def read(self, view: np.ndarray | mxfp4.Mxfp4) -> np.ndarray:
         """The bytes of ``view`` (a slice of ``view(name)``), copied out and counted."""
         self.bytes_read += view.nbytes
         return np.array(view)

@@ -111,12 +111,12 @@ def read_config(directory: str | os.PathLike) -> dict:
         raise WeightsError(f"{path} is missing or not the config.json of a model_type this "
                            f"demo reads ({', '.join(FAMILIES)}): pass a Hugging Face directory "
                            "of one") from None
-    if quantized := hf.get("quantization_config"):
-        how = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+    quantized = hf.get("quantization_config")
+    how = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+    if quantized and (hf["model_type"], how) != ("gpt_oss", "mxfp4"):
         raise WeightsError(f"{path} has quantization_config {how!r}; this demo reads "
-                           "floating-point weights: pass a model with floating-point weights "
-                           "(GPT-OSS's MXFP4 ones: loaded by transformers with "
-                           "Mxfp4Config(dequantize=True), then save_pretrained)")
+                           "floating-point weights, and GPT-OSS's MXFP4 experts: pass a model "
+                           "with floating-point weights")
     return _model_section(path, hf)
 
 
