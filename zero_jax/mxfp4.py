@@ -15,6 +15,9 @@ import numpy as np
 
 FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                 -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+# each byte's two values, low nibble first, as one 8-byte word: one take a byte (``take`` with
+# mode "clip" skips the bounds checks that make numpy's indexing 20 times slower here)
+PAIRS = np.stack([FP4[np.arange(256) & 15], FP4[np.arange(256) >> 4]], -1).view(np.uint64)[:, 0]
 GROUP = 32  # values a scale covers
 SUFFIXES = ("_blocks", "_scales")
 
@@ -87,13 +90,18 @@ class Mxfp4:
         return self.blocks[where].nbytes + self.scales[where].nbytes
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """Decoded a leading index (an expert) at a time, into the one array returned: the
+        intermediates stay small enough for the allocator to reuse, where fresh pages for each
+        whole-size one cost more than the decoding."""
         where, first = self._where()
-        packed = np.asarray(self.blocks[where])
-        exponent = np.asarray(self.scales[where]).astype(np.int32) - 127
-        values = np.stack([FP4[packed & 15], FP4[packed >> 4]], -1)  # low nibble first
-        values = np.ldexp(values.reshape(*packed.shape[:-1], GROUP), exponent[..., None])
+        packed, scales = self.blocks[where], self.scales[where]
         k = self.index[-2]
-        values = values.reshape(*values.shape[:-2], -1)[
-            ..., k.start - first * GROUP:k.stop - first * GROUP]
-        out = np.swapaxes(values, -1, -2)
+        cut = slice(k.start - first * GROUP, k.stop - first * GROUP)
+        out = np.empty(self.shape, np.float32)
+        for i in np.ndindex(*out.shape[:-2]):
+            values = np.take(PAIRS, np.asarray(packed[i]).astype(np.intp), mode="clip")
+            values = values.view(np.float32).reshape(*packed.shape[-3:-1], GROUP)
+            values *= np.ldexp(np.float32(1), np.asarray(scales[i]).astype(np.int32) - 127)[
+                ..., None]
+            out[i] = values.reshape(values.shape[0], -1)[:, cut].T
         return out.astype(dtype or np.float32, copy=False)
