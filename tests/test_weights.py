@@ -1408,11 +1408,12 @@ def test_bf16_logits_are_as_near_the_fp32_model_as_transformers_bf16(which, fami
     assert rel(ours, exact) < 1.25 * rel(theirs, exact), (rel(ours, exact), rel(theirs, exact))
 
 
-@pytest.mark.parametrize("which", ["mixtral", "qwen3-moe", "olmoe", "granitemoe"])
+@pytest.mark.parametrize("which", ["mixtral", "qwen3-moe", "olmoe", "granitemoe", "gpt-oss"])
 def test_the_experts_load_balancing_loss_is_transformers(which, family_dir, tmp_path):
     """``model.router_aux_loss_coef``: the load-balancing loss over a Mixtral's, a Qwen3-MoE's, an
-    OLMoE's and a GraniteMoE's layers (top 2 of 4 experts) and its gradient in each layer's
-    router within 1e-5 of transformers' (``output_router_logits``);
+    OLMoE's, a GraniteMoE's and a GPT-OSS's layers (top 2 of 4 experts; GPT-OSS's router
+    biased) and its gradient in each layer's router within 1e-5 of transformers'
+    (``output_router_logits``);
     ``model.router_z_loss_coef``: ST-MoE's router z-loss as transformers' ``router_z_loss_func``
     (Switch Transformers') computes it over those layers' router logits, and its gradient;
     ``lm_loss`` adds each times its weight, and returns each as a metric.
@@ -1437,7 +1438,8 @@ def test_the_experts_load_balancing_loss_is_transformers(which, family_dir, tmp_
     for name, loss in (("balance_loss", out.aux_loss), ("router_z_loss", z_loss)):
         theirs.zero_grad()
         loss.backward(retain_graph=True)
-        router = "block_sparse_moe.router" if which == "granitemoe" else "mlp.gate"
+        router = {"granitemoe": "block_sparse_moe.router", "gpt-oss": "mlp.router"}.get(
+            which, "mlp.gate")
         refs[name] = loss.item(), np.stack([theirs.get_parameter(
             f"model.layers.{i}.{router}.weight").grad.numpy().T
             for i in range(section["n_layers"])])
