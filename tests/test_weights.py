@@ -1385,13 +1385,14 @@ def test_a_gpt_neox_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_pa
     assert rel(torch_logits_of(transformers.AutoModelForCausalLM, out), ours) < 1e-5
 
 
-@pytest.mark.parametrize("which", ["llama", "gemma2", "olmo2", "pythia", "phi"])
+@pytest.mark.parametrize("which", ["llama", "gemma2", "olmo2", "gpt-oss", "pythia", "phi"])
 def test_bf16_logits_are_as_near_the_fp32_model_as_transformers_bf16(which, family_dir):
     """Parameters and compute in bf16 (a Llama's RMSNorms, Gemma 2's scales of 1 + weight and
-    output norms, OLMo 2's output norms, GPT-NeoX's and Phi's layer norms and Phi's head bias),
-    zero_jax's logits are as near the fp32 model's as transformers' own bf16 model's are
-    (within 1.25 times its distance; measured 0.87 to 1.06 times, each about 0.5 to 1%): the
-    norms round at other places than transformers', no worse."""
+    output norms, OLMo 2's output norms, GPT-OSS's sinks and clamped experts, GPT-NeoX's and
+    Phi's layer norms and Phi's head bias), zero_jax's logits are as near the fp32 model's as
+    transformers' own bf16 model's are (within 1.25 times its distance; measured 0.76 to 1.06
+    times, each about 0.5 to 1%, GPT-OSS's 5 to 7%): the norms round at other places than
+    transformers', no worse."""
     from zero_jax.gpt.model import build
 
     directory = family_dir(which)
