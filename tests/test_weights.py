@@ -658,6 +658,9 @@ FAMILIES = {  # name: (class, config, torch seed)
     # (Command R7B): 3 of 4 layers sliding (5 tokens), the 4th without rotary positions
     "cohere": (transformers.CohereForCausalLM, transformers.CohereConfig(
         **SMALL_LLAMA, logit_scale=0.25), 26),
+    # Command R+: Cohere's q and k normed, a scale per head
+    "cohere-plus": (transformers.CohereForCausalLM, transformers.CohereConfig(
+        **SMALL_LLAMA, logit_scale=0.25, use_qk_norm=True), 34),
     "cohere2": (transformers.Cohere2ForCausalLM, transformers.Cohere2Config(
         **{**SMALL_LLAMA, "num_hidden_layers": 4}, sliding_window=5, logit_scale=0.25), 27),
     # Helium and Ernie 4.5: Llama's layers, rotary pairs side by side; Ernie's heads wider
@@ -1083,12 +1086,15 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     and k over all heads, experts), a SmolLM3 (every 4th layer without rotary positions), a
     Granite (its four multipliers), an OLMo 3 (3 of 4 layers sliding, the full one's rope
     yarn-scaled, its config.json in both forms), a Seed-OSS (q, k, v biases, wider heads), a
-    StableLM (LayerNorms with biases, q, k, v biases, half of each head rotated), a Cohere and
-    a Cohere 2 (one LayerNorm without biases, rotary pairs side by side, the logits scaled;
-    3 of 4 layers sliding, the 4th without rotary positions), a Helium and an Ernie 4.5
+    StableLM (LayerNorms with biases, q, k, v biases, half of each head rotated), a Cohere (also
+    as Command R+: q and k normed, a scale per head) and a Cohere 2 (one LayerNorm without
+    biases, rotary pairs side by side, the logits scaled; 3 of 4 layers sliding, the 4th
+    without rotary positions), a Helium and an Ernie 4.5
     (rotary pairs side by side; the Helium written back as Ernie 4.5), a GLM (pairs side by
     side on half of each head, q, k, v biases, gate and up in one tensor), a GLM-4 (its
-    outputs normed too), a GraniteMoE (every expert in one tensor, gate and up fused):
+    outputs normed too), a GraniteMoE (every expert in one tensor, gate and up fused), a GPT-OSS
+    (sinks, biases on q, k, v, o, experts with biases, gate and up interleaved, their GLU
+    clamped, every other layer sliding, yarn's ramp unrounded):
     logits within 1e-5 of transformers'; written back through Llama's table as shards with an
     index and a config.json (a Phi-3 as the Llama it computes as, a Seed-OSS as Qwen2, a Mistral
     with its sliding window; the context it declared, whatever the training window); a
@@ -1123,7 +1129,8 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
         family, 0)
     assert section.get("rope_interleaved", False) == (family in ("cohere", "cohere2", "helium",
                                                                 "ernie", "glm", "glm4"))
-    assert section["qk_norm"] == (family in ("qwen3", "gemma3", "olmo2", "olmo3", "olmoe"))
+    assert section["qk_norm"] == (family in ("qwen3", "gemma3", "olmo2", "olmo3", "olmoe")
+                                  or which == "cohere-plus")
     assert section.get("olmo", 0) == {"olmoe": 1, "olmo2": 2, "olmo3": 2}.get(family, 0)
     assert (family in ("qwen3", "seed", "ernie", "glm", "glm4", "gpt")) == (
         section["head_dim"] == 16)
@@ -1163,7 +1170,9 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
         halves = logits_of(llama.Llama(dataclasses.replace(cfg, rope_interleaved=False)), params)
         assert rel(halves, theirs) > 1e-3
     if counts and family.startswith("cohere"):  # its norms, rotary pairs and logit scale count
-        for one in ({"layer_norm": 0}, {"rope_interleaved": False}, {"logits_scaling": 1.0}):
+        # (Command R+'s q and k norms are LayerNorms of a scale per head: no RMSNorm's form)
+        for one in ([{"layer_norm": 0}] if which != "cohere-plus" else []) + [
+                {"rope_interleaved": False}, {"logits_scaling": 1.0}]:
             other = logits_of(llama.Llama(dataclasses.replace(cfg, **one)), params)
             assert rel(other, theirs) > 1e-3, one
     if counts and family == "gpt":  # the sinks, the clamp and yarn's unrounded ramp count

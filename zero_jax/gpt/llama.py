@@ -219,6 +219,9 @@ class LlamaBlock(nn.Module):
         if c.qk_norm and c.olmo:  # over all heads at once, a scale per column (OLMo's)
             q, k = (norm(c, n)(y.reshape(b, t, -1)).reshape(y.shape)
                     for y, n in ((q, "q_norm"), (k, "k_norm")))
+        elif c.qk_norm and c.layer_norm == 2:  # each head's own scale (Command R+'s)
+            q, k = (nn.LayerNorm(epsilon=c.norm_eps, use_bias=False, feature_axes=(-2, -1),
+                                 name=n)(y) for y, n in ((q, "q_norm"), (k, "k_norm")))
         elif c.qk_norm:  # over each head's width, the one scale shared by the heads
             q, k = norm(c, "q_norm")(q), norm(c, "k_norm")(k)
         rotate = functools.partial(rope, inv=inv, scale=scale, interleaved=c.rope_interleaved)

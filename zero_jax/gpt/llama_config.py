@@ -31,7 +31,8 @@ HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model",
 # biases; Seed-OSS with biases on q, k and v or none (``attention_bias``), none elsewhere;
 # StableLM with LayerNorms (``layer_norm``), q, k, v biases or none (``use_qkv_bias``), a
 # share of each head rotated, without q and k norms or the parallel residual; Cohere (Command
-# R, Aya) and Cohere 2 (Command R7B) without biases or q and k norms; Helium and Ernie 4.5
+# R, Aya; Command R+ with q and k normed, ``use_qk_norm``) and Cohere 2 (Command R7B) without
+# biases; Helium and Ernie 4.5
 # (dense) without biases, their rotary pairs side by side; GLM (GLM-4-9B) with q, k, v biases
 # or none (``attention_bias``), half of each head rotated in pairs side by side, its gate and
 # up projections fused; GLM-4 (0414) with norms of the outputs too (``output_norms``); GPT-OSS
@@ -64,7 +65,7 @@ FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias":
             "seed_oss": {"hidden_act": "silu", "attention_out_bias": False, "mlp_bias": False},
             "stablelm": {"hidden_act": "silu", "qk_layernorm": False,
                          "use_parallel_residual": False},
-            "cohere": {**_PLAIN, "use_qk_norm": False}, "cohere2": _PLAIN,
+            "cohere": _PLAIN, "cohere2": _PLAIN,
             "helium": {**_PLAIN, "mlp_bias": False},
             "ernie4_5": {"hidden_act": "silu", "use_bias": False},
             "glm": {"hidden_act": "silu"}, "glm4": {"hidden_act": "silu"},
@@ -136,7 +137,7 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
     head_dim = hf.get("head_dim") or model["d_model"] // model["n_heads"]
     partial = _partial_rotary(path, hf, head_dim)
     for key, default in (("tie_word_embeddings", False), ("attention_bias", False),
-                         ("use_qkv_bias", False)):
+                         ("use_qkv_bias", False), ("use_qk_norm", False)):
         if not isinstance(hf.get(key, default), bool):
             raise WeightsError(f"{path} has {key} {hf[key]!r}, not true or false: pass a "
                                "model whose config.json has one of them")
@@ -159,7 +160,8 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
             "qkv_bias": _qkv_bias(kind, hf),
             **({"rope_interleaved": True} if kind in INTERLEAVED else {}),
             "qk_norm": hf["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2",
-                                            "olmo3", "olmoe"),
+                                            "olmo3", "olmoe")
+            or (kind == "cohere" and hf.get("use_qk_norm", False)),
             **({"olmo": 1 if hf["model_type"] == "olmoe" else 2}
                if hf["model_type"].startswith("olmo") else {}),
             "head_dim": 0 if head_dim * model["n_heads"] == model["d_model"] else head_dim,
@@ -683,6 +685,8 @@ def _family_keys(c: GPTConfig, family: str) -> dict:
         out.update(use_qkv_bias=c.qkv_bias, partial_rotary_factor=c.partial_rotary_factor)
     if family.startswith("cohere"):
         out.update(logit_scale=1 / c.logits_scaling)
+    if family == "cohere":  # Command R+'s q and k norms
+        out.update(use_qk_norm=c.qk_norm)
     if family in ("glm", "glm4"):
         out.update(attention_bias=c.qkv_bias, partial_rotary_factor=c.partial_rotary_factor,
                    pad_token_id=None)  # its default is past a smaller vocabulary

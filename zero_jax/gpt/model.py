@@ -63,7 +63,9 @@ class GPTConfig:
     partial_rotary_factor: float = 1.0
     tie_head: bool = False  # llama, neox: the head is the embedding's transpose (GPT-2's is)
     qkv_bias: bool = False  # llama: biases on the q, k and v projections (Qwen2)
-    qk_norm: bool = False  # llama: an RMSNorm over each head's q and k before rotary (Qwen3)
+    # llama: an RMSNorm over each head's q and k before rotary (Qwen3); with layer_norm 2, a
+    # LayerNorm with a scale per head (Command R+)
+    qk_norm: bool = False
     head_dim: int = 0  # llama: each head's width; 0: d_model / n_heads
     # llama, neox: the context config.json declares (max_position_embeddings), written back on
     # export whatever window seq_len trains at; 0: seq_len
@@ -177,7 +179,8 @@ class GPTConfig:
         if self.arch == "llama":  # no position table
             q, kv = self.n_heads * self.dh, self.kv_heads * self.dh
             head = 0 if self.tie_head else V * d
-            normed = q + kv if self.olmo else 2 * self.dh  # OLMo's over all heads
+            # OLMo's over all heads, Command R+'s a scale per head
+            normed = q + kv if self.olmo or self.layer_norm == 2 else 2 * self.dh
             extra = (q + 2 * kv if self.qkv_bias else 0) + (normed if self.qk_norm else 0)
             extra += 2 * d if self.gemma == 2 or self.output_norms else 0  # the outputs' norms
             extra += 2 * d if self.layer_norm == 1 else 0  # the norms' biases (ln_f's below)
