@@ -28,10 +28,11 @@ DATA = pathlib.Path(__file__).resolve().parent / "data"
 KEYS = jax.random.split(jax.random.key(0), 4)
 
 
-def plain_attention(q, k, v, window=0, scale=None, cap=0.0):
+def plain_attention(q, k, v, window=0, scale=None, cap=0.0, sinks=None):
     """The models' attention before: scores, a causal mask, softmax, fp32 throughout here;
     with a ``window`` each query sees the ``window`` keys up to its own (Mistral's); scores
-    times ``scale``, capped at ``cap`` by a tanh (Gemma 2's)."""
+    times ``scale``, capped at ``cap`` by a tanh (Gemma 2's); ``sinks``, a column of each head's
+    logit beside the scores in the softmax, dropped after it (GPT-OSS's, as transformers)."""
     rep = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
     scores = jnp.einsum("bthd,bshd->bhts", q, k) * (scale or 1 / math.sqrt(q.shape[-1]))
@@ -42,6 +43,10 @@ def plain_attention(q, k, v, window=0, scale=None, cap=0.0):
     if window:
         seen &= ~jnp.tril(seen, -window)
     scores = jnp.where(seen, scores, jnp.finfo(scores.dtype).min)
+    if sinks is not None:
+        column = jnp.broadcast_to(sinks[None, :, None, None], (*scores.shape[:-1], 1))
+        p = jax.nn.softmax(jnp.concatenate([scores, column], -1), axis=-1)[..., :-1]
+        return jnp.einsum("bhts,bshd->bthd", p, v)
     return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), v)
 
 
@@ -66,12 +71,12 @@ def test_fused_attention_equals_the_plain_one_with_gradients(kv_heads, window):
         assert abs(float(ref) - float(jnp.sum(plain_attention(q, k, v) * w))) > 1e-2
 
 
-@pytest.mark.parametrize("window, block", [(0, 512), (7, 512), (7, 8)])
+@pytest.mark.parametrize("window, block", [(0, 512), (7, 512), (7, 8), (3, 8)])
 def test_softcapped_attention_equals_the_plain_one_with_gradients(window, block, monkeypatch):
     """Gemma 2's attention: scores scaled by query_pre_attn_scalar^-1/2 (not the head's),
     capped at 2 by a tanh (small enough to change them), grouped-query, with and without a
-    window, the 24 queries at once and in blocks of 8: the plain einsums' values and
-    gradients."""
+    window, the 24 queries at once and in blocks of 8 (with a window, each block reading only
+    the keys it sees): the plain einsums' values and gradients."""
     monkeypatch.setattr(attention, "QUERY_BLOCK", block)
     q = jax.random.normal(KEYS[0], (2, 24, 4, 16)) * 3
     k, v = (jax.random.normal(key, (2, 24, 2, 16)) for key in KEYS[1:3])
@@ -83,6 +88,25 @@ def test_softcapped_attention_equals_the_plain_one_with_gradients(window, block,
     assert abs(float(got - ref)) <= 1e-5 * abs(float(ref)) and max_rel(g_got, g_ref) < 1e-5
     uncapped = float(jnp.sum(plain_attention(q, k, v, window, 0.1) * w))
     assert abs(uncapped - float(ref)) > 1e-2  # the cap changes what is attended to
+
+
+@pytest.mark.parametrize("window, block", [(0, 512), (7, 512), (7, 8), (3, 8)])
+def test_attention_with_sinks_equals_the_plain_one_with_gradients(window, block, monkeypatch):
+    """GPT-OSS's attention: a sink logit per head in each softmax, grouped-query, with and
+    without a window, the 24 queries at once and in blocks of 8 (with a window, each block
+    reading only the keys it sees: 14 and 10 of 24): the plain einsums' values and gradients,
+    the sinks' own too."""
+    monkeypatch.setattr(attention, "QUERY_BLOCK", block)
+    q = jax.random.normal(KEYS[0], (2, 24, 4, 16)) * 3
+    k, v = (jax.random.normal(key, (2, 24, 2, 16)) for key in KEYS[1:3])
+    w, sinks = jax.random.normal(KEYS[3], q.shape), jnp.array([-1.0, 0.5, 2.0, 4.0])
+    plain = lambda *a: jnp.sum(plain_attention(*a[:3], window, sinks=a[3]) * w)
+    ours = lambda *a: jnp.sum(attention.causal(*a[:3], "auto", window, sinks=a[3]) * w)
+    (ref, g_ref), (got, g_got) = (jax.jit(jax.value_and_grad(f, (0, 1, 2, 3)))(q, k, v, sinks)
+                                  for f in (plain, ours))
+    assert abs(float(got - ref)) <= 1e-5 * abs(float(ref)) and max_rel(g_got, g_ref) < 1e-5
+    sinkless = float(jnp.sum(plain_attention(q, k, v, window) * w))
+    assert abs(sinkless - float(ref)) > 1e-2  # the sinks change what is attended to
 
 
 def test_softcapped_attention_never_holds_the_whole_scores(monkeypatch):
