@@ -653,6 +653,11 @@ FAMILIES = {  # name: (class, config, torch seed)
     # StableLM 2: LayerNorms with biases, q, k, v biases, half of each head rotated
     "stablelm": (transformers.StableLmForCausalLM, transformers.StableLmConfig(
         **SMALL_LLAMA, use_qkv_bias=True, partial_rotary_factor=0.5), 25),
+    # and as StableLM 2 12B: q and k normed by a LayerNorm per head, the attention and the MLP
+    # side by side after one norm
+    "stablelm-2-12b": (transformers.StableLmForCausalLM, transformers.StableLmConfig(
+        **SMALL_LLAMA, use_qkv_bias=True, partial_rotary_factor=0.5, qk_layernorm=True,
+        use_parallel_residual=True), 35),
     # Cohere (Command R, Aya): one LayerNorm without biases before the attention and the MLP
     # side by side, rotary pairs side by side, the logits scaled, the head tied; Cohere 2
     # (Command R7B): 3 of 4 layers sliding (5 tokens), the 4th without rotary positions
@@ -1086,7 +1091,8 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     and k over all heads, experts), a SmolLM3 (every 4th layer without rotary positions), a
     Granite (its four multipliers), an OLMo 3 (3 of 4 layers sliding, the full one's rope
     yarn-scaled, its config.json in both forms), a Seed-OSS (q, k, v biases, wider heads), a
-    StableLM (LayerNorms with biases, q, k, v biases, half of each head rotated), a Cohere (also
+    StableLM (LayerNorms with biases, q, k, v biases, half of each head rotated; also as
+    StableLM 2 12B: q and k normed per head, the parallel residual), a Cohere (also
     as Command R+: q and k normed, a scale per head) and a Cohere 2 (one LayerNorm without
     biases, rotary pairs side by side, the logits scaled; 3 of 4 layers sliding, the 4th
     without rotary positions), a Helium and an Ernie 4.5
@@ -1130,7 +1136,7 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     assert section.get("rope_interleaved", False) == (family in ("cohere", "cohere2", "helium",
                                                                 "ernie", "glm", "glm4"))
     assert section["qk_norm"] == (family in ("qwen3", "gemma3", "olmo2", "olmo3", "olmoe")
-                                  or which == "cohere-plus")
+                                  or which in ("cohere-plus", "stablelm-2-12b"))
     assert section.get("olmo", 0) == {"olmoe": 1, "olmo2": 2, "olmo3": 2}.get(family, 0)
     assert (family in ("qwen3", "seed", "ernie", "glm", "glm4", "gpt")) == (
         section["head_dim"] == 16)
@@ -1192,7 +1198,7 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
                     {"logits_scaling": 1.0}, {"query_pre_attn_scalar": 0.0}):
             other = logits_of(llama.Llama(dataclasses.replace(cfg, **one)), params)
             assert rel(other, theirs) > 1e-3, one
-    if counts and family == "stablelm":  # its LayerNorms count
+    if counts and which == "stablelm":  # its LayerNorms count
         rms = logits_of(llama.Llama(dataclasses.replace(cfg, layer_norm=False)), params)
         assert rel(rms, theirs) > 1e-3
     if counts and family == "smollm3":  # its layers without positions count

@@ -414,7 +414,7 @@ def _check_llama(m: dict) -> None:
         raise ConfigError(f"model.swiglu_limit must be a finite number above 0 (got "
                           f"{m['swiglu_limit']}): GPT-OSS's is 7")
     if m["qkv_bias"] + m["qk_norm"] + bool(m["sliding_window"]) > 1 + bool(
-            m["gemma"] or m["olmo"] or m["gpt_oss"]):
+            m["gemma"] or m["olmo"] or m["gpt_oss"] or m["layer_norm"]):
         raise ConfigError("model.qkv_bias, model.qk_norm and model.sliding_window together are "
                           "no Hugging Face family's decoder (Qwen2 has the first, Qwen3 the "
                           "second, Mistral the third): set one")
@@ -487,8 +487,8 @@ def _check_rope(m: dict) -> None:
     if not (0 < m["partial_rotary_factor"] <= 1 and rotary >= 2 and rotary % 2 == 0):
         raise ConfigError(f"model.partial_rotary_factor {m['partial_rotary_factor']} must rotate "
                           f"an even part of each {dh}-wide head: a share in (0, 1] of it")
-    if m["partial_rotary_factor"] < 1 and (m["arch"] == "gpt2" or m["qk_norm"] or (
-            m["qkv_bias"] and not (m["layer_norm"] or m["rope_interleaved"]))):
+    if m["partial_rotary_factor"] < 1 and (m["arch"] == "gpt2" or (
+            (m["qkv_bias"] or m["qk_norm"]) and not (m["layer_norm"] or m["rope_interleaved"]))):
         raise ConfigError("model.partial_rotary_factor below 1 is Phi-3's (the llama arch, "
                           "without qkv_bias or qk_norm), StableLM's (layer_norm), GLM's "
                           "(rope_interleaved) and GPT-NeoX's: set it to 1")

@@ -219,7 +219,7 @@ class LlamaBlock(nn.Module):
         if c.qk_norm and c.olmo:  # over all heads at once, a scale per column (OLMo's)
             q, k = (norm(c, n)(y.reshape(b, t, -1)).reshape(y.shape)
                     for y, n in ((q, "q_norm"), (k, "k_norm")))
-        elif c.qk_norm and c.layer_norm == 2:  # each head's own scale (Command R+'s)
+        elif c.qk_norm and c.layer_norm:  # each head's own scale (Command R+'s, StableLM 2's)
             q, k = (nn.LayerNorm(epsilon=c.norm_eps, use_bias=False, feature_axes=(-2, -1),
                                  name=n)(y) for y, n in ((q, "q_norm"), (k, "k_norm")))
         elif c.qk_norm:  # over each head's width, the one scale shared by the heads
@@ -344,7 +344,11 @@ def mapping(c: GPTConfig) -> Mapping:
         if c.qkv_bias:
             rows.append(Tensor(f"{h}self_attn.{name}_proj.bias", f"blocks/{name}/bias",
                                split=(0, (heads, -1))))
-    if c.qk_norm:
+    if c.qk_norm and c.layer_norm == 1:  # StableLM 2's: a LayerNorm module per head
+        rows += [Tensor(tuple(f"{h}self_attn.{n}_layernorm.norms.{i}.weight"
+                              for i in range(heads)), f"blocks/{n}_norm/scale")
+                 for n, heads in (("q", c.n_heads), ("k", c.kv_heads))]
+    elif c.qk_norm:
         rows += [Tensor(f"{h}self_attn.{n}_norm.weight", f"blocks/{n}_norm/scale")
                  for n in ("q", "k")]
     if c.n_experts:
@@ -353,9 +357,9 @@ def mapping(c: GPTConfig) -> Mapping:
     for name in ("gate", "up", "down") if not c.n_experts else ():
         rows.append(Tensor(f"{h}mlp.{name}_proj.weight", f"blocks/{name}/kernel",
                            transpose=(1, 0)))
-    if c.layer_norm == 1:  # each norm's bias beside its weight
+    if c.layer_norm == 1:  # each norm's bias beside its weight (none on q and k's)
         rows += [Tensor(t.name.replace(".weight", ".bias"), t.path.replace("/scale", "/bias"))
-                 for t in rows if t.path.endswith("/scale")]
+                 for t in rows if t.path.endswith("/scale") and "_norm/" not in t.path]
     tied = (r"^lm_head\.weight$",) if c.tie_head else ()
     return Mapping(tuple(rows), ignore=(r"rotary_emb\.inv_freq$", *tied))
 

@@ -30,10 +30,10 @@ HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "d_model",
 # without clipping q, k and v; SmolLM3 without biases or a sliding window; Granite without
 # biases; Seed-OSS with biases on q, k and v or none (``attention_bias``), none elsewhere;
 # StableLM with LayerNorms (``layer_norm``), q, k, v biases or none (``use_qkv_bias``), a
-# share of each head rotated, without q and k norms or the parallel residual; Cohere (Command
-# R, Aya; Command R+ with q and k normed, ``use_qk_norm``) and Cohere 2 (Command R7B) without
-# biases; Helium and Ernie 4.5
-# (dense) without biases, their rotary pairs side by side; GLM (GLM-4-9B) with q, k, v biases
+# share of each head rotated, StableLM 2 12B's q and k norms and parallel residual or none;
+# Cohere (Command R, Aya; Command R+ with q and k normed, ``use_qk_norm``) and Cohere 2
+# (Command R7B) without biases; Helium and Ernie 4.5 (dense) without biases, their rotary pairs
+# side by side; GLM (GLM-4-9B) with q, k, v biases
 # or none (``attention_bias``), half of each head rotated in pairs side by side, its gate and
 # up projections fused; GLM-4 (0414) with norms of the outputs too (``output_norms``); GPT-OSS
 # with biases on every projection of the attention and its experts (``gpt_oss``).
@@ -63,8 +63,7 @@ FAMILIES = {"llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias":
                         "use_sliding_window": False},
             "olmoe": {**_PLAIN, "clip_qkv": None},
             "seed_oss": {"hidden_act": "silu", "attention_out_bias": False, "mlp_bias": False},
-            "stablelm": {"hidden_act": "silu", "qk_layernorm": False,
-                         "use_parallel_residual": False},
+            "stablelm": {"hidden_act": "silu"},
             "cohere": _PLAIN, "cohere2": _PLAIN,
             "helium": {**_PLAIN, "mlp_bias": False},
             "ernie4_5": {"hidden_act": "silu", "use_bias": False},
@@ -137,7 +136,8 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
     head_dim = hf.get("head_dim") or model["d_model"] // model["n_heads"]
     partial = _partial_rotary(path, hf, head_dim)
     for key, default in (("tie_word_embeddings", False), ("attention_bias", False),
-                         ("use_qkv_bias", False), ("use_qk_norm", False)):
+                         ("use_qkv_bias", False), ("use_qk_norm", False),
+                         ("qk_layernorm", False), ("use_parallel_residual", False)):
         if not isinstance(hf.get(key, default), bool):
             raise WeightsError(f"{path} has {key} {hf[key]!r}, not true or false: pass a "
                                "model whose config.json has one of them")
@@ -161,7 +161,8 @@ def _model_section(path: pathlib.Path, hf: dict) -> dict:
             **({"rope_interleaved": True} if kind in INTERLEAVED else {}),
             "qk_norm": hf["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2",
                                             "olmo3", "olmoe")
-            or (kind == "cohere" and hf.get("use_qk_norm", False)),
+            or (kind == "cohere" and hf.get("use_qk_norm", False))
+            or (kind == "stablelm" and hf.get("qk_layernorm", False)),
             **({"olmo": 1 if hf["model_type"] == "olmoe" else 2}
                if hf["model_type"].startswith("olmo") else {}),
             "head_dim": 0 if head_dim * model["n_heads"] == model["d_model"] else head_dim,
@@ -295,7 +296,9 @@ def _gpt_oss(path: pathlib.Path, hf: dict, n_layers: int, window: int | None) ->
 OWN_KEYS = {"olmo3": _olmo3, "smollm3": _nope, "granite": _granite, "granitemoe": _granite,
             "gpt_oss": _gpt_oss,
             "cohere": _cohere, "cohere2": _cohere,
-            "stablelm": lambda *_: {"layer_norm": 1}, "glm4": lambda *_: {"output_norms": True}}
+            "stablelm": lambda _, hf, *__: {"layer_norm": 1, "parallel_residual": 2 * hf.get(
+                "use_parallel_residual", False)},
+            "glm4": lambda *_: {"output_norms": True}}
 
 
 def _moe(path: pathlib.Path, hf: dict) -> dict:
@@ -681,8 +684,9 @@ def _family_keys(c: GPTConfig, family: str) -> dict:
         out.update(partial_rotary_factor=c.partial_rotary_factor, pad_token_id=None,
                    original_max_position_embeddings=c.rope_original_max_positions
                    or c.max_positions or c.seq_len)
-    if family == "stablelm":
-        out.update(use_qkv_bias=c.qkv_bias, partial_rotary_factor=c.partial_rotary_factor)
+    if family == "stablelm":  # StableLM 2 12B's q and k norms and parallel residual
+        out.update(use_qkv_bias=c.qkv_bias, partial_rotary_factor=c.partial_rotary_factor,
+                   qk_layernorm=c.qk_norm, use_parallel_residual=bool(c.parallel_residual))
     if family.startswith("cohere"):
         out.update(logit_scale=1 / c.logits_scaling)
     if family == "cohere":  # Command R+'s q and k norms

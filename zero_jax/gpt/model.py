@@ -179,12 +179,13 @@ class GPTConfig:
         if self.arch == "llama":  # no position table
             q, kv = self.n_heads * self.dh, self.kv_heads * self.dh
             head = 0 if self.tie_head else V * d
-            # OLMo's over all heads, Command R+'s a scale per head
-            normed = q + kv if self.olmo or self.layer_norm == 2 else 2 * self.dh
+            # OLMo's over all heads, Command R+'s and StableLM 2's a scale per head
+            normed = q + kv if self.olmo or self.layer_norm else 2 * self.dh
             extra = (q + 2 * kv if self.qkv_bias else 0) + (normed if self.qk_norm else 0)
             extra += 2 * d if self.gemma == 2 or self.output_norms else 0  # the outputs' norms
             extra += 2 * d if self.layer_norm == 1 else 0  # the norms' biases (ln_f's below)
-            extra -= d if self.parallel_residual else 0  # one norm for both
+            if self.parallel_residual:  # one norm for both (with its bias, StableLM's)
+                extra -= 2 * d if self.layer_norm == 1 else d
             if self.n_experts:  # the router and the experts for the dense MLP
                 extra += d * self.n_experts + self.n_experts * 3 * d * (
                     self.expert_d_ff or f) - 3 * d * f
