@@ -74,23 +74,21 @@ def _einsums(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, cap: float,
     tokens and GPT-OSS's 128, 639 keys of 4,096 a block."""
     b, t, h, dh = q.shape
     n = t // QUERY_BLOCK if t > QUERY_BLOCK and t % QUERY_BLOCK == 0 else 1
-    span = t // n + local[0] if local and t // n + local[0] < t else None
     blocks = q.reshape(b, n, t // n, h, dh).swapaxes(0, 1)
-    block = jax.checkpoint(lambda args: _block(*args, k, v, scale, cap, local, sinks, span))
+    block = jax.checkpoint(lambda args: _block(*args, k, v, scale, cap, local, sinks))
     out = jax.lax.map(block, (blocks, jnp.arange(n) * (t // n)))
     return out.swapaxes(0, 1).reshape(b, t, h, dh)
 
 
 def _block(q: jax.Array, first: jax.Array, k: jax.Array, v: jax.Array, scale: float,
-           cap: float, local: tuple[int, int] | None, sinks: jax.Array | None,
-           span: int | None = None) -> jax.Array:
-    """Queries ``first`` on over all keys (``span``: the ``span`` keys from the first the
-    window lets them see): the scores in fp32, capped, masked, their softmax (with the sinks'
-    column) in the inputs' dtype (as transformers' eager attention computes it), the kv heads
-    shared by groups of queries."""
+           cap: float, local: tuple[int, int] | None, sinks: jax.Array | None) -> jax.Array:
+    """Queries ``first`` on over the keys they can see (with a window, the ``span`` from the
+    first it lets them see; else all): the scores in fp32, capped, masked, their softmax (with
+    the sinks' column) in the inputs' dtype (as transformers' eager attention computes it), the
+    kv heads shared by groups of queries."""
     b, c, h, dh = q.shape
     g, start = k.shape[2], 0
-    if span:
+    if local and (span := c + local[0]) < k.shape[1]:
         start = jnp.clip(first - local[0], 0, k.shape[1] - span)
         k, v = (jax.lax.dynamic_slice_in_dim(x, start, span, 1) for x in (k, v))
     groups = q.reshape(b, c, g, h // g, dh)
