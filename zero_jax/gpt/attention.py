@@ -29,13 +29,15 @@ def cudnn_fits(platform: str, dtype, head_dim: int) -> str | None:
     return None
 
 
-def resolve(choice: str, platform: str, dtype, head_dim: int) -> str:
-    """``model.attention`` for these devices: "auto" is cuDNN where it fits, else XLA."""
+def resolve(choice: str, platform: str, dtype, head_dim: int, einsums: bool = False) -> str:
+    """``model.attention`` for these devices: "auto" is cuDNN where it fits, else XLA;
+    ``einsums``: the model's attention has soft caps or sinks, which no fused kernel computes
+    (``causal`` runs its einsums whatever is asked): XLA's."""
     if choice not in IMPLEMENTATIONS:
         raise ValueError(f"attention must be one of {', '.join(IMPLEMENTATIONS)} (got "
                          f"{choice!r})")
     if choice == "auto":
-        return "xla" if cudnn_fits(platform, dtype, head_dim) else "cudnn"
+        return "xla" if einsums or cudnn_fits(platform, dtype, head_dim) else "cudnn"
     return choice
 
 

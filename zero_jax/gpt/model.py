@@ -306,8 +306,8 @@ def block_remat(c: GPTConfig, dtype) -> str:
     ``full``."""
     if c.remat != "auto":
         return c.remat
-    fused = attention.resolve(c.attention, jax.default_backend(), dtype,
-                              c.dh) == "cudnn"
+    fused = attention.resolve(c.attention, jax.default_backend(), dtype, c.dh,
+                              bool(c.attn_softcap or c.gpt_oss)) == "cudnn"
     return "dots" if fused else "full"
 
 
