@@ -82,11 +82,12 @@ def run_train(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["train.py", *args], code, out.getvalue(), err.getvalue())
 
 
-def plan_for(model: GPT, stage: int, tp: int = 1) -> zj.Plan:
+def plan_for(model: GPT, stage: int, tp: int = 1, rules=TENSOR_PARALLEL) -> zj.Plan:
+    """``model``'s plan at ``stage`` over 8 devices (x tensor parallel ``tp``, by ``rules``)."""
     mesh = zj.make_mesh(axes={"data": 8 // tp, **({"model": tp} if tp > 1 else {})})
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), TOKENS[:1, :-1])["params"])
     return zj.make_plan(shapes, mesh, stage=stage, layers=LAYERS,
-                        rules=list(TENSOR_PARALLEL) if tp > 1 else [])
+                        rules=list(rules) if tp > 1 else [])
 
 
 def test_sharded_set_names_three_files(gpt2):
@@ -1147,13 +1148,9 @@ def test_a_llama_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_path,
     assert GPTConfig(**section).n_params == counted  # the planner's count, the head tied once
     cfg = GPTConfig(**section, remat="none", vocab_multiple=128)  # 64 padded to 128
     model = llama.Llama(cfg)
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), TOKENS[:1, :-1])["params"])
-    assert ("head" in shapes) != cfg.tie_head
-    mesh = zj.make_mesh(axes={"data": 8 // tp, **({"model": tp} if tp > 1 else {})})
-    plan = zj.make_plan(shapes, mesh, stage=3, layers=LAYERS,
-                        rules=list(llama.tensor_parallel(cfg)) if tp > 1 else [])
     files, mapping = hf.weights_source(llama_dir)  # Phi-3's: its fused tensors' rows
-    params = load_params(plan, files, mapping)
+    params = load_params(plan_for(model, 3, tp, llama.tensor_parallel(cfg)), files, mapping)
+    assert ("head" in params) != cfg.tie_head
     assert files.bytes_read == sum(  # each byte once, a vision tower's none
         i.nbytes for n, i in files.tensors.items()
         if not n.startswith(("vision_tower.", "multi_modal_projector.")))
@@ -1292,11 +1289,8 @@ def test_gpt_oss_with_mxfp4_experts_loads_as_transformers_dequantizes_it(tp, tmp
     assert section == llama_config.read_config(src)
     cfg = GPTConfig(**section, remat="none", vocab_multiple=128)
     model = llama.Llama(cfg)
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), TOKENS[:1, :-1])["params"])
-    mesh = zj.make_mesh(axes={"data": 8 // tp, **({"model": tp} if tp > 1 else {})})
-    plan = zj.make_plan(shapes, mesh, stage=3, layers=LAYERS,
-                        rules=list(llama.tensor_parallel(cfg)) if tp > 1 else [])
-    params = load_params(plan, *hf.weights_source(mx))
+    params = load_params(plan_for(model, 3, tp, llama.tensor_parallel(cfg)),
+                         *hf.weights_source(mx))
     ours = logits_of(model, params)
     assert rel(ours, theirs) < 1e-5, rel(ours, theirs)
     assert rel(ours, _THEIRS.get(src, torch_logits_of(transformers.AutoModelForCausalLM, src))
@@ -1319,14 +1313,10 @@ def test_gpt_oss_gradients_are_transformers(tp, tmp_path, family_dir):
     section = hf.read_config(directory)
     cfg = GPTConfig(**section, remat="full", vocab_multiple=128)
     model = llama.Llama(cfg)
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), TOKENS[:1, :-1])["params"])
-    mesh = zj.make_mesh(axes={"data": 8 // tp, **({"model": tp} if tp > 1 else {})})
-    plan = zj.make_plan(shapes, mesh, stage=3, layers=LAYERS,
-                        rules=list(llama.tensor_parallel(cfg)) if tp > 1 else [])
-    files, mapping = hf.weights_source(directory)
-    params = load_params(plan, files, mapping)
-    batch = jax.device_put(TOKENS, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
-        "data")))
+    plan = plan_for(model, 3, tp, llama.tensor_parallel(cfg))
+    params = load_params(plan, *hf.weights_source(directory))
+    batch = jax.device_put(TOKENS, jax.sharding.NamedSharding(
+        plan.mesh, jax.sharding.PartitionSpec("data")))
     loss, grads = jax.jit(lambda p: zj.make_grad_fn(plan, lm_loss(model))(p, batch))(params)
     zj.save_safetensors(grads, tmp_path / "grads", hf.mapping(section), np.float32)
     ours = safetensors.numpy.load_file(tmp_path / "grads" / "model.safetensors")
@@ -1369,12 +1359,8 @@ def test_a_gpt_neox_loads_at_stage_3_and_goes_back_to_transformers(which, tmp_pa
     assert GPTConfig(**section).n_params == counted
     cfg = GPTConfig(**section, remat="none", vocab_multiple=128)
     model = neox.NeoX(cfg)
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), TOKENS[:1, :-1])["params"])
-    mesh = zj.make_mesh(axes={"data": 8 // tp, **({"model": tp} if tp > 1 else {})})
-    plan = zj.make_plan(shapes, mesh, stage=3, layers=LAYERS,
-                        rules=list(neox.tensor_parallel(cfg)) if tp > 1 else [])
     files, mapping = hf.weights_source(directory)
-    params = load_params(plan, files, mapping)
+    params = load_params(plan_for(model, 3, tp, neox.tensor_parallel(cfg)), files, mapping)
     assert files.bytes_read == sum(i.nbytes for i in files.tensors.values())
     ours = logits_of(model, params)
     assert rel(ours, theirs) < 1e-5, rel(ours, theirs)
