@@ -68,6 +68,9 @@ class Mxfp4:
                              "map it without a split")
         return self
 
+    def transpose(self, *axes) -> Mxfp4:
+        raise ValueError("an MXFP4 tensor is read in its own layout: map it without a transpose")
+
     def __getitem__(self, index) -> Mxfp4:
         index = index if isinstance(index, tuple) else (index,)
         index += (slice(None),) * (self.ndim - len(index))

@@ -42,6 +42,8 @@ TENSOR_PARALLEL = (
     Rule(r"^wte$", model_dim=0),
     Rule(r"^head/kernel$", model_dim=-1),
 )
+
+
 def tensor_parallel(c: GPTConfig) -> tuple[Rule, ...]:
     """``TENSOR_PARALLEL`` for the leaves ``c`` has: the q, k, v biases cut by heads as their
     kernels, the experts' as the MLP's where they are its, no head's rule where the head is
@@ -50,8 +52,8 @@ def tensor_parallel(c: GPTConfig) -> tuple[Rule, ...]:
     if c.gpt_oss:  # a sink per head, cut as the heads
         bias += (Rule(r"^blocks/sinks$", model_dim=-1),)
     mlp = TENSOR_PARALLEL[2:4]
-    if c.n_experts:  # GPT-OSS's gate and up in one tensor
-        mlp = moe.TENSOR_PARALLEL[1:] if c.gpt_oss else moe.TENSOR_PARALLEL[:2]
+    if c.n_experts:
+        mlp = moe.BIASED_TENSOR_PARALLEL if c.gpt_oss else moe.TENSOR_PARALLEL
     return (*bias, *TENSOR_PARALLEL[:2], *mlp, TENSOR_PARALLEL[4],
             *(() if c.tie_head else TENSOR_PARALLEL[-1:]))
 

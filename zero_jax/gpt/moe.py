@@ -31,9 +31,10 @@ from zero_jax.weights import Tensor
 
 # the experts' gate and up projections by columns, their down projection by rows
 TENSOR_PARALLEL = (Rule(r"^blocks/moe/(shared_)?(gate|up)$", model_dim=-1),
-                   Rule(r"^blocks/moe/(shared_)?down$", model_dim=-2),
-                   # GPT-OSS's: gate and up interleaved, a pair's two columns on one rank
-                   Rule(r"^blocks/moe/gate_up(_bias)?$", model_dim=-1))
+                   Rule(r"^blocks/moe/(shared_)?down$", model_dim=-2))
+# GPT-OSS's gate and up interleaved in one tensor: a pair's two columns on one rank
+BIASED_TENSOR_PARALLEL = (Rule(r"^blocks/moe/gate_up(_bias)?$", model_dim=-1),
+                          TENSOR_PARALLEL[1])
 # Hugging Face's names under a layer: the router, and each expert's gate, up and down
 _MLP = ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))
 NAMES = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{e}.",
